@@ -1,0 +1,331 @@
+"""Drafter `config.json` decoding: one frozen `DflashConfig` for DFlash, DFlash2 and DSpark checkpoints.
+
+Field names are the Hugging Face names, verbatim. Released checkpoints disagree on where things live
+(`rope_parameters` vs `rope_scaling`, `block_size` nested or top-level, DSpark fields top-level or in a
+`dspark_config` block), so the raw dict is normalised first (`_normalise`), then converted with msgspec
+(types and bounds checked there), then the values that have several sources are resolved once
+(`_resolve`) and written back into the struct, so every reader sees one answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .errors import ConfigError
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+LayerId = Annotated[int, msgspec.Meta(ge=-1)]  # -1 = the target's embedding output (DeepSpec)
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+# Markov / confidence fields that SpecForge and DeepSpec exports put nested or top-level.
+_HOISTED = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+
+
+class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """HF `rope_scaling` / `rope_parameters` block (only the fields RoPE variants read)."""
+
+    rope_type: str | None = None
+    type: str | None = None  # pre-4.45 transformers name of rope_type
+    rope_theta: PositiveFloat | None = None
+    factor: PositiveFloat | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    original_max_position_embeddings: Positive | None = None
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+
+
+class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The nested `dflash_config` block (z-lab, SpecForge, DFlash2)."""
+
+    mask_token_id: NonNegative | None = None
+    target_layer_ids: tuple[LayerId, ...] | None = None
+    projector_type: str | None = None
+    conv_kernel_size: NonNegative = 0
+    conv_group_size: NonNegative = 0
+    selector_rank: NonNegative = 0
+    selector_top_k: NonNegative = 0
+    block_size: Positive | None = None
+    causal: bool | None = None
+    input_embedding_scale: float | None = None
+    final_logit_softcapping: PositiveFloat | None = None
+    output_multiplier: float | None = None
+
+
+class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The `dspark_config` block of RadixArk-style DSpark exports."""
+
+    mask_token_id: NonNegative | None = None
+    target_layer_ids: tuple[LayerId, ...] | None = None
+    markov_rank: NonNegative | None = None
+    block_size: Positive | None = None
+
+
+class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """`quantization_config` of a ModelOpt export (or the `quantization` block of hf_quant_config.json)."""
+
+    quant_method: str | None = None
+    quant_algo: str | None = None
+    group_size: Positive | None = None  # hoisted from config_groups.*.weights.group_size
+    ignore: tuple[str, ...] = ()  # also filled from `exclude_modules`
+
+
+class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A DFlash-family drafter config. Frozen and hashable: usable as a static `jax.jit` argument."""
+
+    hidden_size: Positive
+    num_hidden_layers: Positive
+    intermediate_size: Positive
+    num_attention_heads: Positive
+    num_key_value_heads: Positive
+    head_dim: Positive
+    vocab_size: Positive
+    draft_vocab_size: Positive | None = None
+    tie_word_embeddings: bool = False
+    block_size: Positive = 16
+    dflash_config: DflashSubConfig | None = None
+    rope_theta: PositiveFloat = 1e7  # resolved: rope_parameters.rope_theta wins over the default
+    rope_scaling: RopeScaling | None = None  # also read from `rope_parameters`
+    markov_rank: NonNegative = 0
+    markov_head_type: str | None = None
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    rms_norm_eps: PositiveFloat = 1e-6
+    attention_bias: bool = False
+    num_target_layers: Positive | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: Positive | None = None
+    use_sliding_window: bool = False
+    is_causal: bool | None = None
+    max_position_embeddings: Positive | None = None
+    final_logit_softcapping: PositiveFloat | None = None  # resolved: dflash_config's wins
+    output_multiplier: float | None = None  # resolved: dflash_config's wins
+    mask_token_id: NonNegative | None = None  # resolved: dflash_config, top level, dspark_config
+    target_layer_ids: tuple[LayerId, ...] | None = None  # resolved, or the reference default
+    dspark_config: DsparkSubConfig | None = None
+    architectures: tuple[str, ...] = ()
+    model_type: str | None = None
+    quantization_config: QuantizationConfig | None = None
+
+    @property
+    def effective_block_size(self) -> int:
+        """The block size the drafter was trained at: `dflash_config.block_size` when stated."""
+        nested = self.dflash_config.block_size if self.dflash_config else None
+        return nested if nested is not None else self.block_size
+
+    @property
+    def family(self) -> Literal["dflash", "dflash2", "dspark"]:
+        sub = self.dflash_config
+        if (
+            (sub is not None and sub.projector_type == "dspark")
+            or any("DSpark" in a for a in self.architectures)
+            or self.markov_rank > 0
+            or self.dspark_config is not None
+        ):
+            return "dspark"
+        if (sub is not None and (sub.conv_kernel_size or sub.conv_group_size or sub.selector_rank)) or any(
+            "DFlash2" in a for a in self.architectures
+        ):
+            return "dflash2"
+        return "dflash"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts one step proposes: B-1 (row 0 echoes the anchor) or B for DSpark's shifted rows."""
+        block = self.effective_block_size
+        return block if self.family == "dspark" else block - 1
+
+    @property
+    def rope_type(self) -> Literal["default", "yarn"]:
+        """`"yarn"` or `"default"`; any other declared type runs as plain RoPE (warned at parse time)."""
+        return "yarn" if _declared_rope_type(self.rope_scaling) == "yarn" else "default"
+
+    @property
+    def input_embedding_scale(self) -> float | None:
+        return self.dflash_config.input_embedding_scale if self.dflash_config else None
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def _declared_rope_type(scaling: RopeScaling | None) -> str:
+    if scaling is None:
+        return "default"
+    return scaling.rope_type or scaling.type or "default"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """The reference default: `round(1 + i*(N_t-4)/(N_d-1))`, or `[N_t//2]` for a 1-layer drafter."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    step = (num_target_layers - 4) / (num_draft_layers - 1)
+    return tuple(int(round(1 + i * step)) for i in range(num_draft_layers))
+
+
+def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>") -> DflashConfig:
+    """Decode a drafter config (JSON text, bytes, or an already-parsed dict) into a `DflashConfig`.
+
+    Raises `ConfigError` naming `source` and the offending field.
+    """
+    if isinstance(raw, (str, bytes, bytearray)):
+        try:
+            raw = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{source}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
+    try:
+        config = msgspec.convert(_normalise(raw, source), DflashConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return _resolve(config, source)
+
+
+def load_config(path: str | os.PathLike[str]) -> DflashConfig:
+    """Read a drafter config from a config.json file or a checkpoint directory."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
+        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
+    with open(file, "rb") as f:
+        return parse_config(f.read(), source=file)
+
+
+def _normalise(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Fold the layouts real checkpoints ship into the one `DflashConfig` reads."""
+    raw = dict(raw)
+    params = raw.pop("rope_parameters", None)
+    if params is not None:
+        scaling = raw.get("rope_scaling")
+        if scaling is not None and scaling != params:
+            raise ConfigError(
+                f"{source}: both `rope_scaling` and `rope_parameters` are set, with different contents "
+                f"({scaling!r} vs {params!r}); expected one of them"
+            )
+        raw["rope_scaling"] = params
+        theta = params.get("rope_theta") if isinstance(params, dict) else None
+        if theta is not None:
+            if "rope_theta" in raw and raw["rope_theta"] != theta:
+                raise ConfigError(
+                    f"{source}: `rope_theta` ({raw['rope_theta']!r}) disagrees with "
+                    f"`rope_parameters.rope_theta` ({theta!r})"
+                )
+            raw["rope_theta"] = theta
+    for block in ("dflash_config", "dspark_config"):
+        sub = raw.get(block)
+        if isinstance(sub, dict):
+            for key in _HOISTED:
+                if key in sub and key not in raw:
+                    raw[key] = sub[key]
+    sub = raw.get("dflash_config")
+    if isinstance(sub, dict):
+        for key in ("final_logit_softcapping", "output_multiplier"):
+            if sub.get(key) is not None:
+                raw[key] = sub[key]
+    quant = raw.get("quantization_config")
+    if isinstance(quant, dict):
+        raw["quantization_config"] = normalise_quantization(quant)
+    return raw
+
+
+def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
+    """Fold ModelOpt's two layouts (config.json `quantization_config`, hf_quant_config `quantization`)."""
+    out = {k: block[k] for k in ("quant_method", "quant_algo", "group_size") if k in block}
+    ignore = block.get("ignore", block.get("exclude_modules"))
+    if ignore is not None:
+        out["ignore"] = ignore
+    groups = block.get("config_groups")
+    if "group_size" not in out and isinstance(groups, dict):
+        for group in groups.values():
+            size = group.get("weights", {}).get("group_size") if isinstance(group, dict) else None
+            if size is not None:
+                out["group_size"] = size
+                break
+    return out
+
+
+def _resolve(config: DflashConfig, source: str) -> DflashConfig:
+    """Resolve the values that have several sources, then check the config is self-consistent."""
+    sub, spark = config.dflash_config, config.dspark_config
+
+    def first(field: str):
+        for block in (sub, config, spark):
+            value = getattr(block, field, None) if block is not None else None
+            if value is not None:
+                return value
+        return None
+
+    mask = first("mask_token_id")
+    layer_ids = first("target_layer_ids")
+    if layer_ids is None and config.num_target_layers is not None:
+        layer_ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
+    if config.markov_rank == 0 and spark is not None and spark.markov_rank:
+        config = msgspec.structs.replace(config, markov_rank=spark.markov_rank)
+    config = msgspec.structs.replace(config, mask_token_id=mask, target_layer_ids=layer_ids)
+
+    def fail(message: str):
+        raise ConfigError(f"{source}: {message}")
+
+    if mask is None:
+        hint = _not_a_drafter_hint(config)
+        fail(
+            "no mask token: expected `dflash_config.mask_token_id`, a top-level `mask_token_id` or "
+            f"`dspark_config.mask_token_id`{hint}"
+        )
+    if not layer_ids:
+        fail(
+            "no `target_layer_ids` (in dflash_config, top level or dspark_config) and no "
+            "`num_target_layers` to derive the default from"
+        )
+    if config.num_target_layers is not None:
+        bad = [i for i in layer_ids if i >= config.num_target_layers]
+        if bad:
+            fail(f"target_layer_ids {list(layer_ids)} has {bad} outside num_target_layers={config.num_target_layers}")
+    if config.num_attention_heads % config.num_key_value_heads:
+        fail(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}"
+        )
+    if config.markov_head_type is not None and config.markov_head_type != "vanilla":
+        fail(
+            f"markov_head_type={config.markov_head_type!r}; only 'vanilla' (the low-rank bigram bias of the "
+            "reference implementation) is supported"
+        )
+    if config.layer_types is not None and len(config.layer_types) != config.num_hidden_layers:
+        fail(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers={config.num_hidden_layers}")
+    if sub is not None and sub.conv_group_size and config.hidden_size % sub.conv_group_size:
+        fail(f"dflash_config.conv_group_size={sub.conv_group_size} does not divide hidden_size={config.hidden_size}")
+    if sub is not None and bool(sub.conv_kernel_size) != bool(sub.conv_group_size):
+        fail("dflash_config declares only one of conv_kernel_size / conv_group_size; expected both or neither")
+    if sub is not None and bool(sub.selector_rank) != bool(sub.selector_top_k):
+        fail("dflash_config declares only one of selector_rank / selector_top_k; expected both or neither")
+    if config.family == "dflash2" and config.effective_block_size < 2:
+        fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
+    declared = _declared_rope_type(config.rope_scaling)
+    if declared not in ("default", "yarn"):
+        warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
+    if config.rope_type == "yarn" and (config.rope_scaling.factor or 0) <= 0:
+        fail("rope_scaling: rope_type 'yarn' needs a positive `factor`")
+    if not math.isfinite(config.rope_theta):
+        fail(f"rope_theta={config.rope_theta} is not finite")
+    return config
+
+
+def _not_a_drafter_hint(config: DflashConfig) -> str:
+    arch = ", ".join(config.architectures)
+    if any("Eagle" in a or "EAGLE" in a for a in config.architectures):
+        return f" (architectures [{arch}]: this is an EAGLE drafter, not a DFlash-family drafter)"
+    if any(a.endswith("ForCausalLM") for a in config.architectures):
+        return f" (architectures [{arch}]: this looks like a target model, not a DFlash-family drafter)"
+    return ""

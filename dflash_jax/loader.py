@@ -1,0 +1,319 @@
+"""`load_drafter`: a checkpoint directory in, a `Drafter` (config + replicated parameter pytree) out.
+
+Loading runs in two phases, so that nothing is half-loaded:
+1. Plan (`plan_tensors`): from the config and the headers alone, decide which tensor fills which leaf of
+   the tree, with its expected shape; check presence, dtype and shape of every one (NVFP4 companions
+   included). Any problem raises `CheckpointError` before a byte of tensor data is read.
+2. Place (`placement.place_all`): read each tensor from the memory map and put it straight onto its
+   devices; NVFP4 tensors cross the host->device link packed and are dequantized there.
+
+The tree mirrors the Hugging Face names (docs/design.md, README "Parameter tree").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DflashConfig, load_config
+from .errors import CheckpointError
+from .safetensors import Checkpoint, TensorInfo
+
+log = logging.getLogger("dflash_jax")
+
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
+# Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
+IGNORED_NAMES = ("t2d",)
+NVFP4_COMPANIONS = (".weight_scale", ".weight_scale_2")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """One leaf to load: which checkpoint tensor, where it goes in the tree, what it must look like."""
+
+    path: tuple[str | int, ...]  # position in the tree, e.g. ("layers", 0, "mlp", "up_proj", "weight")
+    name: str  # checkpoint tensor name (prefix included)
+    shape: tuple[int, ...]  # expected logical shape
+    kind: str  # "float" (norms, codebooks), "linear" (float or NVFP4-packed), "int" (d2t)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded drafter: `config` (static), `params` (docs/design.md tree) and the target's attached
+    `embed` / `lm_head` ([V, H], HF layout) when the drafter does not ship its own.
+
+    A pytree: pass it whole through `jax.jit`; the config is static metadata.
+    """
+
+    params: dict[str, Any]
+    embed: jax.Array | None = None
+    lm_head: jax.Array | None = None
+    config: DflashConfig = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
+        """Return a drafter that uses the target's embedding / LM head (HF layout, [V, H])."""
+        H = self.config.hidden_size
+        for what, value in (("embed", embed), ("lm_head", lm_head)):
+            if value is not None and (value.ndim != 2 or value.shape[1] != H):
+                raise ValueError(f"attach: {what} has shape {value.shape}, expected [vocab, {H}]")
+        return dataclasses.replace(
+            self,
+            embed=self.embed if embed is None else embed,
+            lm_head=self.lm_head if lm_head is None else lm_head,
+        )
+
+    @property
+    def embedding(self) -> jax.Array:
+        """The embedding the block is embedded with: the drafter's own, else the attached target's."""
+        own = self.params.get("embed_tokens")
+        if own is not None:
+            return own["weight"]
+        if self.embed is None:
+            raise ValueError("this drafter ships no embed_tokens: attach the target's with drafter.attach(embed=...)")
+        return self.embed
+
+    @property
+    def output_head(self) -> jax.Array:
+        """The LM head [V, H]: the drafter's own, else the attached target's."""
+        own = self.params.get("lm_head")
+        if own is not None:
+            return own["weight"]
+        if self.lm_head is None:
+            raise ValueError("this drafter ships no lm_head: attach the target's with drafter.attach(lm_head=...)")
+        return self.lm_head
+
+
+def draft_to_target_ids(draft_ids: jax.Array, d2t: jax.Array | None) -> jax.Array:
+    """Map draft-vocabulary ids to target ids: `target = draft + d2t[draft]` (identity without d2t)."""
+    if d2t is None:
+        return draft_ids
+    return draft_ids + jnp.take(d2t, draft_ids, axis=0).astype(draft_ids.dtype)
+
+
+def find_prefix(checkpoint: Checkpoint, where: str) -> str:
+    """`""` or `"model."`: the layout of the checkpoint, detected by its `fc.weight`."""
+    if "fc.weight" in checkpoint:
+        return ""
+    if "model.fc.weight" in checkpoint:
+        return "model."
+    names = set(checkpoint)
+    if any(n.startswith("midlayer.") for n in names):
+        what = "an EAGLE-3 drafter (it has midlayer.*)"
+    elif "model.embed_tokens.weight" in names or "lm_head.weight" in names:
+        what = "a full language model (it has embed_tokens/lm_head but no fc)"
+    else:
+        what = f"a checkpoint of {len(names)} tensors without one"
+    raise CheckpointError(
+        f"{where}: no `fc.weight` or `model.fc.weight`: this is {what}; expected a DFlash-family drafter"
+    )
+
+
+def plan_tensors(
+    config: DflashConfig, contains: Callable[[str], bool], prefix: str = "", where: str = "<checkpoint>"
+) -> list[TensorPlan]:
+    """Decide which tensors make up this drafter. `contains(name)` says whether the checkpoint has a tensor:
+    optional parts (DFlash2 convs and selector, DSpark heads, d2t, own embeddings) are loaded when the
+    config declares them and the checkpoint carries them, as the reference loaders do."""
+    c, p, checkpoint = config, prefix, _Names(contains)
+    H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
+    draft_vocab = c.draft_vocab_size or c.vocab_size
+    plan: list[TensorPlan] = []
+
+    def add(name: str, shape: tuple[int, ...], kind: str = "float", path: tuple | None = None) -> None:
+        plan.append(TensorPlan(path or _tree_path(name), p + name, shape, kind))
+
+    add("fc.weight", (H, len(c.target_layer_ids) * H), "linear")
+    add("hidden_norm.weight", (H,))
+    add("norm.weight", (H,))
+    sub = c.dflash_config
+    has_conv = bool(sub and sub.conv_kernel_size and sub.conv_group_size) and (
+        f"{p}layers.0.attention_conv.base_kernel" in checkpoint
+    )
+    for i in range(c.num_hidden_layers):
+        layer = f"layers.{i}."
+        add(layer + "input_layernorm.weight", (H,))
+        add(layer + "post_attention_layernorm.weight", (H,))
+        for proj, (out_dim, in_dim) in {
+            "q_proj": (q_dim, H), "k_proj": (kv_dim, H), "v_proj": (kv_dim, H), "o_proj": (H, q_dim),
+        }.items():
+            add(f"{layer}self_attn.{proj}.weight", (out_dim, in_dim), "linear")
+            if c.attention_bias:
+                add(f"{layer}self_attn.{proj}.bias", (out_dim,))
+        add(layer + "self_attn.q_norm.weight", (d_h,))
+        add(layer + "self_attn.k_norm.weight", (d_h,))
+        for proj, shape in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
+            add(f"{layer}mlp.{proj}.weight", shape, "linear")
+        if has_conv:
+            taps, groups = sub.conv_kernel_size, H // sub.conv_group_size
+            for conv in ("attention_conv", "mlp_conv"):
+                add(f"{layer}{conv}.base_kernel", (2, taps, H))
+                add(f"{layer}{conv}.kernel_projection.weight", (2 * taps * groups, H), "linear")
+
+    if sub and sub.selector_rank and sub.selector_top_k and f"{p}candidate_selector.predecessor_codebook" in checkpoint:
+        r = sub.selector_rank
+        add("candidate_selector.predecessor_codebook", (draft_vocab, r))
+        add("candidate_selector.successor_codebook", (draft_vocab, r))
+        add("candidate_selector.hidden_projection.weight", (r, H), "linear")
+
+    rank = c.markov_rank
+    if rank and f"{p}markov_head.markov_w1.weight" in checkpoint:
+        add("markov_head.markov_w1.weight", (draft_vocab, rank))
+        add("markov_head.markov_w2.weight", (draft_vocab, rank), "linear")
+    elif rank:
+        warnings.warn(
+            f"{where}: config declares markov_rank={rank} but the checkpoint has no "
+            f"{p}markov_head.markov_w1.weight; drafting without the Markov bias",
+            stacklevel=3,
+        )
+    if c.enable_confidence_head and f"{p}confidence_head.proj.weight" in checkpoint:
+        width = H + (rank if c.confidence_head_with_markov and rank else 0)
+        add("confidence_head.proj.weight", (1, width), "linear")
+        add("confidence_head.proj.bias", (1,))
+    elif c.enable_confidence_head:
+        warnings.warn(
+            f"{where}: config enables the confidence head but the checkpoint has no "
+            f"{p}confidence_head.proj.weight; proposals will not be cut by confidence",
+            stacklevel=3,
+        )
+
+    for d2t in ("d2t", "draft_id_to_target_id"):
+        if p + d2t in checkpoint:
+            add(d2t, (draft_vocab,), "int", path=("d2t",))
+            break
+    for own, rows, kind in (("embed_tokens.weight", c.vocab_size, "float"), ("lm_head.weight", draft_vocab, "linear")):
+        for name in (p + own, own):  # DeepSpec puts lm_head at the root even beside model.*
+            if name in checkpoint:
+                plan.append(TensorPlan(_tree_path(own), name, (rows, H), kind))
+                break
+    return plan
+
+
+class _Names:
+    """`name in _Names(contains)`: lets the plan read like a membership test on the checkpoint."""
+
+    def __init__(self, contains: Callable[[str], bool]):
+        self.contains = contains
+
+    def __contains__(self, name: str) -> bool:
+        return self.contains(name)
+
+
+def _tree_path(name: str) -> tuple[str | int, ...]:
+    parts = name.split(".")
+    return tuple(int(x) if x.isdigit() else x for x in parts)
+
+
+def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[str]:
+    """Checkpoint tensors the plan does not consume (NVFP4 companions and known extras excluded)."""
+    used = {t.name for t in plan}
+    used |= {t.name[: -len(".weight")] + s for t in plan if t.name.endswith(".weight") for s in NVFP4_COMPANIONS}
+    return sorted(
+        n for n in checkpoint
+        if n not in used and not n.endswith(IGNORED_SUFFIXES) and n.split(".")[-1] not in IGNORED_NAMES
+    )
+
+
+def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
+    """Check one planned tensor's presence, dtype and shape; return True when it is NVFP4-packed."""
+    if t.name not in checkpoint:
+        raise CheckpointError(f"{where}: missing tensor {t.name!r} (expected shape {list(t.shape)})")
+    info = checkpoint[t.name]
+    if t.kind == "linear" and info.dtype == "U8":
+        from .nvfp4 import check_packed  # imported here: the common BF16 path needs no NVFP4 code
+
+        check_packed(checkpoint, t.name, t.shape)
+        return True
+    allowed = INT_DTYPES if t.kind == "int" else FLOAT_DTYPES
+    if info.dtype not in allowed:
+        raise CheckpointError(
+            f"{info.file}: tensor {t.name!r} has dtype {info.dtype}, expected one of {', '.join(allowed)}"
+            + (" (or U8 NVFP4-packed)" if t.kind == "linear" else "")
+        )
+    if info.shape != t.shape:
+        raise CheckpointError(
+            f"{info.file}: tensor {t.name!r} has shape {list(info.shape)}, expected {list(t.shape)} from the config"
+        )
+    return False
+
+
+def load_drafter(
+    path: str | os.PathLike[str],
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: jnp.dtype = jnp.bfloat16,
+    progress: bool | None = None,
+) -> Drafter:
+    """Load a DFlash / DFlash2 / DSpark drafter checkpoint directory.
+
+    Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
+    stays integer (int32). With `mesh`, each leaf is replicated over it (`NamedSharding(mesh, P())`);
+    without, it lands on the default device. Under a multi-process runtime each process reads and places
+    only its own devices' copies. `progress`: a progress bar (None: only on a terminal).
+    """
+    from .placement import place_all
+
+    path = os.fspath(path)
+    config = load_config(path)
+    with Checkpoint(path) as checkpoint:
+        plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, path), path)
+        packed = {t.name for t in plan if check_tensor(t, checkpoint, path)}
+        if packed:
+            from .nvfp4 import check_quant_config
+
+            check_quant_config(path, config, packed)
+        extra = unexpected_tensors(plan, checkpoint)
+        if extra:
+            warnings.warn(f"{path}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=2)
+        leaves = place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress)
+    params = build_tree(plan, leaves)
+    log.info("%s", summary(config, params, packed, checkpoint_path=path))
+    return Drafter(params=params, config=config)
+
+
+def build_tree(plan: list[TensorPlan], leaves: list[jax.Array]) -> dict[str, Any]:
+    """Nest the leaves at their tree paths; `layers` becomes a list of per-layer dicts."""
+    tree: dict[str, Any] = {}
+    for t, leaf in zip(plan, leaves):
+        node: Any = tree
+        for key, nxt in zip(t.path[:-1], t.path[1:]):
+            if isinstance(key, int):
+                while len(node) <= key:
+                    node.append({})
+                node = node[key]
+            else:
+                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+        node[t.path[-1]] = leaf
+    return tree
+
+
+def summary(config: DflashConfig, params: dict[str, Any], packed: set[str], *, checkpoint_path: str) -> str:
+    """The one-line load summary: layers, hidden, vocab, block size, target layers, family, heads."""
+    heads = [h for h in ("candidate_selector", "markov_head", "confidence_head", "embed_tokens", "lm_head", "d2t")
+             if h in params]
+    if "attention_conv" in params["layers"][0]:
+        heads.insert(0, "convs")
+    return (
+        f"{checkpoint_path}: {config.family} drafter, {len(params['layers'])} layers, "
+        f"hidden={config.hidden_size}, vocab={config.vocab_size}, block={config.effective_block_size} "
+        f"({config.num_draft_tokens} drafts/step), target_layers={list(config.target_layer_ids)}, "
+        f"heads=[{', '.join(heads) or 'none'}]"
+        + (f", {len(packed)} NVFP4 tensors dequantized (input_scale ignored)" if packed else "")
+    )
+
+
+def host_array(checkpoint: Checkpoint, info: TensorInfo) -> np.ndarray:
+    """The tensor as NumPy, ready to put: the memory-mapped view (integers narrowed to int32)."""
+    array = checkpoint.array(info.name)
+    return array.astype(np.int32) if info.dtype in INT_DTYPES else array

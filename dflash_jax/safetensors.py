@@ -1,0 +1,257 @@
+"""Header-first safetensors reading: plan from the headers, then map tensor bytes one tensor at a time.
+
+A checkpoint is opened by reading only the JSON headers of its files (single `model.safetensors`, or the
+shards of `model.safetensors.index.json`). Every header is validated before anything is read, so a bad
+file fails fast with a `CheckpointError` naming the file and the tensor. Tensor data is then exposed as
+read-only NumPy views of a memory map: no tensor is copied on the host until a caller asks for it, and
+never the whole file into one buffer.
+
+Format: 8-byte little-endian header length N, N bytes of JSON `{name: {dtype, shape, data_offsets: [b, e]},
+"__metadata__": {...}}`, then the data section; a tensor's bytes are at `8 + N + b .. 8 + N + e`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+from collections.abc import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from .errors import CheckpointError
+
+DTYPES: dict[str, np.dtype] = {
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32),
+    "U16": np.dtype(np.uint16),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: its file and absolute byte range, with dtype and shape from the header."""
+
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    file: str
+    start: int  # absolute offset in `file`
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate one file's header; returns its tensors and its `__metadata__`."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: file of {size} bytes is too short to hold a safetensors header")
+            length = int.from_bytes(prefix, "little")
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{path}: header length {length} is larger than the file ({size} bytes) or the "
+                    f"{MAX_HEADER_BYTES}-byte limit; the file is truncated or not safetensors"
+                )
+            raw = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path}: header is not UTF-8 JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is not an object")
+    base, data_size = 8 + length, size - 8 - length
+    tensors = {name: _tensor_info(path, name, entry, base, data_size) for name, entry in header.items()}
+    _check_no_overlap(path, tensors.values())
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _tensor_info(path: str, name: str, entry: object, base: int, data_size: int) -> TensorInfo:
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name!r}: {what}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"header entry is a {type(entry).__name__}, expected an object with dtype/shape/data_offsets")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise bad(f"dtype {dtype!r} is missing or unknown; expected one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise bad(f"data_offsets {offsets!r} is not a pair of integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise bad(f"data_offsets {offsets} are out of order")
+    if end > data_size:
+        raise bad(f"data_offsets {offsets} run past the end of the data section ({data_size} bytes): file truncated?")
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != expected:
+        raise bad(f"data_offsets {offsets} span {end - begin} bytes, expected {expected} for {dtype} {shape}")
+    return TensorInfo(name, dtype, tuple(shape), path, base + begin, base + end)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_no_overlap(path: str, tensors) -> None:
+    previous = None
+    for info in sorted(tensors, key=lambda t: (t.start, t.end)):
+        if previous is not None and info.start < previous.end:
+            raise CheckpointError(f"{path}: tensors {previous.name!r} and {info.name!r} overlap in the data section")
+        if info.nbytes:
+            previous = info
+
+
+class Checkpoint(Mapping[str, TensorInfo]):
+    """The tensors of a checkpoint directory (or a single .safetensors file), by name.
+
+    Opening reads and validates headers only. `array(name)` returns a read-only NumPy view of the memory
+    mapped bytes (zero-copy; pages are read when touched). Use as a context manager to close the maps.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        if os.path.isfile(self.path):
+            self.directory, files = os.path.dirname(self.path), [self.path]
+            self._tensors, self.metadata = read_header(self.path)
+            return
+        if not os.path.isdir(self.path):
+            raise CheckpointError(f"{self.path}: no such file or directory")
+        self.directory = self.path
+        index = os.path.join(self.path, INDEX_FILE)
+        if os.path.isfile(index):
+            self._tensors, self.metadata = _read_sharded(self.path, index)
+            return
+        files = _plain_files(self.path)
+        self._tensors, self.metadata = {}, {}
+        for file in files:
+            tensors, metadata = read_header(file)
+            for name in tensors.keys() & self._tensors.keys():
+                raise CheckpointError(f"{self.path}: tensor {name!r} is in both {self._tensors[name].file} and {file}")
+            self._tensors.update(tensors)
+            self.metadata.update(metadata)
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({t.file for t in self._tensors.values()})
+
+    def array(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only NumPy array (a view of the memory map, not a copy)."""
+        info = self._tensors[name]
+        data = self._map(info.file)[info.start : info.end]
+        return data.view(info.np_dtype).reshape(info.shape)
+
+    def _map(self, file: str) -> np.ndarray:
+        if file not in self._maps:
+            with open(file, "rb") as f:  # headers were validated: the file holds at least 8 bytes
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[file] = (mapped, np.frombuffer(mapped, np.uint8))
+        return self._maps[file][1]
+
+    def close(self) -> None:
+        """Drop the maps. Arrays already handed out keep their pages alive until they are released."""
+        self._maps.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain_files(directory: str) -> list[str]:
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other .safetensors file")
+    return files
+
+
+def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Read an index.json and the headers of its shards; check that both tell the same story."""
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{index_path}: cannot read the index ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> shard file")
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(
+                f"{index_path}: tensor {name!r} maps to {shard!r}; expected a file name inside {directory}"
+            )
+        shards.setdefault(shard, []).append(name)
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
+    for shard, names in sorted(shards.items()):
+        file = os.path.join(directory, shard)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{index_path}: shard {shard!r} (holding {names[0]!r}) does not exist")
+        found, shard_metadata = read_header(file)
+        metadata.update(shard_metadata)
+        for name in names:
+            if name not in found:
+                raise CheckpointError(f"{file}: tensor {name!r} is promised by {INDEX_FILE} but not in this shard")
+            tensors[name] = found[name]
+        for name in found.keys() - set(names):
+            owner = weight_map.get(name)
+            where = f"the index maps it to {owner!r}" if owner else "the index does not list it"
+            raise CheckpointError(f"{file}: holds tensor {name!r} but {where}")
+    return tensors, metadata

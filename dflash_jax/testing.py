@@ -1,0 +1,187 @@
+"""Random, structurally exact drafter checkpoints for tests, demos, benchmarks and users' own pipelines.
+
+`write_checkpoint(directory, config)` writes config.json and safetensors holding exactly the tensors a
+released checkpoint of that config holds (every family, bare or `model.`-prefixed, single file or sharded
+with an index, BF16 or NVFP4). `config` is a `DflashConfig`, a raw config dict, or the name of a preset:
+one of the released drafters in `configs/` (real shapes) or one of the tiny configs below (fast tests).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from .config import DflashConfig, parse_config
+from .loader import TensorPlan, plan_tensors
+from .safetensors import INDEX_FILE, SINGLE_FILE
+
+_BASE_TINY = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "num_target_layers": 6, "block_size": 8,
+    "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 3]},
+}
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny-dflash": _BASE_TINY,
+    "tiny-dflash2": {
+        **_BASE_TINY, "architectures": ["DFlash2DraftModel"], "is_causal": False,
+        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8, "use_sliding_window": True,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "rope_theta": 10000.0,
+        "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 3], "block_size": 8,
+                          "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 16, "selector_top_k": 4,
+                          "final_logit_softcapping": 20.0, "output_multiplier": 0.5},
+    },
+    "tiny-dspark": {
+        **{k: v for k, v in _BASE_TINY.items() if k != "dflash_config"},
+        "architectures": ["DSparkDraftModel"], "block_size": 7, "markov_rank": 16, "markov_head_type": "vanilla",
+        "enable_confidence_head": True, "mask_token_id": 127, "target_layer_ids": [1, 3],
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 64},
+        "dspark_config": {"markov_rank": 16, "mask_token_id": 127, "target_layer_ids": [1, 3]},
+    },
+}
+
+
+def _configs_dir() -> Path:
+    packaged = Path(__file__).parent / "configs"  # wheel installs (force-included)
+    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "configs"  # source checkout
+
+
+def presets() -> list[str]:
+    """Names accepted wherever a config is: the released drafters of `configs/` and the tiny ones."""
+    return sorted(p.stem for p in _configs_dir().glob("*.json")) + sorted(TINY_CONFIGS)
+
+
+@functools.cache
+def preset_dict(name: str) -> dict[str, Any]:
+    if name in TINY_CONFIGS:
+        return TINY_CONFIGS[name]
+    file = _configs_dir() / f"{name}.json"
+    if not file.is_file():
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(presets())}")
+    return json.loads(file.read_text())
+
+
+def resolve_config(config: DflashConfig | dict[str, Any] | str) -> tuple[DflashConfig, dict[str, Any]]:
+    """A config given as a struct, a raw dict or a preset name -> (DflashConfig, raw dict to write)."""
+    if isinstance(config, str):
+        raw = copy.deepcopy(preset_dict(config))
+        return parse_config(raw, source=f"preset {config}"), raw
+    if isinstance(config, dict):
+        return parse_config(config), copy.deepcopy(config)
+    import msgspec
+
+    raw = msgspec.to_builtins(config)
+    return config, {k: v for k, v in raw.items() if v is not None}
+
+
+def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = False) -> list[TensorPlan]:
+    """Every tensor a checkpoint of this config carries: the heads the config declares, `d2t` when the
+    draft vocabulary is reduced, and `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style)."""
+
+    def contains(name: str) -> bool:
+        name = name.removeprefix(prefix)
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return own_embeddings
+        if name == "d2t":
+            return config.draft_vocab_size is not None and config.draft_vocab_size != config.vocab_size
+        return name != "draft_id_to_target_id"
+
+    return plan_tensors(config, contains, prefix)
+
+
+def random_tensor(t: TensorPlan, config: DflashConfig, rng: np.random.Generator) -> np.ndarray:
+    """Values in the range trained weights have, so forward passes stay well conditioned."""
+    leaf = t.path[-1]
+    if t.kind == "int":  # d2t: a sorted subset of the target vocabulary, as offsets
+        target = np.sort(rng.choice(config.vocab_size, size=t.shape[0], replace=False))
+        return (target - np.arange(t.shape[0])).astype(np.int64)
+    if leaf == "base_kernel":  # identity first tap plus a little noise, as initialised
+        kernel = 0.1 * rng.standard_normal(t.shape)
+        kernel[:, 0] += 1.0
+        return kernel.astype(np.float32)
+    if leaf == "weight" and len(t.shape) == 1:  # RMSNorm gains
+        return (1.0 + 0.1 * rng.standard_normal(t.shape)).astype(np.float32)
+    if leaf == "bias":
+        return (0.02 * rng.standard_normal(t.shape)).astype(np.float32)
+    fan_in = t.shape[-1]
+    return (rng.standard_normal(t.shape) / np.sqrt(fan_in)).astype(np.float32)
+
+
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    config: DflashConfig | dict[str, Any] | str,
+    *,
+    seed: int = 0,
+    prefix: str = "",
+    num_shards: int = 1,
+    nvfp4: bool = False,
+    own_embeddings: bool = False,
+) -> DflashConfig:
+    """Write a random drafter checkpoint of `config` (a struct, raw dict or preset name) to `directory`.
+
+    `prefix` is `""` (z-lab layout) or `"model."`; `num_shards > 1` writes shards plus
+    `model.safetensors.index.json`; `nvfp4` stores every linear weight ModelOpt-style (packed U8 + F8
+    block scales + F32 global scale, with hf_quant_config.json); `own_embeddings` adds `embed_tokens` and
+    `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
+    """
+    config, raw = resolve_config(config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
+        value = random_tensor(t, config, rng)
+        if nvfp4 and t.kind == "linear":
+            tensors.update(_nvfp4_tensors(t.name, value))
+        else:
+            tensors[t.name] = value if t.kind == "int" else value.astype(ml_dtypes.bfloat16)
+    if nvfp4:
+        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": []}
+        (directory / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2)
+        )
+        raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": [],
+                                      "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 16}}}}
+    (directory / "config.json").write_text(json.dumps(raw, indent=2))
+    _write_safetensors(directory, tensors, num_shards)
+    return config
+
+
+def _nvfp4_tensors(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    from .nvfp4 import quantize
+
+    packed, scale, scale_2 = quantize(weight)
+    stem = name[: -len(".weight")]
+    return {
+        name: np.asarray(packed),
+        stem + ".weight_scale": np.asarray(scale),
+        stem + ".weight_scale_2": np.asarray(scale_2, np.float32).reshape(()),
+        stem + ".input_scale": np.asarray(1.0, np.float32),  # exporters write it; the loader ignores it
+    }
+
+
+def _write_safetensors(directory: Path, tensors: dict[str, np.ndarray], num_shards: int) -> None:
+    metadata = {"format": "pt"}
+    if num_shards <= 1:
+        save_file(tensors, directory / SINGLE_FILE, metadata=metadata)
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, directory / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
