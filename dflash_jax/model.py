@@ -1,0 +1,438 @@
+"""The drafter forward pass: pure functions over the loader's parameter tree (docs/design.md).
+
+One forward serves the three families (spec §1.4, §3, §4):
+
+    ctx = hidden_norm(fc(target_hidden))               # context rows, shared by every layer
+    x   = embed([anchor, MASK x (B-1)])                # the block
+    per layer:  x += o_proj(attention(q from the block; K/V from [earlier context, ctx, block]))
+                x += mlp(post_attention_layernorm(x))  # DFlash2: both sublayers wrapped in grouped convs
+    hidden = norm(x)                                   # [batch, B, H]
+
+The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
+passes through a layer's input norm nor joins the residual stream. `draft_logits` is the plain, uncached forward;
+`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache.
+
+Which keys a query sees (`attention_rules`):
+- causal: the keyword when given, else `config.is_causal`, else `dflash_config.causal`, else "causal exactly on
+  `sliding_attention` layers" -- vLLM's `_dflash_layer_causal` order, the serving rule trained checkpoints are
+  run with (spec §1.4). Configs without `layer_types` are therefore non-causal, like z-lab's reference.
+- sliding window (default on): on `sliding_attention` layers of a config with `use_sliding_window` and a
+  `sliding_window` w, a query at position p sees keys at positions k with |p - k| <= w - 1: transformers'
+  flash-attention rule, which on causal layers is vLLM's causal window. Honouring the trained window decides
+  acceptance (spec §5: 11% -> ~50%). `sliding_window=False` ignores windows, as z-lab's eager/sdpa paths do.
+
+Numerics: matmuls accumulate in float32 (`preferred_element_type`); float32 runs use full-precision
+(`Precision.HIGHEST`) products so they can be compared with a float64/float32 reference, bf16 runs keep bf16
+operands. Norms, RoPE, softmax and the LM head run in float32; RoPE angles are formed in float32 exactly as
+transformers does (`inv_freq` in float32, `position * inv_freq` in float32, spec §7).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import DflashConfig
+from .loader import Drafter
+
+Params = dict[str, Any]
+
+# transformers' Qwen3Config default, used by YaRN when a config states no max_position_embeddings.
+_QWEN3_DEFAULT_MAX_POSITIONS = 32768
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """`einsum` with float32 accumulation; full-precision products whenever an operand is float32."""
+    full = jnp.float32 in (a.dtype, b.dtype)
+    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def linear(x: jax.Array, p: Params) -> jax.Array:
+    """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}`; returns x's dtype."""
+    y = _dot("...i,oi->...o", x, p["weight"])  # [..., out] f32
+    if "bias" in p:
+        y = y + p["bias"].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3 RMSNorm: normalise in float32, cast back, then scale (`weight * x_hat.to(dtype)`)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def lm_logits(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
+    """Float32 logits `hidden @ lm_head.T` for an HF-layout head `[V, H]`: `[..., H] -> [..., V]`."""
+    return _dot("...h,vh->...v", hidden, lm_head)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# RoPE (default and YaRN), neox rotate-half layout
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(config: DflashConfig) -> tuple[np.ndarray, float]:
+    """`(inv_freq [d_h/2] float32, attention_scaling)` as transformers computes them.
+
+    Default: `inv_freq = 1 / theta ** (arange(0, d, 2) / d)` in float32, scaling 1. YaRN follows transformers 5's
+    `_compute_yarn_parameters`: `factor` as stated (derived from max/original positions only when absent),
+    the attention factor from `attention_factor`, else the mscale/mscale_all_dim ratio, else
+    `0.1 ln(factor) + 1`; the correction range from beta_fast/beta_slow (defaults 32/1) against
+    `original_max_position_embeddings` (default `max_position_embeddings`), truncated unless `truncate=False`.
+    """
+    d = config.head_dim
+    theta = np.float32(config.rope_theta)
+    exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)  # [d/2]
+    pos_freqs = theta**exponents  # [d/2] f32
+    if config.rope_type != "yarn":
+        return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
+
+    s = config.rope_scaling
+    max_positions = config.max_position_embeddings or _QWEN3_DEFAULT_MAX_POSITIONS
+    original = s.original_max_position_embeddings or max_positions
+    factor = s.factor if s.factor is not None else max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_scaling = s.attention_factor
+    if attention_scaling is None:
+        if s.mscale and s.mscale_all_dim:
+            attention_scaling = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
+        else:
+            attention_scaling = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+    low, high = correction_dim(s.beta_fast or 32), correction_dim(s.beta_slow or 1)
+    if s.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = np.float32(1) - ramp.astype(np.float32)  # 1: keep the original frequency
+    inv_freq = (np.float32(1) / (np.float32(factor) * pos_freqs)) * (np.float32(1) - extrapolation) + (
+        np.float32(1) / pos_freqs
+    ) * extrapolation
+    return inv_freq.astype(np.float32), float(attention_scaling)
+
+
+class Rope(NamedTuple):
+    """cos/sin tables for a set of rows, `[batch, rows, d_h]` float32 (attention scaling folded in)."""
+
+    cos: jax.Array
+    sin: jax.Array
+
+
+def rope_tables(config: DflashConfig, positions: jax.Array) -> Rope:
+    """cos/sin at integer `positions` `[batch, rows]`; angles `position * inv_freq` formed in float32."""
+    inv_freq, scaling = rope_frequencies(config)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, rows, d/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [batch, rows, d]
+    return Rope(jnp.cos(angles) * scaling, jnp.sin(angles) * scaling)
+
+
+def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate `x [batch, rows, heads, d_h]` (neox rotate-half) in float32; returns x's dtype."""
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)  # rotate_half
+    cos, sin = rope.cos[:, :, None, :], rope.sin[:, :, None, :]  # [batch, rows, 1, d]
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------------------
+
+
+class LayerRule(NamedTuple):
+    """Which keys one layer's queries see: `causal` (key position <= query position) and a window."""
+
+    causal: bool
+    window: int | None  # |query - key| <= window - 1; None: unbounded
+
+
+def attention_rules(
+    config: DflashConfig, *, causal: bool | None = None, sliding_window: bool = True
+) -> tuple[LayerRule, ...]:
+    """Per-layer causality and window (see the module docstring for the rule and why it is the default)."""
+    sub = config.dflash_config
+    rules = []
+    for i in range(config.num_hidden_layers):
+        sliding = config.layer_types is not None and config.layer_types[i] == "sliding_attention"
+        layer_causal = next(
+            c for c in (causal, config.is_causal, sub.causal if sub is not None else None, sliding) if c is not None
+        )
+        windowed = sliding_window and sliding and config.use_sliding_window and config.sliding_window is not None
+        rules.append(LayerRule(bool(layer_causal), config.sliding_window if windowed else None))
+    return tuple(rules)
+
+
+def visible(query_positions: jax.Array, key_positions: jax.Array, rule: LayerRule) -> jax.Array:
+    """`[batch, Sq, Sk]` bool: which keys each query may attend to under `rule`."""
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # [batch, Sq, Sk]
+    ok = jnp.ones(distance.shape, bool)
+    if rule.causal:
+        ok &= distance >= 0
+    if rule.window is not None:
+        ok &= jnp.abs(distance) < rule.window
+    return ok
+
+
+class KeyValues(NamedTuple):
+    """Attention keys/values of some rows: post k_norm + RoPE keys, values, positions and which rows are real."""
+
+    k: jax.Array  # [batch, rows, n_kv, d_h]
+    v: jax.Array  # [batch, rows, n_kv, d_h]
+    positions: jax.Array  # [batch, rows] int32
+    valid: jax.Array  # [batch, rows] bool
+
+
+def attend(q: jax.Array, q_positions: jax.Array, parts: Sequence[KeyValues], rule: LayerRule) -> jax.Array:
+    """Softmax attention of `q [batch, Bq, n_h, d_h]` over the keys of all `parts` together.
+
+    GQA with grouped mapping: query head h reads KV head h // (n_h / n_kv). The parts are never concatenated:
+    each gets its own scores and the softmax is merged through a shared maximum, so a large cached part is read
+    in place. Scale d_h^-0.5; softmax in float32.
+    """
+    batch, n_q, n_h, d_h = q.shape
+    n_kv = parts[0].k.shape[2]
+    q = q.reshape(batch, n_q, n_kv, n_h // n_kv, d_h)  # [batch, Bq, n_kv, groups, d_h]: head h = kv * groups + g
+    scores = []
+    for part in parts:
+        s = _dot("bqhgd,bkhd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
+        mask = visible(q_positions, part.positions, rule) & part.valid[:, None, :]  # [batch, Bq, rows]
+        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
+    peak = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores])  # [b, n_kv, g, Bq, 1]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = [jnp.exp(s - peak) for s in scores]
+    total = sum(w.sum(axis=-1) for w in weights)  # [batch, n_kv, groups, Bq]
+    out = sum(_dot("bhgqk,bkhd->bqhgd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
+    out = out / jnp.moveaxis(total, -1, 1)[..., None]  # [batch, Bq, n_kv, groups, d_h] f32
+    return out.reshape(batch, n_q, n_h, d_h).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DFlash2 grouped dynamic causal convolution (spec §4)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _convolve(z: jax.Array, delta: jax.Array, base: jax.Array) -> jax.Array:
+    """`y[i, c] = sum_t (base[t, c] + delta[i, t, group(c)]) * z[i - t, c]`, taps before the block start are 0.
+
+    z: [batch, B, H]; delta: [batch, B, taps, G]; base: [taps, H]; channel c is in group c // (H / G).
+    """
+    batch, rows, hidden = z.shape
+    taps, groups = delta.shape[-2:]
+    coeff = base.astype(jnp.float32).reshape(taps, groups, hidden // groups) + delta.astype(jnp.float32)[..., None]
+    coeff = coeff.reshape(batch, rows, taps, hidden)  # [batch, B, taps, H]
+    zf = z.astype(jnp.float32)
+    out = coeff[:, :, 0] * zf
+    for t in range(1, taps):
+        shifted = jnp.pad(zf[:, : rows - t], ((0, 0), (t, 0), (0, 0)))  # z[i - t], zero before the block
+        out = out + coeff[:, :, t] * shifted
+    return out.astype(z.dtype)
+
+
+def conv_prepare(p: Params, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Convolve a sublayer's input (side 0); also return the output side's dynamic kernel, made from the input.
+
+    x: [batch, B, H] -> (convolved x [batch, B, H], delta for `conv_finish` [batch, B, taps, G]).
+    """
+    taps, hidden = p["base_kernel"].shape[1:]
+    delta = linear(x, p["kernel_projection"])  # [batch, B, 2 * taps * G]
+    delta = delta.reshape(*x.shape[:2], 2, taps, -1)  # [batch, B, side, taps, G]
+    return _convolve(x, delta[:, :, 0], p["base_kernel"][0]), delta[:, :, 1]
+
+
+def conv_finish(p: Params, y: jax.Array, delta: jax.Array) -> jax.Array:
+    """Convolve a sublayer's output (side 1) with the kernel `conv_prepare` made from its input."""
+    return _convolve(y, delta, p["base_kernel"][1])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The decoder
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Context(NamedTuple):
+    """Context rows entering this forward: `hidden_norm(fc(features))` with their positions."""
+
+    hidden: jax.Array  # [batch, S, H]
+    positions: jax.Array  # [batch, S] int32
+    valid: jax.Array  # [batch, S] bool (False: padding)
+
+
+def project_context(params: Params, config: DflashConfig, target_hidden: jax.Array) -> jax.Array:
+    """`hidden_norm(fc(features))`: `[batch, S, Lf*H]` target features -> `[batch, S, H]` in the params' dtype."""
+    dtype = params["fc"]["weight"].dtype
+    ctx = linear(target_hidden.astype(dtype), params["fc"])  # [batch, S, H]
+    return rms_norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
+
+
+def decoder_layer(
+    p: Params,
+    config: DflashConfig,
+    rule: LayerRule,
+    x: jax.Array,
+    rope: Rope,
+    positions: jax.Array,
+    context: Context,
+    context_rope: Rope,
+    memory: KeyValues | None,
+) -> tuple[jax.Array, KeyValues]:
+    """One pre-norm Qwen3 layer over the block `x [batch, B, H]` at `positions [batch, B]`.
+
+    Queries come from the block; keys/values from `memory` (earlier context, already projected), the new
+    `context` rows and the block itself. Returns the new block hidden and the context rows' K/V (for caching).
+    """
+    attn, eps = p["self_attn"], config.rms_norm_eps
+    n_h, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    batch, B, _ = x.shape
+    S = context.hidden.shape[1]
+
+    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)  # [batch, B, H]
+    if "attention_conv" in p:
+        xn, attn_delta = conv_prepare(p["attention_conv"], xn)
+
+    q = linear(xn, attn["q_proj"]).reshape(batch, B, n_h, d_h)  # [batch, B, n_h, d_h]
+    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)
+    rows = jnp.concatenate([context.hidden, xn], axis=1)  # [batch, S + B, H]: one K/V projection for both
+    k = linear(rows, attn["k_proj"]).reshape(batch, S + B, n_kv, d_h)
+    v = linear(rows, attn["v_proj"]).reshape(batch, S + B, n_kv, d_h)
+    k = rms_norm(k, attn["k_norm"]["weight"], eps)
+    k_ctx = apply_rope(k[:, :S], context_rope)  # [batch, S, n_kv, d_h]
+    k_blk = apply_rope(k[:, S:], rope)  # [batch, B, n_kv, d_h]
+    new_context = KeyValues(k_ctx, v[:, :S], context.positions, context.valid)
+    block = KeyValues(k_blk, v[:, S:], positions, jnp.ones((batch, B), bool))
+    parts = ([memory] if memory is not None else []) + [new_context, block]
+
+    a = attend(q, positions, parts, rule).reshape(batch, B, n_h * d_h)  # [batch, B, n_h * d_h]
+    a = linear(a, attn["o_proj"])  # [batch, B, H]
+    if "attention_conv" in p:
+        a = conv_finish(p["attention_conv"], a, attn_delta)
+    x = x + a
+
+    h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)
+    if "mlp_conv" in p:
+        h, mlp_delta = conv_prepare(p["mlp_conv"], h)
+    mlp = p["mlp"]
+    h = linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+    if "mlp_conv" in p:
+        h = conv_finish(p["mlp_conv"], h, mlp_delta)
+    return x + h, new_context
+
+
+def forward(
+    params: Params,
+    config: DflashConfig,
+    rules: Sequence[LayerRule],
+    x: jax.Array,
+    positions: jax.Array,
+    context: Context,
+    memory: Sequence[tuple[jax.Array, jax.Array]] | None = None,
+    memory_positions: jax.Array | None = None,
+    memory_valid: jax.Array | None = None,
+) -> tuple[jax.Array, list[KeyValues]]:
+    """All layers and the final norm over the embedded block `x [batch, B, H]` at `positions [batch, B]`.
+
+    `memory`: per layer `(k, v)` `[batch, T, n_kv, d_h]` of earlier context (post k_norm + RoPE) at
+    `memory_positions [batch, T]`, rows with `memory_valid [batch, T]` False ignored; None for none.
+    Returns `norm(x)` `[batch, B, H]` and, per layer, the K/V of the `context` rows.
+    """
+    rope = rope_tables(config, positions)
+    context_rope = rope_tables(config, context.positions)
+    new_kv = []
+    for i, (p, rule) in enumerate(zip(params["layers"], rules)):
+        mem = None if memory is None else KeyValues(*memory[i], memory_positions, memory_valid)
+        x, kv = decoder_layer(p, config, rule, x, rope, positions, context, context_rope, mem)
+        new_kv.append(kv)
+    return rms_norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
+
+
+def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`embed[block_ids]` `[batch, B] -> [batch, B, H]`, times `input_embedding_scale` when the config has one."""
+    x = jnp.take(embed, block_ids, axis=0).astype(dtype)
+    if config.input_embedding_scale is not None:
+        x = x * jnp.asarray(config.input_embedding_scale, dtype)
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window"))
+def draft_hidden(
+    drafter: Drafter,
+    target_hidden: jax.Array,
+    block_ids: jax.Array,
+    *,
+    context_positions: jax.Array,
+    block_positions: jax.Array,
+    embed: jax.Array | None = None,
+    causal: bool | None = None,
+    sliding_window: bool = True,
+) -> jax.Array:
+    """The drafter's final hidden states (after `norm`) for every block row: `[batch, B, H]`, uncached.
+
+    target_hidden: `[batch, S, Lf*H]` target features at `target_layer_ids`, shallow to deep;
+    block_ids: `[batch, B]` (`[anchor, MASK x (B-1)]`); positions: `[batch, S]` / `[batch, B]` RoPE positions;
+    embed: `[V, H]` HF layout, None for the drafter's own or attached one. `causal` / `sliding_window`: the
+    attention rule (module docstring).
+    """
+    params, config = drafter.params, drafter.config
+    dtype = params["fc"]["weight"].dtype
+    embed = drafter.embedding if embed is None else embed
+    context = Context(
+        project_context(params, config, target_hidden),
+        context_positions.astype(jnp.int32),
+        jnp.ones(context_positions.shape, bool),
+    )
+    x = embed_block(config, embed, block_ids, dtype)
+    rules = attention_rules(config, causal=causal, sliding_window=sliding_window)
+    hidden, _ = forward(params, config, rules, x, block_positions.astype(jnp.int32), context)
+    return hidden
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window"))
+def draft_logits(
+    drafter: Drafter,
+    target_hidden: jax.Array,
+    block_ids: jax.Array,
+    *,
+    context_positions: jax.Array,
+    block_positions: jax.Array,
+    embed: jax.Array | None = None,
+    lm_head: jax.Array | None = None,
+    causal: bool | None = None,
+    sliding_window: bool = True,
+) -> jax.Array:
+    """Float32 logits `[batch, B, V]` for every block row: `lm_head(draft_hidden(...))`, uncached.
+
+    The plain LM-head output, before any Markov bias (DSpark) or DFlash2 softcap/multiplier. lm_head: `[V, H]`
+    HF layout, None for the drafter's own or attached one. Other arguments as `draft_hidden`.
+    """
+    hidden = draft_hidden(
+        drafter,
+        target_hidden,
+        block_ids,
+        context_positions=context_positions,
+        block_positions=block_positions,
+        embed=embed,
+        causal=causal,
+        sliding_window=sliding_window,
+    )
+    return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
