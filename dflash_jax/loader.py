@@ -231,7 +231,7 @@ def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
         raise CheckpointError(f"{where}: missing tensor {t.name!r} (expected shape {list(t.shape)})")
     info = checkpoint[t.name]
     if t.kind == "linear" and info.dtype == "U8":
-        from .nvfp4 import check_packed  # imported here: the common BF16 path needs no NVFP4 code
+        from .nvfp4.checkpoint import check_packed  # imported here: the BF16 path needs no NVFP4 code
 
         check_packed(checkpoint, t.name, t.shape)
         return True
@@ -270,7 +270,7 @@ def load_drafter(
         plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, path), path)
         packed = {t.name for t in plan if check_tensor(t, checkpoint, path)}
         if packed:
-            from .nvfp4 import check_quant_config
+            from .nvfp4.checkpoint import check_quant_config
 
             check_quant_config(path, config, packed)
         extra = unexpected_tensors(plan, checkpoint)

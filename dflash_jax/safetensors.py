@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
+from safetensors.numpy import save_file
 
 from .errors import CheckpointError
 
@@ -255,3 +256,22 @@ def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo
             where = f"the index maps it to {owner!r}" if owner else "the index does not list it"
             raise CheckpointError(f"{file}: holds tensor {name!r} but {where}")
     return tensors, metadata
+
+
+def write_tensors(directory: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], num_shards: int = 1) -> None:
+    """Write `tensors` as `model.safetensors`, or as `num_shards` shards plus `model.safetensors.index.json`."""
+    directory = os.fspath(directory)
+    metadata = {"format": "pt"}
+    if num_shards <= 1:
+        save_file(dict(tensors), os.path.join(directory, SINGLE_FILE), metadata=metadata)
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, os.path.join(directory, file), metadata=metadata)
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(directory, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)

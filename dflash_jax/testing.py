@@ -17,11 +17,11 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from .config import DflashConfig, parse_config
 from .loader import TensorPlan, plan_tensors
-from .safetensors import INDEX_FILE, SINGLE_FILE
+from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
+from .safetensors import write_tensors
 
 _BASE_TINY = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -42,11 +42,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     },
     "tiny-dspark": {
         **{k: v for k, v in _BASE_TINY.items() if k != "dflash_config"},
-        "architectures": ["DSparkDraftModel"], "block_size": 7, "markov_rank": 16, "markov_head_type": "vanilla",
+        "architectures": ["DSparkDraftModel"], "block_size": 7, "markov_rank": 32, "markov_head_type": "vanilla",
         "enable_confidence_head": True, "mask_token_id": 127, "target_layer_ids": [1, 3],
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "original_max_position_embeddings": 64},
-        "dspark_config": {"markov_rank": 16, "mask_token_id": 127, "target_layer_ids": [1, 3]},
+        "dspark_config": {"markov_rank": 32, "mask_token_id": 127, "target_layer_ids": [1, 3]},
     },
 }
 
@@ -142,46 +142,11 @@ def write_checkpoint(
     for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
         value = random_tensor(t, config, rng)
         if nvfp4 and t.kind == "linear":
-            tensors.update(_nvfp4_tensors(t.name, value))
+            tensors.update(nvfp4_tensors(t.name, value))
         else:
             tensors[t.name] = value if t.kind == "int" else value.astype(ml_dtypes.bfloat16)
     if nvfp4:
-        quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": []}
-        (directory / "hf_quant_config.json").write_text(
-            json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2)
-        )
-        raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": [],
-                                      "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 16}}}}
+        declare_nvfp4(directory, raw, excluded=[])
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
-    _write_safetensors(directory, tensors, num_shards)
+    write_tensors(directory, tensors, num_shards)
     return config
-
-
-def _nvfp4_tensors(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
-    from .nvfp4 import quantize
-
-    packed, scale, scale_2 = quantize(weight)
-    stem = name[: -len(".weight")]
-    return {
-        name: np.asarray(packed),
-        stem + ".weight_scale": np.asarray(scale),
-        stem + ".weight_scale_2": np.asarray(scale_2, np.float32).reshape(()),
-        stem + ".input_scale": np.asarray(1.0, np.float32),  # exporters write it; the loader ignores it
-    }
-
-
-def _write_safetensors(directory: Path, tensors: dict[str, np.ndarray], num_shards: int) -> None:
-    metadata = {"format": "pt"}
-    if num_shards <= 1:
-        save_file(tensors, directory / SINGLE_FILE, metadata=metadata)
-        return
-    names = list(tensors)
-    weight_map = {}
-    for shard in range(num_shards):
-        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[shard::num_shards]}
-        save_file(part, directory / file, metadata=metadata)
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(a.nbytes for a in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))

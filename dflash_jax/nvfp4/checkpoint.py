@@ -1,0 +1,104 @@
+"""NVFP4 at the checkpoint level: validating ModelOpt exports before loading, and writing them.
+
+ModelOpt stores a quantized Linear under the same `<m>.weight` name a BF16 checkpoint uses (as U8 packed
+codes) plus `<m>.weight_scale` (F8_E4M3) and `<m>.weight_scale_2` (F32 scalar); `<m>.input_scale` may be
+present and is ignored (weights are dequantized, activations are not quantized). The export's
+`hf_quant_config.json` and/or config.json `quantization_config` are checked against the tensors.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from ..config import DflashConfig, QuantizationConfig, normalise_quantization
+from ..errors import CheckpointError
+from ..safetensors import Checkpoint
+from ._checks import check_nvfp4_shapes, check_scales_finite
+from ._reference import quantize
+
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+SUPPORTED_ALGOS = ("NVFP4", "W4A16_NVFP4")  # weight-only dequantization is the same for both
+
+
+def companions(name: str) -> tuple[str, str]:
+    """The block-scale and global-scale tensor names of a packed `<m>.weight`."""
+    stem = name.removesuffix(".weight")
+    return stem + ".weight_scale", stem + ".weight_scale_2"
+
+
+def check_packed(checkpoint: Checkpoint, name: str, expected_shape: tuple[int, ...]) -> None:
+    """Check a U8 `<m>.weight` and its companions: presence, dtypes, shapes against the config, finite scales."""
+    info = checkpoint[name]
+    scale_name, scale_2_name = companions(name)
+    for companion in (scale_name, scale_2_name):
+        if companion not in checkpoint:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} is U8 (NVFP4-packed) but its companion {companion!r} is missing"
+            )
+    scale, scale_2 = checkpoint[scale_name], checkpoint[scale_2_name]
+    if scale.dtype not in ("F8_E4M3", "U8"):
+        raise CheckpointError(f"{scale.file}: tensor {scale_name!r} has dtype {scale.dtype}, expected F8_E4M3")
+    if scale_2.dtype not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"{scale_2.file}: tensor {scale_2_name!r} has dtype {scale_2.dtype}, expected F32")
+    try:
+        check_nvfp4_shapes(name, info.shape, scale.shape, scale_2.shape, expected_shape)
+        check_scales_finite(name, checkpoint.array(scale_name), checkpoint.array(scale_2_name))
+    except CheckpointError as e:
+        raise CheckpointError(f"{info.file}: {e}") from None
+
+
+def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -> None:
+    """Check that what the export declares (hf_quant_config.json, quantization_config) fits the tensors."""
+    declared: list[tuple[str, QuantizationConfig]] = []
+    file = os.path.join(directory, QUANT_CONFIG_FILE)
+    if os.path.isfile(file):
+        try:
+            with open(file, "rb") as f:
+                block = json.loads(f.read()).get("quantization", {})
+            declared.append((file, msgspec.convert(normalise_quantization(block), QuantizationConfig)))
+        except (ValueError, AttributeError, msgspec.ValidationError) as e:
+            raise CheckpointError(f"{file}: cannot read the quantization block ({e})") from None
+    if config.quantization_config is not None:
+        declared.append((os.path.join(directory, "config.json"), config.quantization_config))
+    for source, quant in declared:
+        if quant.quant_algo is not None and quant.quant_algo not in SUPPORTED_ALGOS:
+            raise CheckpointError(
+                f"{source}: quant_algo {quant.quant_algo!r} but tensors are U8-packed; expected one of {SUPPORTED_ALGOS}"
+            )
+        if quant.group_size is not None and quant.group_size != 16:
+            raise CheckpointError(f"{source}: group_size {quant.group_size}; NVFP4 uses blocks of 16")
+        for name in sorted(packed):
+            module = name.removesuffix(".weight")
+            if any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(name, p) for p in quant.ignore):
+                raise CheckpointError(f"{source}: {module!r} is excluded from quantization but stored packed")
+
+
+def nvfp4_tensors(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+    """The tensors ModelOpt writes for one quantized Linear `name` (`<m>.weight`, [N, K])."""
+    packed, scale, scale_2 = quantize(weight)
+    scale_name, scale_2_name = companions(name)
+    return {
+        name: packed,
+        scale_name: scale,
+        scale_2_name: np.asarray(scale_2, np.float32).reshape(()),
+        name.removesuffix(".weight") + ".input_scale": np.asarray(1.0, np.float32),  # written, then ignored
+    }
+
+
+def declare_nvfp4(directory: Path, raw_config: dict[str, Any], excluded: list[str]) -> None:
+    """Write hf_quant_config.json and the config's `quantization_config` as ModelOpt's export does."""
+    quant = {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": excluded}
+    (directory / QUANT_CONFIG_FILE).write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2)
+    )
+    raw_config["quantization_config"] = {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": excluded,
+        "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}},
+    }
