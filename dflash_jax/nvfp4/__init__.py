@@ -1,0 +1,68 @@
+"""NVFP4 (NVIDIA ModelOpt) weights: dequantization on the GPU, quantization on the host, shape checks.
+
+An NVFP4 Linear stores three tensors (spec: /work/shared/spec/nvfp4.md, part A):
+  `<m>.weight`         u8 [N, K/2]             two E2M1 codes per byte along K, element 2j in the low nibble
+  `<m>.weight_scale`   float8_e4m3fn [N, K/16] one scale per 16 consecutive values of a row, row-major
+  `<m>.weight_scale_2` f32 [] (or [1], bf16/f16 in some exports)
+and  value[n, k] = e2m1(code[n, k]) * (f32(scale[n, k // 16]) * scale_2), in float32 and in that association
+(ModelOpt's), rounded once to the target dtype. Every backend below gives the same bits for the same input,
+except that code 8 (-0) may come out as +0 or -0.
+
+  dequantize(packed, scale, scale_2, *, dtype, backend)  -> jax.Array [..., K]
+  quantize(w)                                            -> (packed, scale, scale_2), NumPy, ModelOpt's algorithm
+  check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
+  check_scales_finite(name, scale, scale_2)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _pallas
+from ._checks import check_nvfp4_shapes, check_scales_finite
+from ._reference import BLOCK, dequantize_xla, quantize
+
+__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales_finite"]
+
+Backend = Literal["auto", "pallas", "xla"]
+
+
+def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto") -> jax.Array:
+    """Dequantizes NVFP4 `packed` [..., K/2] u8 with `scale` [..., K/16] and `scale_2` to [..., K] `dtype`.
+
+    `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
+    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the GPU
+    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas on a GPU for 16-bit dtypes,
+    xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    """
+    packed, scale = jnp.asarray(packed), jnp.asarray(scale)
+    scale_2 = jnp.asarray(scale_2)
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"dequantize: packed must be uint8, got {packed.dtype}")
+    if packed.ndim < 1 or packed.shape[-1] % (BLOCK // 2):
+        raise ValueError(f"dequantize: packed must be [..., K/2] with K a multiple of {BLOCK}, got {packed.shape}")
+    if scale.shape != (*packed.shape[:-1], packed.shape[-1] // (BLOCK // 2)):
+        raise ValueError(f"dequantize: scale shape {scale.shape} does not match packed {packed.shape}")
+    if scale.dtype not in (jnp.uint8, jnp.float8_e4m3fn):
+        raise ValueError(f"dequantize: scale must be float8_e4m3fn or uint8 bits, got {scale.dtype}")
+    if scale_2.size != 1 or not jnp.issubdtype(scale_2.dtype, jnp.floating):
+        raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
+    scale_2 = scale_2.astype(jnp.float32).reshape(())
+    if backend == "auto":
+        on_gpu = jax.default_backend() == "gpu"
+        backend = "pallas" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    if backend == "xla":
+        if scale.dtype == jnp.uint8:
+            scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+        return dequantize_xla(packed, scale, scale_2, dtype)
+    if backend == "pallas":
+        if jax.default_backend() != "gpu":
+            raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
+        if scale.dtype == jnp.float8_e4m3fn:
+            scale = lax.bitcast_convert_type(scale, jnp.uint8)
+        return _pallas.dequantize_pallas(packed, scale, scale_2, dtype=dtype)
+    raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")

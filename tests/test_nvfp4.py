@@ -1,0 +1,296 @@
+"""NVFP4: spec test vectors, ModelOpt's quantizer against an independent NumPy version, Pallas == XLA bit for bit
+(interpret mode on CPU; the real kernel in the tests marked `gpu`), and bad input.
+
+The independent NumPy code here is written from the spec (/work/shared/spec/nvfp4.md A5/A6) with ml_dtypes'
+casts, not from the package. Bits are compared as 16-bit patterns with +0 == -0 (spec A11).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_jax import nvfp4
+from dflash_jax.errors import CheckpointError
+from dflash_jax.nvfp4._pallas import dequantize_pallas
+
+on_gpu = jax.default_backend() == "gpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+# --- independent NumPy reference -------------------------------------------------------------------------------
+
+def np_dequantize(packed, scale, scale_2, dtype=ml_dtypes.bfloat16):
+    """A5: E2M1 table lookup of both nibbles, fp32 block scale * scale_2, fp32 product, one rounding."""
+    packed = np.asarray(packed)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    scale = np.asarray(scale)
+    if scale.dtype == np.uint8:
+        scale = scale.view(ml_dtypes.float8_e4m3fn)
+    block = scale.astype(np.float32) * np.float32(scale_2)
+    return (E2M1[codes] * np.repeat(block, 16, axis=-1)).astype(dtype)
+
+
+def np_quantize(w):
+    """A6 with ml_dtypes' round-to-nearest-even casts to float8_e4m3fn and float4_e2m1fn."""
+    w = np.asarray(w, np.float32)
+    ws2 = np.float32(np.abs(w).max() / np.float32(2688.0))
+    blocks = w.reshape(*w.shape[:-1], -1, 16)
+    s = np.abs(blocks).max(-1) / (np.float32(6.0) * ws2)
+    s = np.where(s == 0, np.float32(1), s)
+    s = np.maximum(s, np.float32(2**-9)).astype(ml_dtypes.float8_e4m3fn)
+    y = (blocks / (s.astype(np.float32) * ws2)[..., None]).reshape(w.shape)
+    codes = y.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 15  # unpacked: one code per byte
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8), s, ws2
+
+
+def bits16(x):
+    """16-bit patterns, with -0 folded onto +0."""
+    b = np.asarray(x).view(np.uint16)
+    return np.where(b == 0x8000, np.uint16(0), b)
+
+
+def random_nvfp4(rng, shape_nk, finite=True):
+    n, k = shape_nk
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.integers(0, 256, (n, k // 16), dtype=np.uint8)
+    if finite:
+        scale = np.where((scale & 0x7F) == 0x7F, scale ^ 1, scale).astype(np.uint8)  # no NaN bytes
+    return packed, scale
+
+
+# --- spec A8 vectors -------------------------------------------------------------------------------------------
+
+BACKENDS = ["xla", "interpret"]
+
+
+def deq(backend, packed, scale, scale_2, dtype=jnp.bfloat16, **kw):
+    if backend == "interpret":
+        scale = np.asarray(scale).view(np.uint8)
+        return np.asarray(dequantize_pallas(jnp.asarray(packed), jnp.asarray(scale),
+                                            jnp.asarray(scale_2, jnp.float32), dtype=dtype, interpret=True, **kw))
+    return np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_code_table(backend):
+    packed = np.array([[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]], np.uint8)
+    out = deq(backend, packed, np.array([[0x40]], np.uint8), np.float32(0.25), dtype=jnp.float16)
+    expected = [0, .25, .5, .75, 1, 1.5, 2, 3, -0.0, -.25, -.5, -.75, -1, -1.5, -2, -3]
+    np.testing.assert_array_equal(out.astype(np.float32)[0], expected)
+    assert np.signbit(out[0, 8])  # code 8 is -0 in a bit-level decode
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nibble_order(backend):
+    packed = np.array([[0x21, 0xF7, 0x8A, 0x10, 0, 0, 0, 0]], np.uint8)
+    out = deq(backend, packed, np.array([[0x38]], np.uint8), np.float32(1.0)).astype(np.float32)[0]
+    np.testing.assert_array_equal(out[:8], [0.5, 1.0, 6, -6, -1, 0, 0, 0.5])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_e4m3_scale_bytes(backend):
+    table = {0x01: 2.0**-9, 0x08: 2.0**-6, 0x30: 0.5, 0x38: 1, 0x40: 2, 0x5C: 24, 0x63: 44, 0x7E: 448, 0xB8: -1}
+    scale = np.array([[b] for b in [*table, 0x7F]], np.uint8)
+    packed = np.full((len(scale), 8), 0x22, np.uint8)  # every code is 2 (= 1.0)
+    out = deq(backend, packed, scale, np.float32(1.0), dtype=jnp.float16).astype(np.float32)
+    np.testing.assert_array_equal(out[:-1], np.repeat(np.array(list(table.values()), np.float32)[:, None], 16, 1))
+    assert np.isnan(out[-1]).all()  # 0x7F is NaN
+
+
+def test_quantize_end_to_end_vector():
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0:4] = [3, -1.5, 0.75, 0.1]
+    x[0, 16:20] = [0.3, -0.2, 0.05, 0.125]
+    packed, scale, scale_2 = nvfp4.quantize(x)
+    assert scale_2.dtype == np.float32 and scale_2.shape == () and scale_2 == np.float32(3) / np.float32(2688)
+    assert scale.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(scale.view(np.uint8), [[0x7E, 0x63]])
+    np.testing.assert_array_equal(packed[0], [0xD7, 3, 0, 0, 0, 0, 0, 0, 0xE7, 0x52, 0, 0, 0, 0, 0, 0])
+    out = np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=jnp.float32))[0]
+    np.testing.assert_array_equal(out[0:4], [3, -1.5, 0.75, 0])
+    np.testing.assert_allclose(out[16:20], [0.29464287, -0.19642858, 0.04910715, 0.14732143], rtol=1e-7)
+
+
+# --- quantize ---------------------------------------------------------------------------------------------------
+
+def test_quantize_ties_round_to_even():
+    # amax 2.625 -> scale_2 = 2**-10 exactly; block amax 2.625 -> block scale 448, so y = w / 0.4375 exactly.
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], np.float32)
+    w = np.concatenate([[6.0], ties, -ties, [0.0]]).astype(np.float32)[None] * np.float32(0.4375)
+    packed, scale, scale_2 = nvfp4.quantize(w)
+    assert scale_2 == 2.0**-10 and scale.view(np.uint8)[0, 0] == 0x7E
+    codes = np.stack([packed & 15, packed >> 4], -1).reshape(-1)
+    np.testing.assert_array_equal(codes, [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 12, 12, 14, 14, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_quantize_matches_independent_numpy(dtype):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((24, 256)).astype(np.float32) * np.exp(rng.uniform(-6, 2, (24, 1))).astype(np.float32)
+    w[3] = 0  # an all-zero row: unit block scales
+    w[5, :16] = 1e-7  # a tiny block: scale clamped at 2**-9
+    w = w.astype(dtype)
+    got, expected = nvfp4.quantize(w), np_quantize(w)
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1].view(np.uint8), expected[1].view(np.uint8))
+    assert got[2] == expected[2]
+    assert (got[1].view(np.uint8)[3] == 0x38).all() and got[1].view(np.uint8)[5, 0] == 0x01
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.floats(1e-6, 1e4), st.integers(0, 2**32 - 1))
+def test_round_trip(n, k16, magnitude, seed):
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, 16 * k16)) * magnitude).astype(np.float32)
+    packed, scale, scale_2 = nvfp4.quantize(w)
+    np.testing.assert_array_equal(packed, np_quantize(w)[0])
+    out = np.asarray(nvfp4.dequantize(packed, scale, scale_2, backend="xla"))
+    np.testing.assert_array_equal(bits16(out), bits16(np_dequantize(packed, scale, scale_2)))
+    # E2M1 steps are at most 2 (4 -> 6): each value is within one block-scale unit, plus bf16 rounding.
+    unit = np.repeat(scale.astype(np.float32) * scale_2, 16, axis=-1)
+    assert (np.abs(out.astype(np.float32) - w) <= unit * 1.01 + np.abs(w) * 2**-8).all()
+
+
+def test_quantize_all_zero_and_bad_shapes():
+    packed, scale, scale_2 = nvfp4.quantize(np.zeros((2, 32), np.float32))
+    assert not packed.any() and (scale.astype(np.float32) == 1).all() and scale_2 == 1
+    assert not np.asarray(nvfp4.dequantize(packed, scale, scale_2)).astype(np.float32).any()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize(np.ones((2, 24), np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        nvfp4.quantize(np.full((1, 16), np.nan, np.float32))
+
+
+# --- Pallas (interpret mode) == XLA == NumPy ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,rows", [((1, 32), None), ((3, 64), None), ((37, 160), 16), ((2, 5376), 64),
+                                        ((17, 96), 8), ((64, 256), 32)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_pallas_interpret_matches_xla(shape, rows, dtype):
+    rng = np.random.default_rng(shape[0] * 1000 + shape[1])
+    packed, scale = random_nvfp4(rng, shape)
+    scale_2 = np.float32(rng.uniform(1e-4, 1e-2))
+    xla = deq("xla", packed, scale, scale_2, dtype=dtype)
+    pallas = deq("interpret", packed, scale, scale_2, dtype=dtype, rows=rows)
+    np.testing.assert_array_equal(bits16(pallas), bits16(xla))
+    np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, scale_2, np.dtype(dtype))))
+
+
+@pytest.mark.parametrize("scale_2", [1e-38, 3e-36, 7.0, 1e30])  # subnormal, overflowing products
+def test_pallas_interpret_extreme_scale_2(scale_2):
+    rng = np.random.default_rng(7)
+    packed, scale = random_nvfp4(rng, (4, 64))
+    xla = deq("xla", packed, scale, np.float32(scale_2))
+    np.testing.assert_array_equal(bits16(deq("interpret", packed, scale, np.float32(scale_2))), bits16(xla))
+    if scale_2 > 1e-30:  # XLA:CPU flushes subnormal products to zero, NumPy does not
+        np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, np.float32(scale_2))))
+
+
+def test_nan_scale_gives_nan_in_both():
+    packed = np.full((1, 16), 0x31, np.uint8)
+    scale = np.array([[0x7F, 0xFF]], np.uint8)
+    for backend in BACKENDS:
+        assert np.isnan(deq(backend, packed, scale, np.float32(1)).astype(np.float32)).all()
+
+
+# --- dequantize API ----------------------------------------------------------------------------------------------
+
+def test_dequantize_accepts_scale_forms_and_leading_dims():
+    rng = np.random.default_rng(3)
+    packed, scale = random_nvfp4(rng, (6, 64))
+    ref = np.asarray(nvfp4.dequantize(packed, scale, np.float32(0.5)))
+    as_f8 = scale.view(ml_dtypes.float8_e4m3fn)
+    for s2 in [np.float32(0.5), np.array([0.5], np.float32), jnp.bfloat16(0.5), np.array([0.5], np.float16)]:
+        np.testing.assert_array_equal(bits16(nvfp4.dequantize(packed, as_f8, s2)), bits16(ref))
+    stacked = nvfp4.dequantize(packed.reshape(2, 3, 32), scale.reshape(2, 3, 4), np.float32(0.5))
+    assert stacked.shape == (2, 3, 64)
+    np.testing.assert_array_equal(bits16(stacked).reshape(6, 64), bits16(ref))
+    assert nvfp4.dequantize(packed, scale, np.float32(0.5), dtype=jnp.float32).dtype == jnp.float32
+
+
+def test_dequantize_jit_does_not_recompile_per_scale_2():
+    rng = np.random.default_rng(4)
+    packed, scale = random_nvfp4(rng, (2, 32))
+    f = jax.jit(lambda p, s, g: nvfp4.dequantize(p, s, g))
+    outs = [f(packed, scale, jnp.float32(g)) for g in (0.5, 0.25)]
+    assert f._cache_size() == 1
+    np.testing.assert_array_equal(np.asarray(outs[0]).astype(np.float32) / 2, np.asarray(outs[1]).astype(np.float32))
+
+
+def test_dequantize_bad_arguments():
+    packed, scale = np.zeros((2, 16), np.uint8), np.zeros((2, 2), np.uint8)
+    with pytest.raises(ValueError, match="scale shape"):
+        nvfp4.dequantize(packed, scale[:, :1], np.float32(1))
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4.dequantize(packed.astype(np.int8), scale, np.float32(1))
+    with pytest.raises(ValueError, match="scale_2"):
+        nvfp4.dequantize(packed, scale, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="backend"):
+        nvfp4.dequantize(packed, scale, np.float32(1), backend="cuda")
+    if not on_gpu:
+        with pytest.raises(ValueError, match="GPU"):
+            nvfp4.dequantize(packed, scale, np.float32(1), backend="pallas")
+
+
+# --- checkpoint checks ---------------------------------------------------------------------------------------------
+
+def test_check_nvfp4_shapes():
+    name = "layers.0.mlp.up_proj.weight"
+    assert nvfp4.check_nvfp4_shapes(name, (64, 512), (64, 64), (), expected_nk=(64, 1024)) == (64, 1024)
+    assert nvfp4.check_nvfp4_shapes(name, (64, 512), (64, 64), (1,)) == (64, 1024)
+    bad = [
+        (((64, 24), (64, 3), ()), "not a multiple of 32", name),
+        (((64, 512), (64, 32), ()), r"expected \[64, 64\]", name + "_scale"),
+        (((64, 512), (64, 64), (2,)), r"\[\] or \[1\]", name + "_scale_2"),
+        (((512,), (32,), ()), "2-D", name),
+    ]
+    for args, message, named in bad:
+        with pytest.raises(CheckpointError, match=message) as info:
+            nvfp4.check_nvfp4_shapes(name, *args)
+        assert named in str(info.value)
+    with pytest.raises(CheckpointError, match="disagrees with the config") as info:
+        nvfp4.check_nvfp4_shapes(name, (64, 512), (64, 64), (), expected_nk=(128, 512))
+    assert name in str(info.value)
+
+
+def test_check_scales_finite():
+    good = np.full((2, 4), 0x38, np.uint8)
+    nvfp4.check_scales_finite("w", good, np.float32(1))
+    nvfp4.check_scales_finite("w", good.view(ml_dtypes.float8_e4m3fn), np.array([1.0], ml_dtypes.bfloat16))
+    for bad_byte in (0x7F, 0xFF):
+        bad = good.copy()
+        bad[1, 2] = bad_byte
+        with pytest.raises(CheckpointError, match="w_scale: 1 of 8"):
+            nvfp4.check_scales_finite("w", bad, np.float32(1))
+        with pytest.raises(CheckpointError, match="w_scale"):
+            nvfp4.check_scales_finite("w", bad.view(ml_dtypes.float8_e4m3fn), np.float32(1))
+    for s2 in (np.inf, np.nan):
+        with pytest.raises(CheckpointError, match="w_scale_2"):
+            nvfp4.check_scales_finite("w", good, np.float32(s2))
+
+
+# --- on the GPU: the real kernel ------------------------------------------------------------------------------------
+
+DRAFTER_SHAPES = [(2048, 10240), (4096, 2048), (2048, 4096), (512, 2048), (6144, 2048), (2048, 6144),
+                  (2048, 5376), (17408, 2048), (1, 2048), (1, 5376), (3, 96), (4097, 2080)]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", DRAFTER_SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_pallas_matches_xla_and_numpy(shape, dtype):
+    rng = np.random.default_rng()  # fresh bytes every run
+    packed, scale = random_nvfp4(rng, shape)
+    scale_2 = np.float32(rng.uniform(1e-4, 1e-1))
+    out = nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend="pallas")
+    xla = nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend="xla")
+    np.testing.assert_array_equal(bits16(out), bits16(xla))
+    np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, scale_2, np.dtype(dtype))))
