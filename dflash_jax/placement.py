@@ -14,13 +14,11 @@ the page cache, it is only unmapped from us).
 from __future__ import annotations
 
 import collections
-import mmap
 import sys
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .safetensors import Checkpoint
@@ -51,76 +49,60 @@ def place_all(
     """Place every planned tensor (in plan order) replicated on the sharding of `mesh`."""
     sharding = target_sharding(mesh)
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
-    inflight: collections.deque[tuple[jax.Array, list[np.ndarray]]] = collections.deque()
+    inflight: collections.deque[tuple[jax.Array, list[str]]] = collections.deque()
     pending = 0
     leaves = []
     total = sum(_host_bytes(checkpoint, t, packed) for t in plan)
     with _Progress(len(plan), total, progress) as bar:
         for t in plan:
-            host, first = _put_first(checkpoint, t, t.name in packed, devices[0], dtype)
+            names, first = _put_first(checkpoint, t, t.name in packed, devices[0], dtype)
             copies = [first] + [jax.device_put(first, d) for d in devices[1:]]
             leaf = copies[0] if len(devices) == 1 and mesh is None else (
                 jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
             )
             leaves.append(leaf)
-            size = sum(a.nbytes for a in host)
-            inflight.append((leaf, host))
+            size = sum(checkpoint[n].nbytes for n in names)
+            inflight.append((leaf, names))
             pending += size
             while pending > inflight_bytes and inflight:
-                pending -= _retire(*inflight.popleft())
+                pending -= _retire(checkpoint, *inflight.popleft())
             bar.advance(size)
         while inflight:
-            _retire(*inflight.popleft())
+            _retire(checkpoint, *inflight.popleft())
     return leaves
 
 
-def _put_first(checkpoint: Checkpoint, t: TensorPlan, is_packed: bool, device, dtype) -> tuple[list[np.ndarray], jax.Array]:
-    """Copy one tensor's bytes to `device` and convert it there; returns the host views and the array."""
+def _put_first(checkpoint: Checkpoint, t: TensorPlan, is_packed: bool, device, dtype) -> tuple[list[str], jax.Array]:
+    """Copy one tensor's bytes to `device` and convert it there; returns the tensors read and the array."""
     from .loader import host_array
 
     if is_packed:
         from .nvfp4 import dequantize
+        from .nvfp4.checkpoint import companions
 
-        stem = t.name[: -len(".weight")]
-        host = [checkpoint.array(t.name), checkpoint.array(stem + ".weight_scale"),
-                checkpoint.array(stem + ".weight_scale_2")]
-        packed, scale, scale_2 = (jax.device_put(h, device) for h in host)
-        return host, dequantize(packed, scale, scale_2.reshape(()).astype(jnp.float32), dtype=dtype)
-    host = [host_array(checkpoint, checkpoint[t.name])]
-    first = jax.device_put(host[0], device)
+        names = [t.name, *companions(t.name)]
+        packed, scale, scale_2 = (jax.device_put(checkpoint.array(n), device) for n in names)
+        return names, dequantize(packed, scale, scale_2.reshape(()).astype(jnp.float32), dtype=dtype)
+    first = jax.device_put(host_array(checkpoint, checkpoint[t.name]), device)
     if t.kind != "int" and first.dtype != dtype:
         first = first.astype(dtype)
-    return host, first
+    return [t.name], first
 
 
-def _retire(leaf: jax.Array, host: list[np.ndarray]) -> int:
+def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
     """Wait for a tensor's copies, then drop its host pages; returns the bytes released."""
     leaf.block_until_ready()
-    for array in host:
-        _drop_pages(array)
-    return sum(a.nbytes for a in host)
-
-
-def _drop_pages(array: np.ndarray) -> None:
-    """Unmap the pages under a memory-mapped view from this process (they stay in the page cache)."""
-    base = array
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    if not isinstance(base, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED") or array.nbytes == 0:
-        return
-    start = array.__array_interface__["data"][0] - np.frombuffer(base, np.uint8).__array_interface__["data"][0]
-    page = mmap.PAGESIZE
-    begin = -(-start // page) * page  # whole pages only: neighbours may still be in use
-    end = (start + array.nbytes) // page * page
-    if end > begin:
-        base.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+    for name in names:
+        checkpoint.release(name)
+    return sum(checkpoint[n].nbytes for n in names)
 
 
 def _host_bytes(checkpoint: Checkpoint, t: TensorPlan, packed: set[str]) -> int:
     if t.name not in packed:
         return checkpoint[t.name].nbytes
-    stem = t.name[: -len(".weight")]
-    return sum(checkpoint[stem + s].nbytes for s in (".weight", ".weight_scale", ".weight_scale_2"))
+    from .nvfp4.checkpoint import companions
+
+    return sum(checkpoint[n].nbytes for n in (t.name, *companions(t.name)))
 
 
 class _Progress:

@@ -17,6 +17,7 @@ import json
 import math
 import mmap
 import os
+import stat
 from collections.abc import Iterator, Mapping
 
 import ml_dtypes
@@ -45,6 +46,8 @@ DTYPES: dict[str, np.dtype] = {
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
+MAX_INDEX_BYTES = 100 * 1024 * 1024  # an index.json is a few hundred KiB; refuse to slurp anything absurd
+MAX_DIMS = 32  # NumPy's own limit is 64; no real tensor has more than a handful of dimensions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class TensorInfo:
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one file's header; returns its tensors and its `__metadata__`."""
     try:
-        size = os.path.getsize(path)
+        size = _regular_file_size(path)
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -84,19 +87,44 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raw = f.read(length)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: header is not UTF-8 JSON ({e})") from None
+    header = _decode_json(path, raw, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, expected an object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CheckpointError(f"{path}: __metadata__ is not an object")
+    metadata = _metadata(path, header.pop("__metadata__", None))
     base, data_size = 8 + length, size - 8 - length
     tensors = {name: _tensor_info(path, name, entry, base, data_size) for name, entry in header.items()}
     _check_no_overlap(path, tensors.values())
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, metadata
+
+
+def _regular_file_size(path: str) -> int:
+    """The size of `path`, refusing anything that is not a regular file (a FIFO would block the read)."""
+    status = os.stat(path)
+    if not stat.S_ISREG(status.st_mode):
+        raise CheckpointError(f"{path}: not a regular file; expected a safetensors file")
+    return status.st_size
+
+
+def _decode_json(path: str, raw: bytes, what: str) -> object:
+    """UTF-8 JSON with duplicate keys refused; every failure (nesting too deep included) a CheckpointError."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} is not usable JSON (nested too deeply)") from None
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, the int digits limit, duplicates
+        raise CheckpointError(f"{path}: {what} is not valid UTF-8 JSON ({e})") from None
+
+
+def _metadata(path: str, metadata: object) -> dict[str, str]:
+    """`__metadata__`: an object of strings (numbers and booleans are tolerated and stringified)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: __metadata__ is a JSON {type(metadata).__name__}, expected an object")
+    for key, value in metadata.items():
+        if isinstance(value, (dict, list)):
+            raise CheckpointError(f"{path}: __metadata__[{key!r}] is a JSON {type(value).__name__}, expected a string")
+    return {key: str(value) for key, value in metadata.items()}
 
 
 def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -115,10 +143,13 @@ def _tensor_info(path: str, name: str, entry: object, base: int, data_size: int)
     if not isinstance(entry, dict):
         raise bad(f"header entry is a {type(entry).__name__}, expected an object with dtype/shape/data_offsets")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"dtype {dtype!r} is missing or unknown; expected one of {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize >= 2**63:
+        # only an empty tensor gets here with such dims (others are bounded by the file), but NumPy refuses it
+        raise bad(f"shape {shape} is out of range (at most {MAX_DIMS} dimensions, under 2**63 bytes)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         raise bad(f"data_offsets {offsets!r} is not a pair of integers")
     begin, end = offsets
@@ -191,15 +222,35 @@ class Checkpoint(Mapping[str, TensorInfo]):
     def array(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only NumPy array (a view of the memory map, not a copy)."""
         info = self._tensors[name]
-        data = self._map(info.file)[info.start : info.end]
-        return data.view(info.np_dtype).reshape(info.shape)
+        data = self._map(info.file)
+        if len(data) < info.end:  # truncated after its header was read: touching the pages would SIGBUS
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} ends at byte {info.end} but the file now holds {len(data)} "
+                "bytes; it was truncated after its header was read"
+            )
+        return data[info.start : info.end].view(info.np_dtype).reshape(info.shape)
 
     def _map(self, file: str) -> np.ndarray:
         if file not in self._maps:
-            with open(file, "rb") as f:  # headers were validated: the file holds at least 8 bytes
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                with open(file, "rb") as f:  # headers were validated: the file holds at least 8 bytes
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:  # ValueError: emptied since its header was read
+                raise CheckpointError(f"{file}: cannot map the file ({e})") from None
             self._maps[file] = (mapped, np.frombuffer(mapped, np.uint8))
         return self._maps[file][1]
+
+    def release(self, name: str) -> None:
+        """Drop the pages under a tensor from this process's memory (MADV_DONTNEED). The bytes stay in the
+        page cache and a later access maps them again, so this only bounds resident memory."""
+        info = self._tensors[name]
+        if info.file not in self._maps or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        begin = -(-info.start // page) * page  # whole pages only: neighbours may still be in use
+        end = info.end // page * page
+        if end > begin:
+            self._maps[info.file][0].madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     def close(self) -> None:
         """Drop the maps. Arrays already handed out keep their pages alive until they are released."""
@@ -216,7 +267,10 @@ def _plain_files(directory: str) -> list[str]:
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    files = sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors"))
+    files = sorted(
+        os.path.join(directory, f) for f in os.listdir(directory)
+        if f.endswith(".safetensors") and os.path.isfile(os.path.join(directory, f))
+    )
     if not files:
         raise CheckpointError(f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or other .safetensors file")
     return files
@@ -225,10 +279,13 @@ def _plain_files(directory: str) -> list[str]:
 def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Read an index.json and the headers of its shards; check that both tell the same story."""
     try:
+        if os.path.getsize(index_path) > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{index_path}: larger than {MAX_INDEX_BYTES} bytes; expected a small JSON index")
         with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{index_path}: cannot read the index ({e})") from None
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: cannot read the index ({e.strerror or e})") from None
+    index = _decode_json(index_path, raw, "the index")  # duplicate keys refused: one tensor, two shards
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> shard file")

@@ -1,0 +1,121 @@
+"""Load benchmark: our `load_drafter` against the naive path and the ceiling, each in a fresh process.
+
+    python benchmarks/load.py [--dir /tmp/dflash_load_bench] [--devices 1 2] [--repeat 3]
+
+The workload is a checkpoint with the Qwen3.6-35B-A3B-DFlash shapes (preset
+`zlab-qwen3.6-35b-a3b-dflash-v2`: 91 BF16 tensors, 948 MB) and its NVFP4 twin, written once by
+`dflash_jax.testing.write_checkpoint`. Methods (each run in its own process, page cache warm):
+- `ours`: `load_drafter(path, mesh=<first N local devices>)`, bf16, replicated;
+- `naive`: `safetensors.flax.load_file` then `jax.device_put` of each tensor onto the same sharding;
+- `ceiling`: the checkpoint file read into one buffer and put on the first device in one copy.
+Reported: wall time (median of --repeat processes), GB/s of checkpoint bytes, and peak host RSS above
+the process's baseline after JAX start-up (VmHWM reset through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+PRESET = "zlab-qwen3.6-35b-a3b-dflash-v2"
+
+
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(method: str, path: str, devices: int) -> dict:
+    """Runs in the child process: one load, timed, with its peak RSS above the baseline."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    local = jax.local_devices()[:devices]
+    mesh = jax.sharding.Mesh(local, ("replica",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    jax.block_until_ready(jax.device_put(np.zeros(4), sharding))  # backend start-up outside the timing
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    nbytes = sum(os.path.getsize(f) for f in files)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    baseline = rss_mb("VmRSS")
+    start = time.perf_counter()
+    if method == "ours":
+        from dflash_jax import load_drafter
+
+        out = load_drafter(path, mesh=mesh, dtype=jnp.bfloat16, progress=False).params
+    elif method == "naive":
+        from safetensors.flax import load_file
+
+        out = [jax.device_put(x, sharding) for f in files for x in load_file(f).values()]
+    else:  # ceiling: one read into one buffer, one copy
+        buffer = np.empty(nbytes, np.uint8)
+        offset = 0
+        for f in files:
+            with open(f, "rb") as handle:
+                offset += handle.readinto(memoryview(buffer)[offset:])
+        out = jax.device_put(buffer, local[0])
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - start
+    return {"method": method, "devices": devices, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+            "peak_rss_mb": rss_mb("VmHWM") - baseline, "checkpoint_mb": nbytes / 1e6,
+            "platform": local[0].platform}
+
+
+def run_child(method: str, path: str, devices: int) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", method, path, str(devices)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def warm_page_cache(path: str) -> None:
+    for f in os.listdir(path):
+        with open(os.path.join(path, f), "rb") as handle:
+            while handle.read(1 << 24):
+                pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/tmp/dflash_load_bench")
+    parser.add_argument("--devices", type=int, nargs="+", default=[1])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--child", nargs=3, metavar=("METHOD", "PATH", "DEVICES"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], args.child[1], int(args.child[2]))))
+        return
+    from dflash_jax.testing import write_checkpoint
+
+    bf16, nvfp4 = os.path.join(args.dir, "bf16"), os.path.join(args.dir, "nvfp4")
+    for directory, quantized in ((bf16, False), (nvfp4, True)):
+        if not os.path.isfile(os.path.join(directory, "config.json")):
+            write_checkpoint(directory, PRESET, nvfp4=quantized)
+        warm_page_cache(directory)
+    runs = [("ceiling", bf16, 1), ("naive", bf16, 1), ("ours", bf16, 1), ("ours", nvfp4, 1)]
+    runs += [(m, bf16, n) for n in args.devices if n > 1 for m in ("naive", "ours")]
+    runs += [("ours", nvfp4, n) for n in args.devices if n > 1]
+    print(f"{'method':<8} {'checkpoint':<10} {'devices':>7} {'seconds':>8} {'GB/s':>6} {'peak RSS MB':>12}")
+    for method, path, devices in runs:
+        results = [run_child(method, path, devices) for _ in range(args.repeat)]
+        best = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]
+        rss = statistics.median(r["peak_rss_mb"] for r in results)
+        print(f"{method:<8} {os.path.basename(path):<10} {devices:>7} {best['seconds']:>8.3f} "
+              f"{best['gbps']:>6.2f} {rss:>12.0f}   ({best['checkpoint_mb']:.0f} MB, {best['platform']})",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
