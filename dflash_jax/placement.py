@@ -26,7 +26,7 @@ from .safetensors import Checkpoint
 if TYPE_CHECKING:
     from .loader import TensorPlan
 
-DEFAULT_INFLIGHT_BYTES = 256 * 1024 * 1024
+DEFAULT_INFLIGHT_BYTES = 128 * 1024 * 1024
 
 
 def target_sharding(mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding:
