@@ -19,9 +19,17 @@ import msgspec
 
 from .errors import ConfigError
 
+# Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
+# dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
+MAX_DIM = 2**31 - 1
+MAX_LAYERS = 1024  # released drafters have 1-8 layers; 10**12 would make planning hang
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KiB
+
 Positive = Annotated[int, msgspec.Meta(gt=0)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-LayerId = Annotated[int, msgspec.Meta(ge=-1)]  # -1 = the target's embedding output (DeepSpec)
+Dim = Annotated[int, msgspec.Meta(gt=0, le=MAX_DIM)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
+LayerCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
+LayerId = Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)]  # -1 = the target's embedding output (DeepSpec)
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 # Markov / confidence fields that SpecForge and DeepSpec exports put nested or top-level.
@@ -54,7 +62,7 @@ class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     conv_group_size: NonNegative = 0
     selector_rank: NonNegative = 0
     selector_top_k: NonNegative = 0
-    block_size: Positive | None = None
+    block_size: Dim | None = None
     causal: bool | None = None
     input_embedding_scale: float | None = None
     final_logit_softcapping: PositiveFloat | None = None
@@ -67,7 +75,7 @@ class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mask_token_id: NonNegative | None = None
     target_layer_ids: tuple[LayerId, ...] | None = None
     markov_rank: NonNegative | None = None
-    block_size: Positive | None = None
+    block_size: Dim | None = None
 
 
 class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -82,16 +90,16 @@ class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Fals
 class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """A DFlash-family drafter config. Frozen and hashable: usable as a static `jax.jit` argument."""
 
-    hidden_size: Positive
-    num_hidden_layers: Positive
-    intermediate_size: Positive
-    num_attention_heads: Positive
-    num_key_value_heads: Positive
-    head_dim: Positive
-    vocab_size: Positive
-    draft_vocab_size: Positive | None = None
+    hidden_size: Dim
+    num_hidden_layers: LayerCount
+    intermediate_size: Dim
+    num_attention_heads: Dim
+    num_key_value_heads: Dim
+    head_dim: Dim
+    vocab_size: Dim
+    draft_vocab_size: Dim | None = None
     tie_word_embeddings: bool = False
-    block_size: Positive = 16
+    block_size: Dim = 16
     dflash_config: DflashSubConfig | None = None
     rope_theta: PositiveFloat = 1e7  # resolved: rope_parameters.rope_theta wins over the default
     rope_scaling: RopeScaling | None = None  # also read from `rope_parameters`
@@ -175,37 +183,76 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>") -> DflashConfig:
     """Decode a drafter config (JSON text, bytes, or an already-parsed dict) into a `DflashConfig`.
 
-    Raises `ConfigError` naming `source` and the offending field.
+    Raises `ConfigError` naming `source` and the offending field, and nothing else, whatever `raw` holds.
     """
-    if isinstance(raw, (str, bytes, bytearray)):
-        try:
-            raw = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{source}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
     try:
-        config = msgspec.convert(_normalise(raw, source), DflashConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    return _resolve(config, source)
+        if isinstance(raw, (str, bytes, bytearray)):
+            try:
+                raw = json.loads(raw)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digits limit
+                raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
+        refusal = not_a_drafter(raw)
+        if refusal:
+            raise ConfigError(f"{source}: {refusal}")
+        try:
+            config = msgspec.convert(_normalise(raw, source), DflashConfig)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        except UnicodeError:  # msgspec cannot encode a lone surrogate ("\ud800") in a key or a string
+            raise ConfigError(f"{source}: a key or string is not valid Unicode (lone surrogate escape)") from None
+        return _resolve(config, source)
+    except RecursionError:
+        raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
 
 
 def load_config(path: str | os.PathLike[str]) -> DflashConfig:
     """Read a drafter config from a config.json file or a checkpoint directory."""
     path = os.fspath(path)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
+    if not os.path.isfile(file):  # also refuses a FIFO or a device, whose read could block forever
         what = "a directory without config.json" if os.path.isdir(path) else "no such file"
         raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
-    with open(file, "rb") as f:
-        return parse_config(f.read(), source=file)
+    if file.endswith(".safetensors"):
+        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory that holds it and config.json")
+    try:
+        if os.path.getsize(file) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a drafter config.json")
+        with open(file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
+    return parse_config(raw, source=file)
+
+
+def not_a_drafter(raw: dict[str, Any]) -> str | None:
+    """Why a raw config is no DFlash-family drafter (an EAGLE drafter, a target model), or None.
+
+    Judged on the raw dict before decoding, so that the fields such configs lack (`head_dim`, the mask
+    token) do not hide what they are. Only a config with no mask token anywhere is refused here: every
+    DFlash-family drafter has one, whatever its `architectures` says.
+    """
+    sources = (raw, raw.get("dflash_config"), raw.get("dspark_config"))
+    if any(isinstance(s, dict) and s.get("mask_token_id") is not None for s in sources):
+        return None
+    architectures = raw.get("architectures")
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    listed = f"architectures [{', '.join(names)}]"
+    expected = "expected a DFlash, DFlash2 or DSpark drafter config (with `dflash_config.mask_token_id`)"
+    if any("eagle" in a.lower() for a in names) or "eagle_config" in raw:
+        return f"{listed}, no mask token: this is an EAGLE drafter, not a DFlash-family drafter; {expected}"
+    if any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in names):
+        return f"{listed}, no mask token: this looks like a target model, not a drafter; {expected}"
+    return None
 
 
 def _normalise(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold the layouts real checkpoints ship into the one `DflashConfig` reads."""
     raw = dict(raw)
     params = raw.pop("rope_parameters", None)
+    if params is not None and not isinstance(params, dict):
+        raise ConfigError(f"{source}: `rope_parameters` is a JSON {type(params).__name__}, expected an object")
     if params is not None:
         scaling = raw.get("rope_scaling")
         if scaling is not None and scaling != params:
@@ -214,7 +261,7 @@ def _normalise(raw: dict[str, Any], source: str) -> dict[str, Any]:
                 f"({scaling!r} vs {params!r}); expected one of them"
             )
         raw["rope_scaling"] = params
-        theta = params.get("rope_theta") if isinstance(params, dict) else None
+        theta = params.get("rope_theta")
         if theta is not None:
             if "rope_theta" in raw and raw["rope_theta"] != theta:
                 raise ConfigError(
@@ -248,7 +295,8 @@ def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
     groups = block.get("config_groups")
     if "group_size" not in out and isinstance(groups, dict):
         for group in groups.values():
-            size = group.get("weights", {}).get("group_size") if isinstance(group, dict) else None
+            weights = group.get("weights") if isinstance(group, dict) else None
+            size = weights.get("group_size") if isinstance(weights, dict) else None
             if size is not None:
                 out["group_size"] = size
                 break
@@ -277,11 +325,19 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
     def fail(message: str):
         raise ConfigError(f"{source}: {message}")
 
+    for field, value in _non_finite(config):
+        fail(f"{field}={value} is not finite; expected a finite number")
     if mask is None:
-        hint = _not_a_drafter_hint(config)
         fail(
             "no mask token: expected `dflash_config.mask_token_id`, a top-level `mask_token_id` or "
-            f"`dspark_config.mask_token_id`{hint}"
+            "`dspark_config.mask_token_id`"
+        )
+    if mask >= config.vocab_size:
+        fail(f"mask_token_id={mask} is outside the target vocabulary (vocab_size={config.vocab_size})")
+    if config.draft_vocab_size is not None and config.draft_vocab_size > config.vocab_size:
+        fail(
+            f"draft_vocab_size={config.draft_vocab_size} exceeds vocab_size={config.vocab_size}; "
+            "expected a draft vocabulary that is a subset of the target's"
         )
     if not layer_ids:
         fail(
@@ -310,22 +366,25 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         fail("dflash_config declares only one of conv_kernel_size / conv_group_size; expected both or neither")
     if sub is not None and bool(sub.selector_rank) != bool(sub.selector_top_k):
         fail("dflash_config declares only one of selector_rank / selector_top_k; expected both or neither")
-    if config.family == "dflash2" and config.effective_block_size < 2:
+    if config.family != "dspark" and config.effective_block_size < 2:
         fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
+    if sub is not None and sub.selector_top_k > (config.draft_vocab_size or config.vocab_size):
+        fail(f"dflash_config.selector_top_k={sub.selector_top_k} exceeds the draft vocabulary")
     declared = _declared_rope_type(config.rope_scaling)
     if declared not in ("default", "yarn"):
         warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     if config.rope_type == "yarn" and (config.rope_scaling.factor or 0) <= 0:
         fail("rope_scaling: rope_type 'yarn' needs a positive `factor`")
-    if not math.isfinite(config.rope_theta):
-        fail(f"rope_theta={config.rope_theta} is not finite")
     return config
 
 
-def _not_a_drafter_hint(config: DflashConfig) -> str:
-    arch = ", ".join(config.architectures)
-    if any("Eagle" in a or "EAGLE" in a for a in config.architectures):
-        return f" (architectures [{arch}]: this is an EAGLE drafter, not a DFlash-family drafter)"
-    if any(a.endswith("ForCausalLM") for a in config.architectures):
-        return f" (architectures [{arch}]: this looks like a target model, not a DFlash-family drafter)"
-    return ""
+def _non_finite(struct: msgspec.Struct, prefix: str = ""):
+    """(field path, value) of every NaN / Inf float in a decoded config, nested blocks included.
+
+    JSON has no NaN or Infinity, but Python's json accepts those literals and reads 1e999 as inf."""
+    for field in struct.__struct_fields__:
+        value = getattr(struct, field)
+        if isinstance(value, msgspec.Struct):
+            yield from _non_finite(value, f"{prefix}{field}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            yield f"{prefix}{field}", value
