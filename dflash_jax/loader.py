@@ -26,6 +26,7 @@ import numpy as np
 from .config import DflashConfig, load_config
 from .errors import CheckpointError
 from .safetensors import Checkpoint, TensorInfo
+from .validate import check_values
 
 log = logging.getLogger("dflash_jax")
 
@@ -103,14 +104,17 @@ def draft_to_target_ids(draft_ids: jax.Array, d2t: jax.Array | None) -> jax.Arra
 
 def find_prefix(checkpoint: Checkpoint, where: str) -> str:
     """`""` or `"model."`: the layout of the checkpoint, detected by its `fc.weight`."""
+    names = set(checkpoint)
+    if any(n.startswith(("midlayer.", "model.midlayer.")) for n in names):  # EAGLE-3 has an fc.weight too
+        raise CheckpointError(
+            f"{where}: tensors `midlayer.*`: this is an EAGLE-3 drafter, not a DFlash-family drafter; "
+            "expected `fc.weight` with `layers.*`"
+        )
     if "fc.weight" in checkpoint:
         return ""
     if "model.fc.weight" in checkpoint:
         return "model."
-    names = set(checkpoint)
-    if any(n.startswith("midlayer.") for n in names):
-        what = "an EAGLE-3 drafter (it has midlayer.*)"
-    elif "model.embed_tokens.weight" in names or "lm_head.weight" in names:
+    if "model.embed_tokens.weight" in names or "lm_head.weight" in names:
         what = "a full language model (it has embed_tokens/lm_head but no fc)"
     else:
         what = f"a checkpoint of {len(names)} tensors without one"
@@ -273,6 +277,7 @@ def load_drafter(
             from .nvfp4.checkpoint import check_quant_config
 
             check_quant_config(path, config, packed)
+        check_values(config, plan, checkpoint, packed)  # NaN/Inf in small tensors, d2t range: before placing
         extra = unexpected_tensors(plan, checkpoint)
         if extra:
             warnings.warn(f"{path}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=2)

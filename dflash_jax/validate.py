@@ -1,0 +1,88 @@
+"""Checks of tensor values that headers cannot show, run by the loader before anything is placed.
+
+Headers give names, dtypes and shapes; a corrupted or badly exported checkpoint can still carry NaN/Inf
+weights or a `d2t` that maps draft ids outside the target vocabulary. The policy (docs/errors.md):
+
+- Every floating tensor of at most `SCAN_ELEMENTS` elements is scanned for NaN/Inf: RMSNorm gains,
+  biases, DFlash2 conv base kernels, the confidence head. These are tiny (a few hundred KiB for a whole
+  drafter), and a NaN there is almost certainly a corrupted file that would turn every draft into NaN, so
+  it is an error naming the tensor. The big matrices (fc, projections, codebooks, Markov factors,
+  embeddings) are not scanned by default: that would mean reading the whole checkpoint once more.
+  `scan_checkpoint(path)` does the full read when you suspect a file.
+- NVFP4 block scales and global scales are checked by `nvfp4.checkpoint.check_packed`.
+- `d2t` is read whole (one integer per draft token) and every `draft_id + d2t[draft_id]` must be a
+  target id: `0 <= target < vocab_size`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import CheckpointError
+from .safetensors import Checkpoint, TensorInfo
+
+if TYPE_CHECKING:
+    from .config import DflashConfig
+    from .loader import TensorPlan
+
+SCAN_ELEMENTS = 1 << 16  # tensors up to this many elements are scanned for NaN/Inf on every load
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+
+
+def check_values(config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: set[str]) -> None:
+    """The loader's value checks: NaN/Inf in small floating tensors, the range of `d2t`."""
+    for t in plan:
+        if t.name in packed:
+            continue
+        info = checkpoint[t.name]
+        if t.kind == "int":
+            check_d2t(checkpoint, info, config.vocab_size)
+        elif info.dtype in FLOAT_DTYPES and math.prod(info.shape) <= SCAN_ELEMENTS:
+            check_finite(checkpoint, info)
+
+
+def check_finite(checkpoint: Checkpoint, info: TensorInfo) -> None:
+    """Raise `CheckpointError` naming the tensor when it holds a NaN or an Inf."""
+    array = checkpoint.array(info.name)
+    bad = ~np.isfinite(array)
+    if bad.any():
+        first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), array.shape))
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} holds {int(bad.sum())} NaN/Inf of {array.size} values "
+            f"(first at index {list(first)}: {array[first]}); expected finite values: the file is corrupted"
+        )
+
+
+def check_d2t(checkpoint: Checkpoint, info: TensorInfo, vocab_size: int) -> None:
+    """Every `draft_id + d2t[draft_id]` must be a target id in `[0, vocab_size)`."""
+    offsets = checkpoint.array(info.name)
+    draft = np.arange(offsets.size, dtype=np.int64)
+    # Bound the offsets before any arithmetic, so that neither a U64 cast nor the sum can wrap around.
+    in_range = (offsets >= -draft) & (offsets < vocab_size - draft) if offsets.dtype.kind == "i" else (
+        offsets < vocab_size - draft.astype(np.uint64)
+    )
+    if not in_range.all():
+        i = int(np.argmin(in_range))
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} maps draft id {i} to target id {i} + {int(offsets[i])}, "
+            f"outside the target vocabulary [0, {vocab_size}) ({int((~in_range).sum())} ids out of range); "
+            "expected target = draft + d2t[draft] < vocab_size"
+        )
+
+
+def scan_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Scan every floating tensor of a checkpoint (a directory or a .safetensors file) for NaN/Inf.
+
+    A full read of the checkpoint, for files you suspect; `load_drafter` scans only the small tensors.
+    Raises `CheckpointError` naming the first bad tensor.
+    """
+    with Checkpoint(path) as checkpoint:
+        for name in sorted(checkpoint):
+            info = checkpoint[name]
+            if info.dtype in FLOAT_DTYPES:
+                check_finite(checkpoint, info)
