@@ -1,9 +1,15 @@
-"""Random Hugging Face Qwen3 checkpoints (config.json + safetensors) for tests, examples and demos.
+"""Qwen3 targets for tests, examples and benchmarks: random checkpoints, and a target/drafter pair that agree.
 
-`write_qwen3_checkpoint(directory, "tiny-qwen3")` writes a directory that both `Qwen3Target.from_pretrained`
-and transformers' `Qwen3ForCausalLM.from_pretrained` load. The tiny presets match the tiny drafters of
-`dflash_jax.testing` (hidden 64, vocab 128, 6 layers: `target_layer_ids` [1, 3] are valid), so any tiny drafter
-can be paired with a tiny target.
+- `write_qwen3_checkpoint(directory, "tiny-qwen3")`: a random Hugging Face Qwen3 directory (config.json +
+  safetensors) that both `Qwen3Target.from_pretrained` and transformers' `Qwen3ForCausalLM` load. The tiny
+  presets match the tiny drafters of `dflash_jax.testing` (hidden 64, vocab 128, 6 layers, so their
+  `target_layer_ids` [1, 3] are valid): any tiny drafter pairs with a tiny target.
+- `random_qwen3(config)`: random weights drawn on the device (no checkpoint), for benchmarks at real sizes.
+- `successor_target(target, successor)` and `successor_drafter(drafter, successor)`: the accept path on demand.
+  The target is rebuilt so its greedy next token is `successor[last token]` (embedding and LM head aligned,
+  decoder layers kept but scaled down, so the context still nudges it now and then); a DSpark drafter's
+  Markov head is rebuilt so its rows walk the same map. Together they accept nearly whole blocks; with
+  another map (`successor_drafter(d, other)`) the drafter is always wrong: the two bounds of the speedup.
 """
 
 from __future__ import annotations
@@ -14,10 +20,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .target import Qwen3Config, parse_qwen3_config, plan_qwen3
+from .loader import Drafter
+from .target import Qwen3Config, Qwen3Target, parse_qwen3_config, plan_qwen3
 from .safetensors import write_tensors
 from .testing import random_tensor
 
@@ -42,13 +53,12 @@ def write_qwen3_checkpoint(
     seed: int = 0,
     num_shards: int = 1,
     dtype: str = "bfloat16",
-    tensors: dict[str, np.ndarray] | None = None,
 ) -> Qwen3Config:
     """Write a random Qwen3 checkpoint of `config` (a preset name or a raw config dict) to `directory`.
 
     Weights are drawn as the drafter test checkpoints' are (`testing.random_tensor`: norms near 1, linears
-    scaled by fan-in). `tensors` replaces given tensors by name (e.g. a hand-built `lm_head.weight`);
-    `num_shards > 1` writes shards plus an index; `dtype` is "bfloat16" or "float32". Returns the config.
+    scaled by fan-in). `num_shards > 1` writes shards plus an index; `dtype` is "bfloat16" or "float32".
+    Returns the config.
     """
     raw = copy.deepcopy(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
     raw["torch_dtype"] = dtype
@@ -58,10 +68,77 @@ def write_qwen3_checkpoint(
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     arrays = {t.name: random_tensor(t, parsed, rng).astype(out_dtype) for t in plan_qwen3(parsed)}
-    for name, value in (tensors or {}).items():
-        if name not in arrays:
-            raise KeyError(f"{name!r} is not a tensor of this Qwen3 checkpoint")
-        arrays[name] = np.asarray(value).astype(out_dtype).reshape(arrays[name].shape)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, arrays, num_shards)
     return parsed
+
+
+def random_qwen3(config: Qwen3Config | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Qwen3Target:
+    """A Qwen3 target with random weights drawn on the default device (norm gains 1, linears N(0, 1/fan_in))."""
+    if not isinstance(config, Qwen3Config):
+        config = parse_qwen3_config(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
+    params: dict[str, Any] = {}
+    for i, t in enumerate(plan_qwen3(config)):
+        if t.path[0] == "layers" and t.path[1] != 0:
+            continue  # one draw per per-layer name, stacked over the layers
+        shape, path = (t.shape, t.path) if t.path[0] != "layers" else (
+            (config.num_hidden_layers, *t.shape), ("layers", *t.path[2:]))
+        if len(t.shape) == 1:
+            value = jnp.ones(shape, dtype)
+        else:
+            value = jax.random.normal(jax.random.key(seed * 1000 + i), shape, dtype) * (t.shape[-1] ** -0.5)
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return Qwen3Target(params=params, config=config)
+
+
+def successor_target(target: Qwen3Target, successor: np.ndarray, *, margin: float = 10.0,
+                     layer_scale: float = 0.5, seed: int = 0) -> Qwen3Target:
+    """The target rebuilt so that its greedy next token is (nearly always) `successor[last token]`.
+
+    successor: a permutation of the vocabulary. Embedding rows are random with unit RMS; LM-head row v is
+    `margin / H * embed[successor^-1[v]]`, so for a residual stream equal to `embed[t]` the logit of
+    `successor[t]` is `margin` and the others are about `N(0, margin^2 / H)`. Attention and MLP outputs are
+    scaled by `layer_scale`: the earlier tokens still move the logits a little, and sometimes the winner.
+    """
+    c, dtype = target.config, target.embed.dtype
+    V, H = c.vocab_size, c.hidden_size
+    embed = jax.random.normal(jax.random.key(seed), (V, H), jnp.float32)
+    embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
+    predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
+    layers = dict(target.params["layers"])
+    layers["self_attn"] = {**layers["self_attn"], "o_proj": {"weight": layers["self_attn"]["o_proj"]["weight"] * layer_scale}}
+    layers["mlp"] = {**layers["mlp"], "down_proj": {"weight": layers["mlp"]["down_proj"]["weight"] * layer_scale}}
+    params = {
+        "embed_tokens": {"weight": embed.astype(dtype)},
+        "lm_head": {"weight": (embed[predecessor] * (margin / H)).astype(dtype)},
+        "norm": {"weight": jnp.ones((H,), dtype)},
+        "layers": layers,
+    }
+    return Qwen3Target(params=params, config=c)
+
+
+def successor_drafter(drafter: Drafter, successor: np.ndarray, *, scale: float = 100.0, seed: int = 0) -> Drafter:
+    """A DSpark drafter whose Markov head walks `successor`: row k drafts `successor^(k+1)[anchor]`.
+
+    The Markov bias of row k is `markov_w2 @ markov_w1[prev]`; with `markov_w1[t] = u_t` and
+    `markov_w2[v] = scale * u_{successor^-1[v]}` it is `scale` at `successor[prev]` and `scale * <u_s, u_t>` elsewhere.
+    For rank >= vocab the codes u are one-hot (exact); otherwise random unit vectors (cross terms about
+    `scale / sqrt(rank)`, far below `scale`). `scale` drowns the backbone's own logits.
+    """
+    params = drafter.params
+    if "markov_head" not in params:
+        raise ValueError("successor_drafter needs a DSpark drafter (one with a markov_head)")
+    V, r = params["markov_head"]["markov_w1"]["weight"].shape
+    dtype = params["markov_head"]["markov_w1"]["weight"].dtype
+    if r >= V:
+        codes = jnp.eye(V, r, dtype=jnp.float32)
+    else:
+        codes = jax.random.normal(jax.random.key(seed), (V, r), jnp.float32)
+        codes = codes / jnp.linalg.norm(codes, axis=1, keepdims=True)
+    predecessor = jnp.argsort(jnp.asarray(successor))
+    markov = {"markov_w1": {"weight": codes.astype(dtype)},
+              "markov_w2": {"weight": (scale * codes[predecessor]).astype(dtype)}}
+    return dataclasses.replace(drafter, params={**params, "markov_head": markov})

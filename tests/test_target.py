@@ -1,0 +1,211 @@
+"""Qwen3Target: against an independent NumPy forward, the feature convention, the KV cache, loading and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import CheckpointError, ConfigError
+from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
+from dflash_jax.target import Qwen3Target, Target
+
+from ._io import load_file, save_file
+
+TOL = dict(rtol=0, atol=2e-4)  # float32 vs float64 on outputs of size ~5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# An independent NumPy Qwen3 (float64; RoPE angles in float32 as transformers forms them), one sequence at a
+# time, no cache: every call recomputes the whole sequence, heads in an explicit loop.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _rope(x, positions, theta):
+    """x: [S, heads, d]; neox rotate-half with float32 angles."""
+    d = x.shape[-1]
+    inv = (np.float32(1) / np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
+    angles = (positions.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)  # [S, d/2]
+    cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
+    rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def numpy_qwen3(directory: str, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(logits [S, V], hidden_states) with transformers' `output_hidden_states` convention: entry 0 is the
+    embedding output, entry i the output of layer i - 1, and the last entry is after the final norm."""
+    c = json.load(open(os.path.join(directory, "config.json")))
+    w = {k: v.astype(np.float64) for k, v in load_file(os.path.join(directory, "model.safetensors")).items()}
+    eps, n_h, n_kv, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    S = len(tokens)
+    positions = np.arange(S)
+    x = w["model.embed_tokens.weight"][tokens]
+    states = [x]
+    for i in range(c["num_hidden_layers"]):
+        p = lambda name: w[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+        xn = _rms(x, p("input_layernorm"), eps)
+        q = _rope(_rms((xn @ p("self_attn.q_proj").T).reshape(S, n_h, d), p("self_attn.q_norm"), eps), positions, c["rope_theta"])
+        k = _rope(_rms((xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d), p("self_attn.k_norm"), eps), positions, c["rope_theta"])
+        v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
+        heads = []
+        for h in range(n_h):
+            g = h // (n_h // n_kv)
+            scores = q[:, h] @ k[:, g].T / np.sqrt(d)
+            scores[np.triu_indices(S, 1)] = -np.inf
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            heads.append((weights / weights.sum(-1, keepdims=True)) @ v[:, g])
+        x = x + np.concatenate(heads, axis=-1) @ p("self_attn.o_proj").T
+        hn = _rms(x, p("post_attention_layernorm"), eps)
+        gate = hn @ p("mlp.gate_proj").T
+        x = x + ((gate / (1 + np.exp(-gate))) * (hn @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+        states.append(x)
+    states[-1] = _rms(x, w["model.norm.weight"], eps)
+    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
+    return states[-1] @ head.T, states
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("tiny-qwen3"))
+    write_qwen3_checkpoint(directory, "tiny-qwen3", seed=3)
+    return directory, Qwen3Target.from_pretrained(directory, dtype=jnp.float32)
+
+
+PROMPTS = [[5, 17, 99, 3, 64, 2, 88, 41, 7], [120, 4, 33], [9, 9, 9, 9, 1, 2]]
+LAYER_IDS = (-1, 0, 2, 4, 5)  # embedding, inner layers, and the last layer (after the final norm)
+
+
+def _features(states, ids):
+    return np.concatenate([states[l + 1] for l in ids], axis=-1)
+
+
+def test_matches_numpy_reference_incrementally(tiny):
+    """Right-padded prefill of a batch, then chunks of 1 and 3 tokens with a rewind in between: every logit
+    and feature row equals the uncached NumPy forward over the whole sequence so far."""
+    directory, target = tiny
+    assert isinstance(target, Target)
+    batch, width = len(PROMPTS), max(map(len, PROMPTS))
+    tokens = np.zeros((batch, width), np.int32)
+    for row, p in zip(tokens, PROMPTS):
+        row[: len(p)] = p
+    cache = target.init_cache(batch, 32)
+    lengths = np.zeros(batch, np.int32)
+    out = target(jnp.asarray(tokens), cache, jnp.asarray(lengths), layer_ids=LAYER_IDS)
+    assert out.logits.shape == (batch, width, 128) and out.logits.dtype == jnp.float32
+    assert out.features.shape == (batch, width, len(LAYER_IDS) * 64)
+    sequences = [list(p) for p in PROMPTS]
+    for b, seq in enumerate(sequences):
+        logits, states = numpy_qwen3(directory, seq)
+        np.testing.assert_allclose(np.asarray(out.logits[b, : len(seq)]), logits, **TOL)
+        np.testing.assert_allclose(np.asarray(out.features[b, : len(seq)]), _features(states, LAYER_IDS), **TOL)
+
+    cache, lengths = out.cache, np.array([len(p) for p in PROMPTS], np.int32)
+    rng = np.random.default_rng(0)
+    for chunk, keep in [(1, 1), (3, 3), (3, 1), (1, 1), (3, 2)]:  # keep < chunk: the rest is rejected
+        new = rng.integers(0, 128, (batch, chunk)).astype(np.int32)
+        out = target(jnp.asarray(new), cache, jnp.asarray(lengths), layer_ids=LAYER_IDS)
+        for b, seq in enumerate(sequences):
+            logits, states = numpy_qwen3(directory, seq + new[b].tolist())
+            np.testing.assert_allclose(np.asarray(out.logits[b]), logits[-chunk:], **TOL)
+            np.testing.assert_allclose(np.asarray(out.features[b]), _features(states, LAYER_IDS)[-chunk:], **TOL)
+            seq.extend(new[b, :keep].tolist())
+        cache, lengths = out.cache, lengths + keep
+
+
+def test_last_layer_feature_is_after_final_norm(tiny):
+    """Feature N-1 is hidden_states[N] (normed), not the raw output of the last layer (spec §7)."""
+    directory, target = tiny
+    prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
+    out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(5, 4))
+    _, states = numpy_qwen3(directory, PROMPTS[0])
+    last, before = np.asarray(out.features[0, :, :64]), np.asarray(out.features[0, :, 64:])
+    np.testing.assert_allclose(last, states[6], **TOL)
+    np.testing.assert_allclose(before, states[5], **TOL)
+    rms = np.sqrt(np.mean(last**2, axis=-1))
+    assert not np.allclose(rms, np.sqrt(np.mean(np.asarray(before) ** 2, axis=-1)), rtol=0.05)
+
+
+def test_stale_cache_slots_never_read(tiny):
+    """Garbage beyond `lengths` (rejected drafts) changes nothing: trimming is passing a smaller length."""
+    _, target = tiny
+    prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
+    clean = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(1,))
+    dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)
+    nxt = jnp.asarray([[11, 12]], jnp.int32)
+    length = jnp.asarray([len(PROMPTS[0])], jnp.int32)
+    a = target(nxt, clean.cache, length, layer_ids=(1,))
+    b = target(nxt, dirty_cache, length, layer_ids=(1,))
+    np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+    np.testing.assert_array_equal(np.asarray(a.features), np.asarray(b.features))
+
+
+def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
+    """A sharded, tied checkpoint: bf16 by default, `lm_head` is the embedding, replicated over a mesh,
+    same logits as the NumPy forward within bf16 tolerance."""
+    directory = str(tmp_path)
+    write_qwen3_checkpoint(directory, "tiny-qwen3-tied", seed=1, num_shards=3)
+    assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
+    target = Qwen3Target.from_pretrained(directory, mesh=cpu_mesh)
+    assert target.embed.dtype == jnp.bfloat16 and target.lm_head is target.embed
+    assert "lm_head" not in target.params
+    assert target.params["layers"]["self_attn"]["q_proj"]["weight"].shape == (6, 64, 64)
+    for leaf in jax.tree.leaves(target.params):
+        assert leaf.sharding.mesh == cpu_mesh and leaf.sharding.is_fully_replicated
+    # merge the shards for the NumPy reader
+    merged = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            merged.update(load_file(os.path.join(directory, f)))
+    ref_dir = str(tmp_path / "merged")
+    os.makedirs(ref_dir)
+    save_file(merged, os.path.join(ref_dir, "model.safetensors"))
+    with open(os.path.join(directory, "config.json")) as f, open(os.path.join(ref_dir, "config.json"), "w") as g:
+        g.write(f.read())
+    logits, _ = numpy_qwen3(ref_dir, PROMPTS[1])
+    out = target(jnp.asarray([PROMPTS[1]]), target.init_cache(1, 16), jnp.zeros(1, jnp.int32))
+    np.testing.assert_allclose(np.asarray(out.logits[0]), logits, rtol=0, atol=0.15)
+    assert (np.asarray(out.logits[0]).argmax(-1) == logits.argmax(-1)).mean() >= 2 / 3
+
+
+def test_rope_parameters_layout(tmp_path):
+    """transformers 5 writes `rope_parameters` instead of `rope_theta`: same model."""
+    raw = {k: v for k, v in QWEN3_TINY_CONFIGS["tiny-qwen3"].items() if k not in ("rope_theta", "rope_scaling")}
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    write_qwen3_checkpoint(tmp_path, raw)
+    target = Qwen3Target.from_pretrained(tmp_path, dtype=jnp.float32)
+    assert target.config.rope_theta == 5000.0 and target.config.rope_type == "default"
+
+
+def test_errors(tmp_path, tiny):
+    directory, _ = tiny
+    with pytest.raises(ConfigError, match="config.json"):
+        Qwen3Target.from_pretrained(tmp_path)
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    config = json.load(open(os.path.join(directory, "config.json")))
+
+    def write(where, tensors, **changes):
+        os.makedirs(where, exist_ok=True)
+        save_file(tensors, os.path.join(where, "model.safetensors"))
+        json.dump({**config, **changes}, open(os.path.join(where, "config.json"), "w"))
+        return where
+
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.3.mlp.up_proj.weight"}
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
+        Qwen3Target.from_pretrained(write(str(tmp_path / "missing"), missing))
+    with pytest.raises(CheckpointError, match=r"shape \[128, 64\], expected \[256, 64\]"):
+        Qwen3Target.from_pretrained(write(str(tmp_path / "shape"), tensors, vocab_size=256))
+    with pytest.raises(ConfigError, match="model_type"):
+        Qwen3Target.from_pretrained(write(str(tmp_path / "llama"), tensors, model_type="llama"))
+    with pytest.raises(ConfigError, match="num_key_value_heads"):
+        Qwen3Target.from_pretrained(write(str(tmp_path / "gqa"), tensors, num_key_value_heads=3))
+    _, target = tiny
+    with pytest.raises(ValueError, match="outside"):
+        target(jnp.zeros((1, 2), jnp.int32), target.init_cache(1, 8), jnp.zeros(1, jnp.int32), layer_ids=(6,))
