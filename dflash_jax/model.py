@@ -51,7 +51,7 @@ _QWEN3_DEFAULT_MAX_POSITIONS = 32768
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """`einsum` with float32 accumulation; full-precision products whenever an operand is float32."""
     full = jnp.float32 in (a.dtype, b.dtype)
     precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
@@ -60,7 +60,7 @@ def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}`; returns x's dtype."""
-    y = _dot("...i,oi->...o", x, p["weight"])  # [..., out] f32
+    y = dot("...i,oi->...o", x, p["weight"])  # [..., out] f32
     if "bias" in p:
         y = y + p["bias"].astype(jnp.float32)
     return y.astype(x.dtype)
@@ -75,7 +75,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def lm_logits(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
     """Float32 logits `hidden @ lm_head.T` for an HF-layout head `[V, H]`: `[..., H] -> [..., V]`."""
-    return _dot("...h,vh->...v", hidden, lm_head)
+    return dot("...h,vh->...v", hidden, lm_head)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -216,14 +216,14 @@ def attend(q: jax.Array, q_positions: jax.Array, parts: Sequence[KeyValues], rul
     q = q.reshape(batch, n_q, n_kv, n_h // n_kv, d_h)  # [batch, Bq, n_kv, groups, d_h]: head h = kv * groups + g
     scores = []
     for part in parts:
-        s = _dot("bqhgd,bkhd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
+        s = dot("bqhgd,bkhd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
         mask = visible(q_positions, part.positions, rule) & part.valid[:, None, :]  # [batch, Bq, rows]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     peak = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores])  # [b, n_kv, g, Bq, 1]
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = [jnp.exp(s - peak) for s in scores]
     total = sum(w.sum(axis=-1) for w in weights)  # [batch, n_kv, groups, Bq]
-    out = sum(_dot("bhgqk,bkhd->bqhgd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
+    out = sum(dot("bhgqk,bkhd->bqhgd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
     out = out / jnp.moveaxis(total, -1, 1)[..., None]  # [batch, Bq, n_kv, groups, d_h] f32
     return out.reshape(batch, n_q, n_h, d_h).astype(q.dtype)
 

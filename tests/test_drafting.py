@@ -1,0 +1,175 @@
+"""`propose` with its context cache against the uncached forward, and the samplers against the NumPy reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax.drafting import init_cache, propose, sample_drafts
+from dflash_jax.model import draft_hidden
+
+from . import _numpy_reference as ref
+from ._drafters import block, features, tiny_drafter
+
+FAMILIES = ["tiny-dflash", "tiny-dflash2", "tiny-dspark"]
+# (num_new per sequence) for three steps of a batch of 2: different lengths, an idle sequence (0 new rows);
+# the lengths (5, 9), (9, 9), (13, 13) keep the uncached comparisons to three compiled shapes
+STEPS = [(5, 9), (4, 0), (4, 4)]
+PAD = 9  # new context rows are padded to this many, so every step runs the same compiled program
+sample = jax.jit(sample_drafts)
+
+
+def _uncached(drafter, feats, length, anchor):
+    """(final hidden of the draft rows, greedy proposal) of one sequence from its whole context, no cache."""
+    c = drafter.config
+    B, n = c.effective_block_size, c.num_draft_tokens
+    hidden = draft_hidden(
+        drafter, feats[None, :length], block(drafter, [anchor]),
+        context_positions=np.arange(length)[None], block_positions=(length + np.arange(B))[None],
+    )[:, B - n:]
+    return hidden, sample(drafter, hidden, jnp.asarray([anchor]))
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_cached_propose_matches_uncached(preset):
+    """Token for token over several steps, batch 2 with different lengths. A second cache that first takes
+    rows it then rejects (`trim` back to the old lengths) gives the same drafts: rejection leaves no trace."""
+    drafter = tiny_drafter(preset)
+    feats = features(drafter, 2, sum(n for n, _ in STEPS) + PAD, seed=1)
+    garbage = features(drafter, 2, PAD, seed=2)
+    rng = np.random.default_rng(3)
+    exact, rewound = init_cache(drafter, 2, 32), init_cache(drafter, 2, 32)
+    lengths = np.zeros(2, int)
+    for num_new in map(np.array, STEPS):
+        new = garbage.copy()  # rows past num_new are padding: never seen, never kept
+        for b in range(2):
+            new[b, : num_new[b]] = feats[b, lengths[b] : lengths[b] + num_new[b]]
+        anchors = rng.integers(0, drafter.config.vocab_size, 2).astype(np.int32)
+        got, exact = propose(drafter, exact, new, num_new, anchors)
+        _, rewound = propose(drafter, rewound, garbage, np.full(2, PAD), anchors)  # rows then rejected
+        also, rewound = propose(drafter, rewound.trim(lengths), new, num_new, anchors)
+        lengths += num_new
+        np.testing.assert_array_equal(np.asarray(exact.lengths), lengths)
+        np.testing.assert_array_equal(np.asarray(also.tokens), np.asarray(got.tokens))
+        for b in range(2):
+            _, want = _uncached(drafter, feats[b], lengths[b], anchors[b])
+            np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
+            if want.confidence is not None:
+                np.testing.assert_allclose(np.asarray(got.confidence[b]), np.asarray(want.confidence[0]), atol=1e-5)
+    assert len(set(np.asarray(got.tokens).ravel().tolist())) > 2, "degenerate drafts prove little"
+
+
+def test_dspark_markov_and_confidence_match_reference():
+    """Sequential Markov-biased argmax from prev_0 = anchor, and the confidence head, vs NumPy."""
+    drafter = tiny_drafter("tiny-dspark")
+    hidden, proposal = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
+    params, h = ref.to_numpy(drafter.params), np.asarray(hidden[0], np.float64)
+    base = ref.unary_logits(drafter.config, h, ref.to_numpy(drafter.lm_head))
+    tokens = ref.markov_greedy(params, base, 11)
+    np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), tokens)
+    assert (tokens != base.argmax(-1)).any(), "the Markov bias should change some drafts"
+    np.testing.assert_allclose(np.asarray(proposal.confidence[0]), ref.confidence(params, h, 11, tokens), atol=1e-6)
+
+
+def test_dspark_confidence_cut():
+    """The proposal ends before the first row whose confidence is below the threshold (0: no cut)."""
+    drafter = tiny_drafter("tiny-dspark")
+    hidden, proposal = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
+    conf = np.asarray(proposal.confidence[0])
+    n = drafter.config.num_draft_tokens
+    assert int(proposal.num_tokens[0]) == n
+    for threshold in (0.0, 1.0, *np.sort(conf)[[1, 3]] + 1e-6):
+        below = np.flatnonzero(conf < threshold)
+        cut = sample(drafter, hidden, jnp.asarray([11]), confidence_threshold=threshold)
+        assert int(cut.num_tokens[0]) == (below[0] if below.size else n)
+
+
+def test_dflash2_selector_matches_reference():
+    """Top-K candidates of the softcapped, scaled unary logits, walked with the bilinear transition score."""
+    drafter = tiny_drafter("tiny-dflash2")
+    hidden, proposal = _uncached(drafter, features(drafter, 1, 9, seed=1)[0], 9, anchor=11)
+    h = np.asarray(hidden[0], np.float64)
+    unary = ref.unary_logits(drafter.config, h, ref.to_numpy(drafter.lm_head))
+    tokens = ref.selector_greedy(ref.to_numpy(drafter.params), drafter.config, h, unary, 11)
+    np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), tokens)
+    assert (tokens != unary.argmax(-1)).any(), "the transition scores should change some drafts"
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_sampling_returns_the_proposal_distribution(preset):
+    """With a key: q rows are distributions, each draft has q > 0; T = 0 sequences stay greedy with one-hot q;
+    plain DFlash q = softmax(logits / T), DSpark q = softmax((logits + Markov bias of the sampled prev) / T),
+    DFlash2 q lives on the top-K candidates."""
+    drafter = tiny_drafter(preset)
+    c = drafter.config
+    hidden, greedy = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
+    hidden = jnp.concatenate([hidden, hidden])  # sequence 0 sampled at T = 0.7, sequence 1 greedy
+    drawn = sample(drafter, hidden, jnp.asarray([11, 11]), key=jax.random.key(0), temperature=jnp.asarray([0.7, 0.0]))
+    tokens, q = np.asarray(drawn.tokens), np.asarray(drawn.probs)
+    assert q.shape == (2, c.num_draft_tokens, c.vocab_size)
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert (np.take_along_axis(q, tokens[..., None], -1) > 0).all()
+    np.testing.assert_array_equal(tokens[1], np.asarray(greedy.tokens[0]))
+    np.testing.assert_array_equal(q[1], np.eye(c.vocab_size)[tokens[1]])
+
+    h = np.asarray(hidden[0], np.float64)
+    logits = ref.unary_logits(c, h, ref.to_numpy(drafter.lm_head))
+    if preset == "tiny-dspark":
+        expected = ref.markov_distributions(ref.to_numpy(drafter.params), logits, 11, tokens[0], 0.7)
+        np.testing.assert_allclose(q[0], expected, atol=1e-5)
+    elif preset == "tiny-dflash2":
+        top_k = np.argsort(-logits, axis=-1)[:, : c.dflash_config.selector_top_k]
+        support = q[0] > 0
+        assert support.sum(-1).max() <= top_k.shape[1]
+        assert all(set(np.flatnonzero(s)) <= set(t) for s, t in zip(support, top_k))
+    else:
+        z = logits / 0.7
+        np.testing.assert_allclose(q[0], np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True), atol=1e-5)
+
+
+def test_samples_follow_q():
+    """Empirically, over many keys, the first draft of a plain DFlash proposal is distributed as its q row."""
+    drafter = tiny_drafter("tiny-dflash")
+    hidden, _ = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
+    draw = jax.jit(jax.vmap(lambda k: sample_drafts(drafter, hidden, jnp.asarray([11]), key=k, temperature=2.0)))
+    drawn = draw(jax.random.split(jax.random.key(1), 4000))
+    counts = np.bincount(np.asarray(drawn.tokens[:, 0, 0]), minlength=drafter.config.vocab_size)
+    q = np.asarray(drawn.probs[0, 0, 0])
+    assert 0.5 * np.abs(counts / counts.sum() - q).sum() < 0.06  # total variation, ~0.03 expected at n = 4000
+
+
+def test_reduced_draft_vocabulary_maps_through_d2t():
+    """A drafter with its own reduced LM head and d2t: drafts and q come out in target ids."""
+    drafter = tiny_drafter("tiny-dflash", draft_vocab_size=48)
+    d2t = np.asarray(drafter.params["d2t"])
+    assert drafter.params["lm_head"]["weight"].shape[0] == 48
+    hidden, greedy = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
+    draft_ids = np.asarray(jnp.argmax(hidden[0] @ drafter.params["lm_head"]["weight"].T, -1))
+    np.testing.assert_array_equal(np.asarray(greedy.tokens[0]), draft_ids + d2t[draft_ids])
+    drawn = sample(drafter, hidden, jnp.asarray([11]), key=jax.random.key(0), temperature=1.0)
+    q = np.asarray(drawn.probs[0])
+    assert q.shape[-1] == drafter.config.vocab_size
+    assert set(np.flatnonzero(q.sum(0))) <= set(np.arange(48) + d2t)
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+
+
+def test_propose_on_a_mesh(cpu_mesh):
+    """Params replicated under jit with the inputs replicated too (`cpu_mesh`), and with the batch split over
+    the devices (a mesh of Auto axes): the same drafts, and the cache comes back batch-sharded."""
+    drafter = tiny_drafter("tiny-dflash")
+    n = len(jax.devices())
+    new, num_new, anchors = features(drafter, n, PAD, seed=4), np.arange(n) % PAD + 1, np.arange(n, dtype=np.int32)
+    auto = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    runs = []
+    for mesh, batch in ((cpu_mesh, P()), (auto, P("data"))):
+        put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, batch))  # noqa: E731
+        cache = jax.tree.map(put, init_cache(drafter, n, 32))
+        got, cache = propose(jax.device_put(drafter, NamedSharding(mesh, P())), cache, put(new), put(num_new), put(anchors))
+        np.testing.assert_array_equal(np.asarray(cache.lengths), num_new)
+        assert cache.keys[0].sharding.is_fully_replicated == (batch == P() or n == 1)
+        runs.append(np.asarray(got.tokens))
+    np.testing.assert_array_equal(runs[0], runs[1])

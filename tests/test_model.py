@@ -1,0 +1,139 @@
+"""The uncached forward (`draft_hidden` / `draft_logits`) against the PyTorch golden outputs and the NumPy reference."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
+
+from . import _numpy_reference as ref
+from ._drafters import GOLDEN, block, features, tiny_drafter
+from dflash_jax.config import parse_config
+from dflash_jax.loader import load_drafter
+from dflash_jax.model import LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
+from dflash_jax.testing import preset_dict
+
+
+def _golden(name: str, dtype):
+    """(drafter with the golden embedding and LM head attached, positional inputs, keyword inputs, io)."""
+    directory = os.path.join(GOLDEN, name)
+    io = load_file(os.path.join(directory, "io.safetensors"))
+    drafter = load_drafter(directory, dtype=dtype).attach(embed=jnp.asarray(io["embed"]), lm_head=jnp.asarray(io["lm_head"]))
+    kwargs = dict(context_positions=io["context_positions"], block_positions=io["block_positions"])
+    return (drafter, io["target_hidden"], io["block_ids"]), kwargs, io
+
+
+@pytest.mark.parametrize("name", ["dflash-tiny-a", "dflash-tiny-b"])
+def test_golden_float32(name):
+    """Float32 with full-precision matmuls: within the golden README's suggested 1e-4 (hidden) / 2e-4 (logits)."""
+    args, kwargs, io = _golden(name, jnp.float32)
+    hidden, logits = draft_hidden(*args, **kwargs), draft_logits(*args, **kwargs)
+    assert logits.dtype == jnp.float32 and logits.shape == io["expected_logits"].shape
+    np.testing.assert_allclose(np.asarray(hidden), io["expected_hidden"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits), io["expected_logits"], rtol=0, atol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["dflash-tiny-a", "dflash-tiny-b"])
+def test_golden_bfloat16_same_drafts(name):
+    """bf16 weights and activations: the same draft in every row, logits within 0.2 (measured 0.08 / 0.10;
+    the reference's own bf16 run is 0.06 / 0.17 away from its float32 output)."""
+    args, kwargs, io = _golden(name, jnp.bfloat16)
+    logits, expected = np.asarray(draft_logits(*args, **kwargs)), io["expected_logits"]
+    np.testing.assert_array_equal(logits[0, 1:].argmax(-1), expected[0, 1:].argmax(-1))
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=0.2)
+
+
+def _against_reference(drafter, *, context_start, S, causal=None, sliding_window=True, atol=1e-4):
+    """Batch of 2 through `draft_hidden` vs the NumPy reference one sequence at a time."""
+    c = drafter.config
+    B = c.effective_block_size
+    th = features(drafter, 2, S)
+    ids = block(drafter, [3, 17])
+    ctx_pos = np.broadcast_to(context_start + np.arange(S), (2, S))
+    blk_pos = np.broadcast_to(context_start + S + np.arange(B), (2, B))
+    hidden = draft_hidden(
+        drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, causal=causal, sliding_window=sliding_window
+    )
+    params = ref.to_numpy(drafter.params)
+    rules = ref.layer_rules(c, causal, sliding_window)
+    for b in range(2):
+        expected = ref.hidden_states(
+            params, c, th[b].astype(np.float64), ids[b], ctx_pos[b], blk_pos[b], ref.to_numpy(drafter.embedding), rules
+        )
+        np.testing.assert_allclose(np.asarray(hidden[b]), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "causal, sliding_window", [(None, True), (None, False), (True, True)], ids=str
+)
+def test_dflash2_matches_reference(causal, sliding_window):
+    """Grouped dynamic convs, a sliding layer (window 8 < context) and the causal / window variants."""
+    drafter = tiny_drafter("tiny-dflash2")
+    assert "attention_conv" in drafter.params["layers"][0]
+    _against_reference(drafter, context_start=0, S=12, causal=causal, sliding_window=sliding_window)
+
+
+def test_dspark_yarn_matches_reference():
+    """DSpark backbone with YaRN RoPE at positions past `original_max_position_embeddings` (64)."""
+    drafter = tiny_drafter("tiny-dspark")
+    assert drafter.config.rope_type == "yarn"
+    _against_reference(drafter, context_start=290, S=9)
+
+
+def test_dflash_causal_matches_reference():
+    _against_reference(tiny_drafter("tiny-dflash"), context_start=40, S=6, causal=True)
+
+
+@pytest.mark.parametrize("config", ["tiny-dspark", "radixark-qwen3.8-27b-dspark", "zlab-qwen3-8b-dflash-b16"])
+def test_rope_frequencies_match_reference(config):
+    c = parse_config(preset_dict(config))
+    freq, scale = rope_frequencies(c)
+    expected, expected_scale = ref.inv_freq(c)
+    assert freq.dtype == np.float32
+    np.testing.assert_allclose(freq, expected, rtol=2e-7)
+    assert scale == pytest.approx(expected_scale)
+    if c.rope_type == "yarn":
+        assert scale == pytest.approx(0.1 * math.log(c.rope_scaling.factor) + 1.0)
+        assert freq[0] == pytest.approx(1.0) and freq[-1] < expected[-1] * 1.0001  # fast dims kept, slow scaled
+
+
+def test_attention_rules_follow_the_config():
+    full = LayerRule(causal=False, window=None)
+    tf5 = parse_config(preset_dict("zlab-qwen3.6-35b-a3b-dflash-tf5"))
+    assert attention_rules(tf5) == (LayerRule(True, 4096),) * 5 + (full,)  # no is_causal: sliding => causal
+    assert attention_rules(tf5, sliding_window=False)[0] == LayerRule(True, None)
+    assert attention_rules(tf5, causal=False)[0] == LayerRule(False, 4096)
+    glimmer = parse_config(preset_dict("muse-glimmer-dflash2"))
+    assert attention_rules(glimmer) == (LayerRule(False, 2048),) * 5  # explicit is_causal: false
+    zlab = preset_dict("zlab-qwen3-8b-dflash-b16")
+    assert attention_rules(parse_config(zlab)) == (full,) * 5
+    forced = {**zlab, "dflash_config": {**zlab["dflash_config"], "causal": True}}
+    assert attention_rules(parse_config(forced)) == (LayerRule(True, None),) * 5
+
+
+def test_replicated_on_a_mesh_under_jit(cpu_mesh):
+    """Params replicated over every device under jit: same logits as on one device, with the inputs
+    replicated too (`cpu_mesh`) and with the batch split across devices (a mesh of Auto axes, where XLA
+    propagates the batch sharding through the gathers)."""
+    drafter = tiny_drafter("tiny-dflash")
+    n = len(jax.devices())
+    B, S = drafter.config.effective_block_size, 5
+    inputs = (features(drafter, n, S), block(drafter, np.arange(n)))
+    positions = dict(context_positions=np.broadcast_to(np.arange(S), (n, S)),
+                     block_positions=np.broadcast_to(S + np.arange(B), (n, B)))
+    expected = np.asarray(draft_logits(drafter, *inputs, **positions))
+
+    step = jax.jit(lambda d, th, ids, pos: draft_logits(d, th, ids, **pos))
+    auto = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    for mesh, batch_spec in ((cpu_mesh, P()), (auto, P("data"))):
+        replicated = jax.device_put(drafter, NamedSharding(mesh, P()))
+        put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, batch_spec))  # noqa: E731
+        logits = step(replicated, *map(put, inputs), jax.tree.map(put, positions))
+        np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-4)  # float32 reassociation
