@@ -149,7 +149,8 @@ def _tensor_info(path: str, name: str, entry: object, base: int, data_size: int)
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
     if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) * DTYPES[dtype].itemsize >= 2**63:
         # only an empty tensor gets here with such dims (others are bounded by the file), but NumPy refuses it
-        raise bad(f"shape {shape} is out of range (at most {MAX_DIMS} dimensions, under 2**63 bytes)")
+        shown = shape if len(shape) <= MAX_DIMS else f"of {len(shape)} dimensions"
+        raise bad(f"shape {shown} is out of range (at most {MAX_DIMS} dimensions, under 2**63 bytes)")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
         raise bad(f"data_offsets {offsets!r} is not a pair of integers")
     begin, end = offsets
@@ -267,6 +268,8 @@ def _plain_files(directory: str) -> list[str]:
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
+    if os.path.lexists(single):  # a directory, a FIFO, a dangling link: never opened
+        raise CheckpointError(f"{single}: not a regular file; expected a safetensors file")
     files = sorted(
         os.path.join(directory, f) for f in os.listdir(directory)
         if f.endswith(".safetensors") and os.path.isfile(os.path.join(directory, f))
@@ -301,7 +304,9 @@ def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo
     for shard, names in sorted(shards.items()):
         file = os.path.join(directory, shard)
         if not os.path.isfile(file):
-            raise CheckpointError(f"{index_path}: shard {shard!r} (holding {names[0]!r}) does not exist")
+            raise CheckpointError(
+                f"{index_path}: shard {shard!r} (holding {names[0]!r}) does not exist or is not a regular file"
+            )
         found, shard_metadata = read_header(file)
         metadata.update(shard_metadata)
         for name in names:

@@ -69,9 +69,9 @@ def check_d2t(checkpoint: Checkpoint, info: TensorInfo, vocab_size: int) -> None
     if not in_range.all():
         i = int(np.argmin(in_range))
         raise CheckpointError(
-            f"{info.file}: tensor {info.name!r} maps draft id {i} to target id {i} + {int(offsets[i])}, "
-            f"outside the target vocabulary [0, {vocab_size}) ({int((~in_range).sum())} ids out of range); "
-            "expected target = draft + d2t[draft] < vocab_size"
+            f"{info.file}: tensor {info.name!r} maps draft id {i} to target id {i + int(offsets[i])} "
+            f"(d2t[{i}] = {int(offsets[i])}), outside the target vocabulary [0, {vocab_size}); "
+            f"{int((~in_range).sum())} of {offsets.size} ids out of range; expected draft + d2t[draft] < vocab_size"
         )
 
 
