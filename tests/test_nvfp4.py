@@ -294,3 +294,12 @@ def test_gpu_pallas_matches_xla_and_numpy(shape, dtype):
     xla = nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend="xla")
     np.testing.assert_array_equal(bits16(out), bits16(xla))
     np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, scale_2, np.dtype(dtype))))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("scale_2", [1e-38, 3e-36, 1e30])  # subnormal and overflowing products
+def test_gpu_pallas_matches_xla_extreme_scale_2(scale_2):
+    packed, scale = random_nvfp4(np.random.default_rng(), (256, 2048))
+    out = nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="pallas")
+    np.testing.assert_array_equal(bits16(out), bits16(nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="xla")))

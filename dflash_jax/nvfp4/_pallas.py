@@ -76,9 +76,10 @@ def _kernel(w_ref, s_ref, g_ref, o_ref, *, n_blocks: int, dtype):
 
 def default_config(n_blocks: int) -> tuple[int, int]:
     """(blocks per program, warps) for a tensor of `n_blocks` 16-value blocks: large tiles, but at least
-    ~4 programs per SM of an H200 (132 SMs) so that small tensors still fill the chip."""
+    ~4 programs per SM of an H200 (132 SMs) so that small tensors still fill the chip, down to 128 blocks
+    (measured on an H200: 128 beat 64 on a [512, 2048] tensor)."""
     rows = 1024
-    while rows > 32 and n_blocks < 4 * 132 * rows:
+    while rows > 128 and n_blocks < 4 * 132 * rows:
         rows //= 2
     return rows, 4
 
