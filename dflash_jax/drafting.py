@@ -39,13 +39,13 @@ from .model import (
 class ContextCache:
     """Per-layer context K/V of a batch of sequences; row j of sequence b is its context token at position j."""
 
-    keys: tuple[jax.Array, ...]  # per layer [batch, max_context, n_kv, d_h], after k_norm and RoPE
-    values: tuple[jax.Array, ...]  # per layer [batch, max_context, n_kv, d_h]
+    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, max_context, d_h], after k_norm and RoPE
+    values: tuple[jax.Array, ...]  # per layer [batch, n_kv, max_context, d_h]
     lengths: jax.Array  # [batch] int32: rows 0..lengths-1 are real
 
     @property
     def max_context(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     def trim(self, lengths: jax.Array) -> ContextCache:
         """Forget rows at and past `lengths` `[batch]` (rejected context): only the lengths change."""
@@ -56,7 +56,7 @@ def init_cache(drafter: Drafter, batch_size: int, max_context: int, *, dtype: jn
     """An empty cache for `batch_size` sequences of up to `max_context` context rows (dtype: the params')."""
     c = drafter.config
     dtype = dtype or drafter.params["fc"]["weight"].dtype
-    shape = (batch_size, max_context, c.num_key_value_heads, c.head_dim)
+    shape = (batch_size, c.num_key_value_heads, max_context, c.head_dim)
     def zeros() -> tuple[jax.Array, ...]:  # distinct buffers, so the whole cache can be donated
         return tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
 
@@ -208,12 +208,13 @@ def sample_drafts(
 
 def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
     """Write the first `num_new [batch]` of the new rows' K/V after each sequence's last real row."""
-    batch, n_new = new_kv[0].k.shape[:2]
+    batch, _, n_new, _ = new_kv[0].k.shape
     fresh = jnp.arange(n_new) < num_new[:, None]  # [batch, n_new]
     rows = jnp.where(fresh, cache.lengths[:, None] + jnp.arange(n_new), cache.max_context)  # padding: dropped
-    seq = jnp.arange(batch)[:, None]
-    keys = tuple(k.at[seq, rows].set(kv.k, mode="drop") for k, kv in zip(cache.keys, new_kv))
-    values = tuple(v.at[seq, rows].set(kv.v, mode="drop") for v, kv in zip(cache.values, new_kv))
+    seq, rows = jnp.arange(batch)[:, None, None], rows[:, None, :]  # indices broadcast to [batch, n_kv, n_new]
+    heads = jnp.arange(new_kv[0].k.shape[1])[None, :, None]
+    keys = tuple(k.at[seq, heads, rows].set(kv.k, mode="drop") for k, kv in zip(cache.keys, new_kv))
+    values = tuple(v.at[seq, heads, rows].set(kv.v, mode="drop") for v, kv in zip(cache.values, new_kv))
     return ContextCache(keys, values, jnp.minimum(cache.lengths + num_new, cache.max_context))
 
 

@@ -198,8 +198,8 @@ def visible(query_positions: jax.Array, key_positions: jax.Array, rule: LayerRul
 class KeyValues(NamedTuple):
     """Attention keys/values of some rows: post k_norm + RoPE keys, values, positions and which rows are real."""
 
-    k: jax.Array  # [batch, rows, n_kv, d_h]
-    v: jax.Array  # [batch, rows, n_kv, d_h]
+    k: jax.Array  # [batch, n_kv, rows, d_h]: heads-major, so the attention GEMMs read it without a transpose
+    v: jax.Array  # [batch, n_kv, rows, d_h]
     positions: jax.Array  # [batch, rows] int32
     valid: jax.Array  # [batch, rows] bool
 
@@ -212,20 +212,21 @@ def attend(q: jax.Array, q_positions: jax.Array, parts: Sequence[KeyValues], rul
     in place. Scale d_h^-0.5; softmax in float32.
     """
     batch, n_q, n_h, d_h = q.shape
-    n_kv = parts[0].k.shape[2]
-    q = q.reshape(batch, n_q, n_kv, n_h // n_kv, d_h)  # [batch, Bq, n_kv, groups, d_h]: head h = kv * groups + g
+    n_kv = parts[0].k.shape[1]
+    q = q.reshape(batch, n_q, n_kv, n_h // n_kv, d_h)  # head h = kv * groups + g
+    q = q.transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Bq, d_h]: (groups, Bq) are one GEMM's rows
     scores = []
     for part in parts:
-        s = dot("bqhgd,bkhd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
+        s = dot("bhgqd,bhkd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
         mask = visible(q_positions, part.positions, rule) & part.valid[:, None, :]  # [batch, Bq, rows]
         scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
     peak = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores])  # [b, n_kv, g, Bq, 1]
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = [jnp.exp(s - peak) for s in scores]
     total = sum(w.sum(axis=-1) for w in weights)  # [batch, n_kv, groups, Bq]
-    out = sum(dot("bhgqk,bkhd->bqhgd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
-    out = out / jnp.moveaxis(total, -1, 1)[..., None]  # [batch, Bq, n_kv, groups, d_h] f32
-    return out.reshape(batch, n_q, n_h, d_h).astype(q.dtype)
+    out = sum(dot("bhgqk,bhkd->bhgqd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
+    out = out / total[..., None]  # [batch, n_kv, groups, Bq, d_h] f32
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, n_q, n_h, d_h).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -317,10 +318,11 @@ def decoder_layer(
     k = linear(rows, attn["k_proj"]).reshape(batch, S + B, n_kv, d_h)
     v = linear(rows, attn["v_proj"]).reshape(batch, S + B, n_kv, d_h)
     k = rms_norm(k, attn["k_norm"]["weight"], eps)
-    k_ctx = apply_rope(k[:, :S], context_rope)  # [batch, S, n_kv, d_h]
-    k_blk = apply_rope(k[:, S:], rope)  # [batch, B, n_kv, d_h]
-    new_context = KeyValues(k_ctx, v[:, :S], context.positions, context.valid)
-    block = KeyValues(k_blk, v[:, S:], positions, jnp.ones((batch, B), bool))
+    heads_major = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))  # [b, rows, n_kv, d_h] -> [b, n_kv, rows, d_h]
+    k_ctx = heads_major(apply_rope(k[:, :S], context_rope))  # [batch, n_kv, S, d_h]
+    k_blk = heads_major(apply_rope(k[:, S:], rope))  # [batch, n_kv, B, d_h]
+    new_context = KeyValues(k_ctx, heads_major(v[:, :S]), context.positions, context.valid)
+    block = KeyValues(k_blk, heads_major(v[:, S:]), positions, jnp.ones((batch, B), bool))
     parts = ([memory] if memory is not None else []) + [new_context, block]
 
     a = attend(q, positions, parts, rule).reshape(batch, B, n_h * d_h)  # [batch, B, n_h * d_h]
@@ -352,7 +354,7 @@ def forward(
 ) -> tuple[jax.Array, list[KeyValues]]:
     """All layers and the final norm over the embedded block `x [batch, B, H]` at `positions [batch, B]`.
 
-    `memory`: per layer `(k, v)` `[batch, T, n_kv, d_h]` of earlier context (post k_norm + RoPE) at
+    `memory`: per layer `(k, v)` `[batch, n_kv, T, d_h]` of earlier context (post k_norm + RoPE) at
     `memory_positions [batch, T]`, rows with `memory_valid [batch, T]` False ignored; None for none.
     Returns `norm(x)` `[batch, B, H]` and, per layer, the K/V of the `context` rows.
     """

@@ -1,0 +1,244 @@
+"""One drafting step at Qwen3-8B-DFlash-b16 shapes: `dflash_jax.propose` vs the PyTorch z-lab reference.
+
+The step (issue 4): 2048 context rows already cached, 7 new context rows (the anchor and accepted drafts of the
+last step) projected and appended, the block [anchor, MASK x 15] through 5 layers, the LM head over the 15
+draft rows, argmax. Ours is one jit-compiled program (`propose` with the cache donated); the reference is
+z-lab `dflash/model.py` with a transformers `DynamicCache`, sdpa attention, bf16, driven as `dflash_generate`
+drives it (`crop` back after the block). Random bf16 weights; the same values in both models.
+
+Each step is timed alone, host-synchronised (what a decoding loop waits for), median over `--iters`.
+Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
+
+    python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
+
+The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
+reference; ours runs on whatever JAX backend is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import DflashConfig, parse_config
+from dflash_jax.drafting import ContextCache, init_cache, propose
+from dflash_jax.loader import Drafter, TensorPlan, build_tree
+from dflash_jax.model import draft_logits
+from dflash_jax.testing import full_plan, preset_dict
+
+CONTEXT, NEW_ROWS = 2048, 7
+
+
+def random_drafter(config: DflashConfig, seed: int = 0) -> tuple[Drafter, list[TensorPlan]]:
+    """Random bf16 weights of `config`'s shapes, made on the device: N(0, 1/fan_in) linears, norms ~ 1.
+    Also returns the plan (checkpoint name and tree path of every weight)."""
+    plan = full_plan(config)
+    keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
+    leaves = []
+    for key, t in zip(keys, plan):
+        if len(t.shape) == 1:
+            leaves.append(1.0 + 0.1 * jax.random.normal(key, t.shape, jnp.bfloat16))
+        else:
+            leaves.append(jax.random.normal(key, t.shape, jnp.bfloat16) * (t.shape[-1] ** -0.5))
+    shape = (config.vocab_size, config.hidden_size)
+    drafter = Drafter(params=build_tree(plan, leaves), config=config)
+    return drafter.attach(
+        embed=jax.random.normal(keys[-2], shape, jnp.bfloat16),
+        lm_head=jax.random.normal(keys[-1], shape, jnp.bfloat16) * (config.hidden_size**-0.5),
+    ), plan
+
+
+def timed(fn, iters: int, warmup: int = 5) -> float:
+    """Median wall time of `fn()` in ms, each call synchronised on its own."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@functools.partial(jax.jit, donate_argnames="cache")
+def _step(drafter: Drafter, cache: ContextCache, new, num_new, anchors, lengths):
+    """`propose` from a cache holding `lengths` rows (reset each call, so every timed step is the same)."""
+    proposal, cache = propose(drafter, cache.replace(lengths=lengths), new, num_new, anchors)
+    return proposal.tokens, cache
+
+
+def bench_ours(drafter: Drafter, batch: int, iters: int) -> float:
+    c = drafter.config
+    keys = jax.random.split(jax.random.key(batch), 4)
+    max_context = CONTEXT + 8  # room for the 7 new rows; the attention reads all of it every step
+    cache = init_cache(drafter, batch, max_context)
+    shape = cache.keys[0].shape
+    cache = cache.replace(
+        keys=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[0], len(cache.keys))),
+        values=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[1], len(cache.keys))),
+    )
+    lengths = jnp.full((batch,), CONTEXT, jnp.int32)
+    new = jax.random.normal(keys[2], (batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
+    num_new = jnp.full((batch,), NEW_ROWS, jnp.int32)
+    anchors = jax.random.randint(keys[3], (batch,), 0, c.vocab_size, jnp.int32)
+    state = {"cache": cache}
+
+    def run():
+        tokens, state["cache"] = _step(drafter, state["cache"], new, num_new, anchors, lengths)
+        tokens.block_until_ready()
+
+    start = time.perf_counter()
+    run()
+    print(f"  ours: compiled + first step in {time.perf_counter() - start:.1f} s", flush=True)
+    return timed(run, iters)
+
+
+def load_reference(path: str):
+    spec = importlib.util.spec_from_file_location("zlab_dflash_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_model(module, config: DflashConfig, num_target_layers: int, drafter: Drafter, plan):
+    """z-lab `DFlashDraftModel` in bf16 with sdpa attention, holding our random weights (copied on the GPU)."""
+    import inspect
+
+    import torch
+    from transformers import Qwen3Config
+
+    fields = dict(
+        hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps, max_position_embeddings=40960, attn_implementation="sdpa",
+    )
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if "rope_parameters" in inspect.signature(Qwen3Config.__init__).parameters:
+        fields["rope_parameters"] = rope
+    else:
+        fields["rope_theta"] = config.rope_theta
+    hf = Qwen3Config(**fields)
+    hf.block_size = config.effective_block_size
+    hf.num_target_layers = num_target_layers
+    hf.dflash_config = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    with torch.device("cuda"):
+        model = module.DFlashDraftModel(hf).to(torch.bfloat16).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for t in plan:
+            leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
+            state[t.name].copy_(torch.from_dlpack(leaf))
+    print(f"  reference: attention {model.config._attn_implementation}, rope theta {config.rope_theta:g}", flush=True)
+    return model
+
+
+def parity(model, drafter: Drafter) -> dict:
+    """Uncached forward of both at batch 1 on identical inputs: logits difference and draft agreement."""
+    import torch
+
+    c = drafter.config
+    B, S = c.effective_block_size, 64
+    feats = jax.random.normal(jax.random.key(7), (1, S, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
+    block = jnp.asarray([[1234] + [c.mask_token_id] * (B - 1)], jnp.int32)
+    ours = draft_logits(
+        drafter, feats, block, context_positions=jnp.arange(S)[None], block_positions=(S + jnp.arange(B))[None]
+    )
+    with torch.no_grad():
+        embed, head = torch.from_dlpack(drafter.embed), torch.from_dlpack(drafter.lm_head)
+        hidden = model(
+            target_hidden=torch.from_dlpack(feats), noise_embedding=embed[torch.from_dlpack(block).long()],
+            position_ids=torch.arange(S + B, device="cuda")[None], use_cache=False, is_causal=False,
+        )
+        theirs = (hidden[:, 1 - B :] @ head.T).float()
+    ours = np.asarray(ours[:, 1:])
+    theirs = theirs.cpu().numpy()
+    return {
+        "max_abs_logit_diff": float(np.abs(ours - theirs).max()),
+        "max_abs_logit": float(np.abs(theirs).max()),
+        "draft_agreement": f"{int((ours.argmax(-1) == theirs.argmax(-1)).sum())}/{B - 1}",
+    }
+
+
+def bench_reference(model, drafter: Drafter, batch: int, iters: int) -> float:
+    import torch
+    from transformers import DynamicCache
+
+    c = drafter.config
+    B, width = c.effective_block_size, len(c.target_layer_ids) * c.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    embed, head = torch.from_dlpack(drafter.embed), torch.from_dlpack(drafter.lm_head)
+    positions = torch.arange(CONTEXT + NEW_ROWS + B, device="cuda")[None].expand(batch, -1)
+    block = torch.full((batch, B), c.mask_token_id, device="cuda")
+    block[:, 0] = torch.randint(0, c.vocab_size, (batch,), device="cuda", generator=gen)
+    cache = DynamicCache()
+    with torch.no_grad():  # prefill the draft cache with the 2048 context rows, as the first step does
+        context = torch.randn(batch, CONTEXT, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+        model(target_hidden=context, noise_embedding=embed[block], position_ids=positions[:, : CONTEXT + B],
+              past_key_values=cache, use_cache=True, is_causal=False)
+        cache.crop(CONTEXT)
+    new = torch.randn(batch, NEW_ROWS, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    @torch.inference_mode()
+    def run():
+        hidden = model(target_hidden=new, noise_embedding=embed[block], position_ids=positions[:, CONTEXT:],
+                       past_key_values=cache, use_cache=True, is_causal=False)
+        cache.crop(CONTEXT)  # dflash_generate crops to `start` after each block; back to 2048 keeps steps equal
+        (hidden[:, 1 - B :] @ head.T).argmax(-1)
+        torch.cuda.synchronize()
+
+    return timed(run, iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="zlab-qwen3-8b-dflash-b16", help="a dflash_jax.testing preset")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--reference", help="path to z-lab dflash/model.py (omit to time ours only)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    raw = preset_dict(args.preset)
+    config = parse_config(raw)
+    print(f"{args.preset}: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    drafter, plan = random_drafter(config)
+    results = {"preset": args.preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "iters": args.iters, "rows": []}
+    model = None
+    if args.reference:
+        import torch
+
+        model = reference_model(load_reference(args.reference), config, raw["num_target_layers"], drafter, plan)
+        results["parity"] = parity(model, drafter)
+        results["torch"] = torch.__version__
+        print(f"  parity (bf16, batch 1, uncached): {results['parity']}", flush=True)
+    for batch in args.batch:
+        row = {"batch": batch, "ours_ms": bench_ours(drafter, batch, args.iters)}
+        if model is not None:
+            row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)
+            row["ratio"] = row["ours_ms"] / row["reference_ms"]
+        results["rows"].append(row)
+        print(f"  batch {batch}: {row}", flush=True)
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(drafter.params)) + drafter.lm_head.nbytes
+    print(f"\n{weight_bytes / 1e9:.2f} GB of weights read per step (drafter and LM head; the embedding is gathered)")
+    print("| batch | ours (ms) | reference (ms) | ours / reference | ours: weight bytes / time |\n|---|---|---|---|---|")
+    for row in results["rows"]:
+        ref = f"{row['reference_ms']:.3f} | {row['ratio']:.2f}" if "ratio" in row else "- | -"
+        print(f"| {row['batch']} | {row['ours_ms']:.3f} | {ref} | {weight_bytes / row['ours_ms'] / 1e9:.2f} TB/s |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
