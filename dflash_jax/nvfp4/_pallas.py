@@ -2,9 +2,10 @@
 
 Layout: one output word per packed byte. Byte j holds codes 2j (low nibble) and 2j+1 (high nibble); the kernel
 writes both 16-bit results into one u32, low half = element 2j, and the u32 array [.., K/2] is bitcast to
-[.., K] bf16 outside the kernel (little-endian, free). No value is ever interleaved inside the kernel: the
-join + reshape of a (low, high) pair, which a first kernel used, gave wrong bytes on an H200 while it matched
-in interpret mode.
+[.., K] bf16 outside the kernel (little-endian; XLA makes it a bitcast). No value is interleaved inside the
+kernel, so no Triton layout pass can misplace one: a first kernel that joined (low, high) pairs and reshaped
+was reported to give wrong bytes on an H200 (we could not reproduce that with jax 0.11.2; see
+docs/benchmarks.md), and this layout needs neither join nor reshape.
 
 The problem is flattened to a list of 16-value blocks, each 8 bytes [2, 4] with one scale byte, so every
 shape of every tensor maps onto the same power-of-two tiles (Triton needs those) and the only edge is the
