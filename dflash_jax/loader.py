@@ -21,11 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .config import DflashConfig, load_config
 from .errors import CheckpointError
-from .safetensors import Checkpoint, TensorInfo
+from .safetensors import Checkpoint
 from .validate import check_values
 
 log = logging.getLogger("dflash_jax")
@@ -316,9 +315,3 @@ def summary(config: DflashConfig, params: dict[str, Any], packed: set[str], *, c
         f"heads=[{', '.join(heads) or 'none'}]"
         + (f", {len(packed)} NVFP4 tensors dequantized (input_scale ignored)" if packed else "")
     )
-
-
-def host_array(checkpoint: Checkpoint, info: TensorInfo) -> np.ndarray:
-    """The tensor as NumPy, ready to put: the memory-mapped view (integers narrowed to int32)."""
-    array = checkpoint.array(info.name)
-    return array.astype(np.int32) if info.dtype in INT_DTYPES else array

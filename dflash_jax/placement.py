@@ -14,11 +14,14 @@ the page cache, it is only unmapped from us).
 from __future__ import annotations
 
 import collections
+import functools
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .safetensors import Checkpoint
@@ -26,7 +29,7 @@ from .safetensors import Checkpoint
 if TYPE_CHECKING:
     from .loader import TensorPlan
 
-DEFAULT_INFLIGHT_BYTES = 128 * 1024 * 1024
+DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 
 
 def target_sharding(mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding:
@@ -49,13 +52,16 @@ def place_all(
     """Place every planned tensor (in plan order) replicated on the sharding of `mesh`."""
     sharding = target_sharding(mesh)
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    sources = [_sources(t, packed) for t in plan]
+    converters = _Converters(checkpoint, plan, sources, devices[0], dtype)
     inflight: collections.deque[tuple[jax.Array, list[str]]] = collections.deque()
     pending = 0
     leaves = []
-    total = sum(_host_bytes(checkpoint, t, packed) for t in plan)
-    with _Progress(len(plan), total, progress) as bar:
-        for t in plan:
-            names, first = _put_first(checkpoint, t, t.name in packed, devices[0], dtype)
+    total = sum(checkpoint[n].nbytes for names in sources for n in names)
+    with _Progress(len(plan), total, progress) as bar, converters:
+        for t, names in zip(plan, sources):
+            on_device = [jax.device_put(_host_array(checkpoint, n, t.kind), devices[0]) for n in names]
+            first = converters(t, names, on_device)
             copies = [first] + [jax.device_put(first, d) for d in devices[1:]]
             leaf = copies[0] if len(devices) == 1 and mesh is None else (
                 jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
@@ -72,21 +78,68 @@ def place_all(
     return leaves
 
 
-def _put_first(checkpoint: Checkpoint, t: TensorPlan, is_packed: bool, device, dtype) -> tuple[list[str], jax.Array]:
-    """Copy one tensor's bytes to `device` and convert it there; returns the tensors read and the array."""
-    from .loader import host_array
+def _host_array(checkpoint: Checkpoint, name: str, kind: str) -> np.ndarray:
+    """A tensor as NumPy, ready to put: the memory-mapped view (index tables narrowed to int32, JAX's default)."""
+    array = checkpoint.array(name)
+    return array.astype(np.int32) if kind == "int" else array
 
-    if is_packed:
-        from .nvfp4 import dequantize
-        from .nvfp4.checkpoint import companions
 
-        names = [t.name, *companions(t.name)]
-        packed, scale, scale_2 = (jax.device_put(checkpoint.array(n), device) for n in names)
-        return names, dequantize(packed, scale, scale_2.reshape(()).astype(jnp.float32), dtype=dtype)
-    first = jax.device_put(host_array(checkpoint, checkpoint[t.name]), device)
-    if t.kind != "int" and first.dtype != dtype:
-        first = first.astype(dtype)
-    return [t.name], first
+def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
+    """The checkpoint tensors one leaf is made from: itself, or a packed weight and its two scales."""
+    if t.name not in packed:
+        return [t.name]
+    from .nvfp4.checkpoint import companions
+
+    return [t.name, *companions(t.name)]
+
+
+class _Converters:
+    """The on-device conversions of a load (NVFP4 dequantization, casts to the load dtype), compiled ahead.
+
+    Each distinct input signature is compiled once, and all of them are compiled on a thread pool as soon as
+    the load starts, so a fresh process pays roughly one compile time rather than one per shape, and pays
+    it while the first tensors stream.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]], device, dtype):
+        self._dtype = jnp.dtype(dtype)
+        self._device = device
+        self._keys = [self._key(checkpoint, t, names) for t, names in zip(plan, sources)]
+        distinct = sorted({k for k in self._keys if k is not None}, key=str)
+        self._pool = ThreadPoolExecutor(max_workers=min(8, len(distinct))) if distinct else None
+        self._compiled = {k: self._pool.submit(self._compile, k) for k in distinct}
+        self._by_leaf = {t.name: k for t, k in zip(plan, self._keys)}
+
+    def _key(self, checkpoint: Checkpoint, t: TensorPlan, names: list[str]):
+        inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
+        if len(names) > 1:
+            return ("nvfp4", inputs)
+        if t.kind == "int" or inputs[0][1] == self._dtype:
+            return None
+        return ("cast", inputs)
+
+    def _compile(self, key):
+        kind, inputs = key
+        sharding = SingleDeviceSharding(self._device)
+        specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in inputs]
+        if kind == "nvfp4":
+            from .nvfp4 import dequantize
+
+            fn = functools.partial(dequantize, dtype=self._dtype)
+        else:
+            fn = functools.partial(jnp.asarray, dtype=self._dtype)
+        return jax.jit(fn).lower(*specs).compile()
+
+    def __call__(self, t: TensorPlan, names: list[str], arrays: list[jax.Array]) -> jax.Array:
+        key = self._by_leaf[t.name]
+        return arrays[0] if key is None else self._compiled[key].result()(*arrays)
+
+    def __enter__(self) -> _Converters:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
@@ -95,14 +148,6 @@ def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
     for name in names:
         checkpoint.release(name)
     return sum(checkpoint[n].nbytes for n in names)
-
-
-def _host_bytes(checkpoint: Checkpoint, t: TensorPlan, packed: set[str]) -> int:
-    if t.name not in packed:
-        return checkpoint[t.name].nbytes
-    from .nvfp4.checkpoint import companions
-
-    return sum(checkpoint[n].nbytes for n in (t.name, *companions(t.name)))
 
 
 class _Progress:
