@@ -303,12 +303,3 @@ def test_gpu_pallas_matches_xla_extreme_scale_2(scale_2):
     packed, scale = random_nvfp4(np.random.default_rng(), (256, 2048))
     out = nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="pallas")
     np.testing.assert_array_equal(bits16(out), bits16(nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="xla")))
-
-
-def test_auto_backend_policy():
-    big, small = nvfp4.PALLAS_MIN_VALUES, nvfp4.PALLAS_MIN_VALUES - 1
-    assert nvfp4.auto_backend(big, jnp.bfloat16, "gpu") == "pallas"
-    assert nvfp4.auto_backend(big, jnp.float16, "gpu") == "pallas"
-    assert nvfp4.auto_backend(small, jnp.bfloat16, "gpu") == "xla"  # launch-bound: keep the XLA fusion
-    assert nvfp4.auto_backend(big, jnp.float32, "gpu") == "xla"  # the kernel writes 16-bit values only
-    assert nvfp4.auto_backend(big, jnp.bfloat16, "cpu") == "xla"

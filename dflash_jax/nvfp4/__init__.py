@@ -9,7 +9,6 @@ and  value[n, k] = e2m1(code[n, k]) * (f32(scale[n, k // 16]) * scale_2), in flo
 except that code 8 (-0) may come out as +0 or -0.
 
   dequantize(packed, scale, scale_2, *, dtype, backend)  -> jax.Array [..., K]
-  auto_backend(n_values, dtype, platform)                -> the backend "auto" picks
   quantize(w)                                            -> (packed, scale, scale_2), NumPy, ModelOpt's algorithm
   check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
   check_scales_finite(name, scale, scale_2)
@@ -33,20 +32,9 @@ from . import _pallas
 from ._checks import check_nvfp4_shapes, check_scales_finite
 from ._reference import BLOCK, dequantize_xla, quantize
 
-__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales_finite", "auto_backend", "PALLAS_MIN_VALUES"]
+__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales_finite"]
 
 Backend = Literal["auto", "pallas", "xla"]
-
-# Below ~4M values (~10 MB moved) a dequantization is launch-bound on an H200 (~12 us per tensor whatever
-# the path, measured 2026-11-29): there "auto" keeps the XLA fusion, which XLA may put in a CUDA graph
-# (a Pallas custom call is not), so that no tensor is slower than on the XLA path.
-PALLAS_MIN_VALUES = 1 << 22
-
-
-def auto_backend(n_values: int, dtype, platform: str) -> str:
-    """The backend "auto" picks for `n_values` outputs of `dtype` on `platform` (jax.default_backend())."""
-    pallas_dtype = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "pallas" if platform == "gpu" and pallas_dtype and n_values >= PALLAS_MIN_VALUES else "xla"
 
 
 def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto") -> jax.Array:
@@ -54,8 +42,8 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
     pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the GPU
-    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas on a GPU for bfloat16/float16
-    outputs of at least PALLAS_MIN_VALUES values, xla otherwise: see `auto_backend`). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas on a GPU for bfloat16/float16,
+    xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
     """
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
@@ -71,7 +59,8 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
     scale_2 = scale_2.astype(jnp.float32).reshape(())
     if backend == "auto":
-        backend = auto_backend(2 * packed.size, dtype, jax.default_backend())
+        on_gpu = jax.default_backend() == "gpu"
+        backend = "pallas" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
     if backend == "xla":
         if scale.dtype == jnp.uint8:
             scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
