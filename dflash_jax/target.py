@@ -11,7 +11,7 @@ returns, besides the final hidden states, the target features a DFlash-family dr
 
 concatenated shallow-to-deep in `layer_ids` order: `[batch, S, Lf * H]`.
 
-KV cache: `KVCache(k, v)`, each `[L, batch, T, n_kv, d_h]`; slot t holds position t. The cache itself carries
+KV cache: `KVCache(k, v)`, each `[L, batch, n_kv, T, d_h]`; slot t holds position t. The cache itself carries
 no length: the caller keeps `lengths [batch]` (tokens committed per sequence). A forward over `S` new tokens
 writes their K/V at slots `lengths .. lengths + S - 1` (their positions) and attends causally over slots
 `< lengths + S`, so slots beyond a sequence's length are never read: trimming the cache to an accepted prefix
@@ -56,7 +56,8 @@ Params = dict[str, Any]
 
 
 class KVCache(NamedTuple):
-    """A static-shape KV cache: `k`, `v` `[L, batch, T, n_kv, d_h]` (post k_norm + RoPE keys); slot t = position t."""
+    """A static-shape KV cache: `k`, `v` `[L, batch, n_kv, T, d_h]` (post k_norm + RoPE keys; heads-major as
+    `model.KeyValues`); slot t = position t."""
 
     k: jax.Array
     v: jax.Array
@@ -298,7 +299,7 @@ class Qwen3Target:
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype."""
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
         return KVCache(jnp.zeros(shape, self.embed.dtype), jnp.zeros(shape, self.embed.dtype))
 
     def __call__(
@@ -356,7 +357,7 @@ def _forward(
         if not -1 <= l < N:
             raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
     batch, S = tokens.shape
-    T = cache.k.shape[2]
+    T = cache.k.shape[3]
     dtype = target.embed.dtype
 
     lengths = lengths.astype(jnp.int32)
@@ -371,7 +372,7 @@ def _forward(
     inner_ids = jnp.asarray(inner if inner else [-2], jnp.int32)  # [n_inner]
 
     def layer(carry, inputs):
-        x, k_cache, v_cache, feats = carry  # x [batch, S, H]; caches [L, batch, T, n_kv, d_h]
+        x, k_cache, v_cache, feats = carry  # x [batch, S, H]; caches [L, batch, n_kv, T, d_h]
         p, i = inputs
         attn = p["self_attn"]
         xn = rms_norm(x, p["input_layernorm"]["weight"], eps)
@@ -380,9 +381,10 @@ def _forward(
         v = linear(xn, attn["v_proj"]).reshape(batch, S, n_kv, d_h)
         q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)  # [batch, S, n_h, d_h]
         k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)  # [batch, S, n_kv, d_h]
-        k_cache = k_cache.at[i, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        keys = KeyValues(k_cache[i], v_cache[i], slots, written)  # [batch, T, n_kv, d_h]
+        # (i, rows, positions) broadcast to [batch, S], the sliced n_kv and d_h axes follow: k's own layout
+        k_cache = k_cache.at[i, rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[i, rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+        keys = KeyValues(k_cache[i], v_cache[i], slots, written)  # [batch, n_kv, T, d_h]
         a = attend(q, positions, [keys], _CAUSAL).reshape(batch, S, n_h * d_h)
         x = x + linear(a, attn["o_proj"])
         h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)

@@ -1,0 +1,408 @@
+"""Speculative decoding end to end: draft with a DFlash-family drafter, verify with a `Target`, commit, repeat.
+
+    result = speculative_generate(target, drafter, prompt_ids, max_new_tokens=128)
+    result.tokens, result.acceptance_lengths, result.decode_tokens_per_second
+
+One step (spec §1.6, batched; K = `drafter.config.num_draft_tokens`: B-1 for DFlash/DFlash2, B for DSpark):
+
+    verify  [anchor, d_1 .. d_K] with the target at positions len .. len+K  -> logits, features
+    accept  a = the longest accepted prefix of the drafts (greedy: equal to the target's argmax;
+            T > 0: the rejection rule below), then one more token from the target (the "bonus")
+    commit  d_1..d_a + bonus; the target cache keeps len + a + 1 positions (anchor and accepted drafts; the
+            rejected slots are overwritten later), the drafter's context grows by the same a + 1 feature rows,
+            and the bonus becomes the next anchor
+    draft   the next proposal from the new context and anchor (`drafting.propose`)
+
+Sampling (temperature T > 0) is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al.
+2023), so the output is distributed exactly as the target's own sampling at T: draft x (drawn from q) is
+accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
+norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T) and q is
+the distribution the drafter actually drew from (`Proposal.probs`). The reference loop (exact token equality
+with an argmax drafter) is not lossless at T > 0 (spec §5); this is.
+
+Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
+token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
+
+Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
+`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program. Measured on
+CPU (2 cores, tiny models, 64 tokens; docs/generate.md): the while_loop is about 2x faster than the same
+jitted step driven from Python, whose per-step dispatch and host sync dominate a small model. A progress
+callback, when given, is called from inside the loop (`jax.debug.callback`) once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .drafting import ContextCache, Proposal, init_cache, propose
+from .loader import Drafter
+from .target import Target
+
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
+CACHE_BUCKET = 128  # cache capacities are rounded up to a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """New tokens and statistics of one `speculative_generate` / `greedy_generate` call.
+
+    For a single prompt, `tokens` is a list of ids and `acceptance_lengths` a list of ints; for a batch of
+    prompts, one such list per prompt. Acceptance lengths count the bonus token (the reference's tau per step:
+    accepted drafts + 1); the first new token comes from the prefill and belongs to no step. Times are wall
+    clock and include compilation the first time a shape is seen: warm up first to measure speed.
+    """
+
+    tokens: list[int] | list[list[int]]
+    acceptance_lengths: list[int] | list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+
+    def _per_prompt(self, field: list) -> list[list[int]]:
+        return field if field and isinstance(field[0], list) else [field]
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens over all prompts."""
+        return sum(len(t) for t in self._per_prompt(self.tokens))
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens per second of prefill + decode."""
+        return self.num_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens made by the decode loop (all but each prompt's first) per second of decode."""
+        decoded = self.num_tokens - len(self._per_prompt(self.tokens))
+        return decoded / max(self.decode_seconds, 1e-9)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Mean tokens per verify step (accepted drafts + 1), over all prompts; nan without steps."""
+        steps = [a for seq in self._per_prompt(self.acceptance_lengths) for a in seq]
+        return float(np.mean(steps)) if steps else float("nan")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared pieces: prompts, the first token, stop tokens
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _as_batch(prompt_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[list[int]], bool]:
+    """`(prompts, single)`: a batch of non-empty prompts, and whether one bare prompt was given."""
+    prompts = list(prompt_ids)
+    single = not prompts or not isinstance(prompts[0], (Sequence, np.ndarray))
+    prompts = [[int(t) for t in p] for p in ([prompts] if single else prompts)]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    return prompts, single
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad_prompts(prompts: list[list[int]]) -> tuple[jax.Array, jax.Array]:
+    """Right-pad to a bucketed length: `(tokens [batch, P] int32, lengths [batch] int32)`."""
+    width = _round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, p in zip(tokens, prompts):
+        row[: len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _stop_array(stop_token_ids: Sequence[int] | None) -> jax.Array:
+    """Stop ids as int32, padded with -1 (matches nothing) to a multiple of 8 entries, so that different stop
+    lists share a compilation."""
+    ids = list(stop_token_ids or [])
+    return jnp.asarray(ids + [-1] * (_round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
+
+
+def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`."""
+    if key is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+
+def _last_row(x: jax.Array, lengths: jax.Array) -> jax.Array:
+    """`x [batch, S, ...]` at row `lengths - 1` of each sequence: `[batch, ...]`."""
+    return jnp.take_along_axis(x, (lengths - 1).reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
+
+
+def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(tokens, counts)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Speculative decoding
+# --------------------------------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class _State:
+    """The decode loop's carry (every array has a static shape)."""
+
+    step: jax.Array  # [] int32
+    target_cache: Any  # the target's KV cache
+    lengths: jax.Array  # [batch] positions in the target cache (= context rows in the drafter's cache)
+    context: ContextCache  # the drafter's context K/V
+    anchor: jax.Array  # [batch] the last committed token, not yet run through the target
+    proposal: Proposal  # drafts for the next verify
+    out: jax.Array  # [batch, max_new] new tokens
+    n_out: jax.Array  # [batch] tokens in `out`
+    accept: jax.Array  # [batch, max_new] acceptance length of each step (0 once a sequence is done)
+    done: jax.Array  # [batch] bool
+    key: jax.Array
+
+
+def _acceptance(
+    key: jax.Array | None, logits: jax.Array, proposal: Proposal, temperature: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Verify a proposal: `(accepted drafts [batch], the step's last token [batch])`.
+
+    logits: `[batch, K + 1, V]`, row j the target's logits for the token after verify row j (row j < K checks
+    draft j, row K follows the last draft).
+    """
+    drafts, K = proposal.tokens, proposal.tokens.shape[1]  # [batch, K]
+    proposed = jnp.arange(K) < proposal.num_tokens[:, None]  # [batch, K]
+    if key is None:  # greedy: a draft stands if it is the target's argmax
+        choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch, K + 1]
+        ok = (drafts == choice[:, :K]) & proposed
+        accepted = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
+        return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
+
+    accept_key, residual_key = jax.random.split(key)
+    p = jax.nn.softmax(logits / temperature, axis=-1)  # [batch, K + 1, V]
+    q = jnp.pad(proposal.probs * proposed[..., None], ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]; 0: no draft
+    p_draft = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [batch, K]
+    q_draft = jnp.take_along_axis(q[:, :K], drafts[..., None], axis=2)[..., 0]
+    u = jax.random.uniform(accept_key, drafts.shape)
+    ok = (u * q_draft < p_draft) & proposed  # accept with probability min(1, p / q)
+    accepted = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
+    p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [batch, V]
+    q_a = jnp.take_along_axis(q, accepted[:, None, None], axis=1)[:, 0]  # zero after the last proposed draft
+    residual = jnp.maximum(p_a - q_a, 0.0)
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_a)  # p == q: never rejected
+    last = jax.random.categorical(residual_key, jnp.log(residual)).astype(jnp.int32)
+    return accepted, last
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("target_cache", "context")
+)
+def _spec_prefill(
+    target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, temperature,
+    threshold, key, *, max_new_tokens: int, sampling: bool
+) -> _State:
+    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
+
+    The empty caches come in as arguments: made inside, XLA would constant-fold work over them at compile time.
+    """
+    batch = tokens.shape[0]
+    first_key, draft_key, key = jax.random.split(key, 3)
+    out = target(tokens, target_cache, jnp.zeros_like(lengths), layer_ids=drafter.config.target_layer_ids)
+    first = _pick(first_key if sampling else None, _last_row(out.logits, lengths), temperature)  # [batch]
+    proposal, context = propose(drafter, context, out.features, lengths, first,
+                                key=draft_key if sampling else None, temperature=temperature,
+                                confidence_threshold=threshold)
+    return _State(
+        step=jnp.zeros((), jnp.int32),
+        target_cache=out.cache,
+        lengths=lengths,
+        context=context,
+        anchor=first,
+        proposal=proposal,
+        out=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
+        n_out=jnp.ones((batch,), jnp.int32),
+        accept=jnp.zeros((batch, max_new_tokens), jnp.int32),
+        done=(first[:, None] == stop).any(-1) | (max_new_tokens <= 1),
+        key=key,
+    )
+
+
+def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, max_new_tokens: int, sampling: bool,
+               s: _State, progress: Callable[[Any], None] | None = None) -> _State:
+    """One verify + commit + draft step for every sequence still running."""
+    batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
+    verify_key, draft_key, key = jax.random.split(s.key, 3)
+    live = ~s.done
+    verify = jnp.concatenate([s.anchor[:, None], s.proposal.tokens], axis=1)  # [batch, K + 1]
+    out = target(verify, s.target_cache, s.lengths, layer_ids=drafter.config.target_layer_ids)
+    accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
+
+    # Commit d_1..d_a + last, cut after a stop token and at the token budget.
+    made = jnp.pad(s.proposal.tokens, ((0, 0), (0, 1)))
+    made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1]
+    is_stop = (made[..., None] == stop).any(-1) & (jnp.arange(K + 1) <= accepted[:, None])  # [batch, K + 1]
+    keep = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1) + 1, accepted + 1)
+    keep = jnp.where(live, jnp.minimum(keep, max_new_tokens - s.n_out), 0)  # [batch]
+    rows = jnp.arange(batch)[:, None]
+    kept = jnp.arange(K + 1) < keep[:, None]  # [batch, K + 1]
+    slots = jnp.where(kept, s.n_out[:, None] + jnp.arange(K + 1), max_new_tokens)  # past the end: dropped
+    n_out = s.n_out + keep
+    done = s.done | (is_stop & kept).any(1) | (n_out >= max_new_tokens)
+
+    committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
+    proposal, context = propose(drafter, s.context, out.features, committed, last,
+                                key=draft_key if sampling else None, temperature=temperature,
+                                confidence_threshold=threshold)
+    if progress is not None:
+        jax.debug.callback(progress, n_out)
+    return _State(
+        step=s.step + 1,
+        target_cache=out.cache,
+        lengths=s.lengths + committed,
+        context=context,
+        anchor=jnp.where(live, last, s.anchor),
+        proposal=proposal,
+        out=s.out.at[rows, slots].set(made, mode="drop"),
+        n_out=n_out,
+        accept=s.accept.at[:, s.step].set(committed),
+        done=done,
+        key=key,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "progress"), donate_argnames=("state",)
+)
+def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
+                 max_new_tokens: int, sampling: bool, progress: Callable[[Any], None] | None = None) -> _State:
+    """Steps until every sequence is done, as one `lax.while_loop`."""
+    step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
+                             progress=progress)
+    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
+
+
+def speculative_generate(
+    target: Target,
+    drafter: Drafter,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+    confidence_threshold: float = 0.0,
+    progress: Callable[[np.ndarray], None] | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
+
+    prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own.
+    temperature 0: greedy, token for token the target's own greedy decoding; > 0: sampled, distributed as the
+    target's sampling at that temperature (module docstring). A sequence stops after a token of
+    `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
+    ships none. `confidence_threshold` (DSpark drafters with a confidence head): proposals end before the
+    first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is called after every step with the tokens made so far per
+    sequence (`[batch]` NumPy).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts, single = _as_batch(prompt_ids)
+    drafter = _attach(target, drafter)
+    tokens, lengths = _pad_prompts(prompts)
+    K = drafter.config.num_draft_tokens
+    capacity = _round_up(tokens.shape[1] + max_new_tokens + K + 1, CACHE_BUCKET)
+    stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
+    threshold = jnp.float32(confidence_threshold)
+    sampling = temperature > 0
+
+    start = time.perf_counter()
+    caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity)
+    state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
+                          max_new_tokens=max_new_tokens, sampling=sampling)
+    jax.block_until_ready(state)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens, sampling=sampling,
+                         progress=progress)
+    out, n_out, accept = jax.device_get((state.out, state.n_out, state.accept))
+    decode = time.perf_counter() - start
+
+    new = _to_lists(out, n_out)
+    steps = [[int(a) for a in row if a > 0] for row in accept]
+    return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode)
+
+
+def _attach(target: Target, drafter: Drafter) -> Drafter:
+    """The drafter with the target's embedding / LM head attached where it has none of its own."""
+    own = drafter.params
+    return drafter.attach(
+        embed=target.embed if "embed_tokens" not in own and drafter.embed is None else None,
+        lm_head=target.lm_head if "lm_head" not in own and drafter.lm_head is None else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Plain greedy decoding (the baseline)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
+def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int):
+    """Run the prompts, take the first token: the loop carry `(cache, lengths, last, out, n_out, done)`."""
+    batch = tokens.shape[0]
+    out = target(tokens, cache, jnp.zeros_like(lengths))
+    first = _pick(None, _last_row(out.logits, lengths), None)  # [batch]
+    done = (first[:, None] == stop).any(-1) | (max_new_tokens <= 1)
+    new = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    return out.cache, lengths, first, new, jnp.ones((batch,), jnp.int32), done
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("carry",))
+def _greedy_decode(target: Target, carry, stop, *, max_new_tokens: int):
+    """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
+
+    def step(carry):
+        cache, lengths, last, new, n_out, done = carry
+        o = target(last[:, None], cache, lengths)  # `last` enters the cache at position `lengths`
+        nxt = _pick(None, o.logits[:, 0], None)  # [batch]
+        new = new.at[jnp.arange(new.shape[0]), jnp.where(done, max_new_tokens, n_out)].set(nxt, mode="drop")
+        live = ~done
+        n_out = n_out + live
+        done = done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= max_new_tokens)
+        return o.cache, lengths + live, jnp.where(live, nxt, last), new, n_out, done
+
+    return jax.lax.while_loop(lambda c: ~c[-1].all(), step, carry)
+
+
+def greedy_generate(
+    target: Target,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+) -> GenerationResult:
+    """The target alone, greedy: the baseline speculative decoding must reproduce and beat.
+
+    Same prompt handling, stop rule and result as `speculative_generate` (no acceptance lengths).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    prompts, single = _as_batch(prompt_ids)
+    tokens, lengths = _pad_prompts(prompts)
+    capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)
+    stop = _stop_array(stop_token_ids)
+    start = time.perf_counter()
+    carry = jax.block_until_ready(
+        _greedy_prefill(target, target.init_cache(len(prompts), capacity), tokens, lengths, stop,
+                        max_new_tokens=max_new_tokens)
+    )
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    _, _, _, new, n_out, _ = _greedy_decode(target, carry, stop, max_new_tokens=max_new_tokens)
+    new, n_out = jax.device_get((new, n_out))
+    decode = time.perf_counter() - start
+    lists = _to_lists(new, n_out)
+    empty: list[list[int]] = [[] for _ in prompts]
+    return GenerationResult(lists[0] if single else lists, empty[0] if single else empty, prefill, decode)

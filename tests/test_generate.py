@@ -1,0 +1,113 @@
+"""speculative_generate at temperature 0: lossless against the target's own greedy decoding, whatever the drafter
+proposes (random drafters of each family, a drafter that is right nearly always), with stop tokens, budgets,
+confidence cuts and batches of prompts of different lengths."""
+
+from __future__ import annotations
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import load_drafter
+from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
+from dflash_jax.generate import GenerationResult, greedy_generate, speculative_generate
+from dflash_jax.testing import preset_dict, write_checkpoint
+
+MAX_NEW = 24
+RNG = np.random.default_rng(7)
+PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (1, 2, 3, 5, 8, 13, 17, 21, 25, 30)]
+SUCCESSOR = np.random.default_rng(0).permutation(128)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return greedy_generate(target, PROMPTS, MAX_NEW)
+
+
+def _drafter(tmp_path_factory, preset: str | dict, seed: int = 0):
+    directory = tmp_path_factory.mktemp("drafter")
+    write_checkpoint(directory, preset, seed=seed)
+    return load_drafter(directory, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    """A DSpark drafter (Markov rank = vocab) whose rows walk SUCCESSOR, so it copies a successor target."""
+    config = copy.deepcopy(preset_dict("tiny-dspark"))
+    config["markov_rank"] = config["dspark_config"]["markov_rank"] = 128
+    return successor_drafter(_drafter(tmp_path_factory, config), SUCCESSOR)
+
+
+def test_greedy_baseline(target, greedy):
+    """The baseline itself: a batch equals its prompts run one at a time, and the budget is exact."""
+    assert isinstance(greedy, GenerationResult)
+    assert [len(t) for t in greedy.tokens] == [MAX_NEW] * len(PROMPTS)
+    for i in (0, 9):
+        alone = greedy_generate(target, PROMPTS[i], MAX_NEW)
+        assert alone.tokens == greedy.tokens[i] and alone.acceptance_lengths == []
+
+
+@pytest.mark.parametrize("preset", ["tiny-dflash", "tiny-dflash2", "tiny-dspark"])
+def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset):
+    """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
+    target's greedy continuation, for every prompt of the batch."""
+    drafter = _drafter(tmp_path_factory, preset, seed=2)
+    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    assert result.tokens == greedy.tokens
+    K = drafter.config.num_draft_tokens
+    for steps, tokens in zip(result.acceptance_lengths, result.tokens):
+        assert all(1 <= a <= K + 1 for a in steps)
+        assert sum(steps) >= len(tokens) - 1  # the first token comes from the prefill
+
+
+def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
+    """A target that (mostly) follows SUCCESSOR and a drafter that walks it: whole blocks are accepted, some
+    steps are cut short where the context moves the target off the map, and the output is still lossless."""
+    K = oracle.config.num_draft_tokens  # 7: DSpark drafts all B rows
+    exact = successor_target(target, SUCCESSOR, layer_scale=0.5)
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW)
+    assert result.tokens == greedy_generate(exact, PROMPTS, MAX_NEW).tokens
+    assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
+    assert result.mean_acceptance_length == K + 1
+
+    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
+    reference = greedy_generate(nudged, PROMPTS, MAX_NEW)
+    result = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW)
+    assert result.tokens == reference.tokens
+    steps = [a for seq in result.acceptance_lengths for a in seq]
+    assert steps.count(K + 1) >= len(steps) // 2 and min(steps) < K + 1
+    assert result.mean_acceptance_length > 5
+
+    # DSpark's confidence head (random here) cuts proposals: fewer drafts verified, still lossless.
+    cut = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW, confidence_threshold=0.5)
+    assert cut.tokens == reference.tokens
+    assert cut.mean_acceptance_length < result.mean_acceptance_length
+
+
+def test_stop_tokens_and_batch_independence(target, greedy, oracle):
+    """A sequence ends after its first stop token (kept); the others in the batch run to the budget."""
+    stop = greedy.tokens[3][6]
+    expected = []
+    for tokens in greedy.tokens:
+        expected.append(tokens[: tokens.index(stop) + 1] if stop in tokens else tokens)
+    assert greedy_generate(target, PROMPTS, MAX_NEW, stop_token_ids=[stop]).tokens == expected
+    result = speculative_generate(target, oracle, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[stop, 500])
+    assert result.tokens == expected
+    assert any(len(t) == MAX_NEW for t in result.tokens) and len(result.tokens[3]) <= 7
+
+
+def test_single_prompt_result_and_timings(target, greedy, oracle):
+    result = speculative_generate(target, oracle, PROMPTS[4], max_new_tokens=MAX_NEW)
+    assert result.tokens == greedy.tokens[4]
+    assert isinstance(result.acceptance_lengths, list) and isinstance(result.acceptance_lengths[0], int)
+    assert result.prefill_seconds > 0 and result.decode_seconds > 0 and result.tokens_per_second > 0
+    assert result.num_tokens == MAX_NEW
+    with pytest.raises(ValueError, match="at least one token"):
+        speculative_generate(target, oracle, [[1, 2], []], max_new_tokens=4)

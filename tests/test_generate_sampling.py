@@ -1,0 +1,105 @@
+"""speculative_generate at temperature > 0: the rejection rule makes the output distributed as the target's.
+
+On a 16-token vocabulary, thousands of sequences (one batch, fixed seed) of three new tokens each: the empirical
+distribution of (x1, x2) and of x3 is compared with the target's exact distribution, computed by running the
+target on every continuation. x1 comes from the prefill; x2 and x3 come out of verify steps (accepted drafts,
+residual samples after a rejection, bonus tokens), so the rule itself is on trial. The drafters' own q is far
+from the target's p, so both accepts and rejects happen often. DFlash2 draws from top-K candidates only
+(q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import load_drafter
+from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
+from dflash_jax.generate import _attach, speculative_generate
+from dflash_jax.testing import preset_dict, write_checkpoint
+
+V, MASK, T = 16, 15, 1.0
+PROMPT = [3, 9, 4, 1]
+SAMPLES = 2000
+
+
+def _small_vocab(preset: str) -> dict:
+    config = copy.deepcopy(preset_dict(preset))
+    config["vocab_size"] = V
+    for block in ("dflash_config", "dspark_config"):
+        if block in config:
+            config[block]["mask_token_id"] = MASK
+    if "mask_token_id" in config:
+        config["mask_token_id"] = MASK
+    return config
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "vocab_size": V}, seed=5, dtype=jnp.float32)
+
+
+def _distribution(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """The target's distribution of (x1, x2, x3) after PROMPT, [V, V, V], from the logits of every continuation."""
+    p = np.asarray(jax.nn.softmax(logits / temperature, axis=-1), np.float64)  # [V*V, 6, V]
+    p1 = p[0, len(PROMPT) - 1]  # [V]
+    p2 = p[::V, len(PROMPT)]  # [V (x1), V]
+    p3 = p[:, len(PROMPT) + 1].reshape(V, V, V)  # [x1, x2, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module")
+def logits(target):
+    """The target's logits on PROMPT + every (x1, x2): [V*V, 6, V]."""
+    seqs = np.array([PROMPT + list(c) for c in itertools.product(range(V), repeat=2)], np.int32)
+    return target(jnp.asarray(seqs), target.init_cache(len(seqs), 8), jnp.zeros(len(seqs), jnp.int32)).logits
+
+
+@pytest.fixture(scope="module")
+def exact(logits):
+    return _distribution(logits, T)
+
+
+def _chi2_z(counts: np.ndarray, expected: np.ndarray) -> float:
+    """Chi-square statistic of counts vs expected (cells with expected < 5 pooled), as a Wilson-Hilferty z score:
+    about N(0, 1) when the counts follow the expected distribution."""
+    counts, expected = counts.ravel().astype(float), expected.ravel()
+    small = expected < 5
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    stat, k = ((counts - expected) ** 2 / expected).sum(), len(expected) - 1
+    return ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / np.sqrt(2 / (9 * k))
+
+
+@pytest.mark.parametrize(
+    "preset, threshold",  # DSpark with its confidence cut: drafts past the cut are never accepted
+    [("tiny-dflash", 0.0), ("tiny-dflash2", 0.0), ("tiny-dspark", 0.5)],
+)
+def test_output_distribution_is_the_targets(tmp_path, target, exact, preset, threshold):
+    write_checkpoint(tmp_path, _small_vocab(preset), seed=11)
+    drafter = _attach(target, load_drafter(tmp_path, dtype=jnp.float32))
+
+    result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1,
+                                  confidence_threshold=threshold)
+    tokens = np.array(result.tokens)  # [SAMPLES, 3]
+    first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
+    assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
+
+    joint12 = np.zeros((V, V))
+    np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)
+    assert _chi2_z(joint12, SAMPLES * exact.sum(2)) < 4
+    assert _chi2_z(np.bincount(tokens[:, 2], minlength=V), SAMPLES * exact.sum((0, 1))) < 4
+
+
+def test_the_bound_has_power(logits, exact):
+    """Samples from a slightly wrong distribution (the target at T=1.5) fail the same bound, so passing means
+    something."""
+    wrong = _distribution(logits, 1.5).sum(2).ravel()
+    cells = np.random.default_rng(0).choice(V * V, SAMPLES, p=wrong / wrong.sum())
+    assert _chi2_z(np.bincount(cells, minlength=V * V), SAMPLES * exact.sum(2)) > 4
