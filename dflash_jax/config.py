@@ -32,6 +32,8 @@ LayerCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)]  # -1 = the target's embedding output (DeepSpec)
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFlash-family drafters use
+
 # Markov / confidence fields that SpecForge and DeepSpec exports put nested or top-level.
 _HOISTED = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
@@ -360,6 +362,9 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         )
     if config.layer_types is not None and len(config.layer_types) != config.num_hidden_layers:
         fail(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers={config.num_hidden_layers}")
+    for i, kind in enumerate(config.layer_types or ()):
+        if kind not in LAYER_TYPES:  # another kind (linear, chunked) would silently run as full attention
+            fail(f"layer_types[{i}] = {kind!r}; expected one of {', '.join(LAYER_TYPES)}")
     if sub is not None and sub.conv_group_size and config.hidden_size % sub.conv_group_size:
         fail(f"dflash_config.conv_group_size={sub.conv_group_size} does not divide hidden_size={config.hidden_size}")
     if sub is not None and bool(sub.conv_kernel_size) != bool(sub.conv_group_size):

@@ -298,6 +298,8 @@ CASES = [
          ConfigError, ("config.json", "target_layer_ids", "num_target_layers=6")),
     Case("target_layer_ids a string", config(lambda c: c["dflash_config"].update(target_layer_ids="1,3")),
          ConfigError, ("config.json", "$.dflash_config.target_layer_ids")),
+    Case("unknown layer type", config(lambda c: c["layer_types"].__setitem__(1, "linear_attention")), ConfigError,
+         ("config.json", "layer_types[1] = 'linear_attention'", "full_attention"), base="tiny-dflash2"),
     Case("unsupported markov head", config(lambda c: c.update(markov_head_type="gated")), ConfigError,
          ("config.json", "markov_head_type='gated'", "vanilla"), base="tiny-dspark"),
     Case("quantization groups of the wrong shape", config(lambda c: c.update(
