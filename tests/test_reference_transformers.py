@@ -1,0 +1,64 @@
+"""Against Hugging Face transformers (optional extra `reference`: torch + transformers; skipped without them).
+
+The same tiny float32 Qwen3 checkpoint is loaded by `Qwen3ForCausalLM` and by `Qwen3Target`: logits and every
+`output_hidden_states` entry agree (including transformers' last entry, taken after the final norm), and
+transformers' greedy `generate` equals `greedy_generate` and `speculative_generate` token for token.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflash_jax import load_drafter  # noqa: E402
+from dflash_jax._qwen3_testing import write_qwen3_checkpoint  # noqa: E402
+from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.target import Qwen3Target  # noqa: E402
+from dflash_jax.testing import write_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.reference
+
+PROMPTS = [[5, 17, 99, 3], [120], [9, 9, 9, 9, 1, 2, 44, 100, 7, 61, 30], [64, 65, 66]]
+MAX_NEW = 20
+
+
+def _pair(directory, preset):
+    write_qwen3_checkpoint(directory, preset, seed=4, dtype="float32")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return hf, Qwen3Target.from_pretrained(directory, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-tied"])
+def test_logits_and_hidden_states(tmp_path, preset):
+    hf, target = _pair(tmp_path, preset)
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt]), output_hidden_states=True)
+    layers = tuple(range(-1, target.config.num_hidden_layers))  # every entry: embedding .. last (normed)
+    out = target(jnp.asarray([prompt]), target.init_cache(1, 16), jnp.zeros(1, jnp.int32), layer_ids=layers)
+    np.testing.assert_allclose(np.asarray(out.logits[0]), expected.logits[0].numpy(), rtol=0, atol=1e-4)
+    H = target.config.hidden_size
+    for j, l in enumerate(layers):
+        np.testing.assert_allclose(
+            np.asarray(out.features[0, :, j * H : (j + 1) * H]), expected.hidden_states[l + 1][0].numpy(),
+            rtol=0, atol=1e-4, err_msg=f"layer id {l} (hidden_states[{l + 1}])",
+        )
+
+
+def test_greedy_generate_equals_transformers(tmp_path):
+    hf, target = _pair(tmp_path / "target", "tiny-qwen3")
+    write_checkpoint(tmp_path / "drafter", "tiny-dflash", seed=3)
+    drafter = load_drafter(tmp_path / "drafter", dtype=jnp.float32)
+    eos = list(target.config.eos_token_ids)
+    ours = greedy_generate(target, PROMPTS, MAX_NEW, stop_token_ids=eos).tokens
+    speculative = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=eos).tokens
+    for prompt, mine, spec in zip(PROMPTS, ours, speculative):
+        with torch.no_grad():
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=eos[0])
+        expected = generated[0, len(prompt):].tolist()
+        assert mine == expected and spec == expected
