@@ -63,7 +63,7 @@ def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -
             with open(file, "rb") as f:
                 block = json.loads(f.read()).get("quantization", {})
             declared.append((file, msgspec.convert(normalise_quantization(block), QuantizationConfig)))
-        except (ValueError, AttributeError, msgspec.ValidationError) as e:
+        except (ValueError, AttributeError, RecursionError, msgspec.ValidationError) as e:
             raise CheckpointError(f"{file}: cannot read the quantization block ({e})") from None
     if config.quantization_config is not None:
         declared.append((os.path.join(directory, "config.json"), config.quantization_config))
