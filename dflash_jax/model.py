@@ -51,19 +51,21 @@ _QWEN3_DEFAULT_MAX_POSITIONS = 32768
 # --------------------------------------------------------------------------------------------------------------
 
 
-def dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`einsum` with float32 accumulation; full-precision products whenever an operand is float32."""
+def dot(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """`einsum` accumulating in float32, result in `out_dtype`; full-precision products when an operand is float32.
+
+    A bf16 x bf16 product written as bf16 still accumulates in float32 (XLA's GEMMs use a float32 compute type)
+    and rounds once, in the GEMM's epilogue, instead of writing float32 and converting in another kernel.
+    """
     full = jnp.float32 in (a.dtype, b.dtype)
     precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=out_dtype)
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
     """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}`; returns x's dtype."""
-    y = dot("...i,oi->...o", x, p["weight"])  # [..., out] f32
-    if "bias" in p:
-        y = y + p["bias"].astype(jnp.float32)
-    return y.astype(x.dtype)
+    y = dot("...i,oi->...o", x, p["weight"], out_dtype=x.dtype)  # [..., out]
+    return y + p["bias"].astype(y.dtype) if "bias" in p else y
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -292,16 +294,16 @@ def decoder_layer(
     config: DflashConfig,
     rule: LayerRule,
     x: jax.Array,
-    rope: Rope,
     positions: jax.Array,
     context: Context,
-    context_rope: Rope,
+    rope: Rope,
     memory: KeyValues | None,
 ) -> tuple[jax.Array, KeyValues]:
     """One pre-norm Qwen3 layer over the block `x [batch, B, H]` at `positions [batch, B]`.
 
     Queries come from the block; keys/values from `memory` (earlier context, already projected), the new
-    `context` rows and the block itself. Returns the new block hidden and the context rows' K/V (for caching).
+    `context` rows and the block itself, the last two projected together. `rope`: tables for the context rows
+    followed by the block rows. Returns the new block hidden and the context rows' K/V (for caching).
     """
     attn, eps = p["self_attn"], config.rms_norm_eps
     n_h, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -313,17 +315,18 @@ def decoder_layer(
         xn, attn_delta = conv_prepare(p["attention_conv"], xn)
 
     q = linear(xn, attn["q_proj"]).reshape(batch, B, n_h, d_h)  # [batch, B, n_h, d_h]
-    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)
+    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), Rope(rope.cos[:, S:], rope.sin[:, S:]))
     rows = jnp.concatenate([context.hidden, xn], axis=1)  # [batch, S + B, H]: one K/V projection for both
     k = linear(rows, attn["k_proj"]).reshape(batch, S + B, n_kv, d_h)
     v = linear(rows, attn["v_proj"]).reshape(batch, S + B, n_kv, d_h)
-    k = rms_norm(k, attn["k_norm"]["weight"], eps)
-    heads_major = functools.partial(jnp.transpose, axes=(0, 2, 1, 3))  # [b, rows, n_kv, d_h] -> [b, n_kv, rows, d_h]
-    k_ctx = heads_major(apply_rope(k[:, :S], context_rope))  # [batch, n_kv, S, d_h]
-    k_blk = heads_major(apply_rope(k[:, S:], rope))  # [batch, n_kv, B, d_h]
-    new_context = KeyValues(k_ctx, heads_major(v[:, :S]), context.positions, context.valid)
-    block = KeyValues(k_blk, heads_major(v[:, S:]), positions, jnp.ones((batch, B), bool))
-    parts = ([memory] if memory is not None else []) + [new_context, block]
+    k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)
+    fresh = KeyValues(  # heads-major: [batch, n_kv, S + B, d_h]
+        k.transpose(0, 2, 1, 3),
+        v.transpose(0, 2, 1, 3),
+        jnp.concatenate([context.positions, positions], axis=1),
+        jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1),
+    )
+    parts = ([memory] if memory is not None else []) + [fresh]
 
     a = attend(q, positions, parts, rule).reshape(batch, B, n_h * d_h)  # [batch, B, n_h * d_h]
     a = linear(a, attn["o_proj"])  # [batch, B, H]
@@ -338,6 +341,7 @@ def decoder_layer(
     h = linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
     if "mlp_conv" in p:
         h = conv_finish(p["mlp_conv"], h, mlp_delta)
+    new_context = KeyValues(fresh.k[:, :, :S], fresh.v[:, :, :S], context.positions, context.valid)
     return x + h, new_context
 
 
@@ -358,12 +362,11 @@ def forward(
     `memory_positions [batch, T]`, rows with `memory_valid [batch, T]` False ignored; None for none.
     Returns `norm(x)` `[batch, B, H]` and, per layer, the K/V of the `context` rows.
     """
-    rope = rope_tables(config, positions)
-    context_rope = rope_tables(config, context.positions)
+    rope = rope_tables(config, jnp.concatenate([context.positions, positions], axis=1))  # context rows, then block
     new_kv = []
     for i, (p, rule) in enumerate(zip(params["layers"], rules)):
         mem = None if memory is None else KeyValues(*memory[i], memory_positions, memory_valid)
-        x, kv = decoder_layer(p, config, rule, x, rope, positions, context, context_rope, mem)
+        x, kv = decoder_layer(p, config, rule, x, positions, context, rope, mem)
         new_kv.append(kv)
     return rms_norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
 

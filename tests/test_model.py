@@ -42,7 +42,7 @@ def test_golden_float32(name):
 
 @pytest.mark.parametrize("name", ["dflash-tiny-a", "dflash-tiny-b"])
 def test_golden_bfloat16_same_drafts(name):
-    """bf16 weights and activations: the same draft in every row, logits within 0.2 (measured 0.08 / 0.10;
+    """bf16 weights and activations: the same draft in every row, logits within 0.2 (measured 0.09 / 0.12;
     the reference's own bf16 run is 0.06 / 0.17 away from its float32 output)."""
     args, kwargs, io = _golden(name, jnp.bfloat16)
     logits, expected = np.asarray(draft_logits(*args, **kwargs)), io["expected_logits"]
