@@ -11,7 +11,8 @@ weights or a `d2t` that maps draft ids outside the target vocabulary. The policy
   `scan_checkpoint(path)` does the full read when you suspect a file.
 - NVFP4 block scales and global scales are checked by `nvfp4.checkpoint.check_packed`.
 - `d2t` is read whole (one integer per draft token) and every `draft_id + d2t[draft_id]` must be a
-  target id: `0 <= target < vocab_size`.
+  target id: `0 <= target < vocab_size`. A config that declares a draft vocabulary smaller than the
+  target's needs a `d2t`: without one, draft ids would silently be taken for target ids.
 """
 
 from __future__ import annotations
@@ -35,7 +36,16 @@ FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 
 
 def check_values(config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: set[str]) -> None:
-    """The loader's value checks: NaN/Inf in small floating tensors, the range of `d2t`."""
+    """The loader's value checks: NaN/Inf in small floating tensors, the range of `d2t`, and a `d2t`
+    wherever the config declares a reduced draft vocabulary."""
+    plan = list(plan)
+    reduced = config.draft_vocab_size is not None and config.draft_vocab_size < config.vocab_size
+    if reduced and not any(t.kind == "int" for t in plan):
+        raise CheckpointError(
+            f"{checkpoint.path}: config declares draft_vocab_size={config.draft_vocab_size} < "
+            f"vocab_size={config.vocab_size} but the checkpoint has no `d2t` (or `draft_id_to_target_id`); "
+            "expected one, to map draft ids to target ids"
+        )
     for t in plan:
         if t.name in packed:
             continue

@@ -333,6 +333,8 @@ CASES = [
          (ST, "'norm.weight'", "dtype I16", "expected one of BF16")),
     Case("FP8 linear weight", put("layers.0.mlp.up_proj.weight", lambda w: w.astype(ml_dtypes.float8_e4m3fn)),
          CheckpointError, (ST, "'layers.0.mlp.up_proj.weight'", "dtype F8_E4M3", "NVFP4")),
+    Case("reduced draft vocabulary without d2t", tensors(lambda t: t.pop("d2t")), CheckpointError,
+         ("draft_vocab_size=64 < vocab_size=128", "no `d2t`"), base=REDUCED_VOCAB),
     Case("d2t of floats", put("d2t", lambda x: x.astype(np.float32)), CheckpointError,
          (ST, "'d2t'", "dtype F32", "expected one of I64"), base=REDUCED_VOCAB),
     Case("d2t maps beyond the target vocabulary", poke("d2t", (63,), 65), CheckpointError,
