@@ -246,6 +246,8 @@ def not_a_drafter(raw: dict[str, Any]) -> str | None:
         return f"{listed}, no mask token: this is an EAGLE drafter, not a DFlash-family drafter; {expected}"
     if any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in names):
         return f"{listed}, no mask token: this looks like a target model, not a drafter; {expected}"
+    if "draft_vocab_size" in raw and "dflash_config" not in raw and "dspark_config" not in raw:
+        return f"`draft_vocab_size` and no mask token: this looks like an EAGLE-3 drafter config; {expected}"
     return None
 
 
