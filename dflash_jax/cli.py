@@ -1,4 +1,4 @@
-"""`dflash-jax`: inspect, load, convert and demo drafter checkpoints from the shell."""
+"""`dflash-jax`: inspect, load, convert and demo drafter checkpoints, and generate with them, from the shell."""
 
 from __future__ import annotations
 
@@ -29,6 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source")
     p.add_argument("destination")
     p.set_defaults(run=convert_nvfp4)
+    p = verbs.add_parser("generate", help="speculative decoding: a Qwen3 target directory, a drafter directory, prompt ids")
+    p.add_argument("target")
+    p.add_argument("drafter")
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-token-ids", default=None, help="comma-separated (default: the target's eos_token_id)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.set_defaults(run=generate)
     args = parser.parse_args(argv)
     from .errors import CheckpointError, ConfigError
 
@@ -135,3 +145,33 @@ def convert_nvfp4(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def generate(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    from rich import progress as rp
+
+    from .generate import speculative_generate
+    from .loader import load_drafter
+    from .target import Qwen3Target
+
+    def ids(text: str) -> list[int]:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+    target = Qwen3Target.from_pretrained(args.target, dtype=jnp.dtype(args.dtype))
+    drafter = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
+    stop = ids(args.stop_token_ids) if args.stop_token_ids is not None else list(target.config.eos_token_ids)
+    bar = rp.Progress(rp.TextColumn("generating"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                      transient=True, disable=not sys.stderr.isatty())
+    task = bar.add_task("generate", total=args.max_new_tokens)
+    with bar:
+        result = speculative_generate(
+            target, drafter, ids(args.prompt_ids), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            stop_token_ids=stop, seed=args.seed, progress=lambda n_out: bar.update(task, completed=int(n_out.max())),
+        )
+    print(",".join(map(str, result.tokens)))
+    print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "
+          f"{result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
+          f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
+          file=sys.stderr)
+    return 0
