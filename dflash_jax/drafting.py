@@ -22,6 +22,7 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .loader import Drafter, draft_to_target_ids
 from .model import (
@@ -52,15 +53,36 @@ class ContextCache:
         return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
 
 
-def init_cache(drafter: Drafter, batch_size: int, max_context: int, *, dtype: jnp.dtype | None = None) -> ContextCache:
-    """An empty cache for `batch_size` sequences of up to `max_context` context rows (dtype: the params')."""
-    c = drafter.config
-    dtype = dtype or drafter.params["fc"]["weight"].dtype
-    shape = (batch_size, c.num_key_value_heads, max_context, c.head_dim)
-    def zeros() -> tuple[jax.Array, ...]:  # distinct buffers, so the whole cache can be donated
-        return tuple(jnp.zeros(shape, dtype) for _ in range(c.num_hidden_layers))
+def init_cache(
+    drafter: Drafter,
+    batch_size: int,
+    max_context: int,
+    *,
+    dtype: jnp.dtype | None = None,
+    sharding: jax.sharding.Sharding | None = None,
+) -> ContextCache:
+    """An empty cache for `batch_size` sequences of up to `max_context` context rows.
 
-    return ContextCache(keys=zeros(), values=zeros(), lengths=jnp.zeros((batch_size,), jnp.int32))
+    dtype: the params' by default. sharding: where the cache lives, by default where the params do (one device,
+    or replicated over their mesh); e.g. `NamedSharding(mesh, P("data"))` to split the batch. The arrays are
+    committed there, as `propose` returns them, so the first step and the later ones share one compiled program.
+    """
+    c = drafter.config
+    fc = drafter.params["fc"]["weight"]
+    dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
+    shape = (batch_size, c.num_key_value_heads, max_context, c.head_dim)
+
+    def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
+        where = sharding
+        if isinstance(where, jax.sharding.NamedSharding):  # spelled as jit outputs spell it: one entry per axis
+            where = where.update(spec=(*where.spec, *(None,) * (len(shape) - len(where.spec))))
+        return jax.device_put(np.zeros(shape, dtype), where)
+
+    return ContextCache(
+        keys=tuple(zeros(shape, dtype) for _ in range(c.num_hidden_layers)),
+        values=tuple(zeros(shape, dtype) for _ in range(c.num_hidden_layers)),
+        lengths=zeros((batch_size,), jnp.int32),
+    )
 
 
 @flax.struct.dataclass

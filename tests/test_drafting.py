@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,7 @@ def test_cached_propose_matches_uncached(preset):
     rng = np.random.default_rng(3)
     exact, rewound = init_cache(drafter, 2, 32), init_cache(drafter, 2, 32)
     lengths = np.zeros(2, int)
+    programs = propose._cache_size()
     for num_new in map(np.array, STEPS):
         new = garbage.copy()  # rows past num_new are padding: never seen, never kept
         for b in range(2):
@@ -61,6 +64,7 @@ def test_cached_propose_matches_uncached(preset):
             if want.confidence is not None:
                 np.testing.assert_allclose(np.asarray(got.confidence[b]), np.asarray(want.confidence[0]), atol=1e-5)
     assert len(set(np.asarray(got.tokens).ravel().tolist())) > 2, "degenerate drafts prove little"
+    assert propose._cache_size() - programs <= 1, "every step, first and rewound ones included, is one program"
 
 
 def test_dspark_markov_and_confidence_match_reference():
@@ -127,8 +131,8 @@ def test_sampling_returns_the_proposal_distribution(preset):
         assert support.sum(-1).max() <= top_k.shape[1]
         assert all(set(np.flatnonzero(s)) <= set(t) for s, t in zip(support, top_k))
     else:
-        z = logits / 0.7
-        np.testing.assert_allclose(q[0], np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True), atol=1e-5)
+        e = np.exp(logits / 0.7 - (logits / 0.7).max(-1, keepdims=True))
+        np.testing.assert_allclose(q[0], e / e.sum(-1, keepdims=True), atol=1e-5)
 
 
 def test_samples_follow_q():
@@ -166,9 +170,10 @@ def test_propose_on_a_mesh(cpu_mesh):
     auto = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     runs = []
     for mesh, batch in ((cpu_mesh, P()), (auto, P("data"))):
-        put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, batch))  # noqa: E731
-        cache = jax.tree.map(put, init_cache(drafter, n, 32))
-        got, cache = propose(jax.device_put(drafter, NamedSharding(mesh, P())), cache, put(new), put(num_new), put(anchors))
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, batch))
+        replicated = jax.device_put(drafter, NamedSharding(mesh, P()))
+        got, cache = propose(replicated, jax.tree.map(put, init_cache(drafter, n, 32)), put(new), put(num_new),
+                             put(anchors))
         np.testing.assert_array_equal(np.asarray(cache.lengths), num_new)
         assert cache.keys[0].sharding.is_fully_replicated == (batch == P() or n == 1)
         runs.append(np.asarray(got.tokens))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -13,19 +14,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
-from . import _numpy_reference as ref
-from ._drafters import GOLDEN, block, features, tiny_drafter
 from dflash_jax.config import parse_config
 from dflash_jax.loader import load_drafter
 from dflash_jax.model import LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
 from dflash_jax.testing import preset_dict
+
+from . import _numpy_reference as ref
+from ._drafters import GOLDEN, block, features, tiny_drafter
 
 
 def _golden(name: str, dtype):
     """(drafter with the golden embedding and LM head attached, positional inputs, keyword inputs, io)."""
     directory = os.path.join(GOLDEN, name)
     io = load_file(os.path.join(directory, "io.safetensors"))
-    drafter = load_drafter(directory, dtype=dtype).attach(embed=jnp.asarray(io["embed"]), lm_head=jnp.asarray(io["lm_head"]))
+    drafter = load_drafter(directory, dtype=dtype)
+    drafter = drafter.attach(embed=jnp.asarray(io["embed"]), lm_head=jnp.asarray(io["lm_head"]))
     kwargs = dict(context_positions=io["context_positions"], block_positions=io["block_positions"])
     return (drafter, io["target_hidden"], io["block_ids"]), kwargs, io
 
@@ -58,9 +61,8 @@ def _against_reference(drafter, *, context_start, S, causal=None, sliding_window
     ids = block(drafter, [3, 17])
     ctx_pos = np.broadcast_to(context_start + np.arange(S), (2, S))
     blk_pos = np.broadcast_to(context_start + S + np.arange(B), (2, B))
-    hidden = draft_hidden(
-        drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, causal=causal, sliding_window=sliding_window
-    )
+    rule = dict(causal=causal, sliding_window=sliding_window)
+    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, **rule)
     params = ref.to_numpy(drafter.params)
     rules = ref.layer_rules(c, causal, sliding_window)
     for b in range(2):
@@ -133,7 +135,7 @@ def test_replicated_on_a_mesh_under_jit(cpu_mesh):
     step = jax.jit(lambda d, th, ids, pos: draft_logits(d, th, ids, **pos))
     auto = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     for mesh, batch_spec in ((cpu_mesh, P()), (auto, P("data"))):
+        put = functools.partial(jax.device_put, device=NamedSharding(mesh, batch_spec))
         replicated = jax.device_put(drafter, NamedSharding(mesh, P()))
-        put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, batch_spec))  # noqa: E731
         logits = step(replicated, *map(put, inputs), jax.tree.map(put, positions))
         np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-4)  # float32 reassociation
