@@ -1,20 +1,44 @@
 """dflash_jax: load and run DFlash-family speculative-decoding drafters (DFlash, DFlash2, DSpark) in JAX.
 
-    drafter = dflash_jax.load_drafter("path/to/drafter", mesh=mesh)   # typed config + replicated params
-    drafter = drafter.attach(embed=target_embed, lm_head=target_lm_head)
+    drafter = dflash_jax.load_drafter("path/to/drafter", mesh=mesh)        # typed config + replicated params
+    drafter = drafter.attach(embed=target.embed, lm_head=target.lm_head)  # the target's, when not shipped
+    logits = dflash_jax.draft_logits(drafter, target_hidden, block_ids, context_positions=..., block_positions=...)
+    proposal, cache = dflash_jax.propose(drafter, cache, target_hidden, num_new, anchor_ids)
+    result = dflash_jax.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
+
+Modules: `config` (config.json decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
+Pallas kernel), `loader` / `placement` (checkpoint -> replicated pytree), `model` (the drafter forward),
+`drafting` (one cached drafting step), `target` (a Qwen3 target), `generate` (the draft/verify loop),
+`testing` (random checkpoints), `cli`.
 """
 
 from .config import DflashConfig, load_config, parse_config
+from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
+from .generate import GenerationResult, greedy_generate, speculative_generate
 from .loader import Drafter, draft_to_target_ids, load_drafter
+from .model import draft_hidden, draft_logits
+from .target import Qwen3Target, Target
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "ContextCache",
     "DflashConfig",
     "Drafter",
+    "GenerationResult",
+    "Proposal",
+    "Qwen3Target",
+    "Target",
+    "draft_hidden",
+    "draft_logits",
     "draft_to_target_ids",
+    "greedy_generate",
+    "init_cache",
     "load_config",
     "load_drafter",
     "parse_config",
+    "propose",
+    "sample_drafts",
+    "speculative_generate",
 ]
