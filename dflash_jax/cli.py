@@ -113,14 +113,18 @@ def load(args: argparse.Namespace) -> int:
 
 def demo(args: argparse.Namespace) -> int:
     import jax
+    import jax.numpy as jnp
+    import numpy as np
 
     from .loader import load_drafter
+    from .model import draft_logits
     from .testing import write_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mesh = jax.sharding.Mesh(jax.local_devices(), ("replica",))
     print(f"dflash_jax demo: {len(mesh.devices.flat)} local device(s): {jax.local_devices()[0].platform}")
     root = args.keep or tempfile.mkdtemp(prefix="dflash_jax_demo_")
+    rng = np.random.default_rng(0)
     for preset in ("tiny-dflash", "tiny-dflash2", "tiny-dspark"):
         directory = os.path.join(root, preset)
         write_checkpoint(directory, preset, prefix="model." if preset == "tiny-dflash2" else "")
@@ -131,6 +135,18 @@ def demo(args: argparse.Namespace) -> int:
         nbytes = sum(x.nbytes for x in leaves)
         print(f"  {preset}: {len(leaves)} tensors, {nbytes / 1e3:.0f} kB, replicated on "
               f"{len(leaves[0].sharding.device_set)} device(s), {seconds * 1e3:.0f} ms")
+        # One block through the drafter, with random stand-ins for the target's embedding, LM head and features.
+        c = drafter.config
+        embed, head = (jnp.asarray(rng.standard_normal((c.vocab_size, c.hidden_size)), jnp.bfloat16) for _ in "ab")
+        drafter = drafter.attach(embed=embed, lm_head=head)
+        S, B = 12, c.effective_block_size
+        feats = jnp.asarray(rng.standard_normal((1, S, len(c.target_layer_ids) * c.hidden_size)), jnp.bfloat16)
+        block = jnp.asarray([[7] + [c.mask_token_id] * (B - 1)])
+        logits = draft_logits(drafter, feats, block, context_positions=jnp.arange(S)[None],
+                              block_positions=S + jnp.arange(B)[None])
+        drafts = jnp.argmax(logits[0, B - c.num_draft_tokens:], axis=-1)
+        print(f"    one block [anchor, mask x {B - 1}] -> logits {list(logits.shape)}, "
+              f"{c.num_draft_tokens} drafts {drafts.tolist()}")
     print(f"checkpoints in {root}")
     return 0
 
