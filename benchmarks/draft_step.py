@@ -32,28 +32,9 @@ from dflash_jax.config import DflashConfig, parse_config
 from dflash_jax.drafting import ContextCache, init_cache, propose
 from dflash_jax.loader import Drafter, TensorPlan, build_tree
 from dflash_jax.model import draft_logits
-from dflash_jax.testing import full_plan, preset_dict
+from dflash_jax.testing import full_plan, preset_dict, random_drafter
 
 CONTEXT, NEW_ROWS = 2048, 7
-
-
-def random_drafter(config: DflashConfig, seed: int = 0) -> tuple[Drafter, list[TensorPlan]]:
-    """Random bf16 weights of `config`'s shapes, made on the device: N(0, 1/fan_in) linears, norms ~ 1.
-    Also returns the plan (checkpoint name and tree path of every weight)."""
-    plan = full_plan(config)
-    keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
-    leaves = []
-    for key, t in zip(keys, plan):
-        if len(t.shape) == 1:
-            leaves.append(1.0 + 0.1 * jax.random.normal(key, t.shape, jnp.bfloat16))
-        else:
-            leaves.append(jax.random.normal(key, t.shape, jnp.bfloat16) * (t.shape[-1] ** -0.5))
-    shape = (config.vocab_size, config.hidden_size)
-    drafter = Drafter(params=build_tree(plan, leaves), config=config)
-    return drafter.attach(
-        embed=jax.random.normal(keys[-2], shape, jnp.bfloat16),
-        lm_head=jax.random.normal(keys[-1], shape, jnp.bfloat16) * (config.hidden_size**-0.5),
-    ), plan
 
 
 def timed(fn, iters: int, warmup: int = 5) -> float:
@@ -240,7 +221,7 @@ def main() -> None:
     raw = preset_dict(args.preset)
     config = parse_config(raw)
     print(f"{args.preset}: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    drafter, plan = random_drafter(config)
+    drafter, plan = random_drafter(config), full_plan(config)
     results = {"preset": args.preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "iters": args.iters, "rows": []}
     model = None

@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from draft_step import random_drafter  # noqa: E402  (random drafter weights made on the device)
 
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
@@ -90,7 +89,7 @@ def main() -> None:
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=args.layer_scale)
     drafters = {}
     for family, raw in drafter_configs(config).items():
-        drafter, _ = random_drafter(parse_config(raw), seed=1)
+        drafter = random_drafter(parse_config(raw), seed=1)
         drafters[family] = drafter.attach(embed=target.embed, lm_head=target.lm_head)
     runs = {
         "dspark-b16, right map": successor_drafter(drafters["dspark"], successor),

@@ -4,6 +4,9 @@
 released checkpoint of that config holds (every family, bare or `model.`-prefixed, single file or sharded
 with an index, BF16 or NVFP4). `config` is a `DflashConfig`, a raw config dict, or the name of a preset:
 one of the released drafters in `configs/` (real shapes) or one of the tiny configs below (fast tests).
+`random_drafter(config)` draws the same tensors on the device without a checkpoint. Qwen3 targets to pair
+with them: `write_qwen3_checkpoint`, `random_qwen3`, and `successor_target` / `successor_drafter` (a target
+and a drafter that agree, for the accept path), from `dflash_jax._qwen3_testing`.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from .config import DflashConfig, parse_config
-from .loader import TensorPlan, plan_tensors
+from .loader import Drafter, TensorPlan, build_tree, plan_tensors
 from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
 from .safetensors import write_tensors
 
@@ -117,6 +122,25 @@ def random_tensor(t: TensorPlan, config: DflashConfig, rng: np.random.Generator)
     return (rng.standard_normal(t.shape) / np.sqrt(fan_in)).astype(np.float32)
 
 
+def random_drafter(config: DflashConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Drafter:
+    """A drafter with random weights drawn on the default device (no checkpoint; for benchmarks at real
+    sizes): linears N(0, 1/fan_in), norm gains ~1, plus random target embedding and LM head attached."""
+    config, _ = resolve_config(config)
+    plan = full_plan(config)
+    keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
+    leaves = []
+    for key, t in zip(keys, plan):
+        if len(t.shape) == 1:
+            leaves.append(1.0 + 0.1 * jax.random.normal(key, t.shape, dtype))
+        else:
+            leaves.append(jax.random.normal(key, t.shape, dtype) * (t.shape[-1] ** -0.5))
+    shape = (config.vocab_size, config.hidden_size)
+    return Drafter(params=build_tree(plan, leaves), config=config).attach(
+        embed=jax.random.normal(keys[-2], shape, dtype),
+        lm_head=jax.random.normal(keys[-1], shape, dtype) * (config.hidden_size**-0.5),
+    )
+
+
 def write_checkpoint(
     directory: str | os.PathLike[str],
     config: DflashConfig | dict[str, Any] | str,
@@ -150,3 +174,17 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, tensors, num_shards)
     return config
+
+
+_QWEN3_HELPERS = ("write_qwen3_checkpoint", "random_qwen3", "successor_target", "successor_drafter",
+                  "QWEN3_TINY_CONFIGS")
+
+
+def __getattr__(name: str):
+    """Qwen3 target helpers (`write_qwen3_checkpoint`, `random_qwen3`, `successor_target`, ...), imported on
+    first use: they live in `_qwen3_testing`, which itself builds on this module."""
+    if name in _QWEN3_HELPERS:
+        from . import _qwen3_testing
+
+        return getattr(_qwen3_testing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
