@@ -279,6 +279,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
                  max_new_tokens: int, sampling: bool, progress: Callable[[Any], None] | None = None) -> _State:
     """Steps until every sequence is done, as one `lax.while_loop`."""
+    target = _loop_form(target)
     step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
                              progress=progress)
     return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
@@ -334,6 +335,14 @@ def speculative_generate(
     return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode)
 
 
+def _loop_form(target: Target) -> Target:
+    """The target in the form its forward should take inside a decode loop, where the target has one
+    (`Qwen3Target.per_layer`: one weight buffer per layer, split here once, before the loop, rather than sliced
+    out of a stacked array, i.e. copied, by every step)."""
+    per_layer = getattr(target, "per_layer", None)
+    return per_layer() if callable(per_layer) else target
+
+
 def _attach(target: Target, drafter: Drafter) -> Drafter:
     """The drafter with the target's embedding / LM head attached where it has none of its own."""
     own = drafter.params
@@ -362,6 +371,7 @@ def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tok
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("carry",))
 def _greedy_decode(target: Target, carry, stop, *, max_new_tokens: int):
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
+    target = _loop_form(target)
 
     def step(carry):
         cache, lengths, last, new, n_out, done = carry

@@ -20,8 +20,10 @@ different lengths; prompts of different lengths are right-padded.
 
 Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md), except
 that the decoder layers are STACKED: `params["layers"]` is one dict of `[L, ...]` arrays (`layers.{i}.x.y` is
-`params["layers"]["x"]["y"][i]`). The forward runs the layers with `lax.scan`, so compile time does not grow
-with depth (36 layers for Qwen3-8B).
+`params["layers"]["x"]["y"][i]`). The forward runs stacked layers with `lax.scan`, so compile time does not grow
+with depth (36 layers for Qwen3-8B). `Qwen3Target.per_layer()` gives the decode form: `params["layers"]` a tuple
+of per-layer dicts, run unrolled, each matmul reading its own weight buffer (a scan's per-step slice of a stacked
+weight is a copy: 3x the weight traffic of a decode step). The generation loops switch to it themselves.
 
 Shared with the drafter's forward (`model.py`): `linear`, `rms_norm`, `lm_logits`, the RoPE tables (float32 angles
 as transformers) and `attend` (GQA, float32 softmax). `Qwen3Config` has the attributes `rope_frequencies` reads.
@@ -296,6 +298,23 @@ class Qwen3Target:
         own = self.params.get("lm_head")
         return self.embed if own is None else own["weight"]
 
+    def per_layer(self) -> Qwen3Target:
+        """This target with its decoder layers' weights as one buffer per layer (`params["layers"]` a tuple of
+        per-layer dicts) instead of stacked `[L, ...]` arrays; itself if they already are.
+
+        The form for a decode loop. With stacked weights the forward scans over the layers and every step
+        slices its layer's weights out of the stack, which XLA materialises: each weight is read, written and
+        read again per forward (3x the weight traffic of a memory-bound decode step). With per-layer buffers
+        the forward is unrolled and every matmul reads its weights in place. The generation loops call this
+        inside their jitted program, before their `while_loop` (one copy of the layers per call, alive during
+        the loop); call it once up front (and drop the stacked target) to avoid the copy and the extra memory.
+        """
+        layers = self.params["layers"]
+        if isinstance(layers, (list, tuple)):
+            return self
+        split = tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(self.config.num_hidden_layers))
+        return dataclasses.replace(self, params={**self.params, "layers": split})
+
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype."""
         c = self.config
@@ -351,8 +370,7 @@ def _forward(
     target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
     params, c = target.params, target.config
-    n_h, n_kv, d_h, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    N = c.num_hidden_layers
+    eps, N = c.rms_norm_eps, c.num_hidden_layers
     for l in layer_ids:
         if not -1 <= l < N:
             raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
@@ -368,38 +386,72 @@ def _forward(
     rows = jnp.arange(batch)[:, None]  # [batch, 1]
 
     x0 = jnp.take(target.embed, tokens, axis=0).astype(dtype)  # [batch, S, H]
+    run_layers = _layers_unrolled if isinstance(params["layers"], (list, tuple)) else _layers_scanned
+    x, k_cache, v_cache, by_id = run_layers(params["layers"], c, x0, cache, rope, positions, slots, written, rows,
+                                            layer_ids)
+    hidden = rms_norm(x, params["norm"]["weight"], eps)  # [batch, S, H]
+    by_id = {-1: x0, N - 1: hidden} | by_id
+    features = (
+        jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0), dtype)
+    )
+    return TargetOutput(lm_logits(hidden, target.lm_head), features, KVCache(k_cache, v_cache))
+
+
+
+def _layer(p: Params, c: Qwen3Config, x, k_cache, v_cache, i, rope, positions, slots, written, rows):
+    """Decoder layer `i` (a Python int or a traced index) with its weights `p`: `(x, k_cache, v_cache)`.
+
+    The new K/V rows go into the stacked caches `[L, batch, n_kv, T, d_h]` in place (a scatter at layer `i`,
+    lowered to a dynamic-update-slice of the new rows); attention then reads layer `i`'s `[batch, n_kv, T, d_h]`.
+    """
+    batch, S, _ = x.shape
+    n_h, n_kv, d_h, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    attn = p["self_attn"]
+    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)
+    q = linear(xn, attn["q_proj"]).reshape(batch, S, n_h, d_h)
+    k = linear(xn, attn["k_proj"]).reshape(batch, S, n_kv, d_h)
+    v = linear(xn, attn["v_proj"]).reshape(batch, S, n_kv, d_h)
+    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)  # [batch, S, n_h, d_h]
+    k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)  # [batch, S, n_kv, d_h]
+    # (i, rows, positions) broadcast to [batch, S], the sliced n_kv and d_h axes follow: k's own layout
+    k_cache = k_cache.at[i, rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[i, rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
+    keys = KeyValues(k_cache[i], v_cache[i], slots, written)  # [batch, n_kv, T, d_h]
+    a = attend(q, positions, [keys], _CAUSAL).reshape(batch, S, n_h * d_h)
+    x = x + linear(a, attn["o_proj"])
+    h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)
+    mlp = p["mlp"]
+    x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+    return x, k_cache, v_cache
+
+
+def _layers_unrolled(layers, c, x0, cache, rope, positions, slots, written, rows, layer_ids):
+    """Per-layer weights (a sequence of per-layer dicts): the layers unrolled, each reading its own buffers."""
+    x, k_cache, v_cache = x0, cache.k, cache.v
+    inner = {}  # features taken after decoder layer l < N - 1
+    for i, p in enumerate(layers):
+        x, k_cache, v_cache = _layer(p, c, x, k_cache, v_cache, i, rope, positions, slots, written, rows)
+        if i in layer_ids and i < c.num_hidden_layers - 1:
+            inner[i] = x
+    return x, k_cache, v_cache, inner
+
+
+def _layers_scanned(layers, c, x0, cache, rope, positions, slots, written, rows, layer_ids):
+    """Stacked weights `[L, ...]`: the layers under `lax.scan` (compile time independent of depth). Each step
+    slices its layer's weights out of the stack, which XLA materialises as a copy (see `per_layer`)."""
+    N = c.num_hidden_layers
     inner = [l for l in layer_ids if 0 <= l < N - 1]  # features taken inside the scan
     inner_ids = jnp.asarray(inner if inner else [-2], jnp.int32)  # [n_inner]
 
     def layer(carry, inputs):
         x, k_cache, v_cache, feats = carry  # x [batch, S, H]; caches [L, batch, n_kv, T, d_h]
         p, i = inputs
-        attn = p["self_attn"]
-        xn = rms_norm(x, p["input_layernorm"]["weight"], eps)
-        q = linear(xn, attn["q_proj"]).reshape(batch, S, n_h, d_h)
-        k = linear(xn, attn["k_proj"]).reshape(batch, S, n_kv, d_h)
-        v = linear(xn, attn["v_proj"]).reshape(batch, S, n_kv, d_h)
-        q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)  # [batch, S, n_h, d_h]
-        k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)  # [batch, S, n_kv, d_h]
-        # (i, rows, positions) broadcast to [batch, S], the sliced n_kv and d_h axes follow: k's own layout
-        k_cache = k_cache.at[i, rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[i, rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
-        keys = KeyValues(k_cache[i], v_cache[i], slots, written)  # [batch, n_kv, T, d_h]
-        a = attend(q, positions, [keys], _CAUSAL).reshape(batch, S, n_h * d_h)
-        x = x + linear(a, attn["o_proj"])
-        h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)
-        mlp = p["mlp"]
-        x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+        x, k_cache, v_cache = _layer(p, c, x, k_cache, v_cache, i, rope, positions, slots, written, rows)
         feats = jnp.where((inner_ids == i)[:, None, None, None], x[None], feats)  # [n_inner, batch, S, H]
         return (x, k_cache, v_cache, feats), None
 
-    feats = jnp.zeros((len(inner_ids), batch, S, c.hidden_size), dtype)
+    feats = jnp.zeros((len(inner_ids), *x0.shape), x0.dtype)
     (x, k_cache, v_cache, feats), _ = jax.lax.scan(
-        layer, (x0, cache.k, cache.v, feats), (params["layers"], jnp.arange(N, dtype=jnp.int32))
+        layer, (x0, cache.k, cache.v, feats), (layers, jnp.arange(N, dtype=jnp.int32))
     )
-    hidden = rms_norm(x, params["norm"]["weight"], eps)  # [batch, S, H]
-    by_id = {-1: x0, N - 1: hidden} | {l: feats[j] for j, l in enumerate(inner)}
-    features = (
-        jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0), dtype)
-    )
-    return TargetOutput(lm_logits(hidden, target.lm_head), features, KVCache(k_cache, v_cache))
+    return x, k_cache, v_cache, {l: feats[j] for j, l in enumerate(inner)}
