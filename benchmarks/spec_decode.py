@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target  # noqa: E402
+from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.testing import preset_dict  # noqa: E402
