@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 import functools
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import jax
@@ -58,10 +59,10 @@ def place_all(
     pending = 0
     leaves = []
     total = sum(checkpoint[n].nbytes for names in sources for n in names)
-    with _Progress(len(plan), total, progress) as bar, converters:
+    with _Progress(len(plan), total, progress) as bar:
         for t, names in zip(plan, sources):
             on_device = [jax.device_put(_host_array(checkpoint, n, t.kind), devices[0]) for n in names]
-            first = converters(t, names, on_device)
+            first = converters(t, on_device)
             copies = [first] + [jax.device_put(first, d) for d in devices[1:]]
             leaf = copies[0] if len(devices) == 1 and mesh is None else (
                 jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
@@ -96,50 +97,51 @@ def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
 class _Converters:
     """The on-device conversions of a load (NVFP4 dequantization, casts to the load dtype), compiled ahead.
 
-    Each distinct input signature is compiled once, and all of them are compiled on a thread pool as soon as
-    the load starts, so a fresh process pays roughly one compile time rather than one per shape, and pays
-    it while the first tensors stream.
+    Each distinct input signature is compiled once per process (later loads reuse it), and all the missing
+    ones are compiled on a thread pool as soon as the load starts, so a fresh process pays roughly one
+    compile time rather than one per shape, and pays it while the first tensors stream.
     """
 
     def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]], device, dtype):
-        self._dtype = jnp.dtype(dtype)
-        self._device = device
-        self._keys = [self._key(checkpoint, t, names) for t, names in zip(plan, sources)]
-        distinct = sorted({k for k in self._keys if k is not None}, key=str)
-        self._pool = ThreadPoolExecutor(max_workers=min(8, len(distinct))) if distinct else None
-        self._compiled = {k: self._pool.submit(self._compile, k) for k in distinct}
-        self._by_leaf = {t.name: k for t, k in zip(plan, self._keys)}
+        dtype = jnp.dtype(dtype)
+        self._futures = {}
+        for t, names in zip(plan, sources):
+            inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
+            if len(names) > 1:
+                self._futures[t.name] = _compiled(("nvfp4", inputs, dtype, device))
+            elif t.kind != "int" and inputs[0][1] != dtype:
+                self._futures[t.name] = _compiled(("cast", inputs, dtype, device))
 
-    def _key(self, checkpoint: Checkpoint, t: TensorPlan, names: list[str]):
-        inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
-        if len(names) > 1:
-            return ("nvfp4", inputs)
-        if t.kind == "int" or inputs[0][1] == self._dtype:
-            return None
-        return ("cast", inputs)
+    def __call__(self, t: TensorPlan, arrays: list[jax.Array]) -> jax.Array:
+        future = self._futures.get(t.name)
+        return arrays[0] if future is None else future.result()(*arrays)
 
-    def _compile(self, key):
-        kind, inputs = key
-        sharding = SingleDeviceSharding(self._device)
-        specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in inputs]
-        if kind == "nvfp4":
-            from .nvfp4 import dequantize
 
-            fn = functools.partial(dequantize, dtype=self._dtype)
-        else:
-            fn = functools.partial(jnp.asarray, dtype=self._dtype)
-        return jax.jit(fn).lower(*specs).compile()
+_COMPILED: dict[tuple, Future] = {}  # (kind, inputs, dtype, device) -> the compiled conversion, per process
+_COMPILED_LOCK = threading.Lock()
+_COMPILE_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dflash_jax-compile")
 
-    def __call__(self, t: TensorPlan, names: list[str], arrays: list[jax.Array]) -> jax.Array:
-        key = self._by_leaf[t.name]
-        return arrays[0] if key is None else self._compiled[key].result()(*arrays)
 
-    def __enter__(self) -> _Converters:
-        return self
+def _compiled(key: tuple) -> Future:
+    """The (future) compiled conversion for `key`, submitted to the pool the first time it is asked for."""
+    with _COMPILED_LOCK:
+        if key not in _COMPILED:
+            _COMPILED[key] = _COMPILE_POOL.submit(_compile, key)
+            _COMPILED[key].add_done_callback(lambda f: f.exception() and _COMPILED.pop(key, None))
+        return _COMPILED[key]
 
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+
+def _compile(key: tuple):
+    kind, inputs, dtype, device = key
+    sharding = SingleDeviceSharding(device)
+    specs = [jax.ShapeDtypeStruct(shape, d, sharding=sharding) for shape, d in inputs]
+    if kind == "nvfp4":
+        from .nvfp4 import dequantize
+
+        fn = functools.partial(dequantize, dtype=dtype)
+    else:
+        fn = functools.partial(jnp.asarray, dtype=dtype)
+    return jax.jit(fn).lower(*specs).compile()
 
 
 def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
