@@ -108,9 +108,14 @@ def successor_target(target: Qwen3Target, successor: np.ndarray, *, margin: floa
     embed = jax.random.normal(jax.random.key(seed), (V, H), jnp.float32)
     embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
     predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
-    layers = dict(target.params["layers"])
-    layers["self_attn"] = {**layers["self_attn"], "o_proj": {"weight": layers["self_attn"]["o_proj"]["weight"] * layer_scale}}
-    layers["mlp"] = {**layers["mlp"], "down_proj": {"weight": layers["mlp"]["down_proj"]["weight"] * layer_scale}}
+
+    def scaled(layer: dict) -> dict:  # one layer's weights, or all of them stacked
+        attn, mlp = layer["self_attn"], layer["mlp"]
+        return {**layer, "self_attn": {**attn, "o_proj": {"weight": attn["o_proj"]["weight"] * layer_scale}},
+                "mlp": {**mlp, "down_proj": {"weight": mlp["down_proj"]["weight"] * layer_scale}}}
+
+    layers = target.params["layers"]
+    layers = tuple(map(scaled, layers)) if isinstance(layers, (list, tuple)) else scaled(layers)
     params = {
         "embed_tokens": {"weight": embed.astype(dtype)},
         "lm_head": {"weight": (embed[predecessor] * (margin / H)).astype(dtype)},

@@ -2,7 +2,7 @@
 
 Field names are the Hugging Face names, verbatim. Released checkpoints disagree on where things live
 (`rope_parameters` vs `rope_scaling`, `block_size` nested or top-level, DSpark fields top-level or in a
-`dspark_config` block), so the raw dict is normalised first (`_normalise`), then converted with msgspec
+`dspark_config` block), so the raw dict is normalised first (`normalise_raw`), then converted with msgspec
 (types and bounds checked there), then the values that have several sources are resolved once
 (`_resolve`) and written back into the struct, so every reader sees one answer.
 """
@@ -157,7 +157,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     @property
     def rope_type(self) -> Literal["default", "yarn"]:
         """`"yarn"` or `"default"`; any other declared type runs as plain RoPE (warned at parse time)."""
-        return "yarn" if _declared_rope_type(self.rope_scaling) == "yarn" else "default"
+        return "yarn" if declared_rope_type(self.rope_scaling) == "yarn" else "default"
 
     @property
     def input_embedding_scale(self) -> float | None:
@@ -168,7 +168,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return self.num_attention_heads // self.num_key_value_heads
 
 
-def _declared_rope_type(scaling: RopeScaling | None) -> str:
+def declared_rope_type(scaling: RopeScaling | None) -> str:
     if scaling is None:
         return "default"
     return scaling.rope_type or scaling.type or "default"
@@ -199,7 +199,7 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
         if refusal:
             raise ConfigError(f"{source}: {refusal}")
         try:
-            config = msgspec.convert(_normalise(raw, source), DflashConfig)
+            config = msgspec.convert(normalise_raw(raw, source), DflashConfig)
         except msgspec.ValidationError as e:
             raise ConfigError(f"{source}: {e}") from None
         except UnicodeError:  # msgspec cannot encode a lone surrogate ("\ud800") in a key or a string
@@ -251,7 +251,7 @@ def not_a_drafter(raw: dict[str, Any]) -> str | None:
     return None
 
 
-def _normalise(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold the layouts real checkpoints ship into the one `DflashConfig` reads."""
     raw = dict(raw)
     params = raw.pop("rope_parameters", None)
@@ -377,7 +377,7 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
     if sub is not None and sub.selector_top_k > (config.draft_vocab_size or config.vocab_size):
         fail(f"dflash_config.selector_top_k={sub.selector_top_k} exceeds the draft vocabulary")
-    declared = _declared_rope_type(config.rope_scaling)
+    declared = declared_rope_type(config.rope_scaling)
     if declared not in ("default", "yarn"):
         warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     if config.rope_type == "yarn" and (config.rope_scaling.factor or 0) <= 0:

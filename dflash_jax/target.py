@@ -18,12 +18,12 @@ writes their K/V at slots `lengths .. lengths + S - 1` (their positions) and att
 is just passing a smaller length next time (the rejected slots are overwritten). Sequences of a batch may have
 different lengths; prompts of different lengths are right-padded.
 
-Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md), except
-that the decoder layers are STACKED: `params["layers"]` is one dict of `[L, ...]` arrays (`layers.{i}.x.y` is
-`params["layers"]["x"]["y"][i]`). The forward runs stacked layers with `lax.scan`, so compile time does not grow
-with depth (36 layers for Qwen3-8B). `Qwen3Target.per_layer()` gives the decode form: `params["layers"]` a tuple
-of per-layer dicts, run unrolled, each matmul reading its own weight buffer (a scan's per-step slice of a stacked
-weight is a copy: 3x the weight traffic of a decode step). The generation loops switch to it themselves.
+Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md):
+`from_pretrained` gives `params["layers"]` as a tuple of per-layer dicts (each weight its own buffer, as placed),
+run unrolled, every matmul reading its weights in place. The layers may also be STACKED, one dict of `[L, ...]`
+arrays (`random_qwen3` draws them so): the forward then runs them with `lax.scan`, whose compile time does not
+grow with depth, but whose per-step slice of a stacked weight XLA materialises (3x the weight traffic of a
+decode step); `Qwen3Target.per_layer()` converts, and the generation loops do so themselves.
 
 Shared with the drafter's forward (`model.py`): `linear`, `rms_norm`, `lm_logits`, the RoPE tables (float32 angles
 as transformers) and `attend` (GQA, float32 softmax). `Qwen3Config` has the attributes `rope_frequencies` reads.
@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import msgspec
 
-from .config import RopeScaling, _declared_rope_type, _normalise
+from .config import RopeScaling, declared_rope_type, normalise_raw
 from .errors import CheckpointError, ConfigError
-from .loader import TensorPlan, check_tensor
+from .loader import TensorPlan, build_tree, check_tensor
 from .model import KeyValues, LayerRule, apply_rope, attend, linear, lm_logits, rms_norm, rope_tables
 from .safetensors import Checkpoint
 
@@ -139,7 +139,7 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @property
     def rope_type(self) -> str:
-        return "yarn" if _declared_rope_type(self.rope_scaling) == "yarn" else "default"
+        return "yarn" if declared_rope_type(self.rope_scaling) == "yarn" else "default"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -151,7 +151,7 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
     """Decode a Qwen3 config dict (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
     try:
-        config = msgspec.convert(_normalise(raw, source), Qwen3Config)
+        config = msgspec.convert(normalise_raw(raw, source), Qwen3Config)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
     problems = []
@@ -166,8 +166,8 @@ def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen
         )
     if config.use_sliding_window:
         problems.append("use_sliding_window=true is not implemented (released Qwen3 dense models leave it off)")
-    if _declared_rope_type(config.rope_scaling) not in ("default", "yarn"):
-        problems.append(f"rope type {_declared_rope_type(config.rope_scaling)!r}; only default and yarn are implemented")
+    if declared_rope_type(config.rope_scaling) not in ("default", "yarn"):
+        problems.append(f"rope type {declared_rope_type(config.rope_scaling)!r}; only default and yarn are implemented")
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
@@ -275,7 +275,8 @@ class Qwen3Target:
             for t in plan:
                 check_tensor(t, checkpoint, path)
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress)
-        params = _stack_layers(plan, leaves, config.num_hidden_layers)
+        params = build_tree(plan, leaves)
+        params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed: the decode form
         log.info(
             "%s: Qwen3 target, %d layers, hidden=%d, heads=%d/%d, vocab=%d, %s embeddings",
             path, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
@@ -331,31 +332,6 @@ class Qwen3Target:
         leave room: `lengths + S <= T` (writes past the cache's end are dropped).
         """
         return _forward(self, tokens, cache, lengths, tuple(layer_ids))
-
-
-def _stack_layers(plan: list[TensorPlan], leaves: list[jax.Array], num_layers: int) -> Params:
-    """Nest the placed leaves at their paths, stacking each per-layer tensor over the layers: `[L, ...]`.
-
-    Stacks one tensor name at a time and drops its per-layer copies, so device memory peaks at the model
-    plus one stacked group.
-    """
-    params: Params = {}
-    per_layer: dict[tuple[str, ...], list[jax.Array]] = {}
-    for t, leaf in zip(plan, leaves):
-        if t.path[0] == "layers":
-            per_layer.setdefault(t.path[2:], [None] * num_layers)[t.path[1]] = leaf
-        else:
-            _set_path(params, t.path, leaf)
-    leaves.clear()
-    for path in list(per_layer):
-        _set_path(params, ("layers", *path), jnp.stack(per_layer.pop(path)))
-    return params
-
-
-def _set_path(tree: Params, path: tuple, value: jax.Array) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 # --------------------------------------------------------------------------------------------------------------
