@@ -17,7 +17,7 @@ from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
 from .generate import GenerationResult, greedy_generate, speculative_generate
 from .loader import Drafter, draft_to_target_ids, load_drafter
-from .model import draft_hidden, draft_logits
+from .model import DrafterModule, draft_hidden, draft_logits
 from .target import Qwen3Target, Target
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "ContextCache",
     "DflashConfig",
     "Drafter",
+    "DrafterModule",
     "GenerationResult",
     "Proposal",
     "Qwen3Target",
