@@ -1,6 +1,6 @@
 """NVFP4 (NVIDIA ModelOpt) weights: dequantization on the GPU, quantization on the host, shape checks.
 
-An NVFP4 Linear stores three tensors (spec: /work/shared/spec/nvfp4.md, part A):
+An NVFP4 Linear of a ModelOpt export stores three tensors:
   `<m>.weight`         u8 [N, K/2]             two E2M1 codes per byte along K, element 2j in the low nibble
   `<m>.weight_scale`   float8_e4m3fn [N, K/16] one scale per 16 consecutive values of a row, row-major
   `<m>.weight_scale_2` f32 [] (or [1], bf16/f16 in some exports)

@@ -1,7 +1,7 @@
 """NVFP4 reference paths: dequantization in plain jnp (lowered by XLA) and ModelOpt's quantizer in NumPy.
 
-Both follow /work/shared/spec/nvfp4.md (ModelOpt's `NVFP4QTensor`): sections A5 (dequant formula) and A6
-(dynamic quantization algorithm).
+Both follow NVIDIA ModelOpt's `NVFP4QTensor` (modelopt/torch/quantization/qtensor/nvfp4_tensor.py): its
+dequantization formula and its dynamic quantization algorithm.
 """
 
 from __future__ import annotations
