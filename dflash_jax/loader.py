@@ -34,7 +34,6 @@ INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
 IGNORED_NAMES = ("t2d",)
-NVFP4_COMPANIONS = (".weight_scale", ".weight_scale_2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,10 +217,16 @@ def _tree_path(name: str) -> tuple[str | int, ...]:
     return tuple(int(x) if x.isdigit() else x for x in parts)
 
 
+def nvfp4_companions(name: str) -> tuple[str, str]:
+    """The block-scale and global-scale tensors ModelOpt stores beside a packed `<m>.weight`."""
+    stem = name.removesuffix(".weight")
+    return stem + ".weight_scale", stem + ".weight_scale_2"
+
+
 def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[str]:
     """Checkpoint tensors the plan does not consume (NVFP4 companions and known extras excluded)."""
     used = {t.name for t in plan}
-    used |= {t.name[: -len(".weight")] + s for t in plan if t.name.endswith(".weight") for s in NVFP4_COMPANIONS}
+    used |= {c for t in plan if t.name.endswith(".weight") for c in nvfp4_companions(t.name)}
     return sorted(
         n for n in checkpoint
         if n not in used and not n.endswith(IGNORED_SUFFIXES) and n.split(".")[-1] not in IGNORED_NAMES

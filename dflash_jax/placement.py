@@ -18,17 +18,14 @@ import functools
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from .loader import TensorPlan, nvfp4_companions
 from .safetensors import Checkpoint
-
-if TYPE_CHECKING:
-    from .loader import TensorPlan
 
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 
@@ -89,9 +86,7 @@ def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
     """The checkpoint tensors one leaf is made from: itself, or a packed weight and its two scales."""
     if t.name not in packed:
         return [t.name]
-    from .nvfp4.checkpoint import companions
-
-    return [t.name, *companions(t.name)]
+    return [t.name, *nvfp4_companions(t.name)]
 
 
 class _Converters:

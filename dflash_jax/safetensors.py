@@ -105,6 +105,19 @@ def _regular_file_size(path: str) -> int:
     return status.st_size
 
 
+def read_json(path: str, what: str, limit: int = MAX_INDEX_BYTES) -> object:
+    """A small JSON file of a checkpoint (the index, hf_quant_config.json): a regular file of at most `limit`
+    bytes, UTF-8, duplicate keys refused; every failure a `CheckpointError` naming the file."""
+    try:
+        if _regular_file_size(path) > limit:
+            raise CheckpointError(f"{path}: larger than {limit} bytes; expected {what}, a small JSON file")
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    return _decode_json(path, raw, what)
+
+
 def _decode_json(path: str, raw: bytes, what: str) -> object:
     """UTF-8 JSON with duplicate keys refused; every failure (nesting too deep included) a CheckpointError."""
     try:
@@ -281,14 +294,7 @@ def _plain_files(directory: str) -> list[str]:
 
 def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Read an index.json and the headers of its shards; check that both tell the same story."""
-    try:
-        if os.path.getsize(index_path) > MAX_INDEX_BYTES:
-            raise CheckpointError(f"{index_path}: larger than {MAX_INDEX_BYTES} bytes; expected a small JSON index")
-        with open(index_path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{index_path}: cannot read the index ({e.strerror or e})") from None
-    index = _decode_json(index_path, raw, "the index")  # duplicate keys refused: one tensor, two shards
+    index = read_json(index_path, "the index")  # duplicate keys refused: one tensor, two shards
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> shard file")

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..config import DflashConfig, QuantizationConfig, normalise_quantization
 from ..errors import CheckpointError
-from ..safetensors import Checkpoint
+from ..loader import nvfp4_companions
+from ..safetensors import Checkpoint, read_json
 from ._checks import check_nvfp4_shapes, check_scales_finite
 from ._reference import quantize
 
@@ -27,16 +28,10 @@ QUANT_CONFIG_FILE = "hf_quant_config.json"
 SUPPORTED_ALGOS = ("NVFP4", "W4A16_NVFP4")  # weight-only dequantization is the same for both
 
 
-def companions(name: str) -> tuple[str, str]:
-    """The block-scale and global-scale tensor names of a packed `<m>.weight`."""
-    stem = name.removesuffix(".weight")
-    return stem + ".weight_scale", stem + ".weight_scale_2"
-
-
 def check_packed(checkpoint: Checkpoint, name: str, expected_shape: tuple[int, ...]) -> None:
     """Check a U8 `<m>.weight` and its companions: presence, dtypes, shapes against the config, finite scales."""
     info = checkpoint[name]
-    scale_name, scale_2_name = companions(name)
+    scale_name, scale_2_name = nvfp4_companions(name)
     for companion in (scale_name, scale_2_name):
         if companion not in checkpoint:
             raise CheckpointError(
@@ -59,11 +54,13 @@ def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -
     declared: list[tuple[str, QuantizationConfig]] = []
     file = os.path.join(directory, QUANT_CONFIG_FILE)
     if os.path.isfile(file):
+        exported = read_json(file, "the quantization config")
+        block = exported.get("quantization", {}) if isinstance(exported, dict) else None
+        if not isinstance(block, dict):
+            raise CheckpointError(f"{file}: expected an object with a `quantization` object, as ModelOpt writes")
         try:
-            with open(file, "rb") as f:
-                block = json.loads(f.read()).get("quantization", {})
             declared.append((file, msgspec.convert(normalise_quantization(block), QuantizationConfig)))
-        except (ValueError, AttributeError, RecursionError, msgspec.ValidationError) as e:
+        except msgspec.ValidationError as e:
             raise CheckpointError(f"{file}: cannot read the quantization block ({e})") from None
     if config.quantization_config is not None:
         declared.append((os.path.join(directory, "config.json"), config.quantization_config))
@@ -83,7 +80,7 @@ def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -
 def nvfp4_tensors(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
     """The tensors ModelOpt writes for one quantized Linear `name` (`<m>.weight`, [N, K])."""
     packed, scale, scale_2 = quantize(weight)
-    scale_name, scale_2_name = companions(name)
+    scale_name, scale_2_name = nvfp4_companions(name)
     return {
         name: packed,
         scale_name: scale,
