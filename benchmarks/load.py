@@ -5,11 +5,12 @@
 The workload is a checkpoint with the Qwen3.6-35B-A3B-DFlash shapes (preset
 `zlab-qwen3.6-35b-a3b-dflash-v2`: 91 BF16 tensors, 948 MB) and its NVFP4 twin, written once by
 `dflash_jax.testing.write_checkpoint`. Methods (each run in its own process, page cache warm):
-- `ours`: `load_drafter(path, mesh=<first N local devices>)`, bf16, replicated;
-- `naive`: `safetensors.flax.load_file` then `jax.device_put` of each tensor onto the same sharding;
-- `compile-pallas` / `compile-xla`: only the compilation of the NVFP4 dequantizers the loader needs;
-- `ours+cache`: `ours` with JAX's persistent compilation cache, warmed by an earlier process;
+- `ours`: `load_drafter(path, mesh=<first N local devices>)`, bf16, replicated; its cache of compiled
+  conversions (`DFLASH_JAX_CACHE_DIR`) is an empty directory: a first load on a machine;
+- `ours+cache`: `ours` with that cache written by an earlier process: every later load;
 - `ours-again`: `ours`, timed at the second load of the same checkpoint in one process (nothing to compile);
+- `compile-pallas` / `compile-xla`: only the compilation of the NVFP4 dequantizers the loader needs;
+- `naive`: `safetensors.flax.load_file` then `jax.device_put` of each tensor onto the same sharding;
 - `ceiling`: the checkpoint file read into one buffer and put on the first device in one copy (the time of
   the put alone is printed below it).
 Reported: wall time (median of --repeat processes), GB/s of checkpoint bytes, and peak host RSS above
@@ -21,10 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+
+from dflash_jax._executables import CACHE_ENV
 
 PRESET = "zlab-qwen3.6-35b-a3b-dflash-v2"
 
@@ -43,10 +48,6 @@ def measure(method: str, path: str, devices: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    if method == "ours+cache":  # JAX's persistent compilation cache, warmed by an earlier process
-        jax.config.update("jax_compilation_cache_dir", os.path.join(os.path.dirname(path), "jax_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     local = jax.local_devices()[:devices]
     mesh = jax.sharding.Mesh(local, ("replica",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -122,8 +123,11 @@ def compile_dequantizers(path: str, device, backend: str) -> list:
 
 
 def run_child(method: str, path: str, devices: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", method, path, str(devices)],
-                         capture_output=True, text=True, check=True)
+    """One measurement in a fresh process; its executable cache is empty unless the method is `ours+cache`."""
+    with tempfile.TemporaryDirectory() as empty:
+        cache = os.path.join(os.path.dirname(path), "executable_cache") if method == "ours+cache" else empty
+        out = subprocess.run([sys.executable, __file__, "--child", method, path, str(devices)],
+                             capture_output=True, text=True, check=True, env={**os.environ, CACHE_ENV: cache})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -156,10 +160,11 @@ def main() -> None:
             ("compile-pallas", nvfp4, 1), ("compile-xla", nvfp4, 1)]
     runs += [("ours+cache", nvfp4, 1), ("ours-again", bf16, 1), ("ours-again", nvfp4, 1)]
     runs += [(m, bf16, n) for n in args.devices if n > 1 for m in ("naive", "ours")]
-    runs += [("ours", nvfp4, n) for n in args.devices if n > 1]
+    runs += [(m, nvfp4, n) for n in args.devices if n > 1 for m in ("ours", "ours+cache")]
     runs = [r for r in runs if args.methods is None or r[0] in args.methods]
     if any(r[0] == "ours+cache" for r in runs):
-        run_child("ours+cache", nvfp4, 1)  # warm the persistent compilation cache
+        shutil.rmtree(os.path.join(args.dir, "executable_cache"), ignore_errors=True)
+        run_child("ours+cache", nvfp4, 1)  # an earlier process writes the executable cache
     print(f"{'method':<14} {'checkpoint':<10} {'devices':>7} {'seconds':>8} {'GB/s':>6} {'peak RSS MB':>12}")
     for method, path, devices in runs:
         results = [run_child(method, path, devices) for _ in range(args.repeat)]

@@ -14,16 +14,14 @@ the page cache, it is only unmapped from us).
 from __future__ import annotations
 
 import collections
-import functools
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from ._executables import compiled
 from .loader import TensorPlan, nvfp4_companions
 from .safetensors import Checkpoint
 
@@ -92,9 +90,8 @@ def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
 class _Converters:
     """The on-device conversions of a load (NVFP4 dequantization, casts to the load dtype), compiled ahead.
 
-    Each distinct input signature is compiled once per process (later loads reuse it), and all the missing
-    ones are compiled on a thread pool as soon as the load starts, so a fresh process pays roughly one
-    compile time rather than one per shape, and pays it while the first tensors stream.
+    All of them are requested from `_executables` as soon as the load starts, so they compile (or load from
+    the disk cache) on its thread pool while the first tensors stream.
     """
 
     def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]], device, dtype):
@@ -103,40 +100,13 @@ class _Converters:
         for t, names in zip(plan, sources):
             inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
             if len(names) > 1:
-                self._futures[t.name] = _compiled(("nvfp4", inputs, dtype, device))
+                self._futures[t.name] = compiled("nvfp4", inputs, dtype, device)
             elif t.kind != "int" and inputs[0][1] != dtype:
-                self._futures[t.name] = _compiled(("cast", inputs, dtype, device))
+                self._futures[t.name] = compiled("cast", inputs, dtype, device)
 
     def __call__(self, t: TensorPlan, arrays: list[jax.Array]) -> jax.Array:
         future = self._futures.get(t.name)
         return arrays[0] if future is None else future.result()(*arrays)
-
-
-_COMPILED: dict[tuple, Future] = {}  # (kind, inputs, dtype, device) -> the compiled conversion, per process
-_COMPILED_LOCK = threading.Lock()
-_COMPILE_POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dflash_jax-compile")
-
-
-def _compiled(key: tuple) -> Future:
-    """The (future) compiled conversion for `key`, submitted to the pool the first time it is asked for."""
-    with _COMPILED_LOCK:
-        if key not in _COMPILED:
-            _COMPILED[key] = _COMPILE_POOL.submit(_compile, key)
-            _COMPILED[key].add_done_callback(lambda f: f.exception() and _COMPILED.pop(key, None))
-        return _COMPILED[key]
-
-
-def _compile(key: tuple):
-    kind, inputs, dtype, device = key
-    sharding = SingleDeviceSharding(device)
-    specs = [jax.ShapeDtypeStruct(shape, d, sharding=sharding) for shape, d in inputs]
-    if kind == "nvfp4":
-        from .nvfp4 import dequantize
-
-        fn = functools.partial(dequantize, dtype=dtype)
-    else:
-        fn = functools.partial(jnp.asarray, dtype=dtype)
-    return jax.jit(fn).lower(*specs).compile()
 
 
 def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
