@@ -127,8 +127,8 @@ def bench(name, n, k, key, sweep):
     for rows, warps in configs:
         label = "pallas" if rows is None else f"pallas r{rows} w{warps}"
         results[label] = time_per_tensor(pallas_path(rows, warps), inputs, moved, repeats)
-    d_rows, d_warps = _pallas.default_config(n * k // 16)
-    print(f"\n{name} [{n}, {k}]  {moved / 1e6:.1f} MB moved  (default tile: {d_rows} blocks of 16, {d_warps} warps)")
+    print(f"\n{name} [{n}, {k}]  {moved / 1e6:.1f} MB moved  (default tile: {_pallas.ROWS} blocks of 16, "
+          f"{_pallas.NUM_WARPS} warps)")
     for label, t in results.items():
         print(f"  {label:22s} {t * 1e6:9.1f} us {moved / t / 1e9:8.0f} GB/s  {t_copy / t:6.1%} of copy"
               f"  {t_xla / t:5.2f}x xla", flush=True)

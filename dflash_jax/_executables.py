@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import os
 import stat
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jaxlib.version
 from jax.experimental import serialize_executable
 
 CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
@@ -104,7 +104,7 @@ def _environment() -> tuple:
     """Versions, flags and the source of the conversion code: any change makes new cache entries."""
     package = Path(__file__).parent
     source = hashlib.sha256(b"".join((package / name).read_bytes() for name in _SOURCES)).hexdigest()
-    return (jax.__version__, importlib.metadata.version("jaxlib"), os.environ.get("XLA_FLAGS", ""),
+    return (jax.__version__, jaxlib.version.__version__, os.environ.get("XLA_FLAGS", ""),
             bool(jax.config.jax_enable_x64), source)
 
 

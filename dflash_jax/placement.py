@@ -56,7 +56,7 @@ def place_all(
     total = sum(checkpoint[n].nbytes for names in sources for n in names)
     with _Progress(len(plan), total, progress) as bar:
         for t, names in zip(plan, sources):
-            on_device = [jax.device_put(_host_array(checkpoint, n, t.kind), devices[0]) for n in names]
+            on_device = jax.device_put([_host_array(checkpoint, n, t.kind) for n in names], devices[0])
             first = converters(t, on_device)
             copies = [first] + [jax.device_put(first, d) for d in devices[1:]]
             leaf = copies[0] if len(devices) == 1 and mesh is None else (

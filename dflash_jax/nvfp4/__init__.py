@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _pallas
 from ._checks import check_nvfp4_shapes, check_scales_finite
 from ._reference import BLOCK, dequantize_xla, quantize
 
@@ -70,5 +69,7 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
             raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
         if scale.dtype == jnp.float8_e4m3fn:
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
-        return _pallas.dequantize_pallas(packed, scale, scale_2, dtype=dtype)
+        from ._pallas import dequantize_pallas  # here: importing Pallas costs ~50 ms that a load may not need
+
+        return dequantize_pallas(packed, scale, scale_2, dtype=dtype)
     raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")

@@ -75,14 +75,11 @@ def _kernel(w_ref, s_ref, g_ref, o_ref, *, n_blocks: int, dtype):
         o_ref[...] = words
 
 
-def default_config(n_blocks: int) -> tuple[int, int]:
-    """(blocks per program, warps) for a tensor of `n_blocks` 16-value blocks: large tiles, but at least
-    ~4 programs per SM of an H200 (132 SMs) so that small tensors still fill the chip, down to 128 blocks
-    (measured on an H200: 128 beat 64 on a [512, 2048] tensor)."""
-    rows = 1024
-    while rows > 128 and n_blocks < 4 * 132 * rows:
-        rows //= 2
-    return rows, 4
+# Tile: 128 blocks of 16 values per program, 4 warps. Measured on an H200 (docs/benchmarks.md): 128 to 1024
+# blocks run within the noise of each other on every size from [512, 2048] to 32768 x 16384 (2048 is slower),
+# and 128 compiles in about half the time of 1024 (0.15-0.18 s against 0.34-0.37 s per shape): compiling is
+# what a first NVFP4 load pays.
+ROWS, NUM_WARPS = 128, 4
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "rows", "num_warps", "interpret"))
@@ -90,15 +87,14 @@ def dequantize_pallas(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Arr
                       rows: int | None = None, num_warps: int | None = None, interpret: bool = False) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16. `rows` (a power of two) and `num_warps` override `default_config`;
+    `dtype` is bfloat16 or float16. `rows` (a power of two) and `num_warps` override `ROWS` and `NUM_WARPS`;
     `interpret=True` runs the kernel through Pallas' interpreter (CPU tests).
     """
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Pallas kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
     *lead, half_k = packed.shape
     n_blocks = packed.size // BLOCK_BYTES
-    default_rows, default_warps = default_config(n_blocks)
-    rows, num_warps = rows or default_rows, num_warps or default_warps
+    rows, num_warps = rows or ROWS, num_warps or NUM_WARPS
     words = pl.pallas_call(
         functools.partial(_kernel, n_blocks=n_blocks, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((n_blocks, 2, 4), jnp.uint32),
