@@ -1,9 +1,9 @@
 """Putting planned tensors onto devices: one host->device copy per tensor, then device-to-device.
 
 For each tensor, the memory-mapped bytes are copied once to the first local device of the target
-sharding, converted there (cast to the load dtype, or NVFP4-dequantized), then copied device-to-device to
-the other local devices, and the per-device copies are assembled with
-`jax.make_array_from_single_device_arrays`. Under a multi-process runtime each process does this for its
+sharding, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
+executables from `_executables`), then copied device-to-device to the other local devices, and the
+per-device copies are assembled with `jax.make_array_from_single_device_arrays`. Under a multi-process runtime each process does this for its
 own devices only, so no process ever holds or sends another's data.
 
 Host memory stays bounded: copies are asynchronous, at most `inflight_bytes` of them are outstanding, and
