@@ -1,0 +1,64 @@
+"""place_all: the in-flight bound on host pages, plan order, replication (NVFP4 and cast conversions included)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import placement
+from dflash_jax.loader import check_tensor, find_prefix, plan_tensors
+from dflash_jax.config import load_config
+from dflash_jax.safetensors import Checkpoint
+from dflash_jax.testing import write_checkpoint
+
+
+def planned(path):
+    config = load_config(path)
+    checkpoint = Checkpoint(path)
+    plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, path), str(path))
+    packed = {t.name for t in plan if check_tensor(t, checkpoint, str(path))}
+    return plan, checkpoint, packed
+
+
+@pytest.mark.parametrize("nvfp4", [False, True])
+@pytest.mark.parametrize("budget", [0, 20_000, 10**9])
+def test_host_pages_in_flight_stay_within_the_budget(tmp_path, monkeypatch, nvfp4, budget):
+    """Every tensor read counts until its pages are released; never more than the budget plus one tensor."""
+    write_checkpoint(tmp_path, "tiny-dflash", nvfp4=nvfp4)
+    plan, checkpoint, packed = planned(tmp_path)
+    sizes = [sum(checkpoint[n].nbytes for n in placement._sources(t, packed)) for t in plan]
+    held, peak = {}, [0]
+    read, release = placement._host_array, checkpoint.release
+
+    def reading(ckpt, name, kind):
+        held[name] = ckpt[name].nbytes
+        peak[0] = max(peak[0], sum(held.values()))
+        return read(ckpt, name, kind)
+
+    def releasing(name):
+        held.pop(name)
+        release(name)
+
+    monkeypatch.setattr(placement, "_host_array", reading)
+    monkeypatch.setattr(checkpoint, "release", releasing)
+    with checkpoint:
+        leaves = placement.place_all(plan, checkpoint, packed, mesh=None, dtype=jnp.float32, progress=False,
+                                     inflight_bytes=budget)
+    assert not held  # every page released at the end
+    assert peak[0] <= min(budget, sum(sizes)) + max(sizes)
+    assert budget < sum(sizes) or peak[0] == sum(sizes)  # a budget above the checkpoint holds it all
+    assert [leaf.shape for leaf in leaves] == [t.shape for t in plan]  # plan order
+    assert all(leaf.dtype == (jnp.int32 if t.kind == "int" else jnp.float32) for t, leaf in zip(plan, leaves))
+
+
+def test_replicated_leaves_equal_the_single_device_ones(tmp_path, cpu_mesh):
+    write_checkpoint(tmp_path, "tiny-dflash2", nvfp4=True)
+    plan, checkpoint, packed = planned(tmp_path)
+    with checkpoint:
+        single = placement.place_all(plan, checkpoint, packed, mesh=None, dtype=jnp.bfloat16, progress=False)
+        replicated = placement.place_all(plan, checkpoint, packed, mesh=cpu_mesh, dtype=jnp.bfloat16,
+                                         progress=False, inflight_bytes=0)
+    for a, b in zip(single, replicated):
+        assert b.sharding.is_fully_replicated and len(b.addressable_shards) == len(jax.devices())
+        for shard in b.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), np.asarray(a).view(np.uint8))
