@@ -39,6 +39,7 @@ _SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_pallas.py", "nvfp4/_
 _COMPILED: dict[tuple, Future] = {}
 _LOCK = threading.Lock()
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dflash_jax-compile")
+_WARNED: set[str] = set()  # cache directories already warned about (unwritable)
 
 
 def cache_dir() -> Path | None:
@@ -122,9 +123,6 @@ def _read_private(path: Path) -> bytes | None:
             return f.read()
         except OSError:
             return None
-
-
-_WARNED: set[str] = set()
 
 
 def _write_private(path: Path, blob: bytes) -> None:

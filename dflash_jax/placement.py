@@ -3,8 +3,8 @@
 For each tensor, the memory-mapped bytes are copied once to the first local device of the target
 sharding, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
 executables from `_executables`), then copied device-to-device to the other local devices, and the
-per-device copies are assembled with `jax.make_array_from_single_device_arrays`. Under a multi-process runtime each process does this for its
-own devices only, so no process ever holds or sends another's data.
+per-device copies are assembled with `jax.make_array_from_single_device_arrays`. Under a multi-process
+runtime each process does this for its own devices only, so no process ever holds or sends another's data.
 
 Host memory stays bounded: copies are asynchronous, at most `inflight_bytes` of them are outstanding, and
 once a tensor's copy is done its pages are dropped from this process (MADV_DONTNEED: the data stays in
@@ -67,7 +67,8 @@ def place_all(
     total = sum(checkpoint[n].nbytes for names in sources for n in names)
     with _Progress(len(plan), total, progress) as bar:
         for t, names in zip(plan, sources):
-            arriving.append((t, names, jax.device_put([_host_array(checkpoint, n, t.kind) for n in names], devices[0])))
+            on_device = jax.device_put([_host_array(checkpoint, n, t.kind) for n in names], devices[0])
+            arriving.append((t, names, on_device))
             size = sum(checkpoint[n].nbytes for n in names)
             pending += size
             # A conversion launched before its inputs have arrived blocks this thread until they do, and the
