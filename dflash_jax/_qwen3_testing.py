@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .loader import Drafter
+from .loader import Drafter, build_tree
 from .target import Qwen3Config, Qwen3Target, parse_qwen3_config, plan_qwen3
 from .safetensors import write_tensors
 from .testing import random_tensor
@@ -77,20 +77,14 @@ def random_qwen3(config: Qwen3Config | dict[str, Any] | str, *, seed: int = 0, d
     """A Qwen3 target with random weights drawn on the default device (norm gains 1, linears N(0, 1/fan_in))."""
     if not isinstance(config, Qwen3Config):
         config = parse_qwen3_config(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
-    params: dict[str, Any] = {}
-    for i, t in enumerate(plan_qwen3(config)):
-        if t.path[0] == "layers" and t.path[1] != 0:
-            continue  # one draw per per-layer name, stacked over the layers
-        shape, path = (t.shape, t.path) if t.path[0] != "layers" else (
-            (config.num_hidden_layers, *t.shape), ("layers", *t.path[2:]))
-        if len(t.shape) == 1:
-            value = jnp.ones(shape, dtype)
-        else:
-            value = jax.random.normal(jax.random.key(seed * 1000 + i), shape, dtype) * (t.shape[-1] ** -0.5)
-        node = params
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
+    plan = plan_qwen3(config)
+    leaves = [
+        jnp.ones(t.shape, dtype) if len(t.shape) == 1
+        else jax.random.normal(jax.random.key(seed * 1000 + i), t.shape, dtype) * (t.shape[-1] ** -0.5)
+        for i, t in enumerate(plan)
+    ]
+    params = build_tree(plan, leaves)
+    params["layers"] = tuple(params["layers"])
     return Qwen3Target(params=params, config=config)
 
 
@@ -109,13 +103,12 @@ def successor_target(target: Qwen3Target, successor: np.ndarray, *, margin: floa
     embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
     predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
 
-    def scaled(layer: dict) -> dict:  # one layer's weights, or all of them stacked
+    def scaled(layer: dict) -> dict:
         attn, mlp = layer["self_attn"], layer["mlp"]
         return {**layer, "self_attn": {**attn, "o_proj": {"weight": attn["o_proj"]["weight"] * layer_scale}},
                 "mlp": {**mlp, "down_proj": {"weight": mlp["down_proj"]["weight"] * layer_scale}}}
 
-    layers = target.params["layers"]
-    layers = tuple(map(scaled, layers)) if isinstance(layers, (list, tuple)) else scaled(layers)
+    layers = tuple(map(scaled, target.params["layers"]))
     params = {
         "embed_tokens": {"weight": embed.astype(dtype)},
         "lm_head": {"weight": (embed[predecessor] * (margin / H)).astype(dtype)},

@@ -25,32 +25,62 @@ import jax.numpy as jnp
 import numpy as np
 
 from .loader import Drafter, draft_to_target_ids
+from .attention import KeyValues, LayerRule, Span
 from .model import (
     Context,
+    Memory,
     attention_rules,
     dot,
     embed_block,
     forward,
+    keys_values,
     lm_logits,
     project_context,
+    rope_tables,
 )
+
+
+APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
 
 
 @flax.struct.dataclass
 class ContextCache:
-    """Per-layer context K/V of a batch of sequences; row j of sequence b is its context token at position j."""
+    """Per-layer context K/V of a batch of sequences (keys after k_norm and RoPE at their absolute positions).
 
-    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, max_context, d_h], after k_norm and RoPE
-    values: tuple[jax.Array, ...]  # per layer [batch, n_kv, max_context, d_h]
-    lengths: jax.Array  # [batch] int32: rows 0..lengths-1 are real
+    A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
+    buffer: position p in slot `p % ring`, `ring = window + block size` rows, so its memory does not grow with
+    the context. The other layers keep every position p in slot p, up to `max_context`.
+    """
 
-    @property
-    def max_context(self) -> int:
-        return self.keys[0].shape[2]
+    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows = max_context, or the ring's size
+    values: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]
+    lengths: jax.Array  # [batch] int32: context positions 0 .. lengths-1 have been appended
+    overflow: jax.Array  # [batch] bool: a sequence outgrew max_context (rows past it were dropped)
+    max_context: int = flax.struct.field(pytree_node=False)
+    rings: tuple[bool, ...] = flax.struct.field(pytree_node=False)  # per layer: a ring buffer
 
     def trim(self, lengths: jax.Array) -> ContextCache:
-        """Forget rows at and past `lengths` `[batch]` (rejected context): only the lengths change."""
+        """Forget rows at and past `lengths` `[batch]` (rejected context): only the lengths change.
+
+        Exact for a trim of up to `block_size + 1` rows per append on ring-buffered layers (the ring's slack);
+        a deeper trim loses the oldest window rows there. The speculative loop never trims (it appends only
+        accepted rows).
+        """
         return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
+
+    def check(self) -> None:
+        """Raise `ValueError` if a sequence outgrew `max_context` (reads the flags: a host sync)."""
+        overflow = np.asarray(self.overflow)
+        if overflow.any():
+            raise ValueError(
+                f"context cache overflow: sequences {np.flatnonzero(overflow).tolist()} outgrew "
+                f"max_context={self.max_context}; their newest context rows were dropped, so their drafts are "
+                "wrong. Make the cache with a larger max_context."
+            )
+
+
+def _rings(drafter: Drafter, rules) -> tuple[bool, ...]:
+    return tuple(r.window is not None and r.sinks == 0 for r in rules)
 
 
 def init_cache(
@@ -60,17 +90,29 @@ def init_cache(
     *,
     dtype: jnp.dtype | None = None,
     sharding: jax.sharding.Sharding | None = None,
+    causal: bool | None = None,
+    sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
 ) -> ContextCache:
     """An empty cache for `batch_size` sequences of up to `max_context` context rows.
 
     dtype: the params' by default. sharding: where the cache lives, by default where the params do (one device,
     or replicated over their mesh); e.g. `NamedSharding(mesh, P("data"))` to split the batch. The arrays are
     committed there, as `propose` returns them, so the first step and the later ones share one compiled program.
+    The attention options (`dflash_jax.model.attention_rules`) decide which layers are ring buffers: pass
+    `propose` the same ones.
     """
+    if max_context < 1:
+        raise ValueError(f"max_context must be >= 1, got {max_context}")
     c = drafter.config
     fc = drafter.params["fc"]["weight"]
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
-    shape = (batch_size, c.num_key_value_heads, max_context, c.head_dim)
+    rules = attention_rules(c, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
+                            draft_sinks=draft_sinks)
+    rings = _rings(drafter, rules)
+    rows = [min(max_context, r.window + c.effective_block_size) if ring else max_context
+            for r, ring in zip(rules, rings)]
 
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
@@ -78,10 +120,14 @@ def init_cache(
             where = where.update(spec=(*where.spec, *(None,) * (len(shape) - len(where.spec))))
         return jax.device_put(np.zeros(shape, dtype), where)
 
+    shapes = [(batch_size, c.num_key_value_heads, n, c.head_dim) for n in rows]
     return ContextCache(
-        keys=tuple(zeros(shape, dtype) for _ in range(c.num_hidden_layers)),
-        values=tuple(zeros(shape, dtype) for _ in range(c.num_hidden_layers)),
+        keys=tuple(zeros(shape, dtype) for shape in shapes),
+        values=tuple(zeros(shape, dtype) for shape in shapes),
         lengths=zeros((batch_size,), jnp.int32),
+        overflow=zeros((batch_size,), bool),
+        max_context=max_context,
+        rings=rings,
     )
 
 
@@ -229,18 +275,83 @@ def sample_drafts(
 
 
 def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
-    """Write the first `num_new [batch]` of the new rows' K/V after each sequence's last real row."""
-    batch, _, n_new, _ = new_kv[0].k.shape
-    fresh = jnp.arange(n_new) < num_new[:, None]  # [batch, n_new]
-    rows = jnp.where(fresh, cache.lengths[:, None] + jnp.arange(n_new), cache.max_context)  # padding: dropped
-    seq, rows = jnp.arange(batch)[:, None, None], rows[:, None, :]  # indices broadcast to [batch, n_kv, n_new]
-    heads = jnp.arange(new_kv[0].k.shape[1])[None, :, None]
-    keys = tuple(k.at[seq, heads, rows].set(kv.k, mode="drop") for k, kv in zip(cache.keys, new_kv))
-    values = tuple(v.at[seq, heads, rows].set(kv.v, mode="drop") for v, kv in zip(cache.values, new_kv))
-    return ContextCache(keys, values, jnp.minimum(cache.lengths + num_new, cache.max_context))
+    """Write the first `num_new [batch]` of the new rows' K/V `[batch, n_kv, n_new, d_h]` at positions `lengths..`.
+
+    Ring layers keep the last `ring` of them (older ones would share a slot); full layers drop rows past
+    `max_context` and flag the sequence in `overflow`.
+    """
+    batch, n_kv, n_new, _ = new_kv[0][0].shape
+    positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
+    fresh = jnp.arange(n_new) < num_new[:, None]
+    end = cache.lengths + num_new  # [batch]
+    seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(n_kv)[None, :, None]
+    keys, values = [], []
+    for k, v, (new_k, new_v), ring in zip(cache.keys, cache.values, new_kv, cache.rings):
+        rows = k.shape[2]
+        keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < rows)
+        slots = jnp.where(keep, positions % rows if ring else positions, rows)[:, None, :]  # rows: dropped
+        keys.append(k.at[seq, heads, slots].set(new_k, mode="drop"))  # indices broadcast to [batch, n_kv, n_new]
+        values.append(v.at[seq, heads, slots].set(new_v, mode="drop"))
+    return cache.replace(keys=tuple(keys), values=tuple(values), lengths=end,
+                         overflow=cache.overflow | (end > cache.max_context))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window"), donate_argnames=("cache",))
+def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
+                    chunk: int) -> ContextCache:
+    """Project and append `target_hidden [batch, n_new, Lf*H]` `chunk` rows at a time (a `lax.scan`), so a long
+    prompt needs a chunk's activations, not the prompt's."""
+    params, config = drafter.params, drafter.config
+    batch, n_new, width = target_hidden.shape
+    n_chunks = -(-n_new // chunk)
+    padded = jnp.pad(target_hidden, ((0, 0), (0, n_chunks * chunk - n_new), (0, 0)))
+    pieces = padded.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)  # [n_chunks, batch, chunk, Lf*H]
+
+    def step(cache, inputs):
+        c, rows = inputs
+        ctx = project_context(params, config, rows)  # [batch, chunk, H]
+        rope = rope_tables(config, cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32))
+        kv = [keys_values(p["self_attn"], config, ctx, rope) for p in params["layers"]]
+        return _append(cache, kv, jnp.clip(num_new - c * chunk, 0, chunk)), None
+
+    cache, _ = jax.lax.scan(step, cache, (jnp.arange(n_chunks), pieces))
+    return cache
+
+
+def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, block: int) -> Memory:
+    """What layer `layer`'s block queries (positions `start .. start + block - 1`) read of the cache.
+
+    Ring layers: the whole ring, masked by position (it holds only the window). Full layers: the span of
+    slots `[0, lengths)`; under a draft window, the sinks' span, the span every query's window covers, and
+    the `block - 1` rows at the window's edge that only some queries see (masked).
+    """
+    k, v, lengths = cache.keys[layer], cache.values[layer], cache.lengths
+    rows = k.shape[2]
+    if cache.rings[layer]:
+        slots = jnp.arange(rows)
+        positions = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - slots, rows)  # newest p = slot mod rows
+        return Memory(dense=(KeyValues(k, v, positions, positions >= 0),))
+    stop = jnp.minimum(lengths, rows)
+    if rule.window is None:
+        return Memory(spans=(Span(k, v, jnp.zeros_like(stop), stop),))
+    sinks = jnp.minimum(rule.sinks, stop)
+    interior = jnp.clip(start + block - rule.window, sinks, stop)  # every query's window reaches back to here
+    edge = start - rule.window + 1  # the first query's window starts here: [edge, interior) is masked
+    positions = edge[:, None] + jnp.arange(block - 1)  # [batch, block - 1]
+    slots = jnp.clip(positions, 0, rows - 1)[:, None, :, None]
+    strip = KeyValues(
+        jnp.take_along_axis(k, slots, axis=2),  # [batch, n_kv, block - 1, d_h]
+        jnp.take_along_axis(v, slots, axis=2),
+        positions,
+        (positions >= sinks[:, None]) & (positions < interior[:, None]),
+    )
+    return Memory(spans=(Span(k, v, jnp.zeros_like(stop), sinks), Span(k, v, interior, stop)), dense=(strip,))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks", "impl", "append_chunk"),
+    donate_argnames=("cache",),
+)
 def propose(
     drafter: Drafter,
     cache: ContextCache,
@@ -255,6 +366,10 @@ def propose(
     lm_head: jax.Array | None = None,
     causal: bool | None = None,
     sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
+    impl: str = "auto",
+    append_chunk: int = APPEND_CHUNK,
 ) -> tuple[Proposal, ContextCache]:
     """One drafting step for a batch; returns the proposal and the cache with the new context appended.
 
@@ -262,38 +377,48 @@ def propose(
     at the first step, then the anchor and accepted drafts), padded to a fixed `n_new`; num_new: `[batch]`
     how many of them are real; they take positions `cache.lengths ...`. anchor_ids: `[batch]` the last
     committed token, at position `cache.lengths + num_new` (the block start). The cache is donated: keep the
-    returned one. `max_context` must hold every sequence's context (rows past it are dropped).
+    returned one. More than `append_chunk` new rows are projected and appended in chunks of it first. A sequence
+    whose context outgrows `max_context` is flagged in `cache.overflow` (`ContextCache.check` raises): under
+    `jit` the values cannot raise.
 
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
-    drafter's own or attached one; causal / sliding_window: the attention rule (`dflash_jax.model`).
+    drafter's own or attached one; causal / sliding_window / draft_window / draft_sinks: the attention rule
+    (`dflash_jax.model.attention_rules`), the same as the cache was made with; impl: the attention's
+    (`dflash_jax.attention.attend`).
     """
     params, config = drafter.params, drafter.config
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens
-    lengths, num_new = cache.lengths, jnp.asarray(num_new, jnp.int32)
-
-    context = Context(
-        project_context(params, config, target_hidden),  # [batch, n_new, H]
-        lengths[:, None] + jnp.arange(n_new, dtype=jnp.int32),  # [batch, n_new]
-        jnp.arange(n_new) < num_new[:, None],
-    )
-    start = lengths + num_new  # [batch] the anchor's position
+    rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
+                            draft_sinks=draft_sinks)
+    if _rings(drafter, rules) != cache.rings:
+        raise ValueError("the cache was made with other attention options than this propose call's (its ring-"
+                         "buffered layers differ): pass init_cache the same causal/sliding_window/draft_window")
+    num_new = jnp.asarray(num_new, jnp.int32)
+    dtype = params["fc"]["weight"].dtype
+    chunked = n_new > append_chunk
+    if chunked:  # append first, then the block reads everything from the cache
+        cache = _append_chunked(drafter, cache, target_hidden, num_new, append_chunk)
+        start = cache.lengths
+        context = Context(jnp.zeros((batch, 0, config.hidden_size), dtype), jnp.zeros((batch, 0), jnp.int32),
+                          jnp.zeros((batch, 0), bool))
+    else:
+        start = cache.lengths + num_new  # [batch] the anchor's position
+        context = Context(
+            project_context(params, config, target_hidden),  # [batch, n_new, H]
+            cache.lengths[:, None] + jnp.arange(n_new, dtype=jnp.int32),  # [batch, n_new]
+            jnp.arange(n_new) < num_new[:, None],
+        )
     block_ids = jnp.concatenate(
         [anchor_ids[:, None].astype(jnp.int32), jnp.full((batch, B - 1), config.mask_token_id, jnp.int32)], axis=1
     )  # [batch, B]
-    x = embed_block(config, drafter.embedding if embed is None else embed, block_ids, params["fc"]["weight"].dtype)
-    memory_positions = jnp.broadcast_to(jnp.arange(cache.max_context, dtype=jnp.int32), (batch, cache.max_context))
+    x = embed_block(config, drafter.embedding if embed is None else embed, block_ids, dtype)
+    memory = [_memory(cache, i, rule, start, B) for i, rule in enumerate(rules)]
     hidden, new_kv = forward(
-        params,
-        config,
-        attention_rules(config, causal=causal, sliding_window=sliding_window),
-        x,
-        start[:, None] + jnp.arange(B, dtype=jnp.int32),  # [batch, B]
-        context,
-        memory=list(zip(cache.keys, cache.values)),
-        memory_positions=memory_positions,
-        memory_valid=memory_positions < lengths[:, None],
+        params, config, rules, x, start[:, None] + jnp.arange(B, dtype=jnp.int32), context, memory, impl=impl
     )  # [batch, B, H]
+    if not chunked:
+        cache = _append(cache, new_kv, num_new)
     proposal = sample_drafts(
         drafter,
         hidden[:, B - n_draft :],  # the draft rows: 1..B-1 (z-lab) or all B (DSpark)
@@ -303,4 +428,4 @@ def propose(
         temperature=temperature,
         confidence_threshold=confidence_threshold,
     )
-    return proposal, _append(cache, new_kv, num_new)
+    return proposal, cache

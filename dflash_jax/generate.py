@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -45,7 +45,7 @@ import numpy as np
 
 from .drafting import ContextCache, Proposal, init_cache, propose
 from .loader import Drafter
-from .target import Target
+from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
 CACHE_BUCKET = 128  # cache capacities are rounded up to a multiple of this
@@ -134,11 +134,6 @@ def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> j
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
 
-def _last_row(x: jax.Array, lengths: jax.Array) -> jax.Array:
-    """`x [batch, S, ...]` at row `lengths - 1` of each sequence: `[batch, ...]`."""
-    return jnp.take_along_axis(x, (lengths - 1).reshape(-1, *([1] * (x.ndim - 1))), axis=1)[:, 0]
-
-
 def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(tokens, counts)]
 
@@ -197,12 +192,28 @@ def _acceptance(
     return accepted, last
 
 
+class Options(NamedTuple):
+    """The static switches of a generation call: the drafter's attention rule (`model.attention_rules`) and the
+    chunk sizes of the long-prompt paths (`Target.prefill`, `drafting.propose`)."""
+
+    causal: bool | None = None
+    sliding_window: bool = True
+    draft_window: int | None = None
+    draft_sinks: int = 0
+    prefill_chunk: int = PREFILL_CHUNK
+
+    def rule(self) -> dict[str, Any]:
+        """The keywords `init_cache` and `propose` take."""
+        return dict(causal=self.causal, sliding_window=self.sliding_window, draft_window=self.draft_window,
+                    draft_sinks=self.draft_sinks)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling"), donate_argnames=("target_cache", "context")
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "options"), donate_argnames=("target_cache", "context")
 )
 def _spec_prefill(
     target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, temperature,
-    threshold, key, *, max_new_tokens: int, sampling: bool
+    threshold, key, *, max_new_tokens: int, sampling: bool, options: Options
 ) -> _State:
     """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
 
@@ -210,11 +221,13 @@ def _spec_prefill(
     """
     batch = tokens.shape[0]
     first_key, draft_key, key = jax.random.split(key, 3)
-    out = target(tokens, target_cache, jnp.zeros_like(lengths), layer_ids=drafter.config.target_layer_ids)
-    first = _pick(first_key if sampling else None, _last_row(out.logits, lengths), temperature)  # [batch]
+    out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.target_layer_ids,
+                         chunk=options.prefill_chunk)
+    first = _pick(first_key if sampling else None, out.logits, temperature)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
                                 key=draft_key if sampling else None, temperature=temperature,
-                                confidence_threshold=threshold)
+                                confidence_threshold=threshold, append_chunk=options.prefill_chunk,
+                                **options.rule())
     return _State(
         step=jnp.zeros((), jnp.int32),
         target_cache=out.cache,
@@ -231,7 +244,7 @@ def _spec_prefill(
 
 
 def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, max_new_tokens: int, sampling: bool,
-               s: _State, progress: Callable[[Any], None] | None = None) -> _State:
+               options: Options, s: _State, progress: Callable[[Any], None] | None = None) -> _State:
     """One verify + commit + draft step for every sequence still running."""
     batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
     verify_key, draft_key, key = jax.random.split(s.key, 3)
@@ -255,7 +268,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
     proposal, context = propose(drafter, s.context, out.features, committed, last,
                                 key=draft_key if sampling else None, temperature=temperature,
-                                confidence_threshold=threshold)
+                                confidence_threshold=threshold, **options.rule())
     if progress is not None:
         jax.debug.callback(progress, n_out)
     return _State(
@@ -274,14 +287,14 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "progress"), donate_argnames=("state",)
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "options", "progress"), donate_argnames=("state",)
 )
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
-                 max_new_tokens: int, sampling: bool, progress: Callable[[Any], None] | None = None) -> _State:
+                 max_new_tokens: int, sampling: bool, options: Options,
+                 progress: Callable[[Any], None] | None = None) -> _State:
     """Steps until every sequence is done, as one `lax.while_loop`."""
-    target = _loop_form(target)
     step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
-                             progress=progress)
+                             options, progress=progress)
     return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
 
 
@@ -296,6 +309,12 @@ def speculative_generate(
     seed: int = 0,
     confidence_threshold: float = 0.0,
     progress: Callable[[np.ndarray], None] | None = None,
+    causal: bool | None = None,
+    sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
+    prefill_chunk: int = PREFILL_CHUNK,
+    beyond_max_positions: bool = False,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
 
@@ -304,43 +323,61 @@ def speculative_generate(
     target's sampling at that temperature (module docstring). A sequence stops after a token of
     `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
     ships none. `confidence_threshold` (DSpark drafters with a confidence head): proposals end before the
-    first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is called after every step with the tokens made so far per
-    sequence (`[batch]` NumPy).
+    first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
+    called after every step with the tokens made so far per sequence (`[batch]` NumPy).
+
+    The drafter's attention rule: `causal` / `sliding_window` / `draft_window` / `draft_sinks`, as
+    `dflash_jax.model.attention_rules` (defaults: the trained rule; a draft window changes acceptance, never
+    the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time. A prompt plus
+    `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused (ValueError)
+    unless `beyond_max_positions`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, single = _as_batch(prompt_ids)
     drafter = _attach(target, drafter)
+    _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
     capacity = _round_up(tokens.shape[1] + max_new_tokens + K + 1, CACHE_BUCKET)
+    options = Options(causal, sliding_window, draft_window, draft_sinks, prefill_chunk)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
 
     start = time.perf_counter()
-    caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity)
+    caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
+                                                                   **options.rule())
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
-                          max_new_tokens=max_new_tokens, sampling=sampling)
+                          max_new_tokens=max_new_tokens, sampling=sampling, options=options)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens, sampling=sampling,
-                         progress=progress)
+    state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens,
+                         sampling=sampling, options=options, progress=progress)
     out, n_out, accept = jax.device_get((state.out, state.n_out, state.accept))
     decode = time.perf_counter() - start
+    state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
     new = _to_lists(out, n_out)
     steps = [[int(a) for a in row if a > 0] for row in accept]
     return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode)
 
 
-def _loop_form(target: Target) -> Target:
-    """The target in the form its forward should take inside a decode loop, where the target has one
-    (`Qwen3Target.per_layer`: one weight buffer per layer, split here once, before the loop, rather than sliced
-    out of a stacked array, i.e. copied, by every step)."""
-    per_layer = getattr(target, "per_layer", None)
-    return per_layer() if callable(per_layer) else target
+def _check_positions(prompts: list[list[int]], max_new_tokens: int, target: Target, drafter: Drafter | None,
+                     allowed: bool) -> None:
+    """Refuse, before anything compiles, sequences longer than the models' `max_position_embeddings`."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    limits = [("target", target.max_positions)]
+    if drafter is not None:
+        limits.append(("drafter", drafter.config.max_position_embeddings))
+    for name, limit in limits:
+        if limit is not None and longest > limit and not allowed:
+            raise ValueError(
+                f"a prompt of {longest - max_new_tokens} tokens plus max_new_tokens={max_new_tokens} reaches "
+                f"position {longest}, beyond the {name}'s max_position_embeddings={limit}; shorten it, or pass "
+                "beyond_max_positions=True to run past what the model was trained for"
+            )
 
 
 def _attach(target: Target, drafter: Drafter) -> Drafter:
@@ -357,12 +394,12 @@ def _attach(target: Target, drafter: Drafter) -> Drafter:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
-def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "prefill_chunk"), donate_argnames=("cache",))
+def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int, prefill_chunk: int):
     """Run the prompts, take the first token: the loop carry `(cache, lengths, last, out, n_out, done)`."""
     batch = tokens.shape[0]
-    out = target(tokens, cache, jnp.zeros_like(lengths))
-    first = _pick(None, _last_row(out.logits, lengths), None)  # [batch]
+    out = target.prefill(tokens, cache, lengths, layer_ids=(), chunk=prefill_chunk)
+    first = _pick(None, out.logits, None)  # [batch]
     done = (first[:, None] == stop).any(-1) | (max_new_tokens <= 1)
     new = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
     return out.cache, lengths, first, new, jnp.ones((batch,), jnp.int32), done
@@ -371,7 +408,6 @@ def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tok
 @functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("carry",))
 def _greedy_decode(target: Target, carry, stop, *, max_new_tokens: int):
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
-    target = _loop_form(target)
 
     def step(carry):
         cache, lengths, last, new, n_out, done = carry
@@ -392,21 +428,24 @@ def greedy_generate(
     max_new_tokens: int,
     *,
     stop_token_ids: Sequence[int] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    beyond_max_positions: bool = False,
 ) -> GenerationResult:
     """The target alone, greedy: the baseline speculative decoding must reproduce and beat.
 
-    Same prompt handling, stop rule and result as `speculative_generate` (no acceptance lengths).
+    Same prompt handling, stop rule, position check and result as `speculative_generate` (no acceptance lengths).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, single = _as_batch(prompt_ids)
+    _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()
     carry = jax.block_until_ready(
         _greedy_prefill(target, target.init_cache(len(prompts), capacity), tokens, lengths, stop,
-                        max_new_tokens=max_new_tokens)
+                        max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
     )
     prefill = time.perf_counter() - start
     start = time.perf_counter()

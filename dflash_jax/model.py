@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .attention import KeyValues, LayerRule, Span, attend
 from .config import DflashConfig
 from .loader import Drafter
 
@@ -165,17 +166,25 @@ def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
 # --------------------------------------------------------------------------------------------------------------
 
 
-class LayerRule(NamedTuple):
-    """Which keys one layer's queries see: `causal` (key position <= query position) and a window."""
-
-    causal: bool
-    window: int | None  # |query - key| <= window - 1; None: unbounded
-
-
 def attention_rules(
-    config: DflashConfig, *, causal: bool | None = None, sliding_window: bool = True
+    config: DflashConfig,
+    *,
+    causal: bool | None = None,
+    sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
 ) -> tuple[LayerRule, ...]:
-    """Per-layer causality and window (see the module docstring for the rule and why it is the default)."""
+    """Per-layer causality and window (see the module docstring for the rule and why it is the default).
+
+    draft_window / draft_sinks: an opt-in bound for the layers without a trained window (full attention): they
+    then see only keys within `draft_window` positions of the query, plus the first `draft_sinks` positions
+    (as dflash-mlx's `draft_window_size` / `draft_sink_size`). It changes drafts, so acceptance, never the
+    output of greedy speculative decoding. Off by default: the trained behaviour.
+    """
+    if draft_window is not None and draft_window < 1:
+        raise ValueError(f"draft_window must be >= 1 or None, got {draft_window}")
+    if draft_sinks < 0:
+        raise ValueError(f"draft_sinks must be >= 0, got {draft_sinks}")
     sub = config.dflash_config
     rules = []
     for i in range(config.num_hidden_layers):
@@ -184,53 +193,13 @@ def attention_rules(
             c for c in (causal, config.is_causal, sub.causal if sub is not None else None, sliding) if c is not None
         )
         windowed = sliding_window and sliding and config.use_sliding_window and config.sliding_window is not None
-        rules.append(LayerRule(bool(layer_causal), config.sliding_window if windowed else None))
+        if windowed:
+            rules.append(LayerRule(bool(layer_causal), config.sliding_window))
+        elif draft_window is not None:
+            rules.append(LayerRule(bool(layer_causal), draft_window, draft_sinks))
+        else:
+            rules.append(LayerRule(bool(layer_causal), None))
     return tuple(rules)
-
-
-def visible(query_positions: jax.Array, key_positions: jax.Array, rule: LayerRule) -> jax.Array:
-    """`[batch, Sq, Sk]` bool: which keys each query may attend to under `rule`."""
-    distance = query_positions[:, :, None] - key_positions[:, None, :]  # [batch, Sq, Sk]
-    ok = jnp.ones(distance.shape, bool)
-    if rule.causal:
-        ok &= distance >= 0
-    if rule.window is not None:
-        ok &= jnp.abs(distance) < rule.window
-    return ok
-
-
-class KeyValues(NamedTuple):
-    """Attention keys/values of some rows: post k_norm + RoPE keys, values, positions and which rows are real."""
-
-    k: jax.Array  # [batch, n_kv, rows, d_h]: heads-major, so the attention GEMMs read it without a transpose
-    v: jax.Array  # [batch, n_kv, rows, d_h]
-    positions: jax.Array  # [batch, rows] int32
-    valid: jax.Array  # [batch, rows] bool
-
-
-def attend(q: jax.Array, q_positions: jax.Array, parts: Sequence[KeyValues], rule: LayerRule) -> jax.Array:
-    """Softmax attention of `q [batch, Bq, n_h, d_h]` over the keys of all `parts` together.
-
-    GQA with grouped mapping: query head h reads KV head h // (n_h / n_kv). The parts are never concatenated:
-    each gets its own scores and the softmax is merged through a shared maximum, so a large cached part is read
-    in place. Scale d_h^-0.5; softmax in float32.
-    """
-    batch, n_q, n_h, d_h = q.shape
-    n_kv = parts[0].k.shape[1]
-    q = q.reshape(batch, n_q, n_kv, n_h // n_kv, d_h)  # head h = kv * groups + g
-    q = q.transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Bq, d_h]: (groups, Bq) are one GEMM's rows
-    scores = []
-    for part in parts:
-        s = dot("bhgqd,bhkd->bhgqk", q, part.k) * d_h**-0.5  # [batch, n_kv, groups, Bq, rows] f32
-        mask = visible(q_positions, part.positions, rule) & part.valid[:, None, :]  # [batch, Bq, rows]
-        scores.append(jnp.where(mask[:, None, None], s, -jnp.inf))
-    peak = functools.reduce(jnp.maximum, [s.max(axis=-1, keepdims=True) for s in scores])  # [b, n_kv, g, Bq, 1]
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = [jnp.exp(s - peak) for s in scores]
-    total = sum(w.sum(axis=-1) for w in weights)  # [batch, n_kv, groups, Bq]
-    out = sum(dot("bhgqk,bhkd->bhgqd", w.astype(p.v.dtype), p.v) for w, p in zip(weights, parts))
-    out = out / total[..., None]  # [batch, n_kv, groups, Bq, d_h] f32
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, n_q, n_h, d_h).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -291,47 +260,41 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     return rms_norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
 
 
+def queries(attn: Params, config, x: jax.Array, rope: Rope) -> jax.Array:
+    """`q_norm(q_proj(x))` with RoPE: `[batch, S, H] -> [batch, S, n_h, d_h]`."""
+    batch, S, _ = x.shape
+    q = linear(x, attn["q_proj"]).reshape(batch, S, config.num_attention_heads, config.head_dim)
+    return apply_rope(rms_norm(q, attn["q_norm"]["weight"], config.rms_norm_eps), rope)
+
+
+def keys_values(attn: Params, config, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """`k_norm(k_proj(x))` with RoPE and `v_proj(x)`, heads-major: `[batch, S, H] -> 2 x [batch, n_kv, S, d_h]`."""
+    batch, S, _ = x.shape
+    shape = (batch, S, config.num_key_value_heads, config.head_dim)
+    k = apply_rope(rms_norm(linear(x, attn["k_proj"]).reshape(shape), attn["k_norm"]["weight"], config.rms_norm_eps),
+                   rope)
+    v = linear(x, attn["v_proj"]).reshape(shape)
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
 def decoder_layer(
-    p: Params,
-    config: DflashConfig,
-    rule: LayerRule,
-    x: jax.Array,
-    positions: jax.Array,
-    context: Context,
-    rope: Rope,
-    memory: KeyValues | None,
-) -> tuple[jax.Array, KeyValues]:
-    """One pre-norm Qwen3 layer over the block `x [batch, B, H]` at `positions [batch, B]`.
+    p: Params, config, x: jax.Array, attention: Callable[[Params, jax.Array], tuple[jax.Array, Any]]
+) -> tuple[jax.Array, Any]:
+    """One pre-norm Qwen3 layer over `x [batch, S, H]`, shared by the drafter and the targets.
 
-    Queries come from the block; keys/values from `memory` (earlier context, already projected), the new
-    `context` rows and the block itself, the last two projected together. `rope`: tables for the context rows
-    followed by the block rows. Returns the new block hidden and the context rows' K/V (for caching).
+        x += o_proj(attention(input_layernorm(x)))      DFlash2: grouped convs around both sublayers
+        x += down(silu(gate(h)) * up(h)),  h = post_attention_layernorm(x)
+
+    `attention(self_attn params, normed x [batch, S, H])` returns `([batch, S, n_h * d_h], aux)`: where the
+    queries, keys and values come from is the caller's (the drafter adds context rows, a target its cache).
+    Returns the new `x` and `aux`.
     """
-    attn, eps = p["self_attn"], config.rms_norm_eps
-    n_h, n_kv, d_h = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    batch, B, _ = x.shape
-    S = context.hidden.shape[1]
-
-    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)  # [batch, B, H]
+    eps = config.rms_norm_eps
+    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)  # [batch, S, H]
     if "attention_conv" in p:
         xn, attn_delta = conv_prepare(p["attention_conv"], xn)
-
-    q = linear(xn, attn["q_proj"]).reshape(batch, B, n_h, d_h)  # [batch, B, n_h, d_h]
-    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), Rope(rope.cos[:, S:], rope.sin[:, S:]))
-    rows = jnp.concatenate([context.hidden, xn], axis=1)  # [batch, S + B, H]: one K/V projection for both
-    k = linear(rows, attn["k_proj"]).reshape(batch, S + B, n_kv, d_h)
-    v = linear(rows, attn["v_proj"]).reshape(batch, S + B, n_kv, d_h)
-    k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)
-    fresh = KeyValues(  # heads-major: [batch, n_kv, S + B, d_h]
-        k.transpose(0, 2, 1, 3),
-        v.transpose(0, 2, 1, 3),
-        jnp.concatenate([context.positions, positions], axis=1),
-        jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1),
-    )
-    parts = ([memory] if memory is not None else []) + [fresh]
-
-    a = attend(q, positions, parts, rule).reshape(batch, B, n_h * d_h)  # [batch, B, n_h * d_h]
-    a = linear(a, attn["o_proj"])  # [batch, B, H]
+    a, aux = attention(p["self_attn"], xn)
+    a = linear(a, p["self_attn"]["o_proj"])  # [batch, S, H]
     if "attention_conv" in p:
         a = conv_finish(p["attention_conv"], a, attn_delta)
     x = x + a
@@ -343,8 +306,14 @@ def decoder_layer(
     h = linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
     if "mlp_conv" in p:
         h = conv_finish(p["mlp_conv"], h, mlp_delta)
-    new_context = KeyValues(fresh.k[:, :, :S], fresh.v[:, :, :S], context.positions, context.valid)
-    return x + h, new_context
+    return x + h, aux
+
+
+class Memory(NamedTuple):
+    """What one layer's block queries read besides this forward's rows: cached context, as `attention` sources."""
+
+    spans: tuple[Span, ...] = ()  # slot ranges every query sees (read unmasked)
+    dense: tuple[KeyValues, ...] = ()  # rows masked by the layer's rule (a ring buffer, a window's edge)
 
 
 def forward(
@@ -354,21 +323,34 @@ def forward(
     x: jax.Array,
     positions: jax.Array,
     context: Context,
-    memory: Sequence[tuple[jax.Array, jax.Array]] | None = None,
-    memory_positions: jax.Array | None = None,
-    memory_valid: jax.Array | None = None,
-) -> tuple[jax.Array, list[KeyValues]]:
+    memory: Sequence[Memory] | None = None,
+    *,
+    impl: str = "auto",
+) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """All layers and the final norm over the embedded block `x [batch, B, H]` at `positions [batch, B]`.
 
-    `memory`: per layer `(k, v)` `[batch, n_kv, T, d_h]` of earlier context (post k_norm + RoPE) at
-    `memory_positions [batch, T]`, rows with `memory_valid [batch, T]` False ignored; None for none.
-    Returns `norm(x)` `[batch, B, H]` and, per layer, the K/V of the `context` rows.
+    Per layer the block's queries attend to `memory[i]` (earlier context), the new `context` rows and the block
+    itself; the context rows enter only as keys/values (same k_proj/v_proj, k_norm, RoPE at their positions).
+    Returns `norm(x)` `[batch, B, H]` and, per layer, the context rows' `(k, v)` `[batch, n_kv, S, d_h]`.
     """
+    batch, B, _ = x.shape
+    S = context.hidden.shape[1]
     rope = rope_tables(config, jnp.concatenate([context.positions, positions], axis=1))  # context rows, then block
+    block_rope = Rope(rope.cos[:, S:], rope.sin[:, S:])
+    key_positions = jnp.concatenate([context.positions, positions], axis=1)  # [batch, S + B]
+    key_valid = jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1)
     new_kv = []
     for i, (p, rule) in enumerate(zip(params["layers"], rules)):
-        mem = None if memory is None else KeyValues(*memory[i], memory_positions, memory_valid)
-        x, kv = decoder_layer(p, config, rule, x, positions, context, rope, mem)
+        mem = memory[i] if memory is not None else Memory()
+
+        def attention(attn, xn, rule=rule, mem=mem):
+            q = queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
+            k, v = keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM each
+            fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
+            a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
+            return a.reshape(batch, B, -1), (k[:, :, :S], v[:, :, :S])
+
+        x, kv = decoder_layer(p, config, x, attention)
         new_kv.append(kv)
     return rms_norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
 

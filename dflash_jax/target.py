@@ -11,22 +11,21 @@ returns, besides the final hidden states, the target features a DFlash-family dr
 
 concatenated shallow-to-deep in `layer_ids` order: `[batch, S, Lf * H]`.
 
-KV cache: `KVCache(k, v)`, each `[L, batch, n_kv, T, d_h]`; slot t holds position t. The cache itself carries
+KV cache: `KVCache(k, v)`, per layer `[batch, n_kv, T, d_h]`; slot t holds position t. The cache itself carries
 no length: the caller keeps `lengths [batch]` (tokens committed per sequence). A forward over `S` new tokens
-writes their K/V at slots `lengths .. lengths + S - 1` (their positions) and attends causally over slots
-`< lengths + S`, so slots beyond a sequence's length are never read: trimming the cache to an accepted prefix
-is just passing a smaller length next time (the rejected slots are overwritten). Sequences of a batch may have
-different lengths; prompts of different lengths are right-padded.
+attends to slots `[0, lengths)` (only those are read: `attention.Span`) and causally among the new rows, then
+writes their K/V at slots `lengths .. lengths + S - 1`, so slots beyond a sequence's length are never read:
+trimming the cache to an accepted prefix is just passing a smaller length next time (the rejected slots are
+overwritten). Sequences of a batch may have different lengths; prompts of different lengths are right-padded.
+`prefill` runs a long prompt in chunks and returns only the last token's logits.
 
-Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md):
-`from_pretrained` gives `params["layers"]` as a tuple of per-layer dicts (each weight its own buffer, as placed),
-run unrolled, every matmul reading its weights in place. The layers may also be STACKED, one dict of `[L, ...]`
-arrays (`random_qwen3` draws them so): the forward then runs them with `lax.scan`, whose compile time does not
-grow with depth, but whose per-step slice of a stacked weight XLA materialises (3x the weight traffic of a
-decode step); `Qwen3Target.per_layer()` converts, and the generation loops do so themselves.
+Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md);
+`params["layers"]` is a tuple of per-layer dicts (each weight its own buffer, as placed), run unrolled, every
+matmul reading its weights in place.
 
-Shared with the drafter's forward (`model.py`): `linear`, `rms_norm`, `lm_logits`, the RoPE tables (float32 angles
-as transformers) and `attend` (GQA, float32 softmax). `Qwen3Config` has the attributes `rope_frequencies` reads.
+One decoder layer serves the drafter and the targets (`model.decoder_layer`, `model.queries` /
+`model.keys_values`, `attention.attend`: GQA, float32 online softmax). `Qwen3Config` has the attributes
+`rope_frequencies` reads.
 """
 
 from __future__ import annotations
@@ -44,10 +43,13 @@ import msgspec
 from .config import RopeScaling, declared_rope_type, normalise_raw
 from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
-from .model import KeyValues, LayerRule, apply_rope, attend, linear, lm_logits, rms_norm, rope_tables
+from .attention import KeyValues, LayerRule, Span, attend
+from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from .safetensors import Checkpoint
 
 log = logging.getLogger("dflash_jax")
+
+PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`Qwen3Target.prefill`)
 
 Params = dict[str, Any]
 
@@ -58,17 +60,17 @@ Params = dict[str, Any]
 
 
 class KVCache(NamedTuple):
-    """A static-shape KV cache: `k`, `v` `[L, batch, n_kv, T, d_h]` (post k_norm + RoPE keys; heads-major as
-    `model.KeyValues`); slot t = position t."""
+    """A static-shape KV cache: per layer `k`, `v` `[batch, n_kv, T, d_h]` (post k_norm + RoPE keys, heads-major
+    as `attention.KeyValues`); slot t = position t. One buffer per layer, updated in place."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
 
 class TargetOutput(NamedTuple):
     """What one target forward returns."""
 
-    logits: jax.Array  # [batch, S, V] float32
+    logits: jax.Array  # [batch, S, V] float32 (`prefill`: [batch, V], at each prompt's last token)
     features: jax.Array  # [batch, S, Lf * H] at the requested layer ids, shallow to deep
     cache: Any  # the cache with the new tokens' K/V written
 
@@ -88,6 +90,10 @@ class Target(Protocol):
       among the new ones; return `TargetOutput` (logits and features for every new token, the updated cache).
       Cache entries at positions `>= lengths[b] + S` must never influence the result: the loop trims a cache to
       an accepted prefix by passing a smaller `lengths` next time.
+    - `prefill(tokens, cache, lengths, *, layer_ids, chunk)`: run right-padded prompts `tokens [batch, P]` (real lengths
+      `lengths`) into an empty cache; return the features of every row and the logits `[batch, V]` of each
+      prompt's last token only (a long prompt's `[P, V]` logits would not fit), `chunk` tokens at a time.
+    - `max_positions`: the longest sequence it runs (`max_position_embeddings`), or None for no limit.
     """
 
     @property
@@ -104,6 +110,13 @@ class Target(Protocol):
     def __call__(
         self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...]
     ) -> TargetOutput: ...
+
+    def prefill(
+        self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...], chunk: int
+    ) -> TargetOutput: ...
+
+    @property
+    def max_positions(self) -> int | None: ...
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -276,7 +289,7 @@ class Qwen3Target:
                 check_tensor(t, checkpoint, path)
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress)
         params = build_tree(plan, leaves)
-        params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed: the decode form
+        params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
         log.info(
             "%s: Qwen3 target, %d layers, hidden=%d, heads=%d/%d, vocab=%d, %s embeddings",
             path, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
@@ -299,28 +312,16 @@ class Qwen3Target:
         own = self.params.get("lm_head")
         return self.embed if own is None else own["weight"]
 
-    def per_layer(self) -> Qwen3Target:
-        """This target with its decoder layers' weights as one buffer per layer (`params["layers"]` a tuple of
-        per-layer dicts) instead of stacked `[L, ...]` arrays; itself if they already are.
-
-        The form for a decode loop. With stacked weights the forward scans over the layers and every step
-        slices its layer's weights out of the stack, which XLA materialises: each weight is read, written and
-        read again per forward (3x the weight traffic of a memory-bound decode step). With per-layer buffers
-        the forward is unrolled and every matmul reads its weights in place. The generation loops call this
-        inside their jitted program, before their `while_loop` (one copy of the layers per call, alive during
-        the loop); call it once up front (and drop the stacked target) to avoid the copy and the extra memory.
-        """
-        layers = self.params["layers"]
-        if isinstance(layers, (list, tuple)):
-            return self
-        split = tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(self.config.num_hidden_layers))
-        return dataclasses.replace(self, params={**self.params, "layers": split})
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
 
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype."""
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        return KVCache(jnp.zeros(shape, self.embed.dtype), jnp.zeros(shape, self.embed.dtype))
+        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype) for _ in range(c.num_hidden_layers))  # noqa: E731
+        return KVCache(zeros(), zeros())
 
     def __call__(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = ()
@@ -333,6 +334,19 @@ class Qwen3Target:
         """
         return _forward(self, tokens, cache, lengths, tuple(layer_ids))
 
+    def prefill(
+        self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
+        chunk: int = PREFILL_CHUNK,
+    ) -> TargetOutput:
+        """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
+
+        Chunked: `chunk` tokens at a time through every layer (a `lax.scan`), each chunk attending to the
+        cache written so far and causally to itself, so activations and scores are a chunk's, never `[P, P]`.
+        Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
+        `[batch, V]` float32, and the cache.
+        """
+        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk)
+
 
 # --------------------------------------------------------------------------------------------------------------
 # The forward
@@ -341,93 +355,81 @@ class Qwen3Target:
 _CAUSAL = LayerRule(causal=True, window=None)
 
 
+def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
+    for l in layer_ids:
+        if not -1 <= l < N:
+            raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
+
+
+def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...]):
+    """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
+    cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
+    to the new rows, then writes the new rows' K/V at their positions."""
+    params, c = target.params, target.config
+    N = c.num_hidden_layers
+    batch, S = tokens.shape
+    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
+    rope = rope_tables(c, positions)  # cos/sin [batch, S, d_h]
+    new_rows = jnp.ones((batch, S), bool)
+    seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(c.num_key_value_heads)[None, :, None]
+    slots = positions[:, None, :]  # [batch, 1, S]: broadcast with seq and heads to [batch, n_kv, S]
+
+    x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
+    keys, values, by_id = list(cache.k), list(cache.v), {}
+    for i, p in enumerate(params["layers"]):
+
+        def attention(attn, xn, i=i):
+            q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
+            k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
+            past = Span(keys[i], values[i], jnp.zeros_like(start), start)
+            a = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, new_rows),), (past,))
+            return a.reshape(batch, S, -1), (k, v)
+
+        x, (k, v) = decoder_layer(p, c, x, attention)
+        keys[i] = keys[i].at[seq, heads, slots].set(k.astype(keys[i].dtype), mode="drop")  # past the end: dropped
+        values[i] = values[i].at[seq, heads, slots].set(v.astype(values[i].dtype), mode="drop")
+        if i in layer_ids and i < N - 1:
+            by_id[i] = x
+    hidden = rms_norm(x, params["norm"]["weight"], c.rms_norm_eps)  # [batch, S, H]
+    by_id |= {-1: x0, N - 1: hidden}
+    features = jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0),
+                                                                                                     x0.dtype)
+    return hidden, features, KVCache(tuple(keys), tuple(values))
+
+
 @functools.partial(jax.jit, static_argnames=("layer_ids",))
 def _forward(
     target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
-    params, c = target.params, target.config
-    eps, N = c.rms_norm_eps, c.num_hidden_layers
-    for l in layer_ids:
-        if not -1 <= l < N:
-            raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
-    batch, S = tokens.shape
-    T = cache.k.shape[3]
-    dtype = target.embed.dtype
-
-    lengths = lengths.astype(jnp.int32)
-    positions = lengths[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
-    rope = rope_tables(c, positions)  # cos/sin [batch, S, d_h]
-    slots = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (batch, T))  # [batch, T]: slot t = position t
-    written = slots < (lengths + S)[:, None]  # [batch, T]
-    rows = jnp.arange(batch)[:, None]  # [batch, 1]
-
-    x0 = jnp.take(target.embed, tokens, axis=0).astype(dtype)  # [batch, S, H]
-    run_layers = _layers_unrolled if isinstance(params["layers"], (list, tuple)) else _layers_scanned
-    x, k_cache, v_cache, by_id = run_layers(params["layers"], c, x0, cache, rope, positions, slots, written, rows,
-                                            layer_ids)
-    hidden = rms_norm(x, params["norm"]["weight"], eps)  # [batch, S, H]
-    by_id = {-1: x0, N - 1: hidden} | by_id
-    features = (
-        jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0), dtype)
-    )
-    return TargetOutput(lm_logits(hidden, target.lm_head), features, KVCache(k_cache, v_cache))
+    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    hidden, features, cache = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids)
+    return TargetOutput(lm_logits(hidden, target.lm_head), features, cache)
 
 
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk"))
+def _prefill(
+    target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
+    chunk: int,
+) -> TargetOutput:
+    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    batch, P = tokens.shape
+    chunk = min(P, chunk)
+    n_chunks = -(-P // chunk)
+    pieces = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - P))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
 
-def _layer(p: Params, c: Qwen3Config, x, k_cache, v_cache, i, rope, positions, slots, written, rows):
-    """Decoder layer `i` (a Python int or a traced index) with its weights `p`: `(x, k_cache, v_cache)`.
+    def step(carry, inputs):
+        cache, last_hidden = carry
+        c, piece = inputs  # piece: [batch, chunk]
+        hidden, features, cache = _layers(target, piece, cache, jnp.full((batch,), c * chunk, jnp.int32), layer_ids)
+        row = jnp.clip(last - c * chunk, 0, chunk - 1)
+        here = ((last >= c * chunk) & (last < (c + 1) * chunk))[:, None]
+        last_hidden = jnp.where(here, jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0], last_hidden)
+        return (cache, last_hidden), features
 
-    The new K/V rows go into the stacked caches `[L, batch, n_kv, T, d_h]` in place (a scatter at layer `i`,
-    lowered to a dynamic-update-slice of the new rows); attention then reads layer `i`'s `[batch, n_kv, T, d_h]`.
-    """
-    batch, S, _ = x.shape
-    n_h, n_kv, d_h, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
-    attn = p["self_attn"]
-    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)
-    q = linear(xn, attn["q_proj"]).reshape(batch, S, n_h, d_h)
-    k = linear(xn, attn["k_proj"]).reshape(batch, S, n_kv, d_h)
-    v = linear(xn, attn["v_proj"]).reshape(batch, S, n_kv, d_h)
-    q = apply_rope(rms_norm(q, attn["q_norm"]["weight"], eps), rope)  # [batch, S, n_h, d_h]
-    k = apply_rope(rms_norm(k, attn["k_norm"]["weight"], eps), rope)  # [batch, S, n_kv, d_h]
-    # (i, rows, positions) broadcast to [batch, S], the sliced n_kv and d_h axes follow: k's own layout
-    k_cache = k_cache.at[i, rows, :, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[i, rows, :, positions].set(v.astype(v_cache.dtype), mode="drop")
-    keys = KeyValues(k_cache[i], v_cache[i], slots, written)  # [batch, n_kv, T, d_h]
-    a = attend(q, positions, [keys], _CAUSAL).reshape(batch, S, n_h * d_h)
-    x = x + linear(a, attn["o_proj"])
-    h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)
-    mlp = p["mlp"]
-    x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
-    return x, k_cache, v_cache
-
-
-def _layers_unrolled(layers, c, x0, cache, rope, positions, slots, written, rows, layer_ids):
-    """Per-layer weights (a sequence of per-layer dicts): the layers unrolled, each reading its own buffers."""
-    x, k_cache, v_cache = x0, cache.k, cache.v
-    inner = {}  # features taken after decoder layer l < N - 1
-    for i, p in enumerate(layers):
-        x, k_cache, v_cache = _layer(p, c, x, k_cache, v_cache, i, rope, positions, slots, written, rows)
-        if i in layer_ids and i < c.num_hidden_layers - 1:
-            inner[i] = x
-    return x, k_cache, v_cache, inner
-
-
-def _layers_scanned(layers, c, x0, cache, rope, positions, slots, written, rows, layer_ids):
-    """Stacked weights `[L, ...]`: the layers under `lax.scan` (compile time independent of depth). Each step
-    slices its layer's weights out of the stack, which XLA materialises as a copy (see `per_layer`)."""
-    N = c.num_hidden_layers
-    inner = [l for l in layer_ids if 0 <= l < N - 1]  # features taken inside the scan
-    inner_ids = jnp.asarray(inner if inner else [-2], jnp.int32)  # [n_inner]
-
-    def layer(carry, inputs):
-        x, k_cache, v_cache, feats = carry  # x [batch, S, H]; caches [L, batch, n_kv, T, d_h]
-        p, i = inputs
-        x, k_cache, v_cache = _layer(p, c, x, k_cache, v_cache, i, rope, positions, slots, written, rows)
-        feats = jnp.where((inner_ids == i)[:, None, None, None], x[None], feats)  # [n_inner, batch, S, H]
-        return (x, k_cache, v_cache, feats), None
-
-    feats = jnp.zeros((len(inner_ids), *x0.shape), x0.dtype)
-    (x, k_cache, v_cache, feats), _ = jax.lax.scan(
-        layer, (x0, cache.k, cache.v, feats), (layers, jnp.arange(N, dtype=jnp.int32))
-    )
-    return x, k_cache, v_cache, {l: feats[j] for j, l in enumerate(inner)}
+    H = target.config.hidden_size
+    (cache, last_hidden), features = jax.lax.scan(
+        step, (cache, jnp.zeros((batch, H), target.embed.dtype)), (jnp.arange(n_chunks), pieces)
+    )  # features: [n_chunks, batch, chunk, Lf * H]
+    features = features.swapaxes(0, 1).reshape(batch, n_chunks * chunk, -1)[:, :P]
+    return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)

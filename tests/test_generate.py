@@ -15,6 +15,7 @@ from dflash_jax import load_drafter
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
 from dflash_jax.drafting import init_cache
 from dflash_jax.generate import (
+    Options,
     GenerationResult,
     _attach,
     _pad_prompts,
@@ -115,13 +116,13 @@ def test_caches_hold_exactly_the_committed_tokens(target, oracle):
         tokens, lengths = _pad_prompts(prompts)
         caches = nudged.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
         return _spec_prefill(nudged, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False)
+                             jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False, options=Options())
 
-    step = jax.jit(_spec_step, static_argnums=(5, 6))
+    step = jax.jit(_spec_step, static_argnums=(5, 6, 7))
     state = prefill(PROMPTS)
     # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
     # prompts' bucket, so the fresh prefill below reuses the compiled prefill.
-    state = step(nudged, drafter, stop, temperature, threshold, MAX_NEW, False, state)
+    state = step(nudged, drafter, stop, temperature, threshold, MAX_NEW, False, Options(), state)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     assert not state.done.any() and len(set(n_out.tolist())) > 1  # sequences accepted different amounts
     committed = [p + out[b, : n_out[b] - 1].tolist() for b, p in enumerate(PROMPTS)]
@@ -133,12 +134,11 @@ def test_caches_hold_exactly_the_committed_tokens(target, oracle):
     np.testing.assert_array_equal(np.asarray(state.anchor), out[np.arange(len(PROMPTS)), n_out - 1])
     np.testing.assert_array_equal(np.asarray(fresh.anchor), np.asarray(state.anchor))
     np.testing.assert_array_equal(np.asarray(fresh.proposal.tokens), np.asarray(state.proposal.tokens))
-    pairs = [(state.target_cache.k, fresh.target_cache.k), (state.target_cache.v, fresh.target_cache.v)]
-    pairs += [(a[None], b[None]) for a, b in zip(state.context.keys + state.context.values,
-                                                  fresh.context.keys + fresh.context.values)]
-    for a, b in pairs:  # [L, batch, n_kv, T, d_h]
+    pairs = zip(state.target_cache.k + state.target_cache.v + state.context.keys + state.context.values,
+                fresh.target_cache.k + fresh.target_cache.v + fresh.context.keys + fresh.context.values)
+    for a, b in pairs:  # per layer [batch, n_kv, T, d_h]
         for row, n in enumerate(lengths):
-            np.testing.assert_allclose(np.asarray(a[:, row, :, :n]), np.asarray(b[:, row, :, :n]), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=0, atol=1e-5)
 
 
 def test_stop_tokens_and_batch_independence(target, greedy, oracle):

@@ -138,7 +138,7 @@ def test_stale_cache_slots_never_read(tiny):
     _, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
     clean = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(1,))
-    dirty_cache = jax.tree.map(lambda a: a.at[:, :, :, len(PROMPTS[0]):].set(7.0), clean.cache)  # [L, b, n_kv, T, d]
+    dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)  # per layer [b, n_kv, T, d]
     nxt = jnp.asarray([[11, 12]], jnp.int32)
     length = jnp.asarray([len(PROMPTS[0])], jnp.int32)
     a = target(nxt, clean.cache, length, layer_ids=(1,))

@@ -1,0 +1,205 @@
+"""Attention for long inputs, shared by the drafter and the targets: blocked, online softmax, reads only what it needs.
+
+A query block attends to keys from two kinds of source, merged through one float32 softmax:
+
+- `Span`: a contiguous slot range `[start, stop)` (per sequence) of a static-shape cache, every key of which the
+  rule lets every query see (earlier context, a target's committed prefix). Only the key blocks that intersect
+  the range are read: a `lax.fori_loop` over blocks of `SPAN_BLOCK` slots with a dynamic trip count (the XLA
+  path, also the reference), or on GPU JAX's split-K decode kernel (`jax.experimental.pallas.ops.gpu.
+  decode_attention`), which skips the blocks outside the range too. No `[rows, capacity]` score is formed.
+- `KeyValues`: a few rows with positions and a validity mask (the block itself, new context rows, a sliding
+  window's ring buffer), scored densely under the layer's `LayerRule` (causal, windowed, bidirectional).
+
+Each source gives a partial softmax `(acc, max, sum)` in float32; `attend` merges them (the flash-attention
+recurrence: Dao et al. 2022, "FlashAttention", arXiv:2205.14135). Scale `d_h ** -0.5`; GQA maps query head h
+to KV head `h // (n_h / n_kv)`. Keys carry RoPE at their absolute positions (applied before caching), so a
+window is never re-based.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+SPAN_BLOCK = 512  # key slots per step of the XLA span loop (measured: docs/benchmarks.md, long context)
+_PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
+
+
+class LayerRule(NamedTuple):
+    """Which keys one layer's queries see: `causal` (key position <= query position) and a window."""
+
+    causal: bool
+    window: int | None  # |query - key| <= window - 1; None: unbounded
+    sinks: int = 0  # with a window: keys at positions < sinks are visible too (attention sinks)
+
+
+def visible(query_positions: jax.Array, key_positions: jax.Array, rule: LayerRule) -> jax.Array:
+    """`[batch, Sq, Sk]` bool: which keys each query may attend to under `rule`."""
+    distance = query_positions[:, :, None] - key_positions[:, None, :]  # [batch, Sq, Sk]
+    ok = jnp.ones(distance.shape, bool)
+    if rule.causal:
+        ok &= distance >= 0
+    if rule.window is not None:
+        ok &= (jnp.abs(distance) < rule.window) | (key_positions[:, None, :] < rule.sinks)
+    return ok
+
+
+class KeyValues(NamedTuple):
+    """Keys/values of a few rows, scored densely: post k_norm + RoPE keys, values, positions, which rows are real."""
+
+    k: jax.Array  # [batch, n_kv, rows, d_h]: heads-major, so the attention GEMMs read it without a transpose
+    v: jax.Array  # [batch, n_kv, rows, d_h]
+    positions: jax.Array  # [batch, rows] int32
+    valid: jax.Array  # [batch, rows] bool
+
+
+class Span(NamedTuple):
+    """Slots `[start, stop)` of a cache `[batch, n_kv, capacity, d_h]`, all visible to every query (no mask)."""
+
+    k: jax.Array  # [batch, n_kv, capacity, d_h]
+    v: jax.Array  # [batch, n_kv, capacity, d_h]
+    start: jax.Array  # [batch] int32
+    stop: jax.Array  # [batch] int32 (exclusive; an empty range contributes nothing)
+
+
+class _Partial(NamedTuple):
+    """An unnormalised softmax over some keys: `acc = sum_k exp(s_k - m) v_k`, `m = max_k s_k`, `l = sum exp`."""
+
+    acc: jax.Array  # [batch, n_kv, groups, Sq, d_h] f32
+    m: jax.Array  # [batch, n_kv, groups, Sq] f32 (-inf: no key seen)
+    l: jax.Array  # [batch, n_kv, groups, Sq] f32
+
+
+def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """einsum accumulating in float32; full-precision products when an operand is float32 (see `model.dot`)."""
+    full = jnp.float32 in (a.dtype, b.dtype)
+    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
+    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _empty(q: jax.Array) -> _Partial:
+    shape = q.shape[:-1]
+    return _Partial(jnp.zeros(q.shape, jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape, jnp.float32))
+
+
+def _update(p: _Partial, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> _Partial:
+    """Fold keys `k, v [batch, n_kv, rows, d_h]` into `p`; mask broadcasts to `[batch, n_kv, groups, Sq, rows]`."""
+    s = _dot("bhgqd,bhkd->bhgqk", q, k) * q.shape[-1] ** -0.5  # [batch, n_kv, groups, Sq, rows] f32
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.maximum(p.m, s.max(axis=-1))
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)  # no key seen yet: keep exp() finite
+    w = jnp.exp(s - shift[..., None])
+    carry = jnp.exp(p.m - shift)  # 0 where nothing was seen before
+    acc = p.acc * carry[..., None] + _dot("bhgqk,bhkd->bhgqd", w.astype(v.dtype), v)
+    return _Partial(acc, m, p.l * carry + w.sum(axis=-1))
+
+
+def _merge(a: _Partial, b: _Partial) -> _Partial:
+    m = jnp.maximum(a.m, b.m)
+    shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    ca, cb = jnp.exp(a.m - shift), jnp.exp(b.m - shift)
+    return _Partial(a.acc * ca[..., None] + b.acc * cb[..., None], m, a.l * ca + b.l * cb)
+
+
+def _dense(q: jax.Array, q_positions: jax.Array, kv: KeyValues, rule: LayerRule) -> _Partial:
+    mask = visible(q_positions, kv.positions, rule) & kv.valid[:, None, :]  # [batch, Sq, rows]
+    return _update(_empty(q), q, kv.k, kv.v, mask[:, None, None])
+
+
+def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
+    """Blocks of `block` slots from the first block holding a `start` to the last holding a `stop - 1`."""
+    capacity = span.k.shape[2]
+    block = min(block, capacity)
+    first = jnp.min(span.start) // block
+    last = -(-jnp.max(span.stop) // block)  # ceil
+
+    def body(i, p):
+        at = jnp.minimum(i * block, capacity - block)  # a ragged last block is read shifted back ...
+        idx = at + jnp.arange(block)  # [block]
+        ok = (idx >= i * block) & (idx >= span.start[:, None]) & (idx < span.stop[:, None])  # ... its overlap masked
+        k = jax.lax.dynamic_slice_in_dim(span.k, at, block, axis=2)  # [batch, n_kv, block, d_h]
+        v = jax.lax.dynamic_slice_in_dim(span.v, at, block, axis=2)
+        return _update(p, q, k, v, ok[:, None, None, None, :])
+
+    return jax.lax.fori_loop(first, jnp.maximum(first, last), body, _empty(q))
+
+
+def _span_pallas(q: jax.Array, span: Span) -> _Partial:
+    """The split-K decode kernel over `[start, stop)` (key blocks outside the range are skipped, not masked)."""
+    from jax.experimental.pallas.ops.gpu import decode_attention
+
+    batch, n_kv, groups, Sq, d_h = q.shape
+    capacity = span.k.shape[2]
+    splits = _splits(capacity)
+    rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
+    per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
+    out, (l, m) = decode_attention.mqa(
+        rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
+        start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
+        block_h=max(16, pl_rows(groups * Sq)), block_k=_PALLAS_BLOCK_K, k_splits=splits, return_residuals=True,
+    )
+    shape = (batch, n_kv, groups, Sq)
+    l, m = l.reshape(shape), m.reshape(shape)
+    empty = l == 0  # the kernel's max starts at finfo.min, not -inf
+    m = jnp.where(empty, -jnp.inf, m)
+    acc = out.astype(jnp.float32).reshape(*shape, d_h) * l[..., None]
+    return _Partial(acc, m, l)
+
+
+_PALLAS_BLOCK_K = 128
+
+
+def pl_rows(rows: int) -> int:
+    """Rows of the kernel's query tile: the next power of two (Triton tiles are powers of two)."""
+    return 1 << (rows - 1).bit_length()
+
+
+def _splits(capacity: int) -> int:
+    """Split-K count: as many as fit (up to 16), each a whole number of key blocks."""
+    blocks = capacity // _PALLAS_BLOCK_K
+    return max(s for s in (1, 2, 4, 8, 16) if blocks % s == 0)
+
+
+def use_pallas(q: jax.Array, span: Span) -> bool:
+    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities."""
+    _, _, groups, Sq, d_h = q.shape
+    return (
+        jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and span.k.dtype == q.dtype
+        and groups * Sq <= _PALLAS_MAX_ROWS
+        and span.k.shape[2] % _PALLAS_BLOCK_K == 0
+        and d_h in (64, 128, 256)
+    )
+
+
+def attend(
+    q: jax.Array,
+    q_positions: jax.Array,
+    rule: LayerRule,
+    dense: Sequence[KeyValues] = (),
+    spans: Sequence[Span] = (),
+    *,
+    impl: str = "auto",
+    block: int = SPAN_BLOCK,
+) -> jax.Array:
+    """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
+
+    `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
+    query see them). impl: "xla" (blocked loop), "pallas" (GPU decode kernel for spans) or "auto" (the kernel
+    where it applies: 16-bit operands, at most 128 query rows per KV head). Returns `[batch, Sq, n_h, d_h]` in
+    q's dtype; a query that sees no key gets zeros.
+    """
+    batch, Sq, n_h, d_h = q.shape
+    n_kv = (dense[0] if dense else spans[0]).k.shape[1]
+    q5 = q.reshape(batch, Sq, n_kv, n_h // n_kv, d_h).transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Sq, d_h]
+    parts = [_dense(q5, q_positions, kv, rule) for kv in dense]
+    for span in spans:
+        pallas = impl == "pallas" or (impl == "auto" and use_pallas(q5, span))
+        parts.append(_span_pallas(q5, span) if pallas else _span_xla(q5, span, block))
+    total = functools.reduce(_merge, parts)
+    out = total.acc / jnp.where(total.l > 0, total.l, 1.0)[..., None]  # [batch, n_kv, groups, Sq, d_h] f32
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, Sq, n_h, d_h).astype(q.dtype)
