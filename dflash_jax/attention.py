@@ -110,7 +110,11 @@ def _dense(q: jax.Array, q_positions: jax.Array, kv: KeyValues, rule: LayerRule)
 
 
 def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
-    """Blocks of `block` slots from the first block holding a `start` to the last holding a `stop - 1`."""
+    """Blocks of `block` slots from the first block holding a `start` to the last holding a `stop - 1`.
+
+    The loop's bounds are the batch's: in a ragged batch a sequence's blocks outside its own range are read and
+    masked (their values zeroed, so even non-finite garbage there cannot leak).
+    """
     capacity = span.k.shape[2]
     block = min(block, capacity)
     first = jnp.min(span.start) // block
@@ -122,6 +126,7 @@ def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
         ok = (idx >= i * block) & (idx >= span.start[:, None]) & (idx < span.stop[:, None])  # ... its overlap masked
         k = jax.lax.dynamic_slice_in_dim(span.k, at, block, axis=2)  # [batch, n_kv, block, d_h]
         v = jax.lax.dynamic_slice_in_dim(span.v, at, block, axis=2)
+        v = jnp.where(ok[:, None, :, None], v, 0)  # masked slots (another sequence's range) may hold anything
         return _update(p, q, k, v, ok[:, None, None, None, :])
 
     return jax.lax.fori_loop(first, jnp.maximum(first, last), body, _empty(q))

@@ -1,0 +1,226 @@
+"""Long contexts on one GPU: the drafting step against the cached context, and speculative decoding on long prompts.
+
+Part `propose`: one drafting step (`dflash_jax.propose`, 16 new context rows, back to back with the cache
+donated, median of `--iters` after warm-up) with `ctx` context rows already cached, at Qwen3-8B-DFlash-b16,
+Qwen3.6-35B-A3B tf5 (5 sliding layers of window 4096 + 1 full) and Muse-Glimmer DFlash2 (5 sliding, 2048)
+shapes, random bf16 weights. Each row has its floor: the bytes the step must read (drafter weights, the LM head
+it applies to the draft rows, and the cache rows its layers attend to: the window's ring on sliding layers,
+all `ctx` rows on full ones) at the copy bandwidth measured in the same run (`x + 1` over 4 GiB).
+
+Part `decode`: `speculative_generate` and `greedy_generate` on a Qwen3-8B-shaped target (YaRN to 131072
+positions, as Qwen3 documents for long contexts) made by `successor_target` (so acceptance can be dialled), with
+the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`: prefill seconds, decode
+tokens/s, peak device memory. Floors: greedy decoding reads the weights and the KV cache each token; a prefill
+does `2 x params x tokens` plus causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with
+the bf16 matmul rate measured in the same run (an 8192^3 GEMM).
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/long_context.py --json out.json
+    python benchmarks/long_context.py --small     # tiny shapes, a CPU check of the script (tests run it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
+
+from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
+
+from dflash_jax.config import parse_config  # noqa: E402
+from dflash_jax.drafting import init_cache, propose  # noqa: E402
+from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.model import attention_rules  # noqa: E402
+from dflash_jax.testing import (  # noqa: E402
+    preset_dict, random_drafter, random_qwen3, successor_drafter, successor_target,
+)
+
+DRAFTERS = {
+    "Qwen3-8B-DFlash-b16": "zlab-qwen3-8b-dflash-b16",
+    "Qwen3.6-35B-A3B tf5": "zlab-qwen3.6-35b-a3b-dflash-tf5",
+    "Muse-Glimmer DFlash2": "muse-glimmer-dflash2",
+}
+LONG_QWEN3_8B = {**QWEN3_8B, "max_position_embeddings": 131072,
+                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+NEW_ROWS = 16
+
+
+def copy_bandwidth(gib: float) -> float:
+    """Bytes/s of `x + 1` over a bf16 array of `gib` GiB (read + write)."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 1)
+    jax.block_until_ready(f(x))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - start)
+    return 2 * x.nbytes / min(times)
+
+
+def matmul_rate(n: int) -> float:
+    """FLOP/s of one bf16 `[n, n] @ [n, n]`."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(f(a))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        jax.block_until_ready(f(a))
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / min(times)
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidth: float, impls, small: bool):
+    raw = copy.deepcopy(preset_dict(preset))
+    if small:  # tiny: the preset's layer layout at small widths
+        raw |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16)
+        if raw.get("sliding_window"):
+            raw["sliding_window"] = 32
+    drafter = random_drafter(parse_config(raw), seed=1)
+    c = drafter.config
+    rules = attention_rules(c)
+    weights = nbytes(drafter.params) + drafter.output_head.nbytes  # every weight once, the LM head for the drafts
+    windowed = sum(r.window is not None for r in rules)
+    kinds = f"{windowed} sliding + {len(rules) - windowed} full"
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            for impl in impls:
+                cache = init_cache(drafter, batch, ctx + NEW_ROWS * (iters + 10))
+                cache = cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))  # as if ctx rows were appended
+                feats = jnp.ones((batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
+                num_new, anchors = jnp.full((batch,), NEW_ROWS, jnp.int32), jnp.zeros((batch,), jnp.int32)
+                for _ in range(3):  # compile, warm up
+                    proposal, cache = propose(drafter, cache, feats, num_new, anchors, impl=impl)
+                jax.block_until_ready(proposal)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    proposal, cache = propose(drafter, cache, feats, num_new, anchors, impl=impl)
+                jax.block_until_ready(proposal)
+                ms = (time.perf_counter() - start) / iters * 1e3
+                row_bytes = 2 * c.num_key_value_heads * c.head_dim * 2 * batch  # K and V, bf16, per attended row
+                attended = sum(min(ctx, k.shape[2]) for k in cache.keys)
+                floor = (weights + row_bytes * attended) / bandwidth * 1e3
+                rows.append(dict(part="propose", drafter=name, batch=batch, context=ctx, impl=impl, ms=ms,
+                                 floor_ms=floor, cache_gb=nbytes(cache) / 1e9))
+                print(f"| {name} ({kinds}) | {batch} | {ctx} | {impl} | {ms:.3f} | {floor:.3f} | {ms / floor:.2f} "
+                      f"| {nbytes(cache) / 1e9:.2f} |", flush=True)
+                del cache
+    return rows
+
+
+def peak_gb() -> float:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 1e9
+
+
+def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
+                chunk: int):
+    config = SMALL if small else LONG_QWEN3_8B
+    if small:
+        config = {**config, "max_position_embeddings": 4096}
+    V = config["vocab_size"]
+    rng = np.random.default_rng(0)
+    successor, other = rng.permutation(V), rng.permutation(V)
+    target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
+    dspark = random_drafter(parse_config(drafter_configs(config)["dspark"]), seed=1)
+    dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
+    drafters = {"full acceptance": successor_drafter(dspark, successor),
+                "zero acceptance": successor_drafter(dspark, other)}
+    c = target.config
+    params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
+    weight_bytes = nbytes(target.params) - c.vocab_size * c.hidden_size * 2
+    kv_row = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2  # K and V bytes per position
+    rows = []
+    for P in prompt_lens:
+        for batch in batches:
+            if batch > 1 and P > min(prompt_lens):
+                continue  # batch > 1 at the shortest prompt only
+            prompts = rng.integers(0, V, (batch, P)).tolist()
+            runs = {"greedy": lambda: greedy_generate(target, prompts, max_new, prefill_chunk=chunk)}
+            for name, d in drafters.items():
+                runs[name] = lambda d=d: speculative_generate(target, d, prompts, max_new_tokens=max_new,
+                                                              prefill_chunk=chunk)
+            base, greedy_tokens = None, None
+            for name, run in runs.items():
+                run()  # compile
+                results = [run() for _ in range(repeats)]
+                tps = statistics.median(r.decode_tokens_per_second for r in results)
+                prefill = min(r.prefill_seconds for r in results)
+                tokens = results[-1].tokens
+                base, greedy_tokens = (tps, tokens) if name == "greedy" else (base, greedy_tokens)
+                attention_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * P * P / 2
+                prefill_flops = batch * (2 * params * P + attention_flops)
+                mean_len = P + max_new / 2
+                floor_tps = batch / ((weight_bytes + batch * kv_row * mean_len) / bandwidth)
+                row = dict(part="decode", run=name, prompt=P, batch=batch, prefill_s=prefill,
+                           prefill_mfu=prefill_flops / prefill / flops, tokens_per_s=tps, speedup=tps / base,
+                           greedy_floor_tps=floor_tps, same_as_greedy=tokens == greedy_tokens, peak_gb=peak_gb(),
+                           mean_acceptance=results[-1].mean_acceptance_length)
+                rows.append(row)
+                print(f"| {P} | {batch} | {name} | {prefill:.2f} | {row['prefill_mfu']:.0%} | {tps:.1f} | "
+                      f"{tps / base:.2f} | {floor_tps:.1f} | {row['mean_acceptance']:.2f} | "
+                      f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["propose", "decode"])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    parser.add_argument("--propose-batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--impls", nargs="+", default=["auto"], help="attention implementations to compare")
+    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS))
+    parser.add_argument("--prompts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--decode-batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.small:
+        args.contexts, args.prompts, args.propose_batch, args.decode_batch = [200], [200], [2], [1]
+        args.iters, args.max_new, args.chunk = 2, 8, 64
+    start = time.perf_counter()
+    bandwidth = copy_bandwidth(0.0625 if args.small else 4)
+    flops = matmul_rate(512 if args.small else 8192)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul "
+          f"{flops / 1e12:.0f} TFLOP/s", flush=True)
+    rows = []
+    if "propose" in args.parts:
+        print("| drafter | batch | context | impl | ms | floor ms | x floor | cache GB |\n|---|---:|---:|---|---:|---:|"
+              "---:|---:|", flush=True)
+        for name in args.drafters:
+            rows += propose_rows(name, DRAFTERS[name], args.contexts, args.propose_batch, args.iters, bandwidth,
+                                 args.impls, args.small)
+    if "decode" in args.parts:
+        print("| prompt | batch | run | prefill s | prefill MFU | tokens/s | x greedy | greedy floor tok/s | "
+              "acceptance | same as greedy | peak GB |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+              flush=True)
+        rows += decode_rows(args.prompts, args.decode_batch, args.max_new, args.repeats, bandwidth, flops,
+                            args.small, args.chunk)
+    print(f"total {time.perf_counter() - start:.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args),
+                           copy_bytes_per_s=bandwidth, matmul_flops=flops, rows=rows), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

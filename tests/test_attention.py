@@ -1,0 +1,134 @@
+"""The blocked attention (`dflash_jax.attention`) against a naive float64 softmax over full score matrices."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.attention import KeyValues, LayerRule, Span, attend
+
+
+def rule_mask(q_pos, k_pos, rule):
+    """`[b, Sq, T]` bool: the rule, written from its definition (model.py's docstring)."""
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    ok = np.ones(dist.shape, bool)
+    if rule.causal:
+        ok &= dist >= 0
+    if rule.window is not None:
+        ok &= (np.abs(dist) < rule.window) | (k_pos[:, None, :] < rule.sinks)
+    return ok
+
+
+def naive(q, k, v, mask):
+    """Float64 softmax over full score matrices with an explicit mask `[b, Sq, T]`; `q [b, Sq, n_h, d]`,
+    `k, v [b, n_kv, T, d]`; a query that sees nothing gets zeros."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b, Sq, n_h, d = q.shape
+    group = n_h // k.shape[1]
+    out = np.zeros(q.shape)
+    for s in range(b):
+        for h in range(n_h):
+            scores = np.where(mask[s], q[s, :, h] @ k[s, h // group].T / np.sqrt(d), -np.inf)  # [Sq, T]
+            peak = scores.max(1, keepdims=True)
+            w = np.exp(scores - np.where(np.isfinite(peak), peak, 0.0))
+            total = w.sum(1, keepdims=True)
+            out[s, :, h] = (w @ v[s, h // group]) / np.where(total > 0, total, 1.0)
+    return out
+
+
+def _inputs(rng, batch, Sq, n_h, n_kv, T, d=16):
+    q = rng.standard_normal((batch, Sq, n_h, d)).astype(np.float32) * 2
+    k = rng.standard_normal((batch, n_kv, T, d)).astype(np.float32) * 2
+    v = rng.standard_normal((batch, n_kv, T, d)).astype(np.float32)
+    return q, k, v
+
+
+RULES = [LayerRule(True, None), LayerRule(False, None), LayerRule(True, 5), LayerRule(False, 7),
+         LayerRule(True, 4, 3)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+@pytest.mark.parametrize("n_h,n_kv", [(4, 4), (4, 2), (8, 2)])
+def test_spans_and_dense_rows_equal_the_naive_softmax(rule, n_h, n_kv):
+    """A cache span (ragged `[start, stop)` per sequence, one ending at the capacity, a block size that does not
+    divide the capacity) plus new rows scored under the rule: one softmax over the keys both cover."""
+    rng = np.random.default_rng(n_h * 10 + n_kv)
+    batch, T, Sq = 3, 45, 6
+    q, k, v = _inputs(rng, batch, Sq, n_h, n_kv, T + Sq)
+    start, stop = np.array([0, 3, 10]), np.array([20, 45, 10])  # the last: empty
+    q_pos = stop[:, None] + np.arange(Sq)  # the new rows follow the span
+    new_ok = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    span = Span(jnp.asarray(k[:, :, :T]), jnp.asarray(v[:, :, :T]), jnp.asarray(start), jnp.asarray(stop))
+    fresh = KeyValues(jnp.asarray(k[:, :, T:]), jnp.asarray(v[:, :, T:]), jnp.asarray(q_pos), jnp.asarray(new_ok))
+    got = attend(jnp.asarray(q), jnp.asarray(q_pos), rule, (fresh,), (span,), impl="xla", block=16)
+    chex.assert_shape(got, q.shape)
+    chex.assert_type(got, jnp.float32)
+
+    in_span = (np.arange(T) >= start[:, None]) & (np.arange(T) < stop[:, None])  # [b, T]
+    mask = np.concatenate([  # span keys: every query sees them; new rows: the rule decides
+        np.broadcast_to(in_span[:, None, :], (batch, Sq, T)),
+        new_ok[:, None, :] & rule_mask(q_pos, q_pos, rule),
+    ], axis=2)
+    np.testing.assert_allclose(np.asarray(got), naive(q, k, v, mask), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_dense_rows_alone_equal_the_naive_softmax(rule):
+    """Only masked rows (a ring buffer's, say): positions out of order, some invalid."""
+    rng = np.random.default_rng(1)
+    batch, Sq, T = 2, 5, 12
+    q, k, v = _inputs(rng, batch, Sq, 4, 2, T)
+    q_pos = np.array([[20, 21, 22, 23, 24], [9, 10, 11, 12, 13]])
+    k_pos = np.stack([rng.permutation(np.arange(13, 25)), rng.permutation(np.arange(2, 14))])
+    k_ok = rng.random((batch, T)) < 0.8
+    k_ok[np.arange(batch)[:, None], np.argsort(k_pos, 1)[:, -Sq:]] = True  # each query at least sees itself
+    kv = KeyValues(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_pos), jnp.asarray(k_ok))
+    got = attend(jnp.asarray(q), jnp.asarray(q_pos), rule, (kv,))
+    mask = k_ok[:, None, :] & rule_mask(q_pos, k_pos, rule)
+    np.testing.assert_allclose(np.asarray(got), naive(q, k, v, mask), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("start,stop,garbage", [([8, 40], [24, 64], np.nan), ([5, 41], [23, 60], 1e3)])
+def test_a_span_reads_only_its_range(start, stop, garbage):
+    """Slots outside `[start, stop)` never matter. Block-aligned ranges: NaNs outside leave the output unchanged,
+    so those blocks are not read at all; ragged ones: large values in the blocks' masked slots change nothing."""
+    rng = np.random.default_rng(2)
+    q, k, v = _inputs(rng, 2, 3, 4, 2, 64)
+    start, stop = np.asarray(start), np.asarray(stop)
+
+    def run(k, v):
+        span = Span(jnp.asarray(k), jnp.asarray(v), jnp.asarray(start), jnp.asarray(stop))
+        return np.asarray(attend(jnp.asarray(q), jnp.zeros((2, 3), jnp.int32), LayerRule(True, None), (), (span,),
+                                 impl="xla", block=8))
+
+    outside = (np.arange(64) < start[:, None]) | (np.arange(64) >= stop[:, None])  # [b, T]
+    where = np.broadcast_to(outside[:, None, :, None], k.shape)
+    np.testing.assert_array_equal(run(np.where(where, garbage, k), np.where(where, garbage, v)), run(k, v))
+
+
+def test_bfloat16_stays_close_to_float32():
+    rng = np.random.default_rng(3)
+    q, k, v = _inputs(rng, 1, 4, 8, 2, 300)
+    span = lambda dt: Span(jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray([0]), jnp.asarray([300]))  # noqa
+    f32 = attend(jnp.asarray(q), jnp.zeros((1, 4), jnp.int32), LayerRule(True, None), (), (span(jnp.float32),))
+    b16 = attend(jnp.asarray(q, jnp.bfloat16), jnp.zeros((1, 4), jnp.int32), LayerRule(True, None), (),
+                 (span(jnp.bfloat16),))
+    chex.assert_type(b16, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(b16, np.float32), np.asarray(f32), atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("Sq,n_h,n_kv", [(1, 32, 8), (16, 32, 8), (16, 32, 4), (8, 8, 8)])
+def test_gpu_kernel_equals_the_xla_path(Sq, n_h, n_kv):
+    """The split-K decode kernel over ragged spans (one empty) equals the blocked XLA loop, bf16 operands."""
+    rng = np.random.default_rng(Sq)
+    T, d = 4096, 128
+    q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in _inputs(rng, 3, Sq, n_h, n_kv, T, d))
+    span = Span(k, v, jnp.asarray([0, 100, 7]), jnp.asarray([4096, 3000, 7]))
+    q_pos = jnp.zeros((3, Sq), jnp.int32)
+    ref = attend(q, q_pos, LayerRule(True, None), (), (span,), impl="xla")
+    got = attend(q, q_pos, LayerRule(True, None), (), (span,), impl="pallas")
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+    assert np.all(np.asarray(got[2], np.float32) == 0)  # an empty span: no keys, zeros
