@@ -163,9 +163,11 @@ def pl_rows(rows: int) -> int:
 
 
 def _splits(capacity: int) -> int:
-    """Split-K count: as many as fit (up to 16), each a whole number of key blocks."""
+    """Split-K count: a divisor of the capacity's key blocks giving splits of about 8 blocks (1024 keys), so a
+    long span is read by many programs at once (measured: 16 fixed splits ran a 128k span at 1/6 of the
+    bandwidth); a split past a sequence's `stop` exits at once."""
     blocks = capacity // _PALLAS_BLOCK_K
-    return max(s for s in (1, 2, 4, 8, 16) if blocks % s == 0)
+    return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - 8))
 
 
 def use_pallas(q: jax.Array, span: Span) -> bool:
@@ -179,6 +181,20 @@ def use_pallas(q: jax.Array, span: Span) -> bool:
         and span.k.shape[2] % _PALLAS_BLOCK_K == 0
         and d_h in (64, 128, 256)
     )
+
+
+def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention of a sequence over itself (a prompt into an empty cache) with cuDNN's fused flash kernel
+    (`jax.nn.dot_product_attention(implementation="cudnn")`): `q [batch, S, n_h, d_h]`, `k, v [batch, n_kv, S,
+    d_h]` heads-major -> `[batch, S, n_h, d_h]`. Row i sees keys 0..i: right-padded rows only reach the padding
+    behind them. GPU only, 16-bit operands."""
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, S, n_kv, d_h]
+    return jax.nn.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True, implementation="cudnn")
+
+
+def use_cudnn(dtype: jnp.dtype, head_dim: int) -> bool:
+    """Where `causal_self_attention` applies: a GPU, 16-bit operands, a head size cuDNN's kernel takes."""
+    return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
 
 
 def attend(

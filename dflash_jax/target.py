@@ -43,7 +43,7 @@ import msgspec
 from .config import RopeScaling, declared_rope_type, normalise_raw
 from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
-from .attention import KeyValues, LayerRule, Span, attend
+from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from .safetensors import Checkpoint
 
@@ -336,16 +336,19 @@ class Qwen3Target:
 
     def prefill(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-        chunk: int = PREFILL_CHUNK,
+        chunk: int = PREFILL_CHUNK, impl: str = "auto",
     ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
-        Chunked: `chunk` tokens at a time through every layer (a `lax.scan`), each chunk attending to the
-        cache written so far and causally to itself, so activations and scores are a chunk's, never `[P, P]`.
+        impl "xla" (and "auto" off GPU): chunked, `chunk` tokens at a time through every layer (a `lax.scan`),
+        each chunk attending to the cache written so far and causally to itself, so activations and scores are a
+        chunk's, never `[P, P]`. "cudnn" (and "auto" on a GPU with 16-bit weights): the whole prompt at once,
+        each layer's attention cuDNN's fused causal flash kernel (no `[P, P]` scores either; measured faster,
+        docs/benchmarks.md).
         Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
         `[batch, V]` float32, and the cache.
         """
-        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk)
+        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -361,10 +364,12 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
             raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
 
 
-def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...]):
+def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
+            fused: bool = False):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
-    to the new rows, then writes the new rows' K/V at their positions."""
+    to the new rows, then writes the new rows' K/V at their positions. `fused`: the cache is empty (start = 0)
+    and the new rows attend to themselves with cuDNN's flash kernel (`attention.causal_self_attention`)."""
     params, c = target.params, target.config
     N = c.num_hidden_layers
     batch, S = tokens.shape
@@ -381,6 +386,8 @@ def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer
         def attention(attn, xn, i=i):
             q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
             k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
+            if fused:
+                return causal_self_attention(q, k, v).reshape(batch, S, -1), (k, v)
             past = Span(keys[i], values[i], jnp.zeros_like(start), start)
             a = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, new_rows),), (past,))
             return a.reshape(batch, S, -1), (k, v)
@@ -406,17 +413,21 @@ def _forward(
     return TargetOutput(lm_logits(hidden, target.lm_head), features, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk"))
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"))
 def _prefill(
     target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
-    chunk: int,
+    chunk: int, impl: str,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch, P = tokens.shape
+    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
+    if impl == "cudnn" or (impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim)):  # the whole prompt at once, fused
+        hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [batch, H]
+        return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
     chunk = min(P, chunk)
     n_chunks = -(-P // chunk)
     pieces = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - P))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
-    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
 
     def step(carry, inputs):
         cache, last_hidden = carry

@@ -211,3 +211,26 @@ def test_errors(tmp_path, tiny):
     _, target = tiny
     with pytest.raises(ValueError, match="outside"):
         target(jnp.zeros((1, 2), jnp.int32), target.init_cache(1, 8), jnp.zeros(1, jnp.int32), layer_ids=(6,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_fused_prefill_equals_the_chunked_one():
+    """On a GPU the prompt is prefilled at once with cuDNN's flash kernel: the same cache, features and last
+    logits (bf16 tolerance) as the chunked XLA path, ragged prompts longer than a chunk."""
+    from dflash_jax.testing import random_qwen3
+
+    target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4}, seed=3)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 128, (2, 640)), jnp.int32)
+    lengths = jnp.asarray([640, 333], jnp.int32)
+    runs = [target.prefill(tokens, target.init_cache(2, 768), lengths, layer_ids=(1, 5), chunk=256, impl=impl)
+            for impl in ("cudnn", "xla")]
+    fused, chunked = runs
+    np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(chunked.logits), atol=0.1, rtol=0.05)
+    for row, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(fused.features[row, :n], np.float32),
+                                   np.asarray(chunked.features[row, :n], np.float32), atol=0.1, rtol=0.05)
+        for a, b in zip(fused.cache.k, chunked.cache.k):
+            np.testing.assert_allclose(np.asarray(a[row, :, :n], np.float32), np.asarray(b[row, :, :n], np.float32),
+                                       atol=0.05, rtol=0.05)
