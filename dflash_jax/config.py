@@ -31,6 +31,8 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 LayerCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)]  # -1 = the target's embedding output (DeepSpec)
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+MAX_IGNORE_PATTERNS = 4096  # ModelOpt's exclude lists name a few modules or layer patterns
+IgnorePatterns = Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_IGNORE_PATTERNS)]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFlash-family drafters use
 
@@ -86,7 +88,7 @@ class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Fals
     quant_method: str | None = None
     quant_algo: str | None = None
     group_size: Positive | None = None  # hoisted from config_groups.*.weights.group_size
-    ignore: tuple[str, ...] = ()  # also filled from `exclude_modules`
+    ignore: IgnorePatterns = ()  # also filled from `exclude_modules`
 
 
 class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

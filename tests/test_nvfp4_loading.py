@@ -73,7 +73,7 @@ def break_tensors(directory, change):
         (lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"][:, :4]}), "fc.weight_scale: shape"),
         (lambda t: t.update({"fc.weight_scale_2": np.ones(2, np.float32)}), "fc.weight_scale_2: expected a scalar"),
         (lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"].astype(np.float32)}), "dtype F32, expected F8_E4M3"),
-        (lambda t: t.update({"fc.weight_scale_2": np.array(np.nan, np.float32)}), "fc.weight_scale_2: nan is not finite"),
+        (lambda t: t.update({"fc.weight_scale_2": np.array(np.nan, np.float32)}), "fc.weight_scale_2: nan is not a finite number > 0"),
         (lambda t: t["layers.0.mlp.down_proj.weight_scale"].view(np.uint8).__setitem__((0, 0), 0x7F), "NaN"),
         (lambda t: t.update({"layers.0.mlp.up_proj.weight": t["layers.0.mlp.up_proj.weight"][:, :16],
                              "layers.0.mlp.up_proj.weight_scale": t["layers.0.mlp.up_proj.weight_scale"][:, :2]}),
