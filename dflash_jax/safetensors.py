@@ -133,7 +133,7 @@ def read_json(path: str, what: str, limit: int = MAX_INDEX_BYTES) -> object:
 def _decode_json(path: str, raw: bytes, what: str) -> object:
     """UTF-8 JSON with duplicate keys refused; every failure (nesting too deep included) a CheckpointError."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=refuse_duplicate_keys)
     except RecursionError:
         raise CheckpointError(f"{path}: {what} is not usable JSON (nested too deeply)") from None
     except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, the int digits limit, duplicates
@@ -152,7 +152,8 @@ def _metadata(path: str, metadata: object) -> dict[str, str]:
     return {key: str(value) for key, value in metadata.items()}
 
 
-def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """`object_pairs_hook` for `json.loads`: a key given twice is an error, not silently the last value."""
     out: dict = {}
     for key, value in pairs:
         if key in out:
