@@ -35,7 +35,7 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 # RoPE runs in float32: a base in (1, 1e30] keeps 1 / theta**(2i/d) finite and log(theta) > 0 (YaRN divides
 # by it); 1e-300 made every frequency Inf and every draft NaN. Released drafters use 5e5 to 1e7.
 RopeTheta = Annotated[float, msgspec.Meta(gt=1, le=1e30)]
-MAX_ROPE_FACTOR = 1e30  # YaRN's factor: at least 1 (it stretches positions), at most a float32-safe bound
+MAX_ROPE_FACTOR = 1e6  # YaRN's factor: at least 1 (it stretches positions); factor x theta stays a finite float32
 MAX_IGNORE_PATTERNS = 4096  # ModelOpt's exclude lists name a few modules or layer patterns
 IgnorePatterns = Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_IGNORE_PATTERNS)]
 
