@@ -223,9 +223,9 @@ def _load(path: Path, description: bytes, device: jax.Device, inputs: tuple, out
         return None
     try:
         executable = device.client.deserialize_executable(payload, [device])
+        return None if _signature_problem(executable, inputs, output) else executable
     except Exception:  # an executable of another build that the digest could not tell apart
         return None
-    return None if _signature_problem(executable, inputs, output) else executable
 
 
 def _read_entry(path: Path, description: bytes) -> bytes | None:
