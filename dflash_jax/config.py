@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .errors import ConfigError
+from .safetensors import refuse_duplicate_keys
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -31,6 +32,12 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 LayerCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)]  # -1 = the target's embedding output (DeepSpec)
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+# RoPE runs in float32: a base in (1, 1e30] keeps 1 / theta**(2i/d) finite and log(theta) > 0 (YaRN divides
+# by it); 1e-300 made every frequency Inf and every draft NaN. Released drafters use 5e5 to 1e7.
+RopeTheta = Annotated[float, msgspec.Meta(gt=1, le=1e30)]
+MAX_ROPE_FACTOR = 1e6  # YaRN's factor: at least 1 (it stretches positions); factor x theta stays a finite float32
+MAX_IGNORE_PATTERNS = 4096  # ModelOpt's exclude lists name a few modules or layer patterns
+IgnorePatterns = Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_IGNORE_PATTERNS)]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFlash-family drafters use
 
@@ -43,10 +50,10 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     rope_type: str | None = None
     type: str | None = None  # pre-4.45 transformers name of rope_type
-    rope_theta: PositiveFloat | None = None
+    rope_theta: RopeTheta | None = None
     factor: PositiveFloat | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
+    beta_fast: PositiveFloat | None = None  # YaRN takes log(original / (beta * 2 pi)): <= 0 has none
+    beta_slow: PositiveFloat | None = None
     original_max_position_embeddings: Positive | None = None
     attention_factor: float | None = None
     mscale: float | None = None
@@ -86,7 +93,7 @@ class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Fals
     quant_method: str | None = None
     quant_algo: str | None = None
     group_size: Positive | None = None  # hoisted from config_groups.*.weights.group_size
-    ignore: tuple[str, ...] = ()  # also filled from `exclude_modules`
+    ignore: IgnorePatterns = ()  # also filled from `exclude_modules`
 
 
 class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -103,7 +110,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     tie_word_embeddings: bool = False
     block_size: Dim = 16
     dflash_config: DflashSubConfig | None = None
-    rope_theta: PositiveFloat = 1e7  # resolved: rope_parameters.rope_theta wins over the default
+    rope_theta: RopeTheta = 1e7  # resolved: rope_parameters.rope_theta wins over the default
     rope_scaling: RopeScaling | None = None  # also read from `rope_parameters`
     markov_rank: NonNegative = 0
     markov_head_type: str | None = None
@@ -111,7 +118,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     confidence_head_with_markov: bool = True
     rms_norm_eps: PositiveFloat = 1e-6
     attention_bias: bool = False
-    num_target_layers: Positive | None = None
+    num_target_layers: Dim | None = None  # bounded as stated ids are, so derived ids are too
     layer_types: tuple[str, ...] | None = None
     sliding_window: Positive | None = None
     use_sliding_window: bool = False
@@ -189,9 +196,10 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
     """
     try:
         if isinstance(raw, (str, bytes, bytearray)):
-            try:
-                raw = json.loads(raw)
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digits limit
+            try:  # UTF-8 only (json.loads would detect UTF-16 and UTF-32 in bytes); duplicate keys refused
+                text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+                raw = json.loads(text, object_pairs_hook=refuse_duplicate_keys)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digits limit, duplicates
                 raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
@@ -320,7 +328,10 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
 
     mask = first("mask_token_id")
     layer_ids = first("target_layer_ids")
-    if layer_ids is None and config.num_target_layers is not None:
+    if layer_ids == ():
+        raise ConfigError(f"{source}: target_layer_ids is empty; expected the ids of the target layers the drafter reads")
+    derived = layer_ids is None and config.num_target_layers is not None
+    if derived:
         layer_ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
     if config.markov_rank == 0 and spark is not None and spark.markov_rank:
         config = msgspec.structs.replace(config, markov_rank=spark.markov_rank)
@@ -347,6 +358,11 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         fail(
             "no `target_layer_ids` (in dflash_config, top level or dspark_config) and no "
             "`num_target_layers` to derive the default from"
+        )
+    if derived and min(layer_ids) < 0:
+        fail(
+            f"num_target_layers={config.num_target_layers} is too few for the default target_layer_ids of "
+            f"{config.num_hidden_layers} draft layers ({list(layer_ids)}); expected `target_layer_ids` stated"
         )
     if config.num_target_layers is not None:
         bad = [i for i in layer_ids if i >= config.num_target_layers]
@@ -380,8 +396,9 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
     declared = declared_rope_type(config.rope_scaling)
     if declared not in ("default", "yarn"):
         warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
-    if config.rope_type == "yarn" and (config.rope_scaling.factor or 0) <= 0:
-        fail("rope_scaling: rope_type 'yarn' needs a positive `factor`")
+    factor = config.rope_scaling.factor if config.rope_scaling else None
+    if config.rope_type == "yarn" and not 1 <= (factor or 0) <= MAX_ROPE_FACTOR:
+        fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
     return config
 
 

@@ -269,9 +269,14 @@ def load_drafter(
     stays integer (int32). With `mesh`, each leaf is replicated over it (`NamedSharding(mesh, P())`);
     without, it lands on the default device. Under a multi-process runtime each process reads and places
     only its own devices' copies. `progress`: a progress bar (None: only on a terminal).
+
+    Raises `ValueError` naming the argument for a `dtype` that is not bfloat16, float16 or float32 (float64
+    with x64 enabled) or a `mesh` that is not a non-empty `Mesh`, and `CheckpointError` / `ConfigError` for
+    bad files, including a checkpoint larger than a device's free memory; then nothing has been placed.
     """
     from .placement import place_all
 
+    dtype = check_load_arguments(dtype, mesh)
     path = os.fspath(path)
     config = load_config(path)
     with Checkpoint(path) as checkpoint:
@@ -281,7 +286,7 @@ def load_drafter(
             from .nvfp4.checkpoint import check_quant_config
 
             check_quant_config(path, config, packed)
-        check_values(config, plan, checkpoint, packed)  # NaN/Inf in small tensors, d2t range: before placing
+        check_values(config, plan, checkpoint, packed, dtype)  # NaN/Inf, NVFP4 scales, d2t: before placing
         extra = unexpected_tensors(plan, checkpoint)
         if extra:
             warnings.warn(f"{path}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=2)
@@ -289,6 +294,25 @@ def load_drafter(
     params = build_tree(plan, leaves)
     log.info("%s", summary(config, params, packed, checkpoint_path=path))
     return Drafter(params=params, config=config)
+
+
+def check_load_arguments(dtype: Any, mesh: Any) -> jnp.dtype:
+    """The load dtype as a `jnp.dtype`, after refusing what would load silently wrong: an integer dtype
+    (all-zero weights), float8 (weights rounded to 3 mantissa bits), float64 without x64 (JAX gives float32),
+    and a mesh that is not a `jax.sharding.Mesh` or has no devices. Raises `ValueError` naming the argument."""
+    allowed = [jnp.bfloat16, jnp.float16, jnp.float32] + ([jnp.float64] if jax.config.jax_enable_x64 else [])
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"load_drafter: dtype={dtype!r} is not a dtype; expected one of {names}") from None
+    if resolved not in [jnp.dtype(d) for d in allowed]:
+        raise ValueError(f"load_drafter: dtype={resolved.name} cannot hold the weights; expected one of {names}")
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"load_drafter: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh or None")
+    if mesh is not None and mesh.devices.size == 0:
+        raise ValueError("load_drafter: mesh has no devices; expected a jax.sharding.Mesh of at least one device")
+    return resolved
 
 
 def build_tree(plan: list[TensorPlan], leaves: list[jax.Array]) -> dict[str, Any]:

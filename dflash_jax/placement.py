@@ -14,6 +14,7 @@ the page cache, it is only unmapped from us).
 from __future__ import annotations
 
 import collections
+import math
 import sys
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._executables import compiled
+from .errors import CheckpointError
 from .loader import TensorPlan, nvfp4_companions
 from .safetensors import Checkpoint
 
@@ -45,10 +47,14 @@ def place_all(
     progress: bool | None,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
 ) -> list[jax.Array]:
-    """Place every planned tensor (in plan order) replicated on the sharding of `mesh`."""
+    """Place every planned tensor (in plan order) replicated on the sharding of `mesh`.
+
+    Raises `CheckpointError` before the first copy when the leaves cannot fit in a device's free memory.
+    """
     sharding = target_sharding(mesh)
     devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
     sources = [_sources(t, packed) for t in plan]
+    check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype))
     converters = _Converters(checkpoint, plan, sources, devices[0], dtype)
     arriving: collections.deque[tuple[TensorPlan, list[str], list[jax.Array]]] = collections.deque()
     placed: collections.deque[tuple[jax.Array, list[str]]] = collections.deque()  # host pages still mapped
@@ -84,6 +90,28 @@ def place_all(
         while placed:
             _retire(checkpoint, *placed.popleft())
     return leaves
+
+
+def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
+               dtype: jnp.dtype) -> None:
+    """Refuse a load whose leaves, plus the inputs of its largest conversion, exceed a device's free memory
+    (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs, are not checked):
+    a clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
+    leaves = sum(math.prod(t.shape) * (4 if t.kind == "int" else dtype.itemsize) for t in plan)  # int32 d2t
+    converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
+                 if len(names) > 1 or (t.kind != "int" and checkpoint[t.name].np_dtype != dtype)]
+    needed = leaves + max(converted, default=0)
+    for device in devices:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" not in stats:
+            continue
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if needed > free:
+            raise CheckpointError(
+                f"{checkpoint.path}: the drafter needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "
+                f"but {device} has {free / 2**20:,.0f} MiB free; expected a device with more free memory (or a "
+                "narrower dtype)"
+            )
 
 
 def _host_array(checkpoint: Checkpoint, name: str, kind: str) -> np.ndarray:

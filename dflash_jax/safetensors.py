@@ -13,12 +13,13 @@ Format: 8-byte little-endian header length N, N bytes of JSON `{name: {dtype, sh
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import mmap
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -72,19 +73,38 @@ class TensorInfo:
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse and validate one file's header; returns its tensors and its `__metadata__`."""
+    with open_regular(path, "a safetensors file") as f:
+        return _read_header(f, path)
+
+
+def open_regular(path: str, what: str):
+    """`path` opened for binary reading, refusing anything that is not a regular file (`what` says what was
+    expected). The open does not block on a FIFO (O_NONBLOCK) and the check is on the opened file (fstat), so
+    nothing can be swapped in between."""
     try:
-        size = _regular_file_size(path)
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: file of {size} bytes is too short to hold a safetensors header")
-            length = int.from_bytes(prefix, "little")
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CheckpointError(
-                    f"{path}: header length {length} is larger than the file ({size} bytes) or the "
-                    f"{MAX_HEADER_BYTES}-byte limit; the file is truncated or not safetensors"
-                )
-            raw = f.read(length)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file; expected {what}")
+    return os.fdopen(fd, "rb")
+
+
+def _read_header(f, path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The header of the open file `f` (at offset 0), validated against the file's size."""
+    try:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: file of {size} bytes is too short to hold a safetensors header")
+        length = int.from_bytes(prefix, "little")
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointError(
+                f"{path}: header length {length} is larger than the file ({size} bytes) or the "
+                f"{MAX_HEADER_BYTES}-byte limit; the file is truncated or not safetensors"
+            )
+        raw = f.read(length)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
     header = _decode_json(path, raw, "header")
@@ -97,31 +117,23 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, metadata
 
 
-def _regular_file_size(path: str) -> int:
-    """The size of `path`, refusing anything that is not a regular file (a FIFO would block the read)."""
-    status = os.stat(path)
-    if not stat.S_ISREG(status.st_mode):
-        raise CheckpointError(f"{path}: not a regular file; expected a safetensors file")
-    return status.st_size
-
-
 def read_json(path: str, what: str, limit: int = MAX_INDEX_BYTES) -> object:
     """A small JSON file of a checkpoint (the index, hf_quant_config.json): a regular file of at most `limit`
     bytes, UTF-8, duplicate keys refused; every failure a `CheckpointError` naming the file."""
-    try:
-        if _regular_file_size(path) > limit:
-            raise CheckpointError(f"{path}: larger than {limit} bytes; expected {what}, a small JSON file")
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    with open_regular(path, what) as f:
+        try:
+            raw = f.read(limit + 1)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise CheckpointError(f"{path}: larger than {limit} bytes; expected {what}, a small JSON file")
     return _decode_json(path, raw, what)
 
 
 def _decode_json(path: str, raw: bytes, what: str) -> object:
     """UTF-8 JSON with duplicate keys refused; every failure (nesting too deep included) a CheckpointError."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=refuse_duplicate_keys)
     except RecursionError:
         raise CheckpointError(f"{path}: {what} is not usable JSON (nested too deeply)") from None
     except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, the int digits limit, duplicates
@@ -140,7 +152,8 @@ def _metadata(path: str, metadata: object) -> dict[str, str]:
     return {key: str(value) for key, value in metadata.items()}
 
 
-def _refuse_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """`object_pairs_hook` for `json.loads`: a key given twice is an error, not silently the last value."""
     out: dict = {}
     for key, value in pairs:
         if key in out:
@@ -193,32 +206,46 @@ def _check_no_overlap(path: str, tensors) -> None:
 class Checkpoint(Mapping[str, TensorInfo]):
     """The tensors of a checkpoint directory (or a single .safetensors file), by name.
 
-    Opening reads and validates headers only. `array(name)` returns a read-only NumPy view of the memory
-    mapped bytes (zero-copy; pages are read when touched). Use as a context manager to close the maps.
+    Opening reads and validates headers only, and keeps each file open: its tensor bytes are mapped from
+    that same open file, so a file replaced on disk (an atomic rename) while it loads cannot pair one
+    file's offsets with another's bytes. `array(name)` returns a read-only NumPy view of the mapped bytes
+    (zero-copy; pages are read when touched). Use as a context manager to close the files and maps.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
+        self._files: dict[str, io.BufferedReader] = {}
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+        try:
+            self._tensors, self.metadata = self._read_headers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_headers(self) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if os.path.isfile(self.path):
-            self.directory, files = os.path.dirname(self.path), [self.path]
-            self._tensors, self.metadata = read_header(self.path)
-            return
+            self.directory = os.path.dirname(self.path)
+            return self._header(self.path)
         if not os.path.isdir(self.path):
             raise CheckpointError(f"{self.path}: no such file or directory")
         self.directory = self.path
         index = os.path.join(self.path, INDEX_FILE)
         if os.path.isfile(index):
-            self._tensors, self.metadata = _read_sharded(self.path, index)
-            return
-        files = _plain_files(self.path)
-        self._tensors, self.metadata = {}, {}
-        for file in files:
-            tensors, metadata = read_header(file)
-            for name in tensors.keys() & self._tensors.keys():
-                raise CheckpointError(f"{self.path}: tensor {name!r} is in both {self._tensors[name].file} and {file}")
-            self._tensors.update(tensors)
-            self.metadata.update(metadata)
+            return _read_sharded(self.path, index, self._header)
+        tensors: dict[str, TensorInfo] = {}
+        metadata: dict[str, str] = {}
+        for file in _plain_files(self.path):
+            found, file_metadata = self._header(file)
+            for name in found.keys() & tensors.keys():
+                raise CheckpointError(f"{self.path}: tensor {name!r} is in both {tensors[name].file} and {file}")
+            tensors.update(found)
+            metadata.update(file_metadata)
+        return tensors, metadata
+
+    def _header(self, file: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+        """Open `file` (kept open for its tensors) and read its header."""
+        self._files[file] = open_regular(file, "a safetensors file")
+        return _read_header(self._files[file], file)
 
     def __getitem__(self, name: str) -> TensorInfo:
         return self._tensors[name]
@@ -234,21 +261,29 @@ class Checkpoint(Mapping[str, TensorInfo]):
         return sorted({t.file for t in self._tensors.values()})
 
     def array(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a read-only NumPy array (a view of the memory map, not a copy)."""
+        """The tensor's bytes as a read-only NumPy array (a view of the memory map, not a copy).
+
+        The file's size is checked (fstat) on every call: a file truncated since its header was read, or
+        since the previous tensor, is a `CheckpointError` here instead of a SIGBUS when the pages are touched.
+        A truncation while the returned view is being copied can still end the process (docs/errors.md).
+        """
         info = self._tensors[name]
         data = self._map(info.file)
-        if len(data) < info.end:  # truncated after its header was read: touching the pages would SIGBUS
+        try:
+            size = os.fstat(self._files[info.file].fileno()).st_size
+        except OSError as e:
+            raise CheckpointError(f"{info.file}: cannot read ({e.strerror or e})") from None
+        if min(size, len(data)) < info.end:
             raise CheckpointError(
-                f"{info.file}: tensor {name!r} ends at byte {info.end} but the file now holds {len(data)} "
+                f"{info.file}: tensor {name!r} ends at byte {info.end} but the file now holds {size} "
                 "bytes; it was truncated after its header was read"
             )
         return data[info.start : info.end].view(info.np_dtype).reshape(info.shape)
 
     def _map(self, file: str) -> np.ndarray:
         if file not in self._maps:
-            try:
-                with open(file, "rb") as f:  # headers were validated: the file holds at least 8 bytes
-                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:  # the file opened for its header: the same bytes, whatever happened to the path since
+                mapped = mmap.mmap(self._files[file].fileno(), 0, access=mmap.ACCESS_READ)
             except (OSError, ValueError) as e:  # ValueError: emptied since its header was read
                 raise CheckpointError(f"{file}: cannot map the file ({e})") from None
             self._maps[file] = (mapped, np.frombuffer(mapped, np.uint8))
@@ -267,8 +302,11 @@ class Checkpoint(Mapping[str, TensorInfo]):
             self._maps[info.file][0].madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
     def close(self) -> None:
-        """Drop the maps. Arrays already handed out keep their pages alive until they are released."""
+        """Close the files and drop the maps. Arrays already handed out keep their pages alive until released."""
         self._maps.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -292,8 +330,10 @@ def _plain_files(directory: str) -> list[str]:
     return files
 
 
-def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Read an index.json and the headers of its shards; check that both tell the same story."""
+def _read_sharded(
+    directory: str, index_path: str, read: Callable[[str], tuple[dict[str, TensorInfo], dict[str, str]]]
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Read an index.json and, with `read`, the headers of its shards; check that both tell the same story."""
     index = read_json(index_path, "the index")  # duplicate keys refused: one tensor, two shards
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -313,7 +353,7 @@ def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo
             raise CheckpointError(
                 f"{index_path}: shard {shard!r} (holding {names[0]!r}) does not exist or is not a regular file"
             )
-        found, shard_metadata = read_header(file)
+        found, shard_metadata = read(file)
         metadata.update(shard_metadata)
         for name in names:
             if name not in found:
@@ -323,7 +363,22 @@ def _read_sharded(directory: str, index_path: str) -> tuple[dict[str, TensorInfo
             owner = weight_map.get(name)
             where = f"the index maps it to {owner!r}" if owner else "the index does not list it"
             raise CheckpointError(f"{file}: holds tensor {name!r} but {where}")
+    _refuse_strays(directory, index_path, set(shards), tensors)
     return tensors, metadata
+
+
+def _refuse_strays(directory: str, index_path: str, shards: set[str], tensors: dict[str, TensorInfo]) -> None:
+    """A .safetensors file beside the index that it does not name, holding a tensor the index maps elsewhere,
+    makes the checkpoint ambiguous (a stale conversion, a half-finished copy): refused, not silently shadowed."""
+    for stray in sorted(set(os.listdir(directory)) - shards):
+        file = os.path.join(directory, stray)
+        if not stray.endswith(".safetensors") or not os.path.isfile(file):
+            continue
+        for name in sorted(read_header(file)[0].keys() & tensors.keys()):
+            raise CheckpointError(
+                f"{file}: holds tensor {name!r}, which {INDEX_FILE} maps to {os.path.basename(tensors[name].file)!r}; "
+                "the checkpoint is ambiguous: expected each tensor in one file (remove the stale file or the index)"
+            )
 
 
 def write_tensors(directory: str | os.PathLike[str], tensors: Mapping[str, np.ndarray], num_shards: int = 1) -> None:

@@ -9,10 +9,14 @@ weights or a `d2t` that maps draft ids outside the target vocabulary. The policy
   it is an error naming the tensor. The big matrices (fc, projections, codebooks, Markov factors,
   embeddings) are not scanned by default: that would mean reading the whole checkpoint once more.
   `scan_checkpoint(path)` does the full read when you suspect a file.
-- NVFP4 block scales and global scales are checked by `nvfp4.checkpoint.check_packed`.
-- `d2t` is read whole (one integer per draft token) and every `draft_id + d2t[draft_id]` must be a
-  target id: `0 <= target < vocab_size`. A config that declares a draft vocabulary smaller than the
-  target's needs a `d2t`: without one, draft ids would silently be taken for target ids.
+- NVFP4 block scales and global scales are checked by `nvfp4.checkpoint.check_packed_scales`: not NaN,
+  block scales >= 0, global scales finite and > 0, and their product within the load dtype.
+- `d2t` is read in chunks of `D2T_CHUNK` (one integer per draft token) and every `draft_id + d2t[draft_id]`
+  must be a target id: `0 <= target < vocab_size`. A config that declares a draft vocabulary smaller than
+  the target's needs a `d2t`: without one, draft ids would silently be taken for target ids.
+
+These run only after every planned tensor's header has been checked (`loader.check_tensor`), so a missing
+or misshapen tensor is reported before a byte of tensor data is read.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ if TYPE_CHECKING:
     from .loader import TensorPlan
 
 SCAN_ELEMENTS = 1 << 16  # tensors up to this many elements are scanned for NaN/Inf on every load
+D2T_CHUNK = 1 << 20  # d2t entries compared at a time: bounded memory whatever the vocabulary
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 
 
-def check_values(config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: set[str]) -> None:
-    """The loader's value checks: NaN/Inf in small floating tensors, the range of `d2t`, and a `d2t`
-    wherever the config declares a reduced draft vocabulary."""
+def check_values(
+    config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: set[str], dtype=None
+) -> None:
+    """The loader's value checks: NaN/Inf in small floating tensors, NVFP4 scales (within `dtype`, the load
+    dtype, when given), the range of `d2t`, and a `d2t` wherever the config declares a reduced draft vocabulary."""
     plan = list(plan)
     reduced = config.draft_vocab_size is not None and config.draft_vocab_size < config.vocab_size
     if reduced and not any(t.kind == "int" for t in plan):
@@ -48,6 +55,9 @@ def check_values(config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: C
         )
     for t in plan:
         if t.name in packed:
+            from .nvfp4.checkpoint import check_packed_scales  # here: the BF16 path needs no NVFP4 code
+
+            check_packed_scales(checkpoint, t.name, dtype)
             continue
         info = checkpoint[t.name]
         if t.kind == "int":
@@ -69,19 +79,24 @@ def check_finite(checkpoint: Checkpoint, info: TensorInfo) -> None:
 
 
 def check_d2t(checkpoint: Checkpoint, info: TensorInfo, vocab_size: int) -> None:
-    """Every `draft_id + d2t[draft_id]` must be a target id in `[0, vocab_size)`."""
-    offsets = checkpoint.array(info.name)
-    draft = np.arange(offsets.size, dtype=np.int64)
-    # Bound the offsets before any arithmetic, so that neither a U64 cast nor the sum can wrap around.
-    in_range = (offsets >= -draft) & (offsets < vocab_size - draft) if offsets.dtype.kind == "i" else (
-        offsets < vocab_size - draft.astype(np.uint64)
-    )
-    if not in_range.all():
-        i = int(np.argmin(in_range))
+    """Every `draft_id + d2t[draft_id]` must be a target id in `[0, vocab_size)`; `D2T_CHUNK` ids at a time."""
+    offsets = checkpoint.array(info.name).reshape(-1)
+    bad, first = 0, None
+    for start in range(0, offsets.size, D2T_CHUNK):
+        chunk = offsets[start : start + D2T_CHUNK]
+        draft = np.arange(start, start + chunk.size, dtype=np.int64)
+        # Bound the offsets before any arithmetic, so that neither a U64 cast nor the sum can wrap around.
+        in_range = (chunk >= -draft) & (chunk < vocab_size - draft) if chunk.dtype.kind == "i" else (
+            chunk < vocab_size - draft.astype(np.uint64)
+        )
+        if not in_range.all():
+            bad += int((~in_range).sum())
+            first = start + int(np.argmin(in_range)) if first is None else first
+    if first is not None:
         raise CheckpointError(
-            f"{info.file}: tensor {info.name!r} maps draft id {i} to target id {i + int(offsets[i])} "
-            f"(d2t[{i}] = {int(offsets[i])}), outside the target vocabulary [0, {vocab_size}); "
-            f"{int((~in_range).sum())} of {offsets.size} ids out of range; expected draft + d2t[draft] < vocab_size"
+            f"{info.file}: tensor {info.name!r} maps draft id {first} to target id {first + int(offsets[first])} "
+            f"(d2t[{first}] = {int(offsets[first])}), outside the target vocabulary [0, {vocab_size}); "
+            f"{bad} of {offsets.size} ids out of range; expected draft + d2t[draft] < vocab_size"
         )
 
 

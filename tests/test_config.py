@@ -173,3 +173,40 @@ def test_frozen():
     with pytest.raises(AttributeError):
         config.hidden_size = 1
     assert msgspec.structs.replace(config, hidden_size=8).hidden_size == 8
+
+
+# --- issue 13 §5 ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "utf-32-be"])
+def test_only_utf8_is_decoded(encoding):
+    text = json.dumps(base())
+    assert parse_config(text.encode("utf-8")) == parse_config(text)
+    with pytest.raises(ConfigError, match="c.json: not valid JSON"):  # without a BOM: NULs, not JSON
+        parse_config(text.encode(encoding), source="c.json")
+
+
+@pytest.mark.parametrize("key", ["mask_token_id", "num_hidden_layers", "target_layer_ids"])
+def test_a_duplicate_key_is_refused_not_last_wins(key):
+    raw = base()
+    raw.setdefault(key, raw["dflash_config"].get(key))
+    text = json.dumps(raw)
+    doubled = text[:-1] + f', "{key}": {json.dumps(raw[key])}}}'
+    with pytest.raises(ConfigError, match=f"duplicate key '{key}'"):
+        parse_config(doubled)
+    with pytest.raises(ConfigError, match="duplicate key"):
+        parse_config(doubled.encode())
+
+
+@pytest.mark.parametrize("theta", [1e-300, 0.5, 1.0, 1e31])
+def test_rope_theta_outside_the_finite_range_is_refused(theta):
+    with pytest.raises(ConfigError, match=r"\$.rope_theta"):
+        parse_config(base(rope_theta=theta))
+
+
+def test_derived_target_layer_ids_stay_within_the_target():
+    raw = base(dflash_config={"mask_token_id": 1})
+    for n in (4, 36, 2**31 - 1):
+        ids = parse_config({**raw, "num_target_layers": n}).target_layer_ids
+        assert all(0 <= i < n for i in ids), (n, ids)
+    with pytest.raises(ConfigError, match="num_target_layers"):
+        parse_config({**raw, "num_target_layers": 2**31})

@@ -1,7 +1,10 @@
-"""The per-process and on-disk cache of compiled conversions: reuse across processes, privacy, damage, opt-out."""
+"""The per-process and on-disk cache of compiled conversions: reuse across processes, privacy, damage, opt-out,
+and (issue 13) trust: no pickle, this user's private files only, digest and signature checked, size capped."""
 
 import os
+import pickle
 import stat
+from concurrent.futures import Future
 
 import jax
 import jax.numpy as jnp
@@ -122,7 +125,7 @@ def test_an_unwritable_directory_warns_once_and_loads_anyway(cache, monkeypatch,
     blocker.write_text("not a directory")
     monkeypatch.setenv(_executables.CACHE_ENV, str(blocker / "cache"))
     monkeypatch.setattr(_executables, "_WARNED", set())
-    with pytest.warns(RuntimeWarning, match="cannot write compiled conversions"):
+    with pytest.warns(RuntimeWarning, match="not using .*Not a directory"):
         run()
     run(dtype=jnp.float16)  # the same directory again: no second warning
     assert calls == ["nvfp4", "nvfp4"] and len(_executables._WARNED) == 1
@@ -144,3 +147,181 @@ def test_an_nvfp4_load_in_a_later_process_compiles_nothing(cache, monkeypatch, t
     second = load_drafter(tmp_path / "ckpt", dtype=jnp.float32)
     assert len(calls) == compiled_before
     jax.tree.map(np.testing.assert_array_equal, first.params, second.params)
+
+
+# --- issue 13: the cache trusts only what this user wrote, intact, for this signature ---------------
+
+def entry_of(directory):
+    (path,) = [p for p in directory.iterdir() if p.name.endswith(".jaxexec")]
+    return path
+
+
+class _Planted:
+    """Unpickling this creates the file `marker`: what a planted pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_planted_pickle_is_never_run(cache, monkeypatch, tmp_path):
+    directory, calls = cache
+    run()
+    path = entry_of(directory)
+    marker = tmp_path / "the planted code ran"
+    path.write_bytes(pickle.dumps(_Planted(marker)))
+    path.chmod(0o600)  # this user's, private: the old cache unpickled it
+    forget_process_cache(monkeypatch)
+    run()
+    assert not marker.exists() and calls == ["nvfp4", "nvfp4"]
+    assert path.read_bytes().startswith(_executables.MAGIC)  # replaced by a good entry
+
+
+@pytest.mark.parametrize("where", ["magic", "digest", "payload", "last byte"])
+def test_a_flipped_byte_is_recompiled_never_deserialised(cache, monkeypatch, where):
+    directory, calls = cache
+    run()
+    path = entry_of(directory)
+    blob = bytearray(path.read_bytes())
+    head = len(_executables.MAGIC)
+    blob[{"magic": 0, "digest": head + 5, "payload": (head + 32 + len(blob)) // 2, "last byte": -1}[where]] ^= 0x10
+    path.write_bytes(bytes(blob))
+    forget_process_cache(monkeypatch)
+    deserialised = []
+    monkeypatch.setattr(_executables, "_signature_problem", lambda *a: deserialised.append(a) or None)
+    expected = dequantize(*nvfp4_arguments(), backend="xla")
+    np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))
+    assert calls == ["nvfp4", "nvfp4"] and len(deserialised) == 1  # only the fresh compile was checked
+
+
+def test_an_entry_renamed_to_another_signature_is_recompiled(cache, monkeypatch):
+    """A float16 entry moved to the bfloat16 entry's name: the bfloat16 load stays bfloat16."""
+    directory, calls = cache
+    run(dtype=jnp.bfloat16)
+    (bf16,) = directory.iterdir()
+    run(dtype=jnp.float16)
+    (f16,) = set(directory.iterdir()) - {bf16}
+    f16.replace(bf16)
+    forget_process_cache(monkeypatch)
+    assert run(dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    assert calls == ["nvfp4"] * 3
+
+
+def test_an_intact_entry_of_another_program_is_refused_by_its_signature(cache, monkeypatch):
+    """Belt and braces behind the digest: the loaded program's parameters and result are checked."""
+    directory, calls = cache
+    run(dtype=jnp.float16)
+    (f16,) = directory.iterdir()
+    key = ("nvfp4", INPUTS, jnp.dtype(jnp.bfloat16), DEVICE)
+    description = _executables._describe(key)
+    payload = f16.read_bytes()[len(_executables.MAGIC) + 32:]
+    target = directory / "bf16.jaxexec"
+    _executables._write_entry(target, description, payload)  # digest right, program wrong
+    output = _executables._output("nvfp4", INPUTS, jnp.bfloat16)
+    assert _executables._load(target, description, DEVICE, INPUTS, output) is None
+    good = _executables._load(f16, _executables._describe((*key[:2], jnp.dtype(jnp.float16), DEVICE)), DEVICE,
+                              INPUTS, _executables._output("nvfp4", INPUTS, jnp.float16))
+    assert good is not None
+
+
+def test_entries_above_the_size_cap_are_neither_read_nor_written(cache, monkeypatch):
+    directory, calls = cache
+    run()
+    size = entry_of(directory).stat().st_size
+    monkeypatch.setattr(_executables, "MAX_ENTRY_BYTES", size - 1)
+    forget_process_cache(monkeypatch)
+    entry_of(directory).unlink()
+    run()
+    assert calls == ["nvfp4", "nvfp4"] and not list(directory.iterdir())
+
+
+def test_an_entry_of_another_user_is_ignored(cache, monkeypatch):
+    directory, calls = cache
+    run()
+    os.chown(entry_of(directory), 12345, 12345)
+    forget_process_cache(monkeypatch)
+    run()
+    assert calls == ["nvfp4", "nvfp4"] and entry_of(directory).stat().st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("unsafe", ["owned by another user", "writable by others", "writable by its group",
+                                    "in a parent anyone can write", "a file"])
+def test_a_directory_others_could_write_is_not_used(cache, monkeypatch, tmp_path, unsafe):
+    directory, calls = cache
+    if unsafe == "in a parent anyone can write":
+        parent = tmp_path / "open"
+        parent.mkdir()
+        directory = parent / "cache"
+        monkeypatch.setenv(_executables.CACHE_ENV, str(directory))
+    run()
+    planted = list(directory.iterdir())
+    if unsafe == "owned by another user":
+        os.chown(directory, 12345, 12345)
+    elif unsafe == "a file":
+        for p in planted:
+            p.unlink()
+        directory.rmdir()
+        directory.write_bytes(b"")
+    elif unsafe == "in a parent anyone can write":
+        directory.parent.chmod(0o777)  # not sticky: anyone could rename our directory away and put theirs
+    else:
+        directory.chmod(0o777 if unsafe == "writable by others" else 0o770)
+    forget_process_cache(monkeypatch)
+    monkeypatch.setattr(_executables, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="not using"):
+        run()
+    assert calls == ["nvfp4", "nvfp4"]  # the entry there was not used
+
+
+def test_a_sticky_world_writable_parent_is_fine(cache, monkeypatch, tmp_path):
+    """Like /tmp: others can write there but cannot rename or remove what is ours."""
+    parent = tmp_path / "sticky"
+    parent.mkdir()
+    parent.chmod(0o1777)
+    monkeypatch.setenv(_executables.CACHE_ENV, str(parent / "cache"))
+    _, calls = cache
+    run()
+    forget_process_cache(monkeypatch)
+    run()
+    assert calls == ["nvfp4"]
+
+
+def test_a_directory_at_an_entry_path_warns_and_loads(cache, monkeypatch):
+    directory, calls = cache
+    run()
+    path = entry_of(directory)
+    path.unlink()
+    path.mkdir()
+    (path / "inside").write_bytes(b"")
+    for _ in range(2):  # every later load still works
+        forget_process_cache(monkeypatch)
+        monkeypatch.setattr(_executables, "_WARNED", set())
+        with pytest.warns(RuntimeWarning, match="cannot write compiled conversions"):
+            expected = dequantize(*nvfp4_arguments(), backend="xla")
+            np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))
+    assert calls == ["nvfp4"] * 3 and path.is_dir()
+
+
+class _Synchronous:
+    """An executor that runs the task before `submit` returns: the future is done before any callback."""
+
+    def submit(self, fn, *args):
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+def test_a_compile_that_fails_at_once_raises_its_error_and_is_retried(cache, monkeypatch):
+    _, calls = cache
+    monkeypatch.setattr(_executables, "_POOL", _Synchronous())
+    monkeypatch.setattr(_executables, "_compile", lambda *a: calls.append("failed") or 1 / 0)
+    future = _executables.compiled("nvfp4", INPUTS, jnp.bfloat16, DEVICE)  # no KeyError
+    with pytest.raises(ZeroDivisionError):
+        future.result()
+    _executables.compiled("nvfp4", INPUTS, jnp.bfloat16, DEVICE)
+    assert calls == ["failed", "failed"]  # forgotten, so tried again

@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the header reader, the config decoder and the loader (issue 7).
+"""Property-based fuzzing of the header reader, the config decoder, the loader (issue 7) and the rules of issue
+13 (duplicate keys, UTF-8 only, RoPE ranges with finite frequencies, NVFP4 scales).
 
 Properties: random bytes and random mutations of valid files, configs and checkpoints raise only the
 documented errors (`CheckpointError`, `ConfigError`), never anything else, never a hang; whatever is
@@ -29,6 +30,9 @@ from hypothesis import strategies as st
 
 from dflash_jax import CheckpointError, ConfigError, load_drafter, parse_config
 from dflash_jax.config import DflashConfig, DflashSubConfig, DsparkSubConfig, RopeScaling
+from dflash_jax.model import rope_frequencies
+from dflash_jax.nvfp4 import check_scales
+from dflash_jax.nvfp4._reference import dequantize_xla
 from dflash_jax.safetensors import DTYPES, Checkpoint
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 
@@ -260,6 +264,9 @@ def check_decoded(config: DflashConfig) -> None:
         assert max(config.target_layer_ids) < config.num_target_layers
     if config.draft_vocab_size is not None:
         assert config.draft_vocab_size <= config.vocab_size
+    assert all(-1 <= i < 2**31 for i in config.target_layer_ids)
+    inv_freq, scaling = rope_frequencies(config)  # issue 13: finite RoPE for every accepted config
+    assert np.isfinite(inv_freq).all() and math.isfinite(scaling), (config.rope_theta, config.rope_scaling)
 
 
 def decode(raw) -> DflashConfig | None:
@@ -302,6 +309,40 @@ def config_edits(draw):
 def test_config_mutations(raw):
     decode(raw)  # a dict ...
     decode(dumps(raw))  # ... and the same as JSON text must give the same kind of answer
+
+
+@fuzz(100)
+@given(raw=config_edits(), data=st.data())
+def test_config_with_a_key_given_twice_is_refused(raw, data):
+    """Issue 13: the last of two values must never silently win; the decoder refuses a duplicate anywhere."""
+    text = dumps(raw).decode()
+    key = data.draw(st.sampled_from(sorted(raw)))
+    doubled = "{" + json.dumps(key) + ": " + json.dumps(raw[key]) + ", " + text[1:]
+    with pytest.raises(ConfigError, match="duplicate key"):
+        parse_config(doubled, source="fuzz/config.json")
+
+
+@fuzz(50)
+@given(raw=config_edits(), encoding=st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"]))
+def test_config_not_in_utf8_is_refused(raw, encoding):
+    with pytest.raises(ConfigError, match="fuzz/config.json"):
+        parse_config(dumps(raw).decode().encode(encoding), source="fuzz/config.json")
+
+
+@fuzz(300)
+@given(base=st.sampled_from(BASES), theta=st.floats(allow_nan=True, allow_infinity=True) | HUGE_INTS,
+       scaling=st.fixed_dictionaries({}, optional={
+           "rope_type": st.sampled_from(["yarn", "default", "linear"]),
+           "factor": st.floats(allow_nan=False) | HUGE_INTS, "beta_fast": st.floats(-64, 1e30),
+           "beta_slow": st.floats(-64, 1e30), "original_max_position_embeddings": st.integers(-1, 2**40),
+           "mscale": st.floats(-10, 10), "mscale_all_dim": st.floats(-10, 10),
+           "attention_factor": st.floats(-1e3, 1e3)}))
+def test_rope_fields_give_finite_frequencies_or_a_config_error(base, theta, scaling):
+    """The new RoPE ranges: whatever rope_theta and YaRN fields say, an accepted config has finite RoPE."""
+    raw = json.loads(json.dumps(base))
+    raw.pop("rope_parameters", None)
+    raw.update(rope_theta=theta, rope_scaling=scaling or None)
+    decode(raw)
 
 
 def test_released_configs_decode():
@@ -396,3 +437,26 @@ def _named_leaves(tree, prefix: str, path: str = ""):
     else:
         name = path[:-1]
         yield (name if name == "d2t" else prefix + name), tree
+
+
+# --- NVFP4 scales (issue 13 §3) --------------------------------------------------------------------------
+
+@fuzz(150)
+@given(scale=st.binary(min_size=8, max_size=8), scale_2=st.floats(allow_nan=True, allow_infinity=True, width=32),
+       codes=st.binary(min_size=64, max_size=64), dtype=st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]))
+def test_nvfp4_scales_are_refused_or_give_finite_weights(scale, scale_2, codes, dtype):
+    """Any block scale bytes and global scale: `check_scales` refuses them, or every dequantized weight is
+    finite in the load dtype and none is negated by a scale (the sign comes from the code alone)."""
+    scale = np.frombuffer(scale, np.uint8).reshape(2, 4)  # [N, K/16], K = 64
+    packed = np.frombuffer(codes, np.uint8).reshape(2, 32)  # [N, K/2]
+    scale_2 = np.float32(scale_2)
+    try:
+        check_scales("w", scale, scale_2, dtype)
+    except CheckpointError as e:
+        assert str(e).startswith("w_scale")
+        return
+    weights = np.asarray(dequantize_xla(packed, scale.view(jnp.float8_e4m3fn), scale_2, dtype), np.float32)
+    assert np.isfinite(weights).all()
+    low, high = packed & 15, packed >> 4
+    negative_code = np.stack([low, high], -1).reshape(2, 64) >= 8  # the E2M1 sign bit
+    assert not (weights[~negative_code] < 0).any() and not (weights[negative_code] > 0).any()

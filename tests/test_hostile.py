@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -19,9 +20,11 @@ import sys
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import chex
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -286,7 +289,7 @@ CASES = [
     Case("NaN rms_norm_eps", config_text(json.dumps({**TINY, "rms_norm_eps": math.nan}).encode()), ConfigError,
          ("config.json", "$.rms_norm_eps")),
     Case("rope_theta 1e999", config_text(json.dumps(TINY).replace('"rope_theta": 10000.0', '"rope_theta": 1e999').encode()),
-         ConfigError, ("config.json", "rope_theta=inf", "finite")),
+         ConfigError, ("config.json", "$.rope_theta", "<= 1e+30")),
     Case("Infinity yarn beta", config(lambda c: c["rope_scaling"].update(beta_fast=math.inf)), ConfigError,
          ("config.json", "rope_scaling.beta_fast=inf", "finite"), base="tiny-dspark"),
     Case("mask token outside the vocabulary", config(lambda c: c["dflash_config"].update(mask_token_id=128)),
@@ -375,7 +378,7 @@ CASES = [
     Case("NVFP4 NaN block scale", poke("layers.0.self_attn.q_proj.weight_scale", (2, 1), np.nan), CheckpointError,
          (ST, "layers.0.self_attn.q_proj.weight_scale", "NaN"), nvfp4=True),
     Case("NVFP4 Inf global scale", put("fc.weight_scale_2", lambda s: np.full_like(s, np.inf)), CheckpointError,
-         (ST, "fc.weight_scale_2", "not finite"), nvfp4=True),
+         (ST, "fc.weight_scale_2", "not a finite number > 0"), nvfp4=True),
     Case("NVFP4 hf_quant_config.json not JSON", replace(b"{quant", "hf_quant_config.json"), CheckpointError,
          ("hf_quant_config.json", "not valid UTF-8 JSON"), nvfp4=True),
     Case("NVFP4 hf_quant_config.json nested 100k deep", replace(deep(), "hf_quant_config.json"), CheckpointError,
@@ -386,6 +389,50 @@ CASES = [
     Case("NVFP4 declared group size 32", lambda d: forge.edit_json(
         d / "hf_quant_config.json", lambda q: q["quantization"].update(group_size=32)), CheckpointError,
          ("hf_quant_config.json", "group_size 32", "16"), nvfp4=True),
+    # --- issue 13: finite but corrupt NVFP4 scales, pattern lists, ambiguous files ------------------------
+    Case("NVFP4 negative global scale", put("fc.weight_scale_2", lambda s: -s), CheckpointError,
+         (ST, "fc.weight_scale_2", "not a finite number > 0"), nvfp4=True),
+    Case("NVFP4 zero global scale", put("fc.weight_scale_2", lambda s: s * 0), CheckpointError,
+         (ST, "fc.weight_scale_2", "not a finite number > 0"), nvfp4=True),
+    Case("NVFP4 global scale 3e38", put("layers.1.mlp.up_proj.weight_scale_2", lambda s: np.full_like(s, 3e38)),
+         CheckpointError, (ST, "layers.1.mlp.up_proj.weight_scale_2", "beyond bfloat16's range"), nvfp4=True),
+    Case("NVFP4 block scales with the sign bit set", put(
+        "layers.0.self_attn.q_proj.weight_scale", lambda s: (s.view(np.uint8) | 0x80).view(s.dtype)),
+         CheckpointError, (ST, "layers.0.self_attn.q_proj.weight_scale", "negative", ">= 0"), nvfp4=True),
+    Case("NVFP4 exclude list of 5000 patterns", lambda d: forge.edit_json(
+        d / "hf_quant_config.json", lambda q: q["quantization"].update(exclude_modules=[f"m{i}.*" for i in range(5000)])),
+         CheckpointError, ("hf_quant_config.json", "$.ignore", "<= 4096"), nvfp4=True),
+    Case("quantization_config ignore of 5000 patterns", config(lambda c: c.update(
+        quantization_config={"quant_algo": "NVFP4", "ignore": [f"m{i}" for i in range(5000)]})), ConfigError,
+         ("config.json", "$.quantization_config.ignore", "<= 4096")),
+    Case("config.json duplicate mask_token_id", config_text(
+        json.dumps(TINY)[:-1].encode() + b', "dflash_config": {"mask_token_id": 1, "mask_token_id": 2}}'),
+         ConfigError, ("config.json", "duplicate key")),
+    Case("config.json duplicate num_hidden_layers", config_text(
+        b'{"num_hidden_layers": 2, ' + json.dumps(TINY)[1:].encode()), ConfigError,
+         ("config.json", "duplicate key 'num_hidden_layers'")),
+    Case("config.json in UTF-16", config_text(json.dumps(TINY).encode("utf-16")), ConfigError,
+         ("config.json", "not valid JSON", "utf-8")),
+    Case("config.json in UTF-32", config_text(json.dumps(TINY).encode("utf-32-le")), ConfigError,
+         ("config.json", "not valid JSON")),
+    Case("rope_theta 1e-300", config(lambda c: c.update(rope_theta=1e-300)), ConfigError,
+         ("config.json", "$.rope_theta", "> 1")),
+    Case("rope_theta 1", config(lambda c: c.update(rope_theta=1.0)), ConfigError, ("config.json", "$.rope_theta")),
+    Case("YaRN factor 1e-300", config(lambda c: c["rope_scaling"].update(factor=1e-300)), ConfigError,
+         ("config.json", "rope_scaling.factor=1e-300", "[1, 1e+06]"), base="tiny-dspark"),
+    Case("YaRN beta_fast negative", config(lambda c: c["rope_scaling"].update(beta_fast=-32.0)), ConfigError,
+         ("config.json", "$.rope_scaling.beta_fast", "> 0"), base="tiny-dspark"),
+    Case("num_target_layers 2**40", config(lambda c: (c["dflash_config"].pop("target_layer_ids"),
+                                                      c.update(num_target_layers=2**40))), ConfigError,
+         ("config.json", "$.num_target_layers", "<= 2147483647")),
+    Case("num_target_layers too few to derive ids", config(lambda c: (c["dflash_config"].pop("target_layer_ids"),
+                                                                       c.update(num_target_layers=1))), ConfigError,
+         ("config.json", "num_target_layers=1 is too few", "target_layer_ids")),
+    Case("target_layer_ids empty", config(lambda c: c["dflash_config"].update(target_layer_ids=[])), ConfigError,
+         ("config.json", "target_layer_ids is empty")),
+    Case("stale model.safetensors beside the index", lambda d: forge.write_tensors(
+        d / ST, forge.read_tensors(d / SHARD_1)), CheckpointError, (ST, "index.json maps to", SHARD_1, "ambiguous"),
+         shards=2),
 ]
 
 
@@ -520,3 +567,126 @@ def test_big_matrices_are_not_scanned_unless_asked(tmp_path: Path, monkeypatch):
 def test_scan_checkpoint_passes_a_clean_checkpoint(tmp_path: Path):
     write_checkpoint(tmp_path, "tiny-dspark", num_shards=3)
     scan_checkpoint(tmp_path)
+
+
+# --- issue 13 §4: checks cost no more than the work they guard ------------------------------------------
+
+def test_every_header_is_checked_before_any_tensor_value_is_read(tmp_path: Path, monkeypatch):
+    """A missing tensor late in the plan is reported before a single scale or norm is read (the old order
+    scanned each NVFP4 weight's scales as it went: a sparse 1 GiB scale file cost 3.2 GB of RSS first)."""
+    write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
+    tensors(lambda t: t.pop("layers.1.post_attention_layernorm.weight"))(tmp_path)
+    read: list[str] = []
+    real = dflash_jax.safetensors.Checkpoint.array
+    monkeypatch.setattr(dflash_jax.safetensors.Checkpoint, "array", lambda self, n: read.append(n) or real(self, n))
+    with pytest.raises(CheckpointError, match="missing tensor 'layers.1.post_attention_layernorm.weight'"):
+        load_drafter(tmp_path)
+    assert read == []
+
+
+def test_the_d2t_range_check_works_in_bounded_memory(tmp_path: Path, monkeypatch):
+    """The old check allocated the whole index range (and temporaries) at once: 16 GiB for a sparse
+    [2**31 - 2] d2t. Chunked, the peak is a few chunks whatever the vocabulary."""
+    n = 1 << 20
+    forge.write_tensors(tmp_path / ST, {"d2t": np.zeros(n, np.int64)})
+    monkeypatch.setattr(dflash_jax.validate, "D2T_CHUNK", 1 << 14)
+    with dflash_jax.safetensors.Checkpoint(tmp_path) as checkpoint:
+        tracemalloc.start()
+        try:
+            dflash_jax.validate.check_d2t(checkpoint, checkpoint["d2t"], vocab_size=n)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < n, f"peak {peak} bytes for a d2t of {8 * n} bytes"
+        with pytest.raises(CheckpointError, match=f"draft id {n - 1} to target id {n - 1}.* 1 of {n} ids"):
+            dflash_jax.validate.check_d2t(checkpoint, checkpoint["d2t"], vocab_size=n - 1)
+
+
+def test_exclusion_patterns_match_as_fnmatch_does():
+    from dflash_jax.nvfp4.checkpoint import exclusion_matcher
+
+    patterns = ("lm_head", "*.q_proj", "layers.[01].mlp.*", "fc?weight", "a+b(c)")
+    excluded = exclusion_matcher(patterns)
+    for name in ("lm_head", "lm_head.weight", "layers.0.self_attn.q_proj", "layers.1.mlp.up_proj",
+                 "layers.2.mlp.up_proj", "fc.weight", "fcweight", "a+b(c)", "a+bc", ""):
+        assert excluded(name) == any(fnmatch.fnmatchcase(name, p) for p in patterns), name
+    assert not exclusion_matcher(())("anything")
+
+
+def test_many_exclusion_patterns_are_cheap(tmp_path: Path):
+    """4096 wildcard patterns (the cap) over an NVFP4 checkpoint: one compiled matcher, not 4096 x tensors calls."""
+    write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
+    forge.edit_json(tmp_path / "hf_quant_config.json",
+                    lambda q: q["quantization"].update(exclude_modules=[f"model.m{i}.*" for i in range(4096)]))
+    with deadline(20):
+        load_drafter(tmp_path)
+
+
+class _SmallDevice:
+    """A device that reports its memory, as GPUs do (CPUs report none)."""
+
+    id, platform = 7, "gpu"
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def memory_stats(self):
+        return {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+
+    def __repr__(self):
+        return "cuda:7"
+
+
+def test_a_checkpoint_larger_than_the_free_device_memory_is_refused_before_placement(tmp_path: Path, monkeypatch):
+    write_checkpoint(tmp_path, "tiny-dflash")
+    monkeypatch.setattr(dflash_jax.placement, "target_sharding", lambda mesh: SimpleNamespace(
+        addressable_devices=[_SmallDevice(free=100_000)]))
+    puts = []
+    monkeypatch.setattr(dflash_jax.placement.jax, "device_put", lambda *a, **k: puts.append(a))
+    with pytest.raises(CheckpointError, match=r"needs 0 MiB on each device as float32 but cuda:7 has 0 MiB free"):
+        load_drafter(tmp_path, dtype=np.float32)
+    assert puts == []
+
+
+def test_check_fits_counts_the_leaves_at_the_load_dtype(tmp_path: Path):
+    from dflash_jax.config import load_config
+    from dflash_jax.loader import find_prefix, plan_tensors
+
+    write_checkpoint(tmp_path, "tiny-dflash")
+    with dflash_jax.safetensors.Checkpoint(tmp_path) as checkpoint:
+        plan = plan_tensors(load_config(tmp_path), checkpoint.__contains__, find_prefix(checkpoint, ""))
+        sources = [[t.name] for t in plan]
+        elements = sum(math.prod(t.shape) for t in plan)
+        largest = max(checkpoint[t.name].nbytes for t in plan)
+        fits = dflash_jax.placement.check_fits
+        fits(plan, sources, checkpoint, [_SmallDevice(2 * elements)], np.dtype(BF16))  # no conversion
+        with pytest.raises(CheckpointError):
+            fits(plan, sources, checkpoint, [_SmallDevice(2 * elements - 1)], np.dtype(BF16))
+        fits(plan, sources, checkpoint, [_SmallDevice(4 * elements + largest)], np.dtype(np.float32))
+        with pytest.raises(CheckpointError):
+            fits(plan, sources, checkpoint, [_SmallDevice(4 * elements + largest - 1)], np.dtype(np.float32))
+
+
+# --- issue 13 §8: load_drafter's arguments ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,says", [
+    (np.int8, "dtype=int8 cannot hold the weights"), (np.int32, "dtype=int32"), (np.bool_, "dtype=bool"),
+    (ml_dtypes.float8_e4m3fn, "dtype=float8_e4m3fn"), ("banana", "dtype='banana' is not a dtype"),
+    (np.float64, "dtype=float64"),  # without x64, JAX would silently load float32
+])
+def test_a_load_dtype_that_cannot_hold_the_weights_is_refused(tmp_path: Path, placements, dtype, says):
+    write_checkpoint(tmp_path, "tiny-dflash")
+    with pytest.raises(ValueError, match=says):
+        load_drafter(tmp_path, dtype=dtype)
+    assert not placements
+
+
+@pytest.mark.parametrize("mesh,says", [
+    ([], "mesh is a list"), ("cpu", "mesh is a str"),
+    (jax.sharding.Mesh(np.empty((0,), object), ("x",)), "mesh has no devices"),
+])
+def test_a_mesh_that_is_not_a_mesh_of_devices_is_refused(tmp_path: Path, placements, mesh, says):
+    write_checkpoint(tmp_path, "tiny-dflash")
+    with pytest.raises(ValueError, match=says):
+        load_drafter(tmp_path, mesh=mesh)
+    assert not placements

@@ -260,20 +260,51 @@ def test_check_nvfp4_shapes():
     assert name in str(info.value)
 
 
-def test_check_scales_finite():
+def test_check_scales():
     good = np.full((2, 4), 0x38, np.uint8)
-    nvfp4.check_scales_finite("w", good, np.float32(1))
-    nvfp4.check_scales_finite("w", good.view(ml_dtypes.float8_e4m3fn), np.array([1.0], ml_dtypes.bfloat16))
+    nvfp4.check_scales("w", good, np.float32(1))
+    nvfp4.check_scales("w", good.view(ml_dtypes.float8_e4m3fn), np.array([1.0], ml_dtypes.bfloat16))
+    nvfp4.check_scales("w", np.zeros((2, 4), np.uint8) | 0x80, np.float32(1))  # -0 block scales: zero, fine
     for bad_byte in (0x7F, 0xFF):
         bad = good.copy()
         bad[1, 2] = bad_byte
         with pytest.raises(CheckpointError, match="w_scale: 1 of 8"):
-            nvfp4.check_scales_finite("w", bad, np.float32(1))
+            nvfp4.check_scales("w", bad, np.float32(1))
         with pytest.raises(CheckpointError, match="w_scale"):
-            nvfp4.check_scales_finite("w", bad.view(ml_dtypes.float8_e4m3fn), np.float32(1))
+            nvfp4.check_scales("w", bad.view(ml_dtypes.float8_e4m3fn), np.float32(1))
     for s2 in (np.inf, np.nan):
         with pytest.raises(CheckpointError, match="w_scale_2"):
-            nvfp4.check_scales_finite("w", good, np.float32(s2))
+            nvfp4.check_scales("w", good, np.float32(s2))
+
+
+@pytest.mark.parametrize("scale_2", [-0.5, 0.0, -0.0])
+def test_a_global_scale_that_is_not_positive_is_refused(scale_2):
+    with pytest.raises(CheckpointError, match="w_scale_2: .* not a finite number > 0"):
+        nvfp4.check_scales("w", np.full((2, 4), 0x38, np.uint8), np.float32(scale_2))
+
+
+def test_negative_block_scales_are_refused():
+    scale = np.full((2, 4), 0x38, np.uint8)
+    scale[0, 1] |= 0x80  # -1.0
+    with pytest.raises(CheckpointError, match="w_scale: 1 of 8 block scales are negative"):
+        nvfp4.check_scales("w", scale, np.float32(1))
+
+
+@pytest.mark.parametrize("dtype,scale_2,refused", [
+    (jnp.bfloat16, 3e38, True), (jnp.float32, 3e38, True), (jnp.float64, 3e38, True),
+    (jnp.float16, 1.0, False),  # 6 x 448 = 2688: fits
+    (jnp.float16, 100.0, True),  # 268800 > 65504
+    (jnp.bfloat16, 1e35, False),
+])
+def test_scales_whose_product_overflows_the_load_dtype_are_refused(dtype, scale_2, refused):
+    scale = np.full((2, 4), 0x38, np.uint8)
+    scale[1, 3] = 0x7E  # 448, the largest E4M3
+    if refused:
+        with pytest.raises(CheckpointError, match=f"w_scale_2: .*beyond {jnp.dtype(dtype).name}"):
+            nvfp4.check_scales("w", scale, np.float32(scale_2), dtype)
+    else:
+        nvfp4.check_scales("w", scale, np.float32(scale_2), dtype)
+    nvfp4.check_scales("w", scale, np.float32(scale_2))  # without a dtype: not checked
 
 
 # --- on the GPU: the real kernel ------------------------------------------------------------------------------------

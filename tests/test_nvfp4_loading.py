@@ -10,6 +10,7 @@ from ._io import load_file, save_file
 
 from dflash_jax import CheckpointError, load_drafter
 from dflash_jax.cli import main as cli
+from dflash_jax.nvfp4.convert import convert_checkpoint
 from dflash_jax.testing import write_checkpoint
 
 from .test_loader import leaf
@@ -73,7 +74,7 @@ def break_tensors(directory, change):
         (lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"][:, :4]}), "fc.weight_scale: shape"),
         (lambda t: t.update({"fc.weight_scale_2": np.ones(2, np.float32)}), "fc.weight_scale_2: expected a scalar"),
         (lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"].astype(np.float32)}), "dtype F32, expected F8_E4M3"),
-        (lambda t: t.update({"fc.weight_scale_2": np.array(np.nan, np.float32)}), "fc.weight_scale_2: nan is not finite"),
+        (lambda t: t.update({"fc.weight_scale_2": np.array(np.nan, np.float32)}), "fc.weight_scale_2: nan is not a finite number > 0"),
         (lambda t: t["layers.0.mlp.down_proj.weight_scale"].view(np.uint8).__setitem__((0, 0), 0x7F), "NaN"),
         (lambda t: t.update({"layers.0.mlp.up_proj.weight": t["layers.0.mlp.up_proj.weight"][:, :16],
                              "layers.0.mlp.up_proj.weight_scale": t["layers.0.mlp.up_proj.weight_scale"][:, :2]}),
@@ -124,3 +125,37 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     assert 0 < relative < 0.15  # 4-bit weights: close, not equal
     np.testing.assert_array_equal(q.params["norm"]["weight"], bf16.params["norm"]["weight"])
     assert json.loads((tmp_path / "q/hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+
+
+# --- issue 13 §6: converting into a directory that holds a checkpoint -------------------------------------
+
+def test_convert_refuses_a_destination_that_holds_a_checkpoint(tmp_path):
+    """Before: exit 0, and the loader then preferred the old index: BF16 weights under the NVFP4 config."""
+    write_checkpoint(tmp_path / "bf16", "tiny-dflash", seed=2)
+    write_checkpoint(tmp_path / "old", "tiny-dflash", seed=3, num_shards=2)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()}
+    with pytest.raises(CheckpointError, match="old: not empty; expected a new or empty destination"):
+        convert_checkpoint(tmp_path / "bf16", tmp_path / "old")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "old").iterdir()} == before
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="file: not a directory"):
+        convert_checkpoint(tmp_path / "bf16", tmp_path / "file")
+
+
+def test_convert_with_overwrite_replaces_the_checkpoint_whole(tmp_path):
+    write_checkpoint(tmp_path / "bf16", "tiny-dflash", seed=2)
+    write_checkpoint(tmp_path / "q", "tiny-dflash", seed=3, num_shards=2)  # a stale sharded checkpoint
+    (tmp_path / "q" / "tokenizer.json").write_text("{}")  # not a checkpoint file: kept
+    convert_checkpoint(tmp_path / "bf16", tmp_path / "q", overwrite=True)
+    names = sorted(p.name for p in (tmp_path / "q").iterdir())
+    assert names == ["config.json", "hf_quant_config.json", "model.safetensors", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".q.partial-")]
+    q, bf16 = load_drafter(tmp_path / "q", dtype=jnp.float32), load_drafter(tmp_path / "bf16", dtype=jnp.float32)
+    np.testing.assert_array_equal(q.params["norm"]["weight"], bf16.params["norm"]["weight"])  # the new source's
+
+
+def test_convert_into_an_empty_directory(tmp_path):
+    write_checkpoint(tmp_path / "bf16", "tiny-dflash")
+    (tmp_path / "empty").mkdir()
+    assert convert_checkpoint(tmp_path / "bf16", tmp_path / "empty") > 0
+    load_drafter(tmp_path / "empty")

@@ -1,6 +1,9 @@
 """The header-first reader: every dtype, single and sharded layouts, zero-copy views, the index checks."""
 
 import json
+import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -82,3 +85,62 @@ def test_header_is_read_without_tensor_data(tmp_path):
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError, match="'w'.*past the end"):
         Checkpoint(tmp_path)
+
+
+# --- issue 13 §2: a file that changes during a load does not load wrong -------------------------------
+
+def test_a_file_renamed_over_after_its_header_is_read_from_the_file_that_was_opened(tmp_path):
+    """An atomic rename between reading the header and the data: the offsets of the old file must never be
+    applied to the bytes of the new one (the old reader opened the path twice)."""
+    old = {"a": np.arange(8, dtype=np.float32), "b": np.full(4, 7, np.float32)}
+    save_file(old, tmp_path / "model.safetensors")
+    with Checkpoint(tmp_path) as ckpt:
+        new = {"a": np.full(2, -1, np.float32), "b": np.arange(10, dtype=np.float32)}  # other offsets
+        save_file(new, tmp_path / "new.tmp")
+        (tmp_path / "new.tmp").replace(tmp_path / "model.safetensors")
+        for name, expected in old.items():
+            np.testing.assert_array_equal(ckpt.array(name), expected)
+
+
+TRUNCATE_BETWEEN_TENSORS = """
+import os, sys
+import numpy as np
+from safetensors.numpy import save_file
+from dflash_jax import CheckpointError
+from dflash_jax.safetensors import Checkpoint
+path = os.path.join(sys.argv[1], "model.safetensors")
+save_file({"a": np.ones(4096, np.float32), "b": np.ones(4096, np.float32)}, path)
+with Checkpoint(sys.argv[1]) as ckpt:
+    first, second = sorted(ckpt, key=lambda n: ckpt[n].start)
+    float(ckpt.array(first).sum())  # mapped and touched
+    os.truncate(path, ckpt[second].start + 16)
+    try:
+        float(ckpt.array(second).sum())  # touching pages past the end: SIGBUS
+    except CheckpointError as e:
+        print(e)
+"""
+
+
+def test_a_file_truncated_between_two_tensors_is_a_checkpoint_error_not_sigbus(tmp_path):
+    out = subprocess.run([sys.executable, "-c", TRUNCATE_BETWEEN_TENSORS, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, f"exit status {out.returncode} (-7 is SIGBUS): {out.stderr[-2000:]}"
+    assert "model.safetensors: tensor" in out.stdout and "truncated after its header was read" in out.stdout
+
+
+# --- issue 13 §5: a tensor in two files while the index names one of them -----------------------------
+
+def test_a_stale_file_beside_the_index_holding_its_tensors_is_ambiguous(tmp_path):
+    save_file({"a": np.zeros(2, np.float32)}, tmp_path / "s1.safetensors")
+    save_file({"a": np.ones(2, np.float32)}, tmp_path / "model.safetensors")  # e.g. a conversion's output
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model.safetensors: holds tensor 'a', which .* maps to 's1.safetensors'"):
+        Checkpoint(tmp_path)
+
+
+def test_files_beside_the_index_with_other_tensors_are_ignored(tmp_path):
+    save_file({"a": np.zeros(2, np.float32)}, tmp_path / "s1.safetensors")
+    save_file({"z": np.ones(2, np.float32)}, tmp_path / "extra.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "s1.safetensors"}}))
+    with Checkpoint(tmp_path) as ckpt:
+        assert list(ckpt) == ["a"]

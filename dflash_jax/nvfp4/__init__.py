@@ -11,7 +11,7 @@ except that code 8 (-0) may come out as +0 or -0.
   dequantize(packed, scale, scale_2, *, dtype, backend)  -> jax.Array [..., K]
   quantize(w)                                            -> (packed, scale, scale_2), NumPy, ModelOpt's algorithm
   check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
-  check_scales_finite(name, scale, scale_2)
+  check_scales(name, scale, scale_2, dtype)                  NaN, negative, zero or overflowing scales
 
 Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tensor would no longer have the
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1
@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._checks import check_nvfp4_shapes, check_scales_finite
+from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 
-__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales_finite"]
+__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales"]
 
 Backend = Literal["auto", "pallas", "xla"]
 

@@ -6,13 +6,15 @@ ModelOpt names the three tensors of a Linear `<m>.weight`, `<m>.weight_scale` an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from dflash_jax.errors import CheckpointError
 
-from ._reference import BLOCK
+from ._reference import _FP4_MAX, BLOCK
 
 
 def check_nvfp4_shapes(
@@ -46,12 +48,32 @@ def check_nvfp4_shapes(
     return n, k
 
 
-def check_scales_finite(name: str, scale, scale_2) -> None:
-    """Raises `CheckpointError` if the block scales (float8_e4m3fn or its uint8 bits) or scale_2 are NaN/Inf."""
+def check_scales(name: str, scale, scale_2, dtype=None) -> None:
+    """Raises `CheckpointError` for scales that would load wrong weights without any NaN to show it.
+
+    `scale`: the block scales (float8_e4m3fn or its uint8 bits), which must be non-NaN and >= 0 (ModelOpt's
+    are amax / 6 of each block, rounded to E4M3; a set sign bit would negate the block). `scale_2`: finite
+    and > 0 (zero or negative zeroes or negates every weight). With `dtype` (the load dtype), the largest
+    value the scales allow, 6 x max(scale) x scale_2 (6 is the largest E2M1 magnitude), must be finite in it:
+    3e38 would make every weight Inf or NaN.
+    """
     bits = np.asarray(scale).view(np.uint8)  # float8_e4m3fn has no Inf; NaN is S.1111.111 (0x7F / 0xFF)
-    bad = np.count_nonzero((bits & 0x7F) == 0x7F)  # on the bits: 40x faster than converting to float32
-    if bad:
-        raise CheckpointError(f"{name}_scale: {bad} of {bits.size} block scales are NaN")
-    scale_2 = np.asarray(scale_2).astype(np.float32)
-    if not np.isfinite(scale_2).all():
-        raise CheckpointError(f"{name}_scale_2: {scale_2.reshape(-1)[0]} is not finite")
+    magnitude = bits & 0x7F
+    nan = np.count_nonzero(magnitude == 0x7F)  # on the bits: 40x faster than converting to float32
+    if nan:
+        raise CheckpointError(f"{name}_scale: {nan} of {bits.size} block scales are NaN")
+    negative = np.count_nonzero((bits >= 0x80) & (magnitude != 0))  # -0 is zero, harmless
+    if negative:
+        raise CheckpointError(
+            f"{name}_scale: {negative} of {bits.size} block scales are negative; expected scales >= 0 "
+            "(amax / 6 of each block)")
+    scale_2 = float(np.asarray(scale_2).astype(np.float32).reshape(-1)[0])
+    if not math.isfinite(scale_2) or scale_2 <= 0:
+        raise CheckpointError(f"{name}_scale_2: {scale_2} is not a finite number > 0")
+    if dtype is not None and bits.size:
+        largest = _FP4_MAX * float(magnitude.max(initial=0).view(ml_dtypes.float8_e4m3fn)) * scale_2
+        limit = float(min(ml_dtypes.finfo(dtype).max, np.finfo(np.float32).max))  # dequantized in float32
+        if largest > limit:
+            raise CheckpointError(
+                f"{name}_scale_2: {scale_2} times the largest block scale allows weights up to {largest:.3g}, "
+                f"beyond {np.dtype(dtype).name}'s range ({limit:.3g}); the scales are corrupt")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -11,16 +13,27 @@ import numpy as np
 
 from ..config import load_config
 from ..errors import CheckpointError
-from ..safetensors import Checkpoint, write_tensors
-from .checkpoint import declare_nvfp4, nvfp4_tensors
+from ..safetensors import INDEX_FILE, Checkpoint, write_tensors
+from .checkpoint import QUANT_CONFIG_FILE, declare_nvfp4, nvfp4_tensors
+
+# What makes a checkpoint, besides its *.safetensors files: replaced together, never mixed.
+CHECKPOINT_FILES = (INDEX_FILE, "config.json", QUANT_CONFIG_FILE)
 
 
 def convert_checkpoint(
-    source: str | os.PathLike[str], destination: str | os.PathLike[str], *, exclude: Iterable[str] = ()
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    exclude: Iterable[str] = (),
+    overwrite: bool = False,
 ) -> int:
     """Quantize every linear weight of the drafter at `source` (except modules named in `exclude`) with
     ModelOpt's NVFP4 algorithm and write the result to `destination`; other tensors are copied unchanged.
 
+    `destination` must be new or empty: a checkpoint left there would shadow or mix with the new one (its
+    index would win over the new `model.safetensors`). With `overwrite=True`, its checkpoint files
+    (`*.safetensors`, the index, config.json, hf_quant_config.json) are replaced whole: the new ones are
+    written beside it first, then the old ones removed and the new ones moved in; other files stay.
     Returns the number of weights quantized. The whole checkpoint passes through host memory once.
     """
     from ..loader import check_tensor, find_prefix, plan_tensors
@@ -28,6 +41,13 @@ def convert_checkpoint(
     source, destination = os.fspath(source), Path(destination)
     if destination.resolve() == Path(source).resolve():
         raise CheckpointError(f"{destination}: refusing to convert a checkpoint onto itself")
+    if destination.exists() and not destination.is_dir():
+        raise CheckpointError(f"{destination}: not a directory; expected a new or empty destination directory")
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"{destination}: not empty; expected a new or empty destination directory (or overwrite=True, "
+            "`--overwrite`, to replace the checkpoint there)"
+        )
     config = load_config(source)
     excluded = sorted(exclude)
     with Checkpoint(source) as checkpoint:
@@ -40,8 +60,18 @@ def convert_checkpoint(
             tensors.update(nvfp4_tensors(name, array) if name in linear else {name: np.array(array)})
     with open(os.path.join(source, "config.json")) as f:
         raw = json.load(f)
-    destination.mkdir(parents=True, exist_ok=True)
-    declare_nvfp4(destination, raw, excluded)
-    (destination / "config.json").write_text(json.dumps(raw, indent=2))
-    write_tensors(destination, tensors)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
+    try:
+        declare_nvfp4(staging, raw, excluded)
+        (staging / "config.json").write_text(json.dumps(raw, indent=2))
+        write_tensors(staging, tensors)
+        destination.mkdir(exist_ok=True)
+        for old in destination.iterdir():
+            if old.name.endswith(".safetensors") or old.name in CHECKPOINT_FILES:
+                old.unlink()
+        for new in staging.iterdir():
+            new.replace(destination / new.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return len(linear)
