@@ -7,6 +7,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
@@ -42,7 +43,9 @@ def written(directory):
 def test_every_family_and_layout_loads_bit_exactly(tmp_path, preset, prefix, shards):
     config = write_checkpoint(tmp_path, preset, prefix=prefix, num_shards=shards, seed=3)
     drafter = load_drafter(tmp_path)
-    assert drafter.config == config
+    stated = config.confidence_head_with_markov  # tiny-dspark states none: read off the projection, [1, H + r]
+    assert drafter.config == msgspec.structs.replace(config, confidence_head_with_markov=stated or
+                                                     (True if config.family == "dspark" else None))
     tensors = written(tmp_path)
     assert len(jax.tree.leaves(drafter.params)) == len(tensors)
     for name, value in tensors.items():
