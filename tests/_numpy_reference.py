@@ -126,8 +126,8 @@ def specforge_block_mask(anchor, seq_len, block_size, window=None):
     visible before the anchor; a sliding layer's query at block offset i sees context from anchor + i - (w - 1)
     on and block rows 0..i; a full layer sees the whole block.
     """
-    offsets = np.arange(block_size)[:, None]
-    kv = np.arange(seq_len + block_size)[None, :]
+    offsets = np.arange(block_size)[:, None]  # [B, 1]: each query's offset in the block
+    kv = np.broadcast_to(np.arange(seq_len + block_size), (block_size, seq_len + block_size))
     context = (kv < seq_len) & (kv < anchor)
     draft = kv >= seq_len
     if window is not None:
