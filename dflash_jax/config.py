@@ -449,11 +449,11 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     if config.rope_type == "yarn" and (config.rope_scaling.factor or 0) <= 0:
         fail("rope_scaling: rope_type 'yarn' needs a positive `factor`")
-    unused = [f"{field}={getattr(config, field)}" for field in ("final_logit_softcapping", "output_multiplier")
-              if getattr(config, field) is not None]
+    transform = ("final_logit_softcapping", "output_multiplier")  # DFlash2's, from dflash_config (`logit_transform`)
+    unused = [f"{field}={getattr(config, field)}" for field in transform if getattr(config, field) is not None]
     if sub is not None and config.family != "dflash2":
-        unused += [f"dflash_config.{field}={getattr(sub, field)}" for field in ("final_logit_softcapping",
-                   "output_multiplier") if getattr(sub, field) is not None]
+        unused += [f"dflash_config.{field}={getattr(sub, field)}" for field in transform
+                   if getattr(sub, field) is not None]
     if unused:
         warnings.warn(
             f"{source}: {', '.join(unused)} not applied: only a DFlash2 drafter scales and softcaps its logits, "
