@@ -44,6 +44,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFl
 # Markov / confidence fields that SpecForge and DeepSpec exports put nested or top-level.
 _HOISTED = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
+# What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
+MODEL_TYPES = ("qwen3",)
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel")
+DEFAULT_ROPE_THETA = 1e7  # the original design's default; transformers' Qwen3Config would use 1e4, vLLM 1e6
+
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """HF `rope_scaling` / `rope_parameters` block (only the fields RoPE variants read)."""
@@ -74,8 +79,10 @@ class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     block_size: Dim | None = None
     causal: bool | None = None
     input_embedding_scale: float | None = None
-    final_logit_softcapping: PositiveFloat | None = None
+    final_logit_softcapping: PositiveFloat | None = None  # DFlash2's unary transform (`logit_transform`)
     output_multiplier: float | None = None
+    use_swa: bool = False  # MiMo-style: every layer sliding (vLLM `_resolve_layer_attention`), see `_apply_swa`
+    swa_window_size: Positive | None = None  # the window of sliding layers, over the top-level `sliding_window`
 
 
 class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -110,12 +117,12 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     tie_word_embeddings: bool = False
     block_size: Dim = 16
     dflash_config: DflashSubConfig | None = None
-    rope_theta: RopeTheta = 1e7  # resolved: rope_parameters.rope_theta wins over the default
+    rope_theta: RopeTheta = DEFAULT_ROPE_THETA  # resolved: rope_parameters.rope_theta; a default is warned
     rope_scaling: RopeScaling | None = None  # also read from `rope_parameters`
     markov_rank: NonNegative = 0
     markov_head_type: str | None = None
     enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = True
+    confidence_head_with_markov: bool | None = None  # None: not stated; the loader reads it off the head's width
     rms_norm_eps: PositiveFloat = 1e-6
     attention_bias: bool = False
     num_target_layers: Dim | None = None  # bounded as stated ids are, so derived ids are too
@@ -124,8 +131,8 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     use_sliding_window: bool = False
     is_causal: bool | None = None
     max_position_embeddings: Positive | None = None
-    final_logit_softcapping: PositiveFloat | None = None  # resolved: dflash_config's wins
-    output_multiplier: float | None = None  # resolved: dflash_config's wins
+    final_logit_softcapping: PositiveFloat | None = None  # top level, as written: never applied (`logit_transform`)
+    output_multiplier: float | None = None  # likewise
     mask_token_id: NonNegative | None = None  # resolved: dflash_config, top level, dspark_config
     target_layer_ids: tuple[LayerId, ...] | None = None  # resolved, or the reference default
     dspark_config: DsparkSubConfig | None = None
@@ -171,6 +178,19 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return self.dflash_config.input_embedding_scale if self.dflash_config else None
 
     @property
+    def logit_transform(self) -> tuple[float | None, float | None]:
+        """`(output_multiplier, final_logit_softcapping)` applied to the draft logits, None for "not applied".
+
+        Only DFlash2 transforms its unary logits, and only with the values of `dflash_config` (SpecForge
+        `dflash2.py` `transform_unary_logits`, vLLM `qwen3_dflash2.py`); DFlash and DSpark heads use the plain
+        LM-head output, whatever else the config carries (docs/references.md).
+        """
+        sub = self.dflash_config
+        if self.family != "dflash2" or sub is None:
+            return None, None
+        return sub.output_multiplier, sub.final_logit_softcapping
+
+    @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
@@ -203,7 +223,7 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
                 raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
-        refusal = not_a_drafter(raw)
+        refusal = not_a_drafter(raw) or not_implemented(raw)
         if refusal:
             raise ConfigError(f"{source}: {refusal}")
         try:
@@ -259,6 +279,51 @@ def not_a_drafter(raw: dict[str, Any]) -> str | None:
     return None
 
 
+def not_implemented(raw: dict[str, Any]) -> str | None:
+    """Why a drafter config describes a network this package does not run, or None.
+
+    Judged on the raw dict, before decoding, so that another architecture is named as what it is (a Gemma 4
+    DSpark drafter, `gemma4_text` / `Gemma4DSparkModel`, has a GELU-tanh MLP, pre/post feed-forward norms, a
+    layer scalar and partial RoPE) instead of loading as a Qwen3 drafter with a warning about its tensors.
+    Extensions some checkpoints declare and this package does not implement are refused by name, never
+    ignored: each would change the network (docs/references.md).
+    """
+    sub = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    problems = []
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type not in MODEL_TYPES:
+        problems.append(f"model_type {model_type!r}")
+    architectures = raw.get("architectures")
+    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
+    unknown = [a for a in names if a not in ARCHITECTURES]
+    if unknown:
+        problems.append(f"architectures [{', '.join(unknown)}]")
+    for key in ("hidden_act", "hidden_activation"):
+        if isinstance(raw.get(key), str) and raw[key] != "silu":
+            problems.append(f"`{key}` {raw[key]!r} (the drafter MLP is SwiGLU, silu)")
+    projector = sub.get("projector_type")
+    if projector is not None and projector not in ("dflash", "dspark"):
+        what = " (SpecForge's DFlash backbone with a causal correction head)" if projector == "domino" else ""
+        problems.append(f"`dflash_config.projector_type` {projector!r}{what}")
+    mode = sub.get("attention_mode")
+    if mode is not None and mode not in ("gqa", "mha"):
+        problems.append(f"`dflash_config.attention_mode` {mode!r} (only grouped-query / multi-head attention)")
+    for where, block, key in (("dflash_config.", sub, "attention_sink_bias"), ("", raw, "attention_sink_bias"),
+                              ("", raw, "add_swa_attention_sink_bias")):
+        if block.get(key):
+            problems.append(f"`{where}{key}` (a learned per-head attention sink, MiMo-style)")
+    for key in ("is_neox_style", "rope_is_neox_style"):
+        if raw.get(key) is False:
+            problems.append(f"`{key}: false` (interleaved RoPE; this package rotates halves, the neox layout)")
+    if not problems:
+        return None
+    return (
+        f"{'; '.join(problems)}: not implemented. dflash_jax runs Qwen3-style DFlash, DFlash2 and DSpark drafters "
+        f"(model_type {' or '.join(map(repr, MODEL_TYPES))}; architectures {', '.join(ARCHITECTURES)}); "
+        "loading this one would run a different network"
+    )
+
+
 def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """Fold the layouts real checkpoints ship into the one `DflashConfig` reads."""
     raw = dict(raw)
@@ -281,17 +346,19 @@ def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
                     f"`rope_parameters.rope_theta` ({theta!r})"
                 )
             raw["rope_theta"] = theta
+    if "rope_theta" not in raw:
+        warnings.warn(
+            f"{source}: no `rope_theta` (top level or in `rope_parameters`): using {DEFAULT_ROPE_THETA:.0f}, the "
+            "original design's default; transformers' Qwen3Config would use 1e4 and vLLM's DFlash 1e6. State the "
+            "theta the drafter was trained with (usually its target's) in config.json",
+            stacklevel=3,
+        )
     for block in ("dflash_config", "dspark_config"):
         sub = raw.get(block)
         if isinstance(sub, dict):
             for key in _HOISTED:
                 if key in sub and key not in raw:
                     raw[key] = sub[key]
-    sub = raw.get("dflash_config")
-    if isinstance(sub, dict):
-        for key in ("final_logit_softcapping", "output_multiplier"):
-            if sub.get(key) is not None:
-                raw[key] = sub[key]
     quant = raw.get("quantization_config")
     if isinstance(quant, dict):
         raw["quantization_config"] = normalise_quantization(quant)
@@ -375,8 +442,8 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         )
     if config.markov_head_type is not None and config.markov_head_type != "vanilla":
         fail(
-            f"markov_head_type={config.markov_head_type!r}; only 'vanilla' (the low-rank bigram bias of the "
-            "reference implementation) is supported"
+            f"markov_head_type={config.markov_head_type!r}: SpecForge's and DeepSpec's 'gated' and 'rnn' Markov "
+            "heads are not implemented; only 'vanilla' (the low-rank bigram bias) is"
         )
     if config.layer_types is not None and len(config.layer_types) != config.num_hidden_layers:
         fail(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers={config.num_hidden_layers}")
@@ -399,7 +466,46 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
     factor = config.rope_scaling.factor if config.rope_scaling else None
     if config.rope_type == "yarn" and not 1 <= (factor or 0) <= MAX_ROPE_FACTOR:
         fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
-    return config
+    transform = ("final_logit_softcapping", "output_multiplier")  # DFlash2's, from dflash_config (`logit_transform`)
+    unused = [f"{field}={getattr(config, field)}" for field in transform if getattr(config, field) is not None]
+    if sub is not None and config.family != "dflash2":
+        unused += [f"dflash_config.{field}={getattr(sub, field)}" for field in transform
+                   if getattr(sub, field) is not None]
+    if unused:
+        warnings.warn(
+            f"{source}: {', '.join(unused)} not applied: only a DFlash2 drafter scales and softcaps its logits, "
+            f"with the values in `dflash_config` (SpecForge dflash2.py, vLLM qwen3_dflash2.py); this "
+            f"{config.family} drafter's logits are the plain LM-head output",
+            stacklevel=3,
+        )
+    return _apply_swa(config, source)
+
+
+def _apply_swa(config: DflashConfig, source: str) -> DflashConfig:
+    """MiMo-style `dflash_config.use_swa` / `swa_window_size`, read as vLLM's `_resolve_layer_attention` reads them.
+
+    `use_swa` on a config without sliding layers makes every layer sliding; `swa_window_size` (else the top-level
+    `sliding_window`) is the window of the sliding layers. vLLM takes causality from the layer types as declared,
+    so layers that only `use_swa` makes sliding stay non-causal unless the config states `is_causal` / `causal`.
+    """
+    sub = config.dflash_config
+    if sub is None or not (sub.use_swa or sub.swa_window_size):
+        return config
+    declared = config.layer_types or ()
+    changes: dict[str, Any] = {}
+    if sub.use_swa and "sliding_attention" not in declared:
+        changes["layer_types"] = ("sliding_attention",) * config.num_hidden_layers
+        if config.is_causal is None and sub.causal is None:
+            changes["is_causal"] = False
+    if changes or "sliding_attention" in declared:
+        window = sub.swa_window_size or config.sliding_window
+        if window is None:
+            raise ConfigError(
+                f"{source}: dflash_config.use_swa without a window: expected `dflash_config.swa_window_size` or "
+                "`sliding_window`"
+            )
+        changes.update(sliding_window=window, use_sliding_window=True)
+    return msgspec.structs.replace(config, **changes)
 
 
 def _non_finite(struct: msgspec.Struct, prefix: str = ""):

@@ -244,10 +244,10 @@ def sample_drafts(
             "ids (t2d), which checkpoints do not ship"
         )
     logits = lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)  # [batch, n, V] f32
-    if config.output_multiplier is not None:
-        logits = logits * config.output_multiplier
-    if config.final_logit_softcapping is not None:
-        cap = config.final_logit_softcapping
+    multiplier, cap = config.logit_transform  # DFlash2 only (`DflashConfig.logit_transform`)
+    if multiplier is not None:
+        logits = logits * multiplier
+    if cap is not None:
         logits = cap * jnp.tanh(logits / cap)
     anchor_ids = anchor_ids.astype(jnp.int32)
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import msgspec
 
 from .config import DflashConfig, load_config
 from .errors import CheckpointError
@@ -34,6 +35,15 @@ INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
 IGNORED_NAMES = ("t2d",)
+# Tensors (by name part) of extensions this package does not implement: loading the rest of such a checkpoint
+# would run a different network from the one trained, so they are refused, not warned about (docs/references.md).
+UNIMPLEMENTED_TENSORS = (
+    ("attention_sink_bias", "a learned per-head attention sink (MiMo-style; vLLM qwen3_dflash.py)"),
+    ("markov_head.gate_proj.", "a gated Markov head (SpecForge / DeepSpec `markov_head_type: gated`)"),
+    ("markov_head.joint_proj.", "an RNN Markov head (SpecForge / DeepSpec `markov_head_type: rnn`)"),
+    ("mask_embedding", "a separately trained mask embedding (vLLM `_read_mask_embedding`)"),
+)
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's override of the mask token's embedding row (MiMo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +190,8 @@ def plan_tensors(
             stacklevel=3,
         )
     if c.enable_confidence_head and f"{p}confidence_head.proj.weight" in checkpoint:
-        width = H + (rank if c.confidence_head_with_markov and rank else 0)
+        # unstated (None): the Markov-conditioned head DeepSpec and SGLang ship; `load_drafter` reads the flag first
+        width = H + (rank if c.confidence_head_with_markov is not False and rank else 0)
         add("confidence_head.proj.weight", (1, width), "linear")
         add("confidence_head.proj.bias", (1,))
     elif c.enable_confidence_head:
@@ -233,6 +244,46 @@ def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[s
     )
 
 
+def refuse_unimplemented(checkpoint: Checkpoint, where: str) -> None:
+    """Refuse a checkpoint that carries an extension this package does not implement, naming the tensor or file."""
+    for name in sorted(checkpoint):
+        for part, what in UNIMPLEMENTED_TENSORS:
+            if part in name:
+                raise CheckpointError(
+                    f"{checkpoint[name].file}: tensor {name!r} is {what}, which dflash_jax does not implement; "
+                    "running without it would run a different network"
+                )
+    override = os.path.join(where, MASK_EMBEDDING_FILE)
+    if os.path.isfile(override):
+        raise CheckpointError(
+            f"{override}: a separately trained mask embedding (vLLM `_read_mask_embedding`), which dflash_jax does "
+            "not implement; the mask token would be embedded with the target's row instead"
+        )
+
+
+def read_head_flags(config: DflashConfig, checkpoint: Checkpoint, prefix: str, where: str) -> DflashConfig:
+    """The config with `confidence_head_with_markov` read off the confidence projection when the config is silent.
+
+    SpecForge's DSpark exports may omit the flag (SpecForge's default is false) and ship a `[1, H]` projection;
+    DeepSpec's and RadixArk's ship `[1, H + markov_rank]` (hidden state and Markov latent). The width decides.
+    """
+    name = f"{prefix}confidence_head.proj.weight"
+    if config.confidence_head_with_markov is not None or not config.enable_confidence_head or name not in checkpoint:
+        return config
+    info = checkpoint[name]
+    H, rank = config.hidden_size, config.markov_rank
+    widths = {H: False, **({H + rank: True} if rank else {})}
+    width = info.shape[-1] * (2 if info.dtype == "U8" else 1) if len(info.shape) == 2 else None  # U8: NVFP4 pairs
+    if width not in widths:
+        expected = " or ".join(f"[1, {w}] ({'with' if markov else 'without'} the Markov latent)"
+                               for w, markov in widths.items())
+        raise CheckpointError(
+            f"{info.file}: tensor {name!r} has shape {list(info.shape)}; the config does not state "
+            f"`confidence_head_with_markov`, so expected {expected}"
+        )
+    return msgspec.structs.replace(config, confidence_head_with_markov=widths[width])
+
+
 def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
     """Check one planned tensor's presence, dtype and shape; return True when it is NVFP4-packed."""
     if t.name not in checkpoint:
@@ -280,7 +331,10 @@ def load_drafter(
     path = os.fspath(path)
     config = load_config(path)
     with Checkpoint(path) as checkpoint:
-        plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, path), path)
+        prefix = find_prefix(checkpoint, path)
+        refuse_unimplemented(checkpoint, path)
+        config = read_head_flags(config, checkpoint, prefix, path)
+        plan = plan_tensors(config, checkpoint.__contains__, prefix, path)
         packed = {t.name for t in plan if check_tensor(t, checkpoint, path)}
         if packed:
             from .nvfp4.checkpoint import check_quant_config

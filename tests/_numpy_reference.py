@@ -1,4 +1,6 @@
-"""An independent NumPy reference of the DFlash-family drafter, written from ../shared/spec/dflash_family.md.
+"""An independent NumPy reference of the DFlash-family drafter, written from the reference implementations
+(z-lab/dflash `dflash/model.py`, SpecForge `specforge/modeling/draft/`, DeepSpec `deepspec/modeling/dspark/`,
+vLLM `qwen3_dflash.py` / `qwen3_dflash2.py`; docs/references.md says which rule comes from where).
 
 Float64 throughout, except the RoPE frequencies and angles, which are formed in float32 as transformers forms
 them (spec §7), so that tight tolerances hold. One sequence at a time, heads and sequential walks as explicit
@@ -86,7 +88,8 @@ def conv_pair(p, x):
 
 
 def layer_rules(config, causal=None, sliding_window=True):
-    """[(causal, window | None)] per layer, spec §1.4 / §7 (vLLM causality order, transformers window)."""
+    """[(causal, window | None)] per layer: vLLM's `_dflash_layer_causal` order (`is_causal`, then
+    `dflash_config.causal`, then "sliding layer"), a window |q - k| <= w - 1 on sliding layers."""
     rules = []
     for i in range(config.num_hidden_layers):
         sliding = bool(config.layer_types) and config.layer_types[i] == "sliding_attention"
@@ -100,6 +103,48 @@ def layer_rules(config, causal=None, sliding_window=True):
         w = config.sliding_window if (sliding_window and sliding and config.use_sliding_window) else None
         rules.append((bool(c), w))
     return rules
+
+
+def zlab_rules(config):
+    """z-lab's transformers model (`dflash/model.py`): `is_causal=False` and no attention mask on every layer, and
+    its eager / sdpa attention functions take `sliding_window` without applying it, so every key is visible."""
+    return [(False, None)] * config.num_hidden_layers
+
+
+def vllm_v1_rules(config):
+    """vLLM's v1 proposer (`vllm/v1/spec_decode/dflash.py`): one causal flag for every layer, False as soon as
+    `_dflash_layer_causal` makes any layer non-causal; windows stay per layer."""
+    per_layer = layer_rules(config)
+    causal = all(c for c, _ in per_layer)
+    return [(causal, w) for _, w in per_layer]
+
+
+def specforge_block_mask(anchor, seq_len, block_size, window=None):
+    """SpecForge's training mask (`create_dflash_sdpa_mask`) for one block: `[B, seq_len + B]` bool.
+
+    Keys 0..seq_len-1 are the sequence (context at its own position), then the block's B rows. Context is
+    visible before the anchor; a sliding layer's query at block offset i sees context from anchor + i - (w - 1)
+    on and block rows 0..i; a full layer sees the whole block.
+    """
+    offsets = np.arange(block_size)[:, None]  # [B, 1]: each query's offset in the block
+    kv = np.broadcast_to(np.arange(seq_len + block_size), (block_size, seq_len + block_size))
+    context = (kv < seq_len) & (kv < anchor)
+    draft = kv >= seq_len
+    if window is not None:
+        context &= kv >= anchor + offsets - (window - 1)
+        draft &= (kv - seq_len) <= offsets
+    return context | draft
+
+
+def allowed(query_positions, key_positions, causal, window):
+    """`[Sq, Sk]` bool: which keys each query may attend to under one layer's (causal, window) rule."""
+    delta = query_positions[:, None] - key_positions[None, :]
+    ok = np.ones(delta.shape, bool)
+    if causal:
+        ok &= delta >= 0
+    if window is not None:
+        ok &= np.abs(delta) <= window - 1
+    return ok
 
 
 def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, embed, rules):
@@ -129,17 +174,12 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         k = rms_norm(proj(a, "k_proj", both).reshape(S + B, n_kv, d), a["k_norm"]["weight"], eps)
         k = rope(k, key_pos, config)
         v = proj(a, "v_proj", both).reshape(S + B, n_kv, d)
-        delta = blk_pos[:, None] - key_pos[None, :]
-        allowed = np.ones((B, S + B), bool)
-        if causal:
-            allowed &= delta >= 0
-        if window is not None:
-            allowed &= np.abs(delta) <= window - 1
+        visible = allowed(blk_pos, key_pos, causal, window)
         out = np.zeros((B, n_h, d))
         for h in range(n_h):
             kv = h // group
             scores = (q[:, h] @ k[:, kv].T) / math.sqrt(d)
-            scores = np.where(allowed, scores, -np.inf)
+            scores = np.where(visible, scores, -np.inf)
             probs = np.exp(scores - scores.max(axis=1, keepdims=True))
             probs /= probs.sum(axis=1, keepdims=True)
             out[:, h] = probs @ v[:, kv]
@@ -159,12 +199,16 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
 
 
 def unary_logits(config, hidden, lm_head):
-    """`softcap(lm_head(h) * output_multiplier)` (identity transform when the config sets neither)."""
+    """`lm_head(h)`; for DFlash2, `softcap(. * output_multiplier)` with the values of `dflash_config` (SpecForge
+    `dflash2.py` `transform_unary_logits`, vLLM `qwen3_dflash2.py`), identity for the ones it does not set."""
     z = hidden @ lm_head.T
-    if config.output_multiplier is not None:
-        z = z * config.output_multiplier
-    if config.final_logit_softcapping is not None:
-        z = config.final_logit_softcapping * np.tanh(z / config.final_logit_softcapping)
+    sub = config.dflash_config
+    if config.family != "dflash2" or sub is None:
+        return z
+    if sub.output_multiplier is not None:
+        z = z * sub.output_multiplier
+    if sub.final_logit_softcapping is not None:
+        z = sub.final_logit_softcapping * np.tanh(z / sub.final_logit_softcapping)
     return z
 
 

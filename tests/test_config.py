@@ -3,6 +3,7 @@
 import json
 import pathlib
 import warnings
+from unittest.mock import ANY
 
 import msgspec
 import pytest
@@ -24,7 +25,11 @@ RELEASED = [
 
 @pytest.mark.parametrize("name,family,block,drafts,mask,layers,theta,rope", RELEASED)
 def test_released_configs(name, family, block, drafts, mask, layers, theta, rope):
-    config = load_config(CONFIGS / f"{name}.json")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        config = load_config(CONFIGS / f"{name}.json")
+    stated = "rope_theta" in (CONFIGS / f"{name}.json").read_text()
+    assert [str(w.message) for w in record if "rope_theta" in str(w.message)] == ([] if stated else [ANY])
     assert isinstance(config, DflashConfig)
     assert (config.family, config.effective_block_size, config.num_draft_tokens) == (family, block, drafts)
     assert (config.mask_token_id, config.target_layer_ids) == (mask, layers)
@@ -37,29 +42,38 @@ def test_released_details():
     assert tf5.layer_types[-1] == "full_attention" and tf5.sliding_window == 4096 and tf5.use_sliding_window
     assert tf5.block_size == 16 and tf5.dflash_config.block_size == 16
     muse = load_config(CONFIGS / "muse-glimmer-dflash2.json")
-    assert muse.final_logit_softcapping == 20.0 and muse.output_multiplier == pytest.approx(0.19611613513818404)
+    assert muse.logit_transform == pytest.approx((0.19611613513818404, 20.0))  # nested in dflash_config
+    assert muse.final_logit_softcapping is None and muse.output_multiplier is None  # nothing at the top level
     assert (muse.dflash_config.conv_kernel_size, muse.dflash_config.conv_group_size) == (2, 16)
     assert (muse.dflash_config.selector_rank, muse.dflash_config.selector_top_k) == (256, 16)
     assert muse.rms_norm_eps == 1e-5 and muse.is_causal is False
     spark = load_config(CONFIGS / "radixark-qwen3.8-27b-dspark.json")
-    assert spark.markov_rank == 256 and spark.enable_confidence_head and spark.confidence_head_with_markov
+    assert spark.markov_rank == 256 and spark.enable_confidence_head
+    assert spark.confidence_head_with_markov is None  # not stated: the loader reads it off the projection's width
     assert spark.rope_scaling.factor == 32.0 and spark.rope_scaling.original_max_position_embeddings == 8192
     v2 = load_config(CONFIGS / "zlab-qwen3.6-35b-a3b-dflash-v2.json")
     assert v2.rope_scaling is None and v2.num_key_value_heads == 4
 
 
 def base(**overrides):
+    """The z-lab Qwen3-8B config, with its target's rope_theta stated unless `rope_parameters` is given (the
+    released file states none, which is warned)."""
     raw = json.loads((CONFIGS / "zlab-qwen3-8b-dflash-b16.json").read_text())
+    if "rope_parameters" not in overrides:
+        raw["rope_theta"] = 1e6
     raw.update(overrides)
     return raw
 
 
 def test_rust_schema_defaults():
     raw = base()
-    del raw["block_size"]
-    config = parse_config(raw)
+    del raw["block_size"], raw["rope_theta"]
+    with pytest.warns(UserWarning, match="no `rope_theta`") as record:
+        config = parse_config(raw, source="drafter/config.json")
     assert config.block_size == 16 and config.rope_theta == 1e7 and config.rope_type == "default"
-    assert config.confidence_head_with_markov is True and config.markov_rank == 0
+    (message,) = [str(w.message) for w in record]
+    assert "drafter/config.json" in message and "10000000" in message and "1e4" in message and "1e6" in message
+    assert config.confidence_head_with_markov is None and config.markov_rank == 0
     assert config.tie_word_embeddings is False and config.draft_vocab_size is None
     assert config.rms_norm_eps == 1e-6 and config.markov_head_type is None and not config.enable_confidence_head
 
@@ -83,7 +97,8 @@ def test_rope_parameters():
     config = parse_config(base(rope_parameters={"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}))
     assert config.rope_theta == 5e5 and config.rope_type == "yarn" and config.rope_scaling.factor == 4.0
     same = {"rope_type": "yarn", "factor": 4.0}
-    assert parse_config(base(rope_parameters=same, rope_scaling=same)).rope_type == "yarn"
+    with pytest.warns(UserWarning, match="no `rope_theta`"):  # rope_parameters without a theta
+        assert parse_config(base(rope_parameters=same, rope_scaling=same)).rope_type == "yarn"
     with pytest.raises(ConfigError, match="rope_parameters"):
         parse_config(base(rope_parameters={"rope_type": "yarn", "factor": 4.0}, rope_scaling={"rope_type": "default"}))
     with pytest.raises(ConfigError, match="rope_theta"):
@@ -96,7 +111,7 @@ def test_unknown_rope_type_warns_and_runs_plain():
     assert config.rope_type == "default"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert parse_config(base(rope_scaling={"type": "yarn", "factor": 2.0})).rope_type == "yarn"
+        assert parse_config(base(rope_theta=1e6, rope_scaling={"type": "yarn", "factor": 2.0})).rope_type == "yarn"
 
 
 def test_deepspec_dspark_top_level():

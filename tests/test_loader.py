@@ -1,5 +1,6 @@
 """load_drafter: every family and layout, values bit-exact, replication, optional heads, errors."""
 
+import json
 import logging
 import os
 
@@ -7,6 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
@@ -42,7 +44,9 @@ def written(directory):
 def test_every_family_and_layout_loads_bit_exactly(tmp_path, preset, prefix, shards):
     config = write_checkpoint(tmp_path, preset, prefix=prefix, num_shards=shards, seed=3)
     drafter = load_drafter(tmp_path)
-    assert drafter.config == config
+    stated = config.confidence_head_with_markov  # tiny-dspark states none: read off the projection, [1, H + r]
+    assert drafter.config == msgspec.structs.replace(config, confidence_head_with_markov=stated or
+                                                     (True if config.family == "dspark" else None))
     tensors = written(tmp_path)
     assert len(jax.tree.leaves(drafter.params)) == len(tensors)
     for name, value in tensors.items():
@@ -173,3 +177,28 @@ def test_unexpected_tensors_warn(tmp_path):
     rewrite(tmp_path, lambda t: t.update({"extra.weight": np.zeros(3, ml_dtypes.bfloat16)}))
     with pytest.warns(UserWarning, match="extra.weight"):
         load_drafter(tmp_path)
+
+
+def test_confidence_head_read_off_its_width(tmp_path):
+    """A SpecForge DSpark export without `confidence_head_with_markov` (SpecForge's default: false) and a [1, H]
+    projection loads as a hidden-only head; DeepSpec's [1, H + r] as the Markov-conditioned one."""
+    from dflash_jax.testing import preset_dict
+
+    for stated, width in ((False, 64), (True, 64 + 32)):
+        directory = tmp_path / str(stated)
+        write_checkpoint(directory, {**preset_dict("tiny-dspark"), "confidence_head_with_markov": stated})
+        raw = json.loads((directory / "config.json").read_text())
+        del raw["confidence_head_with_markov"]
+        (directory / "config.json").write_text(json.dumps(raw))
+        drafter = load_drafter(directory)
+        assert drafter.config.confidence_head_with_markov is stated
+        chex.assert_shape(drafter.params["confidence_head"]["proj"]["weight"], (1, width))
+
+
+def test_confidence_head_of_another_width_names_tensor_and_widths(tmp_path):
+    write_checkpoint(tmp_path, "tiny-dspark")
+    path = rewrite(tmp_path, lambda t: t.update({"confidence_head.proj.weight": np.zeros((1, 70), ml_dtypes.bfloat16)}))
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(tmp_path)
+    for part in (path, "'confidence_head.proj.weight'", "[1, 70]", "confidence_head_with_markov", "[1, 64]", "[1, 96]"):
+        assert part in str(err.value)
