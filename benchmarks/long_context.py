@@ -151,10 +151,12 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
             if batch > 1 and P > min(prompt_lens):
                 continue  # batch > 1 at the shortest prompt only
             prompts = rng.integers(0, V, (batch, P)).tolist()
-            runs = {"greedy": lambda: greedy_generate(target, prompts, max_new, prefill_chunk=chunk)}
+            beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
+            runs = {"greedy": lambda: greedy_generate(target, prompts, max_new, prefill_chunk=chunk,
+                                                      beyond_max_positions=beyond)}
             for name, d in drafters.items():
                 runs[name] = lambda d=d: speculative_generate(target, d, prompts, max_new_tokens=max_new,
-                                                              prefill_chunk=chunk)
+                                                              prefill_chunk=chunk, beyond_max_positions=beyond)
             base, greedy_tokens = None, None
             for name, run in runs.items():
                 run()  # compile

@@ -145,6 +145,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
         rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
         start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
         block_h=max(16, pl_rows(groups * Sq)), block_k=_PALLAS_BLOCK_K, k_splits=splits, return_residuals=True,
+        num_warps=PALLAS_WARPS.get(pl_rows(groups * Sq)),
     )
     shape = (batch, n_kv, groups, Sq)
     l, m = l.reshape(shape), m.reshape(shape)
@@ -155,6 +156,9 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
 
 
 _PALLAS_BLOCK_K = 128
+# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 16-row tile
+# (greedy decode) 0.070 -> 0.048 ms with 4; a 128-row tile (a 17-token verify) 0.128 -> 0.091 ms with 8.
+PALLAS_WARPS: dict[int, int] = {16: 4, 128: 8}
 
 
 def pl_rows(rows: int) -> int:

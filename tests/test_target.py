@@ -227,10 +227,13 @@ def test_fused_prefill_equals_the_chunked_one():
     runs = [target.prefill(tokens, target.init_cache(2, 768), lengths, layer_ids=(1, 5), chunk=256, impl=impl)
             for impl in ("cudnn", "xla")]
     fused, chunked = runs
-    np.testing.assert_allclose(np.asarray(fused.logits), np.asarray(chunked.logits), atol=0.1, rtol=0.05)
+
+    def close(a, b):  # bf16 roundings differ between the kernels: compare relative norms
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+
+    close(fused.logits, chunked.logits)
     for row, n in enumerate(np.asarray(lengths)):
-        np.testing.assert_allclose(np.asarray(fused.features[row, :n], np.float32),
-                                   np.asarray(chunked.features[row, :n], np.float32), atol=0.1, rtol=0.05)
-        for a, b in zip(fused.cache.k, chunked.cache.k):
-            np.testing.assert_allclose(np.asarray(a[row, :, :n], np.float32), np.asarray(b[row, :, :n], np.float32),
-                                       atol=0.05, rtol=0.05)
+        close(fused.features[row, :n], chunked.features[row, :n])
+        for a, b in zip(fused.cache.k + fused.cache.v, chunked.cache.k + chunked.cache.v):
+            close(a[row, :, :n], b[row, :, :n])
