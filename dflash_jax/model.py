@@ -363,7 +363,7 @@ def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dt
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks"))
 def draft_hidden(
     drafter: Drafter,
     target_hidden: jax.Array,
@@ -374,13 +374,15 @@ def draft_hidden(
     embed: jax.Array | None = None,
     causal: bool | None = None,
     sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
 ) -> jax.Array:
     """The drafter's final hidden states (after `norm`) for every block row: `[batch, B, H]`, uncached.
 
     target_hidden: `[batch, S, Lf*H]` target features at `target_layer_ids`, shallow to deep;
     block_ids: `[batch, B]` (`[anchor, MASK x (B-1)]`); positions: `[batch, S]` / `[batch, B]` RoPE positions;
-    embed: `[V, H]` HF layout, None for the drafter's own or attached one. `causal` / `sliding_window`: the
-    attention rule (module docstring).
+    embed: `[V, H]` HF layout, None for the drafter's own or attached one. `causal` / `sliding_window` /
+    `draft_window` / `draft_sinks`: the attention rule (`attention_rules`).
     """
     params, config = drafter.params, drafter.config
     dtype = params["fc"]["weight"].dtype
@@ -391,12 +393,13 @@ def draft_hidden(
         jnp.ones(context_positions.shape, bool),
     )
     x = embed_block(config, embed, block_ids, dtype)
-    rules = attention_rules(config, causal=causal, sliding_window=sliding_window)
+    rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
+                            draft_sinks=draft_sinks)
     hidden, _ = forward(params, config, rules, x, block_positions.astype(jnp.int32), context)
     return hidden
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks"))
 def draft_logits(
     drafter: Drafter,
     target_hidden: jax.Array,
@@ -408,6 +411,8 @@ def draft_logits(
     lm_head: jax.Array | None = None,
     causal: bool | None = None,
     sliding_window: bool = True,
+    draft_window: int | None = None,
+    draft_sinks: int = 0,
 ) -> jax.Array:
     """Float32 logits `[batch, B, V]` for every block row: `lm_head(draft_hidden(...))`, uncached.
 
@@ -423,6 +428,8 @@ def draft_logits(
         embed=embed,
         causal=causal,
         sliding_window=sliding_window,
+        draft_window=draft_window,
+        draft_sinks=draft_sinks,
     )
     return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
 

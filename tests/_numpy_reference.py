@@ -136,14 +136,15 @@ def specforge_block_mask(anchor, seq_len, block_size, window=None):
     return context | draft
 
 
-def allowed(query_positions, key_positions, causal, window):
-    """`[Sq, Sk]` bool: which keys each query may attend to under one layer's (causal, window) rule."""
+def allowed(query_positions, key_positions, causal, window, sinks=0):
+    """`[Sq, Sk]` bool: which keys each query may attend to under one layer's (causal, window) rule; with a
+    window, the first `sinks` positions stay visible (the opt-in draft window of full layers)."""
     delta = query_positions[:, None] - key_positions[None, :]
     ok = np.ones(delta.shape, bool)
     if causal:
         ok &= delta >= 0
     if window is not None:
-        ok &= np.abs(delta) <= window - 1
+        ok &= (np.abs(delta) <= window - 1) | (key_positions[None, :] < sinks)
     return ok
 
 
@@ -163,7 +164,7 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         y = rows @ p[name]["weight"].T
         return y + p[name]["bias"] if "bias" in p[name] else y
 
-    for lp, (causal, window) in zip(params["layers"], rules):
+    for lp, (causal, window, *sinks) in zip(params["layers"], rules):  # sinks: with a draft window
         a = lp["self_attn"]
         xn = rms_norm(x, lp["input_layernorm"]["weight"], eps)
         if "attention_conv" in lp:
@@ -174,7 +175,7 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         k = rms_norm(proj(a, "k_proj", both).reshape(S + B, n_kv, d), a["k_norm"]["weight"], eps)
         k = rope(k, key_pos, config)
         v = proj(a, "v_proj", both).reshape(S + B, n_kv, d)
-        visible = allowed(blk_pos, key_pos, causal, window)
+        visible = allowed(blk_pos, key_pos, causal, window, *sinks)
         out = np.zeros((B, n_h, d))
         for h in range(n_h):
             kv = h // group

@@ -25,13 +25,13 @@ PAD = 9  # new context rows are padded to this many, so every step runs the same
 sample = jax.jit(sample_drafts)
 
 
-def _uncached(drafter, feats, length, anchor):
+def _uncached(drafter, feats, length, anchor, **rule):
     """(final hidden of the draft rows, greedy proposal) of one sequence from its whole context, no cache."""
     c = drafter.config
     B, n = c.effective_block_size, c.num_draft_tokens
     hidden = draft_hidden(
         drafter, feats[None, :length], block(drafter, [anchor]),
-        context_positions=np.arange(length)[None], block_positions=(length + np.arange(B))[None],
+        context_positions=np.arange(length)[None], block_positions=(length + np.arange(B))[None], **rule,
     )[:, B - n:]
     return hidden, sample(drafter, hidden, jnp.asarray([anchor]))
 
@@ -178,3 +178,72 @@ def test_propose_on_a_mesh(cpu_mesh):
         assert cache.keys[0].sharding.is_fully_replicated == (batch == P() or n == 1)
         runs.append(np.asarray(got.tokens))
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+# (num_new per sequence) after a first step of a long prompt: the context grows to 6x the tiny DFlash2 window
+LONG_STEPS = [(40, 33), (3, 5), (8, 1), (5, 8), (2, 4), (6, 3)]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(draft_window=6, draft_sinks=2), dict(draft_window=5)],
+                         ids=["trained", "window+sinks", "window"])
+def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(options):
+    """Past the window: tiny DFlash2 (a sliding layer of window 8, a ring of 16 rows; a full layer) after a
+    40-row first step appended in chunks of 16, then steps until the ring wrapped ~4 times. Every step's drafts
+    equal the uncached forward over the whole context with the same rule, for the trained rule and for the
+    opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring)."""
+    drafter = tiny_drafter("tiny-dflash2")
+    total = np.sum(LONG_STEPS, axis=0)
+    feats = features(drafter, 2, int(total.max()) + 40, seed=4)
+    rng = np.random.default_rng(5)
+    cache = init_cache(drafter, 2, 128, **options)
+    if "draft_sinks" not in options:
+        assert all(k.shape[2] <= 16 for k in cache.keys[:1]) and cache.rings[0]
+    assert cache.rings[1] == ("draft_window" in options and "draft_sinks" not in options)
+    lengths = np.zeros(2, int)
+    for step, num_new in enumerate(map(np.array, LONG_STEPS)):
+        width = 40 if step == 0 else 9
+        new = np.zeros((2, width, feats.shape[-1]), np.float32)
+        for b in range(2):
+            new[b, : num_new[b]] = feats[b, lengths[b] : lengths[b] + num_new[b]]
+        anchors = rng.integers(0, drafter.config.vocab_size, 2).astype(np.int32)
+        got, cache = propose(drafter, cache, new, num_new, anchors, append_chunk=16, **options)
+        lengths += num_new
+        if step in (0, len(LONG_STEPS) - 1):
+            for b in range(2):
+                _, want = _uncached(drafter, feats[b], lengths[b], anchors[b], **options)
+                np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    assert not np.asarray(cache.overflow).any()
+
+
+def test_the_draft_window_is_the_numpy_rule():
+    """The uncached forward under `draft_window` / `draft_sinks` equals the NumPy reference's masks."""
+    drafter = tiny_drafter("tiny-dflash")
+    c = drafter.config
+    feats = features(drafter, 1, 30, seed=6)[0]
+    B = c.effective_block_size
+    hidden = draft_hidden(drafter, feats[None], block(drafter, [3]), context_positions=np.arange(30)[None],
+                          block_positions=(30 + np.arange(B))[None], draft_window=7, draft_sinks=3)
+    rules = [(r[0], 7, 3) for r in ref.layer_rules(c)]
+    want = ref.hidden_states(ref.to_numpy(drafter.params), c, feats.astype(np.float64), np.asarray(block(drafter, [3]))[0],
+                             np.arange(30), 30 + np.arange(B), np.asarray(drafter.embedding, np.float64), rules)
+    np.testing.assert_allclose(np.asarray(hidden[0]), want, rtol=0, atol=2e-4)
+    full = draft_hidden(drafter, feats[None], block(drafter, [3]), context_positions=np.arange(30)[None],
+                        block_positions=(30 + np.arange(B))[None])
+    assert not np.allclose(np.asarray(full), np.asarray(hidden), atol=1e-3)  # the window changed something
+
+
+def test_overflow_is_flagged_never_clamped():
+    """Rows past `max_context` are dropped and the sequence flagged; `check` raises; lengths keep counting."""
+    drafter = tiny_drafter("tiny-dflash")
+    cache = init_cache(drafter, 2, 12)
+    new = features(drafter, 2, 9, seed=7)
+    _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
+    cache.check()
+    _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [18, 4])
+    np.testing.assert_array_equal(np.asarray(cache.overflow), [True, False])
+    with pytest.raises(ValueError, match=r"sequences \[0\] outgrew max_context=12"):
+        cache.check()
+    with pytest.raises(ValueError, match="attention options"):
+        propose(drafter, init_cache(drafter, 2, 12), new, np.array([9, 2]), np.zeros(2, np.int32), draft_window=4)
