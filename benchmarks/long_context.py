@@ -130,14 +130,15 @@ def peak_gb() -> float:
 
 def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
                 chunk: int):
-    config = SMALL if small else LONG_QWEN3_8B
-    if small:
-        config = {**config, "max_position_embeddings": 4096}
+    config = {**SMALL, "num_hidden_layers": 6, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
     successor, other = rng.permutation(V), rng.permutation(V)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
-    dspark = random_drafter(parse_config(drafter_configs(config)["dspark"]), seed=1)
+    raw = drafter_configs(config)["dspark"]
+    if small:  # a 6-layer target: the drafter reads two of its layers
+        raw = {**raw, "num_target_layers": 6, "dflash_config": {**raw["dflash_config"], "target_layer_ids": [1, 3]}}
+    dspark = random_drafter(parse_config(raw), seed=1)
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),
                 "zero acceptance": successor_drafter(dspark, other)}
@@ -198,6 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.small:
         args.contexts, args.prompts, args.propose_batch, args.decode_batch = [200], [200], [2], [1]
+        args.drafters = ["Qwen3.6-35B-A3B tf5"]  # both kinds of layer
         args.iters, args.max_new, args.chunk = 2, 8, 64
     start = time.perf_counter()
     bandwidth = copy_bandwidth(0.0625 if args.small else 4)

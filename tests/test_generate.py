@@ -162,3 +162,37 @@ def test_result_figures(target, oracle):
     assert result.mean_acceptance_length == pytest.approx(np.mean(steps))
     with pytest.raises(ValueError, match="at least one token"):
         speculative_generate(target, oracle, [[1, 2], []], max_new_tokens=4)
+
+
+LONG_PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (150, 97)]  # past the DFlash2 window (8) and a chunk
+
+
+@pytest.fixture(scope="module")
+def long_greedy(target):
+    return greedy_generate(target, LONG_PROMPTS, 12)  # one prefill chunk: the other path than below
+
+
+@pytest.mark.parametrize("preset", ["tiny-dflash", "tiny-dflash2", "tiny-dspark"])
+def test_long_prompts_are_lossless(tmp_path_factory, target, long_greedy, preset):
+    """Prompts several times the drafter's window and the prefill chunk (target prefill and the drafter's first
+    append both in chunks of 32): exactly the target's greedy tokens, for every family."""
+    result = speculative_generate(target, _drafter(tmp_path_factory, preset), LONG_PROMPTS, max_new_tokens=12,
+                                  prefill_chunk=32)
+    assert result.tokens == long_greedy.tokens
+
+
+def test_a_draft_window_keeps_greedy_output(tmp_path_factory, target, long_greedy):
+    """The opt-in draft window with sinks on full layers changes drafts, never the greedy output."""
+    drafter = _drafter(tmp_path_factory, "tiny-dflash")
+    result = speculative_generate(target, drafter, LONG_PROMPTS, max_new_tokens=12, draft_window=16,
+                                  draft_sinks=4, prefill_chunk=64)
+    assert result.tokens == long_greedy.tokens
+
+
+def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory, target):
+    """The tiny target declares 1024 positions: a prompt plus new tokens past them is a ValueError up front."""
+    drafter = _drafter(tmp_path_factory, {**preset_dict("tiny-dflash"), "max_position_embeddings": 200})
+    with pytest.raises(ValueError, match="target's max_position_embeddings=1024"):
+        greedy_generate(target, [[1] * 1000], 30)
+    with pytest.raises(ValueError, match="drafter's max_position_embeddings=200"):
+        speculative_generate(target, drafter, [[1] * 190], max_new_tokens=20)

@@ -1,0 +1,23 @@
+"""The long-context benchmark's `--small` mode runs end to end on a CPU (so the script cannot rot)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_long_context_small(tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "XLA_FLAGS": ""}  # one CPU device, as a user runs it
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "long_context.py"), "--small",
+                    "--json", str(out)], check=True, env=env, timeout=600, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    propose = [r for r in rows if r["part"] == "propose"]
+    decode = [r for r in rows if r["part"] == "decode"]
+    assert propose and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in propose)
+    assert {r["run"] for r in decode} == {"greedy", "full acceptance", "zero acceptance"}
+    assert all(r["same_as_greedy"] for r in decode)
+    full = next(r for r in decode if r["run"] == "full acceptance")
+    assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
