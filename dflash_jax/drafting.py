@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .loader import Drafter, draft_to_target_ids
+from ._arguments import check_propose_inputs
 from .attention import KeyValues, LayerRule, Span
 from .model import (
     Context,
@@ -384,9 +385,11 @@ def propose(
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
     drafter's own or attached one; causal / sliding_window / draft_window / draft_sinks: the attention rule
     (`dflash_jax.model.attention_rules`), the same as the cache was made with; impl: the attention's
-    (`dflash_jax.attention.attend`).
+    (`dflash_jax.attention.attend`). Shapes are checked when the program is traced; values (`num_new` in
+    `[0, n_new]`, ids in the vocabulary, a temperature > 0 coming with a key) are not: `propose` is jitted.
     """
     params, config = drafter.params, drafter.config
+    check_propose_inputs(config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens
     rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,

@@ -17,8 +17,8 @@ Sampling (temperature T > 0) is the standard speculative-sampling rule (Leviatha
 2023), so the output is distributed exactly as the target's own sampling at T: draft x (drawn from q) is
 accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
 norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T) and q is
-the distribution the drafter actually drew from (`Proposal.probs`). The reference loop (exact token equality
-with an argmax drafter) is not lossless at T > 0 (spec §5); this is.
+the distribution the drafter actually drew from (`Proposal.probs`). z-lab's reference loop compares each draft
+with a token sampled from the target, which is lossless too, but accepts less (docs/references.md).
 
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arguments import check_sampling, check_token_ids
 from .drafting import ContextCache, Proposal, init_cache, propose
 from .loader import Drafter
 from .target import PREFILL_CHUNK, Target
@@ -335,6 +336,9 @@ def speculative_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, single = _as_batch(prompt_ids)
+    for p in prompts:
+        check_token_ids("speculative_generate", "prompt_ids", p, target.vocab_size)
+    check_sampling("speculative_generate", seed, temperature)  # the key is made from `seed`
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
@@ -438,6 +442,8 @@ def greedy_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, single = _as_batch(prompt_ids)
+    for p in prompts:
+        check_token_ids("greedy_generate", "prompt_ids", p, target.vocab_size)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._arguments import check_block_inputs
 from .attention import KeyValues, LayerRule, Span, attend
 from .config import DflashConfig
 from .loader import Drafter
@@ -382,9 +383,12 @@ def draft_hidden(
     target_hidden: `[batch, S, Lf*H]` target features at `target_layer_ids`, shallow to deep;
     block_ids: `[batch, B]` (`[anchor, MASK x (B-1)]`); positions: `[batch, S]` / `[batch, B]` RoPE positions;
     embed: `[V, H]` HF layout, None for the drafter's own or attached one. `causal` / `sliding_window` /
-    `draft_window` / `draft_sinks`: the attention rule (`attention_rules`).
+    `draft_window` / `draft_sinks`: the attention rule (`attention_rules`). Shapes are checked against the
+    config when the program is traced; under `jit` the ids' values are not (an id past the vocabulary would be
+    clamped by the gather).
     """
     params, config = drafter.params, drafter.config
+    check_block_inputs(config, "draft_hidden", target_hidden, block_ids, context_positions, block_positions)
     dtype = params["fc"]["weight"].dtype
     embed = drafter.embedding if embed is None else embed
     context = Context(
