@@ -139,13 +139,14 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     batch, n_kv, groups, Sq, d_h = q.shape
     capacity = span.k.shape[2]
     splits = _splits(capacity)
+    tile = max(16, _tile_rows(groups * Sq))  # query rows per program (Triton's dot needs >= 16)
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
     out, (l, m) = decode_attention.mqa(
         rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
         start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
-        block_h=max(16, pl_rows(groups * Sq)), block_k=_PALLAS_BLOCK_K, k_splits=splits, return_residuals=True,
-        num_warps=PALLAS_WARPS.get(pl_rows(groups * Sq)),
+        block_h=tile, block_k=_PALLAS_BLOCK_K, k_splits=splits, return_residuals=True,
+        num_warps=PALLAS_WARPS.get(tile),
     )
     shape = (batch, n_kv, groups, Sq)
     l, m = l.reshape(shape), m.reshape(shape)
@@ -156,12 +157,12 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
 
 
 _PALLAS_BLOCK_K = 128
-# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 16-row tile
-# (greedy decode) 0.070 -> 0.048 ms with 4; a 128-row tile (a 17-token verify) 0.128 -> 0.091 ms with 8.
-PALLAS_WARPS: dict[int, int] = {16: 4, 128: 8}
+# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 128-row tile
+# (a 17-token verify) 0.128 -> 0.091 ms with 8; other tiles keep Triton's default (4 and 8 were no faster).
+PALLAS_WARPS: dict[int, int] = {128: 8}
 
 
-def pl_rows(rows: int) -> int:
+def _tile_rows(rows: int) -> int:
     """Rows of the kernel's query tile: the next power of two (Triton tiles are powers of two)."""
     return 1 << (rows - 1).bit_length()
 

@@ -80,7 +80,8 @@ class ContextCache:
             )
 
 
-def _rings(drafter: Drafter, rules) -> tuple[bool, ...]:
+def _rings(rules) -> tuple[bool, ...]:
+    """Per layer: a ring buffer (a window and no sinks), else every position kept."""
     return tuple(r.window is not None and r.sinks == 0 for r in rules)
 
 
@@ -111,7 +112,7 @@ def init_cache(
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
     rules = attention_rules(c, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
                             draft_sinks=draft_sinks)
-    rings = _rings(drafter, rules)
+    rings = _rings(rules)
     rows = [min(max_context, r.window + c.effective_block_size) if ring else max_context
             for r, ring in zip(rules, rings)]
 
@@ -394,7 +395,7 @@ def propose(
     B, n_draft = config.effective_block_size, config.num_draft_tokens
     rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
                             draft_sinks=draft_sinks)
-    if _rings(drafter, rules) != cache.rings:
+    if _rings(rules) != cache.rings:
         raise ValueError("the cache was made with other attention options than this propose call's (its ring-"
                          "buffered layers differ): pass init_cache the same causal/sliding_window/draft_window")
     num_new = jnp.asarray(num_new, jnp.int32)
