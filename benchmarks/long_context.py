@@ -53,30 +53,26 @@ LONG_QWEN3_8B = {**QWEN3_8B, "max_position_embeddings": 131072,
 NEW_ROWS = 16
 
 
-def copy_bandwidth(gib: float) -> float:
-    """Bytes/s of `x + 1` over a bf16 array of `gib` GiB (read + write)."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: x + 1)
+def fastest(f, x, runs: int = 5) -> float:
+    """Seconds of the fastest of `runs` calls of `f(x)`, after one compiling call."""
     jax.block_until_ready(f(x))
     times = []
-    for _ in range(5):
+    for _ in range(runs):
         start = time.perf_counter()
         jax.block_until_ready(f(x))
         times.append(time.perf_counter() - start)
-    return 2 * x.nbytes / min(times)
+    return min(times)
+
+
+def copy_bandwidth(gib: float) -> float:
+    """Bytes/s of `x + 1` over a bf16 array of `gib` GiB (read + write)."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    return 2 * x.nbytes / fastest(jax.jit(lambda x: x + 1), x)
 
 
 def matmul_rate(n: int) -> float:
     """FLOP/s of one bf16 `[n, n] @ [n, n]`."""
-    a = jnp.ones((n, n), jnp.bfloat16)
-    f = jax.jit(lambda a: a @ a)
-    jax.block_until_ready(f(a))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        jax.block_until_ready(f(a))
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / min(times)
+    return 2 * n**3 / fastest(jax.jit(lambda a: a @ a), jnp.ones((n, n), jnp.bfloat16))
 
 
 def nbytes(tree) -> int:
