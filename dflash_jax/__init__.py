@@ -8,7 +8,7 @@
 
 Modules: `config` (config.json decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `loader` / `placement` (checkpoint -> replicated pytree), `model` (the drafter forward),
-`drafting` (one cached drafting step), `target` (a Qwen3 target), `generate` (the draft/verify loop),
+`drafting` (one cached drafting step), `target` (Qwen3 and Llama targets, tensor-parallel on a mesh: `load_target`), `generate` (the draft/verify loop),
 `testing` (random checkpoints), `cli`.
 """
 
@@ -18,12 +18,13 @@ from .errors import CheckpointError, ConfigError
 from .generate import GenerationResult, greedy_generate, speculative_generate
 from .loader import Drafter, draft_to_target_ids, load_drafter
 from .model import DrafterModule, draft_hidden, draft_logits
-from .target import Qwen3Target, Target
+from .target import DecoderTarget, Qwen3Target, Target, load_target
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
     "ContextCache",
+    "DecoderTarget",
     "DflashConfig",
     "Drafter",
     "DrafterModule",
@@ -38,6 +39,7 @@ __all__ = [
     "init_cache",
     "load_config",
     "load_drafter",
+    "load_target",
     "parse_config",
     "propose",
     "sample_drafts",

@@ -28,7 +28,8 @@ import ml_dtypes
 import numpy as np
 
 from .loader import Drafter, build_tree
-from .target import Qwen3Config, Qwen3Target, parse_qwen3_config, plan_qwen3
+from .target import ARCHITECTURES, DecoderConfig, DecoderTarget, Qwen3Config, Qwen3Target, parse_decoder_config, \
+    plan_decoder
 from .safetensors import write_tensors
 from .testing import random_tensor
 
@@ -40,10 +41,33 @@ _TINY_QWEN3 = {
     "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
     "max_window_layers": 6, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+_TINY_LLAMA = {  # transformers-4 layout: `rope_theta` + `rope_scaling`; head_dim unstated (hidden / heads)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
+    "bos_token_id": 0, "eos_token_id": [1, 2], "torch_dtype": "bfloat16",
+}
 QWEN3_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": _TINY_QWEN3,
     "tiny-qwen3-tied": {**_TINY_QWEN3, "tie_word_embeddings": True},
+    # tensor-parallel tests: 8 heads of 8 and 2 KV heads, so 2 devices split the KV heads and 4 or 8 replicate them
+    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8},
+    "tiny-llama": _TINY_LLAMA,
+    "tiny-llama-tied": {**_TINY_LLAMA, "tie_word_embeddings": True},
+    # transformers-5 layout: `rope_parameters` holds the theta and the scaling
+    "tiny-llama-v5": {**{k: v for k, v in _TINY_LLAMA.items() if k not in ("rope_theta", "rope_scaling")},
+                      "rope_parameters": {**_LLAMA3_ROPE, "rope_theta": 500000.0}},
 }
+
+
+def _parse(raw: dict[str, Any], source: str) -> DecoderConfig:
+    """A raw config decoded as the architecture it names (Qwen3 when it names none)."""
+    kind = next((ARCHITECTURES[a] for a in raw.get("architectures", ()) if a in ARCHITECTURES), Qwen3Config)
+    return parse_decoder_config(raw, kind, source=source)
 
 
 def write_qwen3_checkpoint(
@@ -53,8 +77,9 @@ def write_qwen3_checkpoint(
     seed: int = 0,
     num_shards: int = 1,
     dtype: str = "bfloat16",
-) -> Qwen3Config:
-    """Write a random Qwen3 checkpoint of `config` (a preset name or a raw config dict) to `directory`.
+) -> DecoderConfig:
+    """Write a random Qwen3 or Llama checkpoint of `config` (a preset name or a raw config dict; the architecture
+    its `architectures` names) to `directory`.
 
     Weights are drawn as the drafter test checkpoints' are (`testing.random_tensor`: norms near 1, linears
     scaled by fan-in). `num_shards > 1` writes shards plus an index; `dtype` is "bfloat16" or "float32".
@@ -62,22 +87,22 @@ def write_qwen3_checkpoint(
     """
     raw = copy.deepcopy(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
     raw["torch_dtype"] = dtype
-    parsed = parse_qwen3_config(raw, source=f"qwen3 config {config if isinstance(config, str) else ''}")
+    parsed = _parse(raw, f"decoder config {config if isinstance(config, str) else ''}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
-    arrays = {t.name: random_tensor(t, parsed, rng).astype(out_dtype) for t in plan_qwen3(parsed)}
+    arrays = {t.name: random_tensor(t, parsed, rng).astype(out_dtype) for t in plan_decoder(parsed)}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, arrays, num_shards)
     return parsed
 
 
-def random_qwen3(config: Qwen3Config | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Qwen3Target:
-    """A Qwen3 target with random weights drawn on the default device (norm gains 1, linears N(0, 1/fan_in))."""
-    if not isinstance(config, Qwen3Config):
-        config = parse_qwen3_config(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
-    plan = plan_qwen3(config)
+def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Qwen3Target:
+    """A target with random weights drawn on the default device (norm gains 1, linears N(0, 1/fan_in))."""
+    if not isinstance(config, DecoderConfig):
+        config = _parse(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config, "random_qwen3")
+    plan = plan_decoder(config)
     leaves = [
         jnp.ones(t.shape, dtype) if len(t.shape) == 1
         else jax.random.normal(jax.random.key(seed * 1000 + i), t.shape, dtype) * (t.shape[-1] ** -0.5)
@@ -85,11 +110,11 @@ def random_qwen3(config: Qwen3Config | dict[str, Any] | str, *, seed: int = 0, d
     ]
     params = build_tree(plan, leaves)
     params["layers"] = tuple(params["layers"])
-    return Qwen3Target(params=params, config=config)
+    return (Qwen3Target if isinstance(config, Qwen3Config) else DecoderTarget)(params=params, config=config)
 
 
-def successor_target(target: Qwen3Target, successor: np.ndarray, *, margin: float = 10.0,
-                     layer_scale: float = 0.5, seed: int = 0) -> Qwen3Target:
+def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: float = 10.0,
+                     layer_scale: float = 0.5, seed: int = 0) -> DecoderTarget:
     """The target rebuilt so that its greedy next token is (nearly always) `successor[last token]`.
 
     successor: a permutation of the vocabulary. Embedding rows are random with unit RMS; LM-head row v is
@@ -115,7 +140,7 @@ def successor_target(target: Qwen3Target, successor: np.ndarray, *, margin: floa
         "norm": {"weight": jnp.ones((H,), dtype)},
         "layers": layers,
     }
-    return Qwen3Target(params=params, config=c)
+    return dataclasses.replace(target, params=params)
 
 
 def successor_drafter(drafter: Drafter, successor: np.ndarray, *, scale: float = 100.0, seed: int = 0) -> Drafter:

@@ -64,6 +64,8 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool | None = None
+    low_freq_factor: PositiveFloat | None = None  # Llama 3 (`rope_type: llama3`)
+    high_freq_factor: PositiveFloat | None = None
 
 
 class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

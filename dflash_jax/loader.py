@@ -54,6 +54,7 @@ class TensorPlan:
     name: str  # checkpoint tensor name (prefix included)
     shape: tuple[int, ...]  # expected logical shape
     kind: str  # "float" (norms, codebooks), "linear" (float or NVFP4-packed), "int" (d2t)
+    axes: tuple[str | None, ...] = ()  # logical axis per dimension (a target's tensor-parallel plan); (): none
 
 
 @jax.tree_util.register_dataclass

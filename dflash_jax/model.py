@@ -103,6 +103,8 @@ def rope_frequencies(config: DflashConfig) -> tuple[np.ndarray, float]:
     theta = np.float32(config.rope_theta)
     exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)  # [d/2]
     pos_freqs = theta**exponents  # [d/2] f32
+    if config.rope_type == "llama3":
+        return _llama3_frequencies((np.float32(1.0) / pos_freqs).astype(np.float32), config.rope_scaling), 1.0
     if config.rope_type != "yarn":
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
 
@@ -136,6 +138,20 @@ def rope_frequencies(config: DflashConfig) -> tuple[np.ndarray, float]:
         np.float32(1) / pos_freqs
     ) * extrapolation
     return inv_freq.astype(np.float32), float(attention_scaling)
+
+
+def _llama3_frequencies(inv_freq: np.ndarray, s) -> np.ndarray:
+    """Llama 3.x `llama3` scaling (transformers' `_compute_llama3_parameters`), in float32: wavelengths longer than
+    `original / low_freq_factor` are divided by `factor`, shorter than `original / high_freq_factor` kept, and
+    those between interpolated smoothly."""
+    factor, low, high = np.float32(s.factor), np.float32(s.low_freq_factor), np.float32(s.high_freq_factor)
+    original = np.float32(s.original_max_position_embeddings)
+    wavelen = np.float32(2 * math.pi) / inv_freq  # [d/2]
+    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 class Rope(NamedTuple):
@@ -261,19 +277,23 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     return rms_norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
 
 
+def _head_norm(attn: Params, name: str, config, x: jax.Array) -> jax.Array:
+    """Qwen3's per-head RMSNorm `q_norm` / `k_norm` over `d_h` when the params hold it (Llama has none)."""
+    return rms_norm(x, attn[name]["weight"], config.rms_norm_eps) if name in attn else x
+
+
 def queries(attn: Params, config, x: jax.Array, rope: Rope) -> jax.Array:
-    """`q_norm(q_proj(x))` with RoPE: `[batch, S, H] -> [batch, S, n_h, d_h]`."""
+    """`q_norm(q_proj(x))` with RoPE: `[batch, S, H] -> [batch, S, n_h, d_h]` (no norm where `q_norm` is absent)."""
     batch, S, _ = x.shape
     q = linear(x, attn["q_proj"]).reshape(batch, S, config.num_attention_heads, config.head_dim)
-    return apply_rope(rms_norm(q, attn["q_norm"]["weight"], config.rms_norm_eps), rope)
+    return apply_rope(_head_norm(attn, "q_norm", config, q), rope)
 
 
 def keys_values(attn: Params, config, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
     """`k_norm(k_proj(x))` with RoPE and `v_proj(x)`, heads-major: `[batch, S, H] -> 2 x [batch, n_kv, S, d_h]`."""
     batch, S, _ = x.shape
     shape = (batch, S, config.num_key_value_heads, config.head_dim)
-    k = apply_rope(rms_norm(linear(x, attn["k_proj"]).reshape(shape), attn["k_norm"]["weight"], config.rms_norm_eps),
-                   rope)
+    k = apply_rope(_head_norm(attn, "k_norm", config, linear(x, attn["k_proj"]).reshape(shape)), rope)
     v = linear(x, attn["v_proj"]).reshape(shape)
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 

@@ -1,7 +1,7 @@
 """Putting planned tensors onto devices: one host->device copy per tensor, then device-to-device.
 
-For each tensor, the memory-mapped bytes are copied once to the first local device of the target
-sharding, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
+For each tensor (each part of a sharded one, `pieces`), the memory-mapped bytes are copied once to the first
+local device holding it, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
 executables from `_executables`), then copied device-to-device to the other local devices, and the
 per-device copies are assembled with `jax.make_array_from_single_device_arrays`. Under a multi-process
 runtime each process does this for its own devices only, so no process ever holds or sends another's data.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import math
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,11 +31,44 @@ from .safetensors import Checkpoint
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 
 
+def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """`mesh` with Auto axis types (same devices and names): leaves live there, the drafter's and the target's
+    alike, so that they meet in one program, and GSPMD picks the collectives of a sharded target (Explicit axes,
+    `jax.make_mesh`'s default, would need an `out_sharding` at every gather from a vocabulary-sharded table)."""
+    auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    return mesh if tuple(mesh.axis_types) == auto else jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
+
+
 def target_sharding(mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding:
-    """Replicated over `mesh`, or the first local device without one."""
+    """Replicated over `mesh` (with Auto axes), or the first local device without one."""
     if mesh is None:
         return SingleDeviceSharding(jax.local_devices()[0])
-    return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(auto_mesh(mesh), PartitionSpec())
+
+
+class Piece(NamedTuple):
+    """A part of a leaf held by some of this process's devices: `index` (a step-1 slice per dimension) and the
+    local devices holding that part (replicas of it), in device id order."""
+
+    index: tuple[slice, ...]
+    devices: tuple[jax.Device, ...]
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s.stop - s.start for s in self.index)
+
+    def key(self) -> tuple[tuple[int, int], ...]:
+        """`index` as hashable bounds."""
+        return tuple((s.start, s.stop) for s in self.index)
+
+
+def pieces(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[Piece]:
+    """The distinct parts of a leaf of `shape` this process's devices hold under `sharding`, each read once."""
+    by_index: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        by_index.setdefault(key, []).append(device)
+    return [Piece(tuple(slice(a, b) for a, b in key), tuple(sorted(devices, key=lambda d: d.id)))
+            for key, devices in sorted(by_index.items())]
 
 
 def place_all(
@@ -46,77 +80,104 @@ def place_all(
     dtype: jnp.dtype,
     progress: bool | None,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+    shardings: list[jax.sharding.Sharding] | None = None,
 ) -> list[jax.Array]:
-    """Place every planned tensor (in plan order) replicated on the sharding of `mesh`.
+    """Place every planned tensor (in plan order) on its sharding: `shardings[i]` for leaf i, or (None) every
+    leaf replicated on `mesh` (`target_sharding`).
 
+    A sharded leaf is read part by part (`pieces`): each distinct part this process's devices hold is read from
+    the map once, only its own byte ranges, put on the first device holding it and copied to that part's
+    other holders; no process reads or sends another's parts. NVFP4-packed tensors are placed replicated only.
     Raises `CheckpointError` before the first copy when the leaves cannot fit in a device's free memory.
     """
-    sharding = target_sharding(mesh)
-    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    if shardings is None:
+        shardings = [target_sharding(mesh)] * len(plan)
     sources = [_sources(t, packed) for t in plan]
-    check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype))
-    converters = _Converters(checkpoint, plan, sources, devices[0], dtype)
-    arriving: collections.deque[tuple[TensorPlan, list[str], list[jax.Array]]] = collections.deque()
-    placed: collections.deque[tuple[jax.Array, list[str]]] = collections.deque()  # host pages still mapped
+    parts = [pieces(sh, t.shape) for t, sh in zip(plan, shardings)]
+    for t, names, leaf_parts in zip(plan, sources, parts):
+        if len(names) > 1 and leaf_parts[0].shape() != t.shape:
+            raise ValueError(f"{t.name}: an NVFP4-packed tensor can only be placed replicated, not sharded")
+    check_fits(plan, sources, shardings, checkpoint, jnp.dtype(dtype))
+    converters = _Converters(checkpoint, plan, sources, parts, dtype)
+    # (plan, sharding, pieces, per piece its arrays on its first device, source names, bytes read)
+    arriving: collections.deque[tuple] = collections.deque()
+    placed: collections.deque[tuple[jax.Array, list[str], int]] = collections.deque()  # host pages still mapped
     pending = 0  # bytes put and not yet retired
     leaves = []
 
-    def convert_and_replicate(t: TensorPlan, names: list[str], on_device: list[jax.Array]) -> None:
-        first = converters(t, on_device)
-        copies = [first] + [jax.device_put(first, d) for d in devices[1:]]
-        leaf = copies[0] if len(devices) == 1 and mesh is None else (
+    def convert_and_place(t: TensorPlan, sharding, leaf_parts: list[Piece], on_device: list[list[jax.Array]],
+                          names: list[str], size: int) -> None:
+        copies = []
+        for piece, arrays in zip(leaf_parts, on_device):
+            first = converters(t, piece, arrays)
+            copies += [first] + [jax.device_put(first, d) for d in piece.devices[1:]]
+        leaf = copies[0] if isinstance(sharding, SingleDeviceSharding) else (
             jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
         )
         leaves.append(leaf)
-        placed.append((leaf, names))
+        placed.append((leaf, names, size))
 
-    total = sum(checkpoint[n].nbytes for names in sources for n in names)
+    total = sum(_read_bytes(checkpoint, names, p) for names, p in zip(sources, parts))
     with _Progress(len(plan), total, progress) as bar:
-        for t, names in zip(plan, sources):
-            on_device = jax.device_put([_host_array(checkpoint, n, t.kind) for n in names], devices[0])
-            arriving.append((t, names, on_device))
-            size = sum(checkpoint[n].nbytes for n in names)
+        for t, names, sharding, leaf_parts in zip(plan, sources, shardings, parts):
+            on_device = [jax.device_put([_host_array(checkpoint, n, t.kind, piece.index) for n in names],
+                                        piece.devices[0]) for piece in leaf_parts]
+            size = _read_bytes(checkpoint, names, leaf_parts)
+            arriving.append((t, sharding, leaf_parts, on_device, names, size))
             pending += size
             # A conversion launched before its inputs have arrived blocks this thread until they do, and the
             # next transfers wait behind it (an NVFP4 load took 2x longer on an H200): convert the tensors
             # that have arrived, and the others only when over the budget.
-            while arriving and (pending > inflight_bytes or all(a.is_ready() for a in arriving[0][2])):
-                convert_and_replicate(*arriving.popleft())
+            while arriving and (pending > inflight_bytes or all(a.is_ready() for p in arriving[0][3] for a in p)):
+                convert_and_place(*arriving.popleft())
             while pending > inflight_bytes and placed:
                 pending -= _retire(checkpoint, *placed.popleft())
             bar.advance(size)
         while arriving:
-            convert_and_replicate(*arriving.popleft())
+            convert_and_place(*arriving.popleft())
         while placed:
             _retire(checkpoint, *placed.popleft())
     return leaves
 
 
-def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
-               dtype: jnp.dtype) -> None:
-    """Refuse a load whose leaves, plus the inputs of its largest conversion, exceed a device's free memory
-    (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs, are not checked):
-    a clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
-    leaves = sum(math.prod(t.shape) * (4 if t.kind == "int" else dtype.itemsize) for t in plan)  # int32 d2t
+def _read_bytes(checkpoint: Checkpoint, names: list[str], leaf_parts: list[Piece]) -> int:
+    """Bytes of the checkpoint read for one leaf: its parts' share of each source tensor."""
+    total = 0
+    for name in names:
+        info = checkpoint[name]
+        whole = math.prod(info.shape)
+        total += sum(info.nbytes * math.prod(p.shape()) // whole if whole else 0 for p in leaf_parts)
+    return total
+
+
+def check_fits(plan: list[TensorPlan], sources: list[list[str]], shardings: list[jax.sharding.Sharding],
+               checkpoint: Checkpoint, dtype: jnp.dtype) -> None:
+    """Refuse a load whose leaves (each device: its shards), plus the inputs of its largest conversion, exceed a
+    device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs,
+    are not checked): a clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
+    leaves = sum(math.prod(sh.shard_shape(t.shape)) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
+                 for t, sh in zip(plan, shardings))
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
                  if len(names) > 1 or (t.kind != "int" and checkpoint[t.name].np_dtype != dtype)]
     needed = leaves + max(converted, default=0)
-    for device in devices:
+    devices = {d for sh in shardings for d in sh.addressable_devices}
+    for device in sorted(devices, key=lambda d: d.id):
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
             continue
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         if needed > free:
             raise CheckpointError(
-                f"{checkpoint.path}: the drafter needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "
+                f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "
                 f"but {device} has {free / 2**20:,.0f} MiB free; expected a device with more free memory (or a "
                 "narrower dtype)"
             )
 
 
-def _host_array(checkpoint: Checkpoint, name: str, kind: str) -> np.ndarray:
-    """A tensor as NumPy, ready to put: the memory-mapped view (index tables narrowed to int32, JAX's default)."""
-    array = checkpoint.array(name)
+def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice, ...]) -> np.ndarray:
+    """A tensor's part as NumPy, ready to put: the memory-mapped view (index tables narrowed to int32, JAX's
+    default)."""
+    array = checkpoint.read(name, index)
     return array.astype(np.int32) if kind == "int" else array
 
 
@@ -130,31 +191,36 @@ def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
 class _Converters:
     """The on-device conversions of a load (NVFP4 dequantization, casts to the load dtype), compiled ahead.
 
-    All of them are requested from `_executables` as soon as the load starts, so they compile (or load from
-    the disk cache) on its thread pool while the first tensors stream.
+    All of them (one per part shape and device that receives it from the host) are requested from
+    `_executables` as soon as the load starts, so they compile (or load from the disk cache) on its thread pool
+    while the first tensors stream.
     """
 
-    def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]], device, dtype):
+    def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]],
+                 parts: list[list[Piece]], dtype):
         dtype = jnp.dtype(dtype)
         self._futures = {}
-        for t, names in zip(plan, sources):
-            inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
-            if len(names) > 1:
-                self._futures[t.name] = compiled("nvfp4", inputs, dtype, device)
-            elif t.kind != "int" and inputs[0][1] != dtype:
-                self._futures[t.name] = compiled("cast", inputs, dtype, device)
+        for t, names, leaf_parts in zip(plan, sources, parts):
+            for piece in leaf_parts:
+                device, key = piece.devices[0], (t.name, piece.key())
+                if len(names) > 1:
+                    inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
+                    self._futures[key] = compiled("nvfp4", inputs, dtype, device)
+                elif t.kind != "int" and checkpoint[t.name].np_dtype != dtype:
+                    self._futures[key] = compiled("cast", ((piece.shape(), checkpoint[t.name].np_dtype),), dtype,
+                                                  device)
 
-    def __call__(self, t: TensorPlan, arrays: list[jax.Array]) -> jax.Array:
-        future = self._futures.get(t.name)
+    def __call__(self, t: TensorPlan, piece: Piece, arrays: list[jax.Array]) -> jax.Array:
+        future = self._futures.get((t.name, piece.key()))
         return arrays[0] if future is None else future.result()(*arrays)
 
 
-def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str]) -> int:
-    """Wait for a tensor's copies, then drop its host pages; returns the bytes released."""
+def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str], size: int) -> int:
+    """Wait for a tensor's copies, then drop its host pages; returns the bytes released (`size`: those read)."""
     leaf.block_until_ready()
     for name in names:
         checkpoint.release(name)
-    return sum(checkpoint[n].nbytes for n in names)
+    return size
 
 
 class _Progress:

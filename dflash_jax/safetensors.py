@@ -280,6 +280,13 @@ class Checkpoint(Mapping[str, TensorInfo]):
             )
         return data[info.start : info.end].view(info.np_dtype).reshape(info.shape)
 
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """The part `index` (one step-1 slice per dimension) of a tensor, as a view of the map: only the pages
+        under its byte ranges are touched when it is copied (a row block of a row-major tensor is one contiguous
+        range; a column block, one range per row). None: the whole tensor (`array`)."""
+        array = self.array(name)
+        return array if index is None else array[index]
+
     def _map(self, file: str) -> np.ndarray:
         if file not in self._maps:
             try:  # the file opened for its header: the same bytes, whatever happened to the path since

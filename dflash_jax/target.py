@@ -1,9 +1,11 @@
-"""The target side of speculative decoding: a `Target` protocol and `Qwen3Target`, a dense Qwen3 decoder in JAX.
+"""The target side of speculative decoding: a `Target` protocol and `DecoderTarget`, a dense decoder in JAX
+(Qwen3 and Llama 3.x: one forward, the architectures differing only in their config class).
 
-`Qwen3Target.from_pretrained(path)` reads a Hugging Face Qwen3 directory (config.json + safetensors, sharded or
-not) with the package's header-first reader and puts the weights on devices with `placement.place_all`, the
-drafter's loader path. The forward runs the new tokens of each sequence against a static-shape KV cache and
-returns, besides the final hidden states, the target features a DFlash-family drafter reads (spec §1.2, §7):
+`load_target(path, mesh=..., tensor_axis="model")` reads config.json's `architectures` (`Qwen3ForCausalLM`,
+`LlamaForCausalLM`; anything else is refused by name) and loads the checkpoint (config.json + safetensors,
+sharded or not) with the package's header-first reader; `Qwen3Target.from_pretrained(path)` does the same for a
+Qwen3 directory only. The forward runs the new tokens of each sequence against a static-shape KV cache and
+returns, besides the final hidden states, the target features a DFlash-family drafter reads:
 
     feature l = transformers' hidden_states[l + 1]   the output of decoder layer l, for 0 <= l < N - 1
     feature N - 1 = hidden_states[N]                 the LAST layer's output AFTER the final norm
@@ -19,13 +21,19 @@ trimming the cache to an accepted prefix is just passing a smaller length next t
 overwritten). Sequences of a batch may have different lengths; prompts of different lengths are right-padded.
 `prefill` runs a long prompt in chunks and returns only the last token's logits.
 
-Parameter tree (`Qwen3Target.params`): HF names with `model.` stripped, as the drafter's (docs/design.md);
+Tensor parallelism (Megatron-style, through jax.sharding): every parameter is declared once with logical axes
+(`parameter_spec`); a `Layout` maps them onto a mesh: q/k/v and gate/up split by output, o and down by input,
+KV heads split (replicated where the tensor axis is larger than `num_key_value_heads`), embedding and LM head
+split over the vocabulary, the cache by KV heads; the other mesh axes split the batch. GSPMD inserts the
+collectives (an all-reduce after o and down; the vocabulary-sharded embedding lookup and LM head are a local
+gather / matmul plus a reduction, never a gathered table); attention runs per device under `shard_map`.
+
+Parameter tree (`DecoderTarget.params`): HF names with `model.` stripped, as the drafter's (docs/design.md);
 `params["layers"]` is a tuple of per-layer dicts (each weight its own buffer, as placed), run unrolled, every
 matmul reading its weights in place.
 
 One decoder layer serves the drafter and the targets (`model.decoder_layer`, `model.queries` /
-`model.keys_values`, `attention.attend`: GQA, float32 online softmax). `Qwen3Config` has the attributes
-`rope_frequencies` reads.
+`model.keys_values`, `attention.attend`: GQA, float32 online softmax).
 """
 
 from __future__ import annotations
@@ -33,12 +41,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import msgspec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import RopeScaling, declared_rope_type, normalise_raw
 from .errors import CheckpointError, ConfigError
@@ -49,7 +59,7 @@ from .safetensors import Checkpoint
 
 log = logging.getLogger("dflash_jax")
 
-PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`Qwen3Target.prefill`)
+PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`DecoderTarget.prefill`)
 
 Params = dict[str, Any]
 
@@ -120,16 +130,22 @@ class Target(Protocol):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Qwen3 config
+# Configs: one decoder, a small difference per architecture
 # --------------------------------------------------------------------------------------------------------------
 
 
-class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """The fields of a Hugging Face Qwen3 `config.json` the forward reads (defaults: transformers' Qwen3Config).
+class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
 
     Frozen and hashable: a static `jax.jit` argument. Also satisfies what `model.rope_frequencies` reads
-    (`head_dim`, `rope_theta`, `rope_type`, `rope_scaling`, `max_position_embeddings`).
+    (`head_dim`, `rope_theta`, `rope_type`, `rope_scaling`, `max_position_embeddings`). The architectures differ
+    only in the class constants: `MODEL_TYPE`, `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`.
+    `head_dim` is None only before `parse_decoder_config` resolves it (`hidden_size // num_attention_heads`).
     """
+
+    MODEL_TYPE: ClassVar[str] = ""
+    QK_NORM: ClassVar[bool] = True
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
 
     vocab_size: int = 151936
     hidden_size: int = 4096
@@ -137,7 +153,7 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
     num_key_value_heads: int = 32
-    head_dim: int = 128
+    head_dim: int | None = 128
     hidden_act: str = "silu"
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
@@ -145,6 +161,7 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
+    mlp_bias: bool = False
     use_sliding_window: bool = False
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str | None = None
@@ -152,7 +169,8 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @property
     def rope_type(self) -> str:
-        return "yarn" if declared_rope_type(self.rope_scaling) == "yarn" else "default"
+        declared = declared_rope_type(self.rope_scaling)
+        return declared if declared in self.ROPE_TYPES else "default"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -161,15 +179,46 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
-def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
-    """Decode a Qwen3 config dict (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
+class Qwen3Config(DecoderConfig, frozen=True, forbid_unknown_fields=False):
+    """Qwen3 (dense): per-head q/k norm, default or YaRN RoPE."""
+
+    MODEL_TYPE: ClassVar[str] = "qwen3"
+    QK_NORM: ClassVar[bool] = True
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "yarn")
+
+
+class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
+    """Llama (3.x): no q/k norm, default or `llama3` RoPE, `head_dim` from the hidden size when unstated."""
+
+    MODEL_TYPE: ClassVar[str] = "llama"
+    QK_NORM: ClassVar[bool] = False
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
+
+    head_dim: int | None = None
+    intermediate_size: int = 11008
+    num_key_value_heads: int | None = None  # transformers: num_attention_heads when unstated
+    max_position_embeddings: int = 2048
+    vocab_size: int = 32000
+
+
+ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
+
+
+def parse_decoder_config(raw: dict[str, Any], kind: type[DecoderConfig], *, source: str = "<config>") -> DecoderConfig:
+    """Decode a config dict as `kind` (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
     try:
-        config = msgspec.convert(normalise_raw(raw, source), Qwen3Config)
+        config = msgspec.convert(normalise_raw(raw, source), kind)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
+    resolved = {}
+    if config.head_dim is None:
+        resolved["head_dim"] = config.hidden_size // config.num_attention_heads
+    if config.num_key_value_heads is None:
+        resolved["num_key_value_heads"] = config.num_attention_heads
+    config = msgspec.structs.replace(config, **resolved) if resolved else config
     problems = []
-    if config.model_type not in (None, "qwen3"):
-        problems.append(f"model_type is {config.model_type!r}, expected 'qwen3' (a dense Qwen3 decoder)")
+    if config.model_type not in (None, kind.MODEL_TYPE):
+        problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
     if config.hidden_act != "silu":
         problems.append(f"hidden_act is {config.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
     if config.num_attention_heads % config.num_key_value_heads:
@@ -178,74 +227,204 @@ def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen
             f"num_key_value_heads={config.num_key_value_heads}"
         )
     if config.use_sliding_window:
-        problems.append("use_sliding_window=true is not implemented (released Qwen3 dense models leave it off)")
-    if declared_rope_type(config.rope_scaling) not in ("default", "yarn"):
-        problems.append(f"rope type {declared_rope_type(config.rope_scaling)!r}; only default and yarn are implemented")
+        problems.append("use_sliding_window=true is not implemented (released dense models leave it off)")
+    declared = declared_rope_type(config.rope_scaling)
+    if declared not in kind.ROPE_TYPES:
+        problems.append(f"rope type {declared!r}; only {' and '.join(kind.ROPE_TYPES)} are implemented")
+    s = config.rope_scaling
+    if declared == "llama3":
+        absent = [f for f in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                  if getattr(s, f) is None]
+        if absent:
+            problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
+        elif s.low_freq_factor >= s.high_freq_factor:
+            problems.append(f"llama3 RoPE: low_freq_factor={s.low_freq_factor} must be below "
+                            f"high_freq_factor={s.high_freq_factor}")
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
 
 
-def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
-    """Read `config.json` from a Qwen3 checkpoint directory."""
+def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
+    """Decode a Qwen3 config dict."""
+    return parse_decoder_config(raw, Qwen3Config, source=source)
+
+
+def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """`(file, raw dict)` of a checkpoint directory's config.json."""
     file = os.path.join(os.fspath(path), "config.json")
     try:
         with open(file, "rb") as f:
             raw = msgspec.json.decode(f.read())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json; expected a Hugging Face Qwen3 checkpoint directory") from None
+        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory") from None
     except msgspec.DecodeError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top level")
-    return parse_qwen3_config(raw, source=file)
+    return file, raw
+
+
+def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
+    """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
+    file, raw = read_config_json(path)
+    if kind is None:
+        names = raw.get("architectures")
+        names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+        known = [ARCHITECTURES[a] for a in names if a in ARCHITECTURES]
+        if not known:
+            raise ConfigError(
+                f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
+                f"{', '.join(ARCHITECTURES)}"
+            )
+        kind = known[0]
+    return parse_decoder_config(raw, kind, source=file)
+
+
+def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
+    """Read `config.json` from a Qwen3 checkpoint directory."""
+    return load_decoder_config(path, Qwen3Config)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Loading
+# The parameters, declared once: shapes and logical axes
 # --------------------------------------------------------------------------------------------------------------
 
-def _layer_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Per-layer tensors by their name inside `model.layers.{i}.`, with their shapes."""
+# Logical axes (jax-llm-examples' style): what a dimension IS; `Layout` maps them to mesh axes.
+VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
+
+
+class ParamSpec(NamedTuple):
+    """One tensor of a decoder checkpoint: HF name (`{i}`: the layer), shape and logical axis per dimension."""
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+
+def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
+    """`(global tensors, per-layer templates)` of a checkpoint of `c`.
+
+    Megatron-style axes: q/k/v and gate/up split by output (`HEADS` / `KV_HEADS` / `MLP` on dim 0), o and down by
+    input (dim 1), embedding and LM head by the vocabulary; norms and the residual width (`EMBED`) replicated.
+    `lm_head.weight` only when untied (a tied checkpoint may carry a copy: ignored, as transformers does).
+    """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
-    shapes = {
-        "input_layernorm.weight": (H,),
-        "post_attention_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (q_dim, H),
-        "self_attn.k_proj.weight": (kv_dim, H),
-        "self_attn.v_proj.weight": (kv_dim, H),
-        "self_attn.o_proj.weight": (H, q_dim),
-        "self_attn.q_norm.weight": (d_h,),
-        "self_attn.k_norm.weight": (d_h,),
-        "mlp.gate_proj.weight": (I, H),
-        "mlp.up_proj.weight": (I, H),
-        "mlp.down_proj.weight": (H, I),
-    }
-    if c.attention_bias:
-        shapes |= {"self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,),
-                   "self_attn.v_proj.bias": (kv_dim,), "self_attn.o_proj.bias": (H,)}
-    return shapes
-
-
-def plan_qwen3(config: Qwen3Config) -> list[TensorPlan]:
-    """Every tensor a Qwen3 checkpoint of `config` holds, with its tree path (per layer; stacked after placing).
-
-    `lm_head.weight` is planned unless the embeddings are tied (a tied checkpoint may still carry a copy:
-    it is then ignored, as transformers does).
-    """
-    c = config
-    plan = [
-        TensorPlan(("embed_tokens", "weight"), "model.embed_tokens.weight", (c.vocab_size, c.hidden_size), "float"),
-        TensorPlan(("norm", "weight"), "model.norm.weight", (c.hidden_size,), "float"),
-    ]
+    top = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), (VOCAB, EMBED)),
+           ParamSpec("model.norm.weight", (H,), (EMBED,))]
     if not c.tie_word_embeddings:
-        plan.append(TensorPlan(("lm_head", "weight"), "lm_head.weight", (c.vocab_size, c.hidden_size), "float"))
-    for i in range(c.num_hidden_layers):
-        for name, shape in _layer_shapes(c).items():
-            path = ("layers", i, *name.split("."))
-            plan.append(TensorPlan(path, f"model.layers.{i}.{name}", shape, "float"))
+        top.append(ParamSpec("lm_head.weight", (c.vocab_size, H), (VOCAB, EMBED)))
+    layer = "model.layers.{i}."
+    attn, mlp = layer + "self_attn.", layer + "mlp."
+    per_layer = [
+        ParamSpec(layer + "input_layernorm.weight", (H,), (EMBED,)),
+        ParamSpec(layer + "post_attention_layernorm.weight", (H,), (EMBED,)),
+        ParamSpec(attn + "q_proj.weight", (q_dim, H), (HEADS, EMBED)),
+        ParamSpec(attn + "k_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
+        ParamSpec(attn + "v_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
+        ParamSpec(attn + "o_proj.weight", (H, q_dim), (EMBED, HEADS)),
+        ParamSpec(mlp + "gate_proj.weight", (I, H), (MLP, EMBED)),
+        ParamSpec(mlp + "up_proj.weight", (I, H), (MLP, EMBED)),
+        ParamSpec(mlp + "down_proj.weight", (H, I), (EMBED, MLP)),
+    ]
+    if c.QK_NORM:
+        per_layer += [ParamSpec(attn + "q_norm.weight", (d_h,), (None,)),
+                      ParamSpec(attn + "k_norm.weight", (d_h,), (None,))]
+    if c.attention_bias:
+        per_layer += [ParamSpec(attn + "q_proj.bias", (q_dim,), (HEADS,)),
+                      ParamSpec(attn + "k_proj.bias", (kv_dim,), (KV_HEADS,)),
+                      ParamSpec(attn + "v_proj.bias", (kv_dim,), (KV_HEADS,)),
+                      ParamSpec(attn + "o_proj.bias", (H,), (EMBED,))]
+    if c.mlp_bias:
+        per_layer += [ParamSpec(mlp + "gate_proj.bias", (I,), (MLP,)), ParamSpec(mlp + "up_proj.bias", (I,), (MLP,)),
+                      ParamSpec(mlp + "down_proj.bias", (H,), (EMBED,))]
+    return top, per_layer
+
+
+def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
+    """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
+    top, per_layer = parameter_spec(config)
+
+    def planned(spec: ParamSpec, name: str) -> TensorPlan:
+        parts = name.removeprefix("model.").split(".")
+        path = tuple(int(x) if x.isdigit() else x for x in parts)
+        return TensorPlan(path, name, spec.shape, "float", spec.axes)
+
+    plan = [planned(s, s.name) for s in top]
+    for i in range(config.num_hidden_layers):
+        plan += [planned(s, s.name.format(i=i)) for s in per_layer]
     return plan
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Where the arrays live on a mesh
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A target's placement on a mesh: logical axes -> mesh axes (hashable: static metadata of the target).
+
+    `tensor_axis` (None when the mesh has no such axis) splits heads, the MLP width and the vocabulary; KV heads
+    only when it has at most `num_key_value_heads` devices (`split_kv`), else every device keeps all KV heads
+    and each query shard attends with its own group's. The other mesh axes (`batch_axes`) split the batch where
+    it divides (else it is replicated). The mesh has Auto axis types (`placement.auto_mesh`).
+    """
+
+    mesh: jax.sharding.Mesh
+    tensor_axis: str | None
+    batch_axes: tuple[str, ...]
+    split_kv: bool
+
+    @property
+    def tensor_size(self) -> int:
+        return self.mesh.shape[self.tensor_axis] if self.tensor_axis else 1
+
+    def spec(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> PartitionSpec:
+        """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
+        rules = {VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis,
+                 KV_HEADS: self.tensor_axis if self.split_kv else None}
+        batch = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None and batch_size % batch == 0 \
+            else None
+        return PartitionSpec(*(rules.get(a) for a in axes))
+
+    def sharding(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(axes, batch_size))
+
+    def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+        """`x` pinned to the layout of `axes` (dim 0 the batch when `BATCH` is among them)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape[0]))
+
+
+def make_layout(config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
+    """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
+    from .placement import auto_mesh
+
+    mesh = auto_mesh(mesh)
+    axis = tensor_axis if tensor_axis in mesh.axis_names else None
+    tp = mesh.shape[axis] if axis else 1
+    c = config
+    for field in ("num_attention_heads", "vocab_size", "intermediate_size"):
+        if getattr(c, field) % tp:
+            raise ConfigError(
+                f"{source}: tensor axis {tensor_axis!r} has {tp} devices, which does not divide "
+                f"{field}={getattr(c, field)}; expected a tensor-parallel size dividing the heads, the vocabulary "
+                "and the intermediate size"
+            )
+    n_kv = c.num_key_value_heads
+    if (n_kv % tp if tp <= n_kv else tp % n_kv):
+        raise ConfigError(
+            f"{source}: tensor axis {tensor_axis!r} has {tp} devices and num_key_value_heads={n_kv}: expected one "
+            "to divide the other (KV heads are split, or replicated when the axis is larger)"
+        )
+    batch_axes = tuple(a for a in mesh.axis_names if a != axis)
+    return Layout(mesh, axis, batch_axes, split_kv=tp <= n_kv)
+
+
+CACHE_AXES = (BATCH, KV_HEADS, None, None)  # [batch, n_kv, T, d_h]
+ROWS_AXES = (BATCH, None, None)  # the residual stream [batch, S, H]: replicated over the tensor axis
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,14 +434,19 @@ def plan_qwen3(config: Qwen3Config) -> list[TensorPlan]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Qwen3Target:
-    """A dense Qwen3 decoder (RMSNorm, per-head q/k norm, GQA, RoPE, SwiGLU, tied or untied embeddings).
+class DecoderTarget:
+    """A dense decoder: RMSNorm, GQA, RoPE, SwiGLU, tied or untied embeddings, and Qwen3's per-head q/k norm where
+    the config declares it (`DecoderConfig.QK_NORM`). Qwen3 and Llama 3 are this one class with another config.
 
-    A pytree (params as leaves, config static): pass it whole through `jax.jit`. Implements `Target`.
+    A pytree (params as leaves; config and layout static): pass it whole through `jax.jit`. Implements `Target`.
+    `layout` is None on one device, else where the leaves and the cache live on a mesh (`Layout`).
     """
 
     params: Params
-    config: Qwen3Config = dataclasses.field(metadata=dict(static=True))
+    config: DecoderConfig = dataclasses.field(metadata=dict(static=True))
+    layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    CONFIG: ClassVar[type[DecoderConfig] | None] = None  # the config class read; None: what `architectures` names
 
     @classmethod
     def from_pretrained(
@@ -272,30 +456,47 @@ class Qwen3Target:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
-    ) -> Qwen3Target:
-        """Load a Hugging Face Qwen3 directory: config.json + `model.safetensors` or an index with shards.
+        tensor_axis: str = "model",
+    ) -> DecoderTarget:
+        """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards.
 
-        Floating tensors are cast to `dtype`; with `mesh` every leaf is replicated over it (as the drafter's),
-        without it they land on the first local device. Every tensor's presence, dtype and shape is checked
-        against the config before any data is read (`CheckpointError` otherwise).
+        Floating tensors are cast to `dtype`. Without `mesh` they land on the first local device; with it, each
+        leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis` when the mesh has it, replicated
+        otherwise), each process reading only the byte ranges of its own devices' shards. Every tensor's
+        presence, dtype and shape is checked against the config before any data is read (`CheckpointError`);
+        a tensor axis that does not divide the heads, the vocabulary or the intermediate size is a `ConfigError`.
         """
         from .placement import place_all
 
         path = os.fspath(path)
-        config = load_qwen3_config(path)
+        config = load_decoder_config(path, cls.CONFIG)
+        layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
-            plan = plan_qwen3(config)
+            plan = plan_decoder(config)
             for t in plan:
                 check_tensor(t, checkpoint, path)
-            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress)
+            shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
+            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
+                               shardings=shardings)
         params = build_tree(plan, leaves)
         params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
         log.info(
-            "%s: Qwen3 target, %d layers, hidden=%d, heads=%d/%d, vocab=%d, %s embeddings",
-            path, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+            "%s: %s target, %d layers, hidden=%d, heads=%d/%d, vocab=%d, %s embeddings, tensor-parallel %d",
+            path, config.MODEL_TYPE, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
             config.num_key_value_heads, config.vocab_size, "tied" if config.tie_word_embeddings else "untied",
+            1 if layout is None else layout.tensor_size,
         )
-        return cls(params=params, config=config)
+        return cls(params=params, config=config, layout=layout)
+
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> DecoderTarget:
+        """This target moved onto `mesh` with the layout `from_pretrained` gives (each leaf `device_put` onto its
+        planned sharding): for targets built in memory (`random_qwen3`, `successor_target`); a checkpoint loads
+        straight onto its shards with `from_pretrained` / `load_target`."""
+        layout = make_layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
+        plan = plan_decoder(self.config)
+        where = build_tree(plan, [layout.sharding(t.axes) for t in plan])
+        where["layers"] = tuple(where["layers"])
+        return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
     @property
     def vocab_size(self) -> int:
@@ -303,7 +504,7 @@ class Qwen3Target:
 
     @property
     def embed(self) -> jax.Array:
-        """The input embedding `[V, H]` (HF layout), for `drafter.attach(embed=...)`."""
+        """The input embedding `[V, H]` (HF layout; vocabulary-sharded on a tensor axis), for `drafter.attach`."""
         return self.params["embed_tokens"]["weight"]
 
     @property
@@ -317,10 +518,13 @@ class Qwen3Target:
         return self.config.max_position_embeddings
 
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-        """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype."""
+        """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype
+        (on a mesh: split by KV heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
         shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype) for _ in range(c.num_hidden_layers))  # noqa: E731
+        where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
+        zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype, device=where)  # noqa: E731
+                              for _ in range(c.num_hidden_layers))
         return KVCache(zeros(), zeros())
 
     def __call__(
@@ -351,6 +555,28 @@ class Qwen3Target:
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
 
 
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Qwen3Target(DecoderTarget):
+    """A dense Qwen3 decoder: `DecoderTarget` whose `from_pretrained` reads only Qwen3 configs."""
+
+    CONFIG = Qwen3Config
+
+
+def load_target(
+    path: str | os.PathLike[str],
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: jnp.dtype = jnp.bfloat16,
+    tensor_axis: str = "model",
+    progress: bool | None = None,
+) -> DecoderTarget:
+    """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM),
+    sharded over `mesh` as `DecoderTarget.from_pretrained` says; another architecture is a `ConfigError`."""
+    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The forward
 # --------------------------------------------------------------------------------------------------------------
@@ -364,20 +590,60 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
             raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
 
 
-def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
+def _attention(target: DecoderTarget, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
+               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: bool):
+    """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
+    K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[batch, n_kv, T, d_h]`.
+
+    The new rows attend to the cache's slots `[0, start)` (a span) and causally to themselves; `fused`: the
+    cache is empty and cuDNN's flash kernel runs the rows over themselves.
+
+    On a mesh this runs under `shard_map`, each device on its own sequences and heads: attention needs no
+    communication between heads, and the kernels it may use (the Pallas span kernel, cuDNN) are custom calls
+    GSPMD cannot partition (it would gather their operands onto every device). Where the KV heads are
+    replicated (a tensor axis larger than `num_key_value_heads`) a device's query heads all belong to one KV
+    head, which it slices out of its full copy.
+    """
+    layout, c = target.layout, target.config
+
+    def local(q, k, v, past_k, past_v, positions, start):
+        batch, n_kv, S, _ = k.shape
+        seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(n_kv)[None, :, None]
+        slots = positions[:, None, :]  # [batch, 1, S]: broadcast with seq and heads to [batch, n_kv, S]
+        new_k = past_k.at[seq, heads, slots].set(k.astype(past_k.dtype), mode="drop")  # past the end: dropped
+        new_v = past_v.at[seq, heads, slots].set(v.astype(past_v.dtype), mode="drop")
+        if layout is not None and layout.tensor_axis and not layout.split_kv:
+            group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (c.num_attention_heads // n_kv)
+            k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
+        if fused:
+            return causal_self_attention(q, k, v), new_k, new_v
+        past = Span(past_k, past_v, jnp.zeros_like(start), start)
+        out = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, jnp.ones(positions.shape, bool)),), (past,))
+        return out, new_k, new_v
+
+    if layout is None:
+        return local(q, k, v, past_k, past_v, positions, start)
+    batch = q.shape[0]
+    rows = layout.spec((BATCH, None), batch)
+    q_spec = layout.spec((BATCH, None, HEADS, None), batch)  # [batch, S, n_h, d_h]
+    kv_spec = layout.spec(CACHE_AXES, batch)  # [batch, n_kv, rows, d_h]
+    return jax.shard_map(
+        local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, kv_spec, kv_spec, rows, PartitionSpec(rows[0])),
+        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False,
+    )(q, k, v, past_k, past_v, positions, start)
+
+
+def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
             fused: bool = False):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
-    to the new rows, then writes the new rows' K/V at their positions. `fused`: the cache is empty (start = 0)
-    and the new rows attend to themselves with cuDNN's flash kernel (`attention.causal_self_attention`)."""
-    params, c = target.params, target.config
+    to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
+    empty (start = 0) and the new rows attend to themselves with cuDNN's flash kernel."""
+    params, c, layout = target.params, target.config, target.layout
     N = c.num_hidden_layers
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
     rope = rope_tables(c, positions)  # cos/sin [batch, S, d_h]
-    new_rows = jnp.ones((batch, S), bool)
-    seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(c.num_key_value_heads)[None, :, None]
-    slots = positions[:, None, :]  # [batch, 1, S]: broadcast with seq and heads to [batch, n_kv, S]
 
     x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
     keys, values, by_id = list(cache.k), list(cache.v), {}
@@ -386,15 +652,12 @@ def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer
         def attention(attn, xn, i=i):
             q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
             k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
-            if fused:
-                return causal_self_attention(q, k, v).reshape(batch, S, -1), (k, v)
-            past = Span(keys[i], values[i], jnp.zeros_like(start), start)
-            a = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, new_rows),), (past,))
-            return a.reshape(batch, S, -1), (k, v)
+            out, new_k, new_v = _attention(target, q, k, v, keys[i], values[i], positions, start, fused)
+            return out.reshape(batch, S, -1), (new_k, new_v)
 
-        x, (k, v) = decoder_layer(p, c, x, attention)
-        keys[i] = keys[i].at[seq, heads, slots].set(k.astype(keys[i].dtype), mode="drop")  # past the end: dropped
-        values[i] = values[i].at[seq, heads, slots].set(v.astype(values[i].dtype), mode="drop")
+        x, (keys[i], values[i]) = decoder_layer(p, c, x, attention)
+        if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
+            x = layout.constrain(x, ROWS_AXES)
         if i in layer_ids and i < N - 1:
             by_id[i] = x
     hidden = rms_norm(x, params["norm"]["weight"], c.rms_norm_eps)  # [batch, S, H]
@@ -406,7 +669,7 @@ def _layers(target: Qwen3Target, tokens, cache: KVCache, start: jax.Array, layer
 
 @functools.partial(jax.jit, static_argnames=("layer_ids",))
 def _forward(
-    target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
+    target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     hidden, features, cache = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids)
@@ -415,7 +678,7 @@ def _forward(
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"))
 def _prefill(
-    target: Qwen3Target, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
+    target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
     chunk: int, impl: str,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)

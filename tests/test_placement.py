@@ -30,10 +30,10 @@ def test_host_pages_in_flight_stay_within_the_budget(tmp_path, monkeypatch, nvfp
     held, peak = {}, [0]
     read, release = placement._host_array, checkpoint.release
 
-    def reading(ckpt, name, kind):
+    def reading(ckpt, name, kind, index):
         held[name] = ckpt[name].nbytes
         peak[0] = max(peak[0], sum(held.values()))
-        return read(ckpt, name, kind)
+        return read(ckpt, name, kind, index)
 
     def releasing(name):
         held.pop(name)
