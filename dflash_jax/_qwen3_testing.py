@@ -42,7 +42,7 @@ _TINY_QWEN3 = {
     "max_window_layers": 6, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+                "original_max_position_embeddings": 256}
 _TINY_LLAMA = {  # transformers-4 layout: `rope_theta` + `rope_scaling`; head_dim unstated (hidden / heads)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
     "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
@@ -55,7 +55,7 @@ QWEN3_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": _TINY_QWEN3,
     "tiny-qwen3-tied": {**_TINY_QWEN3, "tie_word_embeddings": True},
     # tensor-parallel tests: 8 heads of 8 and 2 KV heads, so 2 devices split the KV heads and 4 or 8 replicate them
-    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8},
+    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8, "num_hidden_layers": 4},
     "tiny-llama": _TINY_LLAMA,
     "tiny-llama-tied": {**_TINY_LLAMA, "tie_word_embeddings": True},
     # transformers-5 layout: `rope_parameters` holds the theta and the scaling

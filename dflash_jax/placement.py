@@ -117,12 +117,13 @@ def place_all(
         leaves.append(leaf)
         placed.append((leaf, names, size))
 
-    total = sum(_read_bytes(checkpoint, names, p) for names, p in zip(sources, parts))
+    total = sum(_read_bytes(checkpoint, t, names, p) for t, names, p in zip(plan, sources, parts))
     with _Progress(len(plan), total, progress) as bar:
         for t, names, sharding, leaf_parts in zip(plan, sources, shardings, parts):
-            on_device = [jax.device_put([_host_array(checkpoint, n, t.kind, piece.index) for n in names],
-                                        piece.devices[0]) for piece in leaf_parts]
-            size = _read_bytes(checkpoint, names, leaf_parts)
+            whole = len(names) > 1  # NVFP4 sources (replicated): each read whole
+            on_device = [jax.device_put([_host_array(checkpoint, n, t.kind, None if whole else piece.index)
+                                         for n in names], piece.devices[0]) for piece in leaf_parts]
+            size = _read_bytes(checkpoint, t, names, leaf_parts)
             arriving.append((t, sharding, leaf_parts, on_device, names, size))
             pending += size
             # A conversion launched before its inputs have arrived blocks this thread until they do, and the
@@ -140,14 +141,11 @@ def place_all(
     return leaves
 
 
-def _read_bytes(checkpoint: Checkpoint, names: list[str], leaf_parts: list[Piece]) -> int:
+def _read_bytes(checkpoint: Checkpoint, t: TensorPlan, names: list[str], leaf_parts: list[Piece]) -> int:
     """Bytes of the checkpoint read for one leaf: its parts' share of each source tensor."""
-    total = 0
-    for name in names:
-        info = checkpoint[name]
-        whole = math.prod(info.shape)
-        total += sum(info.nbytes * math.prod(p.shape()) // whole if whole else 0 for p in leaf_parts)
-    return total
+    whole = math.prod(t.shape)
+    share = sum(math.prod(p.shape()) for p in leaf_parts)
+    return sum(checkpoint[n].nbytes * share // whole if whole else 0 for n in names)
 
 
 def check_fits(plan: list[TensorPlan], sources: list[list[str]], shardings: list[jax.sharding.Sharding],
@@ -174,7 +172,7 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], shardings: list
             )
 
 
-def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice, ...]) -> np.ndarray:
+def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice, ...] | None) -> np.ndarray:
     """A tensor's part as NumPy, ready to put: the memory-mapped view (index tables narrowed to int32, JAX's
     default)."""
     array = checkpoint.read(name, index)

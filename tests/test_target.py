@@ -12,6 +12,7 @@ import pytest
 
 from dflash_jax import CheckpointError, ConfigError
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
+from dflash_jax.placement import auto_mesh
 from dflash_jax.target import Qwen3Target, Target
 
 from ._io import load_file, save_file
@@ -20,8 +21,8 @@ TOL = dict(rtol=0, atol=2e-4)  # float32 vs float64 on outputs of size ~5
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# An independent NumPy Qwen3 (float64; RoPE angles in float32 as transformers forms them), one sequence at a
-# time, no cache: every call recomputes the whole sequence, heads in an explicit loop.
+# An independent NumPy decoder (Qwen3 and Llama; float64, RoPE angles in float32 as transformers forms them), one
+# sequence at a time, no cache: every call recomputes the whole sequence, heads in an explicit loop.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -29,31 +30,61 @@ def _rms(x, w, eps):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope(x, positions, theta):
+def _inv_freq(c: dict, d: int) -> np.ndarray:
+    """RoPE frequencies from the raw config: default, or Llama 3's piecewise rule written frequency by frequency
+    (Meta's `apply_scaling` in llama/model.py of llama-models)."""
+    scaling = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = c.get("rope_theta", scaling.get("rope_theta"))
+    inv = np.float32(1) / np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
+    if scaling.get("rope_type") != "llama3":
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for f in inv.astype(np.float64):
+        wavelength = 2 * np.pi / f
+        if wavelength < old / high:  # high frequencies: unchanged
+            out.append(f)
+        elif wavelength > old / low:  # low frequencies: slowed by the factor
+            out.append(f / factor)
+        else:  # in between: interpolated
+            smooth = (old / wavelength - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.asarray(out, np.float32)
+
+
+def _rope(x, positions, inv):
     """x: [S, heads, d]; neox rotate-half with float32 angles."""
     d = x.shape[-1]
-    inv = (np.float32(1) / np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
     angles = (positions.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)  # [S, d/2]
     cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
     rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def numpy_qwen3(directory: str, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+def numpy_decoder(directory: str, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
     """(logits [S, V], hidden_states) with transformers' `output_hidden_states` convention: entry 0 is the
-    embedding output, entry i the output of layer i - 1, and the last entry is after the final norm."""
+    embedding output, entry i the output of layer i - 1, and the last entry is after the final norm. Qwen3's
+    q/k norms where the checkpoint has them (Llama has none)."""
     c = json.load(open(os.path.join(directory, "config.json")))
     w = {k: v.astype(np.float64) for k, v in load_file(os.path.join(directory, "model.safetensors")).items()}
-    eps, n_h, n_kv, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    eps, n_h, n_kv = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or c["hidden_size"] // n_h
+    inv = _inv_freq(c, d)
     S = len(tokens)
     positions = np.arange(S)
     x = w["model.embed_tokens.weight"][tokens]
     states = [x]
     for i in range(c["num_hidden_layers"]):
         p = lambda name: w[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+
+        def norm(name, y):
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            return _rms(y, w[key], eps) if key in w else y
+
         xn = _rms(x, p("input_layernorm"), eps)
-        q = _rope(_rms((xn @ p("self_attn.q_proj").T).reshape(S, n_h, d), p("self_attn.q_norm"), eps), positions, c["rope_theta"])
-        k = _rope(_rms((xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d), p("self_attn.k_norm"), eps), positions, c["rope_theta"])
+        q = _rope(norm("q_norm", (xn @ p("self_attn.q_proj").T).reshape(S, n_h, d)), positions, inv)
+        k = _rope(norm("k_norm", (xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d)), positions, inv)
         v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
         heads = []
         for h in range(n_h):
@@ -103,7 +134,7 @@ def test_matches_numpy_reference_incrementally(tiny):
     assert out.features.shape == (batch, width, len(LAYER_IDS) * 64)
     sequences = [list(p) for p in PROMPTS]
     for b, seq in enumerate(sequences):
-        logits, states = numpy_qwen3(directory, seq)
+        logits, states = numpy_decoder(directory, seq)
         np.testing.assert_allclose(np.asarray(out.logits[b, : len(seq)]), logits, **TOL)
         np.testing.assert_allclose(np.asarray(out.features[b, : len(seq)]), _features(states, LAYER_IDS), **TOL)
 
@@ -113,7 +144,7 @@ def test_matches_numpy_reference_incrementally(tiny):
         new = rng.integers(0, 128, (batch, chunk)).astype(np.int32)
         out = target(jnp.asarray(new), cache, jnp.asarray(lengths), layer_ids=LAYER_IDS)
         for b, seq in enumerate(sequences):
-            logits, states = numpy_qwen3(directory, seq + new[b].tolist())
+            logits, states = numpy_decoder(directory, seq + new[b].tolist())
             np.testing.assert_allclose(np.asarray(out.logits[b]), logits[-chunk:], **TOL)
             np.testing.assert_allclose(np.asarray(out.features[b]), _features(states, LAYER_IDS)[-chunk:], **TOL)
             seq.extend(new[b, :keep].tolist())
@@ -125,7 +156,7 @@ def test_last_layer_feature_is_after_final_norm(tiny):
     directory, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
     out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(5, 4))
-    _, states = numpy_qwen3(directory, PROMPTS[0])
+    _, states = numpy_decoder(directory, PROMPTS[0])
     last, before = np.asarray(out.features[0, :, :64]), np.asarray(out.features[0, :, 64:])
     np.testing.assert_allclose(last, states[6], **TOL)
     np.testing.assert_allclose(before, states[5], **TOL)
@@ -159,8 +190,8 @@ def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
     assert "lm_head" not in target.params
     assert len(target.params["layers"]) == 6  # one buffer per layer's weight, as placed
     assert target.params["layers"][5]["self_attn"]["q_proj"]["weight"].shape == (64, 64)
-    for leaf in jax.tree.leaves(target.params):
-        assert leaf.sharding.mesh == cpu_mesh and leaf.sharding.is_fully_replicated
+    for leaf in jax.tree.leaves(target.params):  # no "model" axis: every leaf replicated, on the mesh's Auto twin
+        assert leaf.sharding.mesh == auto_mesh(cpu_mesh) and leaf.sharding.is_fully_replicated
     # merge the shards for the NumPy reader
     merged = {}
     for f in sorted(os.listdir(directory)):
@@ -171,7 +202,7 @@ def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
     save_file(merged, os.path.join(ref_dir, "model.safetensors"))
     with open(os.path.join(directory, "config.json")) as f, open(os.path.join(ref_dir, "config.json"), "w") as g:
         g.write(f.read())
-    logits, _ = numpy_qwen3(ref_dir, PROMPTS[1])
+    logits, _ = numpy_decoder(ref_dir, PROMPTS[1])
     out = target(jnp.asarray([PROMPTS[1]]), target.init_cache(1, 16), jnp.zeros(1, jnp.int32))
     np.testing.assert_allclose(np.asarray(out.logits[0]), logits, rtol=0, atol=0.15)
     assert (np.asarray(out.logits[0]).argmax(-1) == logits.argmax(-1)).mean() >= 2 / 3
@@ -251,11 +282,11 @@ def test_chunked_prefill_matches_numpy_reference(tiny):
     out = target.prefill(jnp.asarray(tokens), target.init_cache(batch, 32), lengths, layer_ids=LAYER_IDS, chunk=4)
     assert out.logits.shape == (batch, 128) and out.features.shape == (batch, width, len(LAYER_IDS) * 64)
     for b, seq in enumerate(PROMPTS):
-        logits, states = numpy_qwen3(directory, seq)
+        logits, states = numpy_decoder(directory, seq)
         np.testing.assert_allclose(np.asarray(out.logits[b]), logits[-1], **TOL)
         np.testing.assert_allclose(np.asarray(out.features[b, : len(seq)]), _features(states, LAYER_IDS), **TOL)
     nxt = jnp.asarray([[11], [12], [13]], jnp.int32)
     step = target(nxt, out.cache, lengths, layer_ids=())
     for b, seq in enumerate(PROMPTS):
-        logits, _ = numpy_qwen3(directory, seq + [int(nxt[b, 0])])
+        logits, _ = numpy_decoder(directory, seq + [int(nxt[b, 0])])
         np.testing.assert_allclose(np.asarray(step.logits[b, 0]), logits[-1], **TOL)
