@@ -51,7 +51,7 @@ import msgspec
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import RopeScaling, declared_rope_type, normalise_raw
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
 from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
