@@ -324,13 +324,15 @@ def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
         ParamSpec(attn + "k_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
         ParamSpec(attn + "v_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
         ParamSpec(attn + "o_proj.weight", (H, q_dim), (EMBED, HEADS)),
-        ParamSpec(mlp + "gate_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "up_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "down_proj.weight", (H, I), (EMBED, MLP)),
     ]
     if c.QK_NORM:
         per_layer += [ParamSpec(attn + "q_norm.weight", (d_h,), (None,)),
                       ParamSpec(attn + "k_norm.weight", (d_h,), (None,))]
+    per_layer += [
+        ParamSpec(mlp + "gate_proj.weight", (I, H), (MLP, EMBED)),
+        ParamSpec(mlp + "up_proj.weight", (I, H), (MLP, EMBED)),
+        ParamSpec(mlp + "down_proj.weight", (H, I), (EMBED, MLP)),
+    ]
     if c.attention_bias:
         per_layer += [ParamSpec(attn + "q_proj.bias", (q_dim,), (HEADS,)),
                       ParamSpec(attn + "k_proj.bias", (kv_dim,), (KV_HEADS,)),
