@@ -93,11 +93,14 @@ def place_all(
     if shardings is None:
         shardings = [target_sharding(mesh)] * len(plan)
     sources = [_sources(t, packed) for t in plan]
+    distinct = {id(sh): sh for sh in shardings}.values()
+    devices = sorted({d for sh in distinct for d in sh.addressable_devices}, key=lambda d: d.id)
+    check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype),
+               [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)])
     parts = [pieces(sh, t.shape) for t, sh in zip(plan, shardings)]
     for t, names, leaf_parts in zip(plan, sources, parts):
         if len(names) > 1 and leaf_parts[0].shape() != t.shape:
             raise ValueError(f"{t.name}: an NVFP4-packed tensor can only be placed replicated, not sharded")
-    check_fits(plan, sources, shardings, checkpoint, jnp.dtype(dtype))
     converters = _Converters(checkpoint, plan, sources, parts, dtype)
     # (plan, sharding, pieces, per piece its arrays on its first device, source names, bytes read)
     arriving: collections.deque[tuple] = collections.deque()
@@ -148,18 +151,19 @@ def _read_bytes(checkpoint: Checkpoint, t: TensorPlan, names: list[str], leaf_pa
     return sum(checkpoint[n].nbytes * share // whole if whole else 0 for n in names)
 
 
-def check_fits(plan: list[TensorPlan], sources: list[list[str]], shardings: list[jax.sharding.Sharding],
-               checkpoint: Checkpoint, dtype: jnp.dtype) -> None:
-    """Refuse a load whose leaves (each device: its shards), plus the inputs of its largest conversion, exceed a
-    device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs,
-    are not checked): a clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
-    leaves = sum(math.prod(sh.shard_shape(t.shape)) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
-                 for t, sh in zip(plan, shardings))
+def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
+               dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None) -> None:
+    """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole), plus the inputs of its
+    largest conversion, exceed a device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`; devices
+    that report none, like CPUs, are not checked): a clear error before anything is placed instead of
+    RESOURCE_EXHAUSTED halfway through."""
+    shapes = shards if shards is not None else [t.shape for t in plan]
+    leaves = sum(math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
+                 for t, shape in zip(plan, shapes))
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
                  if len(names) > 1 or (t.kind != "int" and checkpoint[t.name].np_dtype != dtype)]
     needed = leaves + max(converted, default=0)
-    devices = {d for sh in shardings for d in sh.addressable_devices}
-    for device in sorted(devices, key=lambda d: d.id):
+    for device in devices:
         stats = device.memory_stats() or {}
         if "bytes_limit" not in stats:
             continue

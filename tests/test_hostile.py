@@ -640,7 +640,7 @@ class _SmallDevice:
 def test_a_checkpoint_larger_than_the_free_device_memory_is_refused_before_placement(tmp_path: Path, monkeypatch):
     write_checkpoint(tmp_path, "tiny-dflash")
     monkeypatch.setattr(dflash_jax.placement, "target_sharding", lambda mesh: SimpleNamespace(
-        addressable_devices=[_SmallDevice(free=100_000)]))
+        addressable_devices=[_SmallDevice(free=100_000)], shard_shape=lambda shape: shape))
     puts = []
     monkeypatch.setattr(dflash_jax.placement.jax, "device_put", lambda *a, **k: puts.append(a))
     with pytest.raises(CheckpointError, match=r"needs 0 MiB on each device as float32 but cuda:7 has 0 MiB free"):
