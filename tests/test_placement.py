@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 from dflash_jax import placement
 from dflash_jax.loader import check_tensor, find_prefix, plan_tensors
@@ -62,3 +63,30 @@ def test_replicated_leaves_equal_the_single_device_ones(tmp_path, cpu_mesh):
         assert b.sharding.is_fully_replicated and len(b.addressable_shards) == len(jax.devices())
         for shard in b.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8), np.asarray(a).view(np.uint8))
+
+
+def test_sharded_leaves_hold_their_slices_cast_on_device(tmp_path):
+    """Tensor-parallel leaves over ("data", "model") = (2, 4): each device holds exactly its slice of the bf16
+    checkpoint tensor (row blocks, column blocks, replicated norms), cast to float32 on the device it was put on,
+    and only the bytes of the distinct parts were counted as read."""
+    from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
+    from dflash_jax.target import make_layout, plan_decoder
+
+    config = write_qwen3_checkpoint(tmp_path, {**QWEN3_TINY_CONFIGS["tiny-qwen3-tp"], "num_hidden_layers": 1})
+    layout = make_layout(config, jax.make_mesh((2, 4), ("data", "model")), "model", str(tmp_path))
+    plan = plan_decoder(config)
+    shardings = [layout.sharding(t.axes) for t in plan]
+    counted = []
+    with Checkpoint(tmp_path) as checkpoint:
+        leaves = placement.place_all(plan, checkpoint, set(), mesh=None, dtype=jnp.float32, progress=False,
+                                     shardings=shardings, inflight_bytes=0)
+        for t, sharding, leaf in zip(plan, shardings, leaves):
+            full = checkpoint.array(t.name).astype(np.float32)
+            assert leaf.sharding == sharding and leaf.dtype == jnp.float32
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+            counted.append(placement._read_bytes(checkpoint, t, [t.name], placement.pieces(sharding, t.shape)))
+            assert counted[-1] == checkpoint[t.name].nbytes  # one process: every part once, replicas not again
+    o_proj = next(s for t, s in zip(plan, shardings) if t.name.endswith("o_proj.weight"))
+    assert o_proj.spec == PartitionSpec(None, "model")  # a column block per device: one byte range per row
+    assert [len(p.devices) for p in placement.pieces(o_proj, (64, 64))] == [2, 2, 2, 2]  # data replicas share reads
