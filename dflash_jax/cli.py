@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source")
     p.add_argument("destination")
     p.set_defaults(run=convert_nvfp4)
-    p = verbs.add_parser("generate", help="speculative decoding: a Qwen3 target directory, a drafter directory, prompt ids")
+    p = verbs.add_parser("generate", help="speculative decoding: a Qwen3 or Llama target directory, a drafter "
+                         "directory, prompt ids")
     p.add_argument("target")
     p.add_argument("drafter")
     p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
@@ -169,12 +170,12 @@ def generate(args: argparse.Namespace) -> int:
 
     from .generate import speculative_generate
     from .loader import load_drafter
-    from .target import Qwen3Target
+    from .target import load_target
 
     def ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
 
-    target = Qwen3Target.from_pretrained(args.target, dtype=jnp.dtype(args.dtype))
+    target = load_target(args.target, dtype=jnp.dtype(args.dtype))
     drafter = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
     stop = ids(args.stop_token_ids) if args.stop_token_ids is not None else list(target.config.eos_token_ids)
     bar = rp.Progress(rp.TextColumn("generating"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
