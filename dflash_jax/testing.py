@@ -4,9 +4,10 @@
 released checkpoint of that config holds (every family, bare or `model.`-prefixed, single file or sharded
 with an index, BF16 or NVFP4). `config` is a `DflashConfig`, a raw config dict, or the name of a preset:
 one of the released drafters in `configs/` (real shapes) or one of the tiny configs below (fast tests).
-`random_drafter(config)` draws the same tensors on the device without a checkpoint. Qwen3 and Llama targets to pair
-with them: `write_qwen3_checkpoint` (tiny-qwen3*, tiny-llama*), `random_qwen3`, and `successor_target` / `successor_drafter` (a target
-and a drafter that agree, for the accept path), from `dflash_jax._qwen3_testing`.
+`random_drafter(config)` draws the same tensors on the device without a checkpoint. Qwen3 and Llama targets to
+pair with them: `write_qwen3_checkpoint` (presets tiny-qwen3*, tiny-llama*), `random_qwen3`, and
+`successor_target` / `successor_drafter` (a target and a drafter that agree, for the accept path), from
+`dflash_jax._qwen3_testing`.
 """
 
 from __future__ import annotations
