@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from dflash_jax import load_drafter
-from dflash_jax._qwen3_testing import write_qwen3_checkpoint
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.target import Qwen3Target
-from dflash_jax.testing import write_checkpoint
+from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint
 
 from ._hub import add_to_cache, directory_files  # first: HF_HUB_OFFLINE=1
 
