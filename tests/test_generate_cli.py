@@ -86,8 +86,8 @@ def _bad_target(tmp_path, checkpoints, **changes):
     (["--prompt-ids", "5,128,17"], "--prompt-ids: token ids [128] are outside the target's vocabulary (vocab_size 128)"),
     (["--prompt-ids", "5", "--stop-token-ids", "1,9999"], "--stop-token-ids: token ids [9999] are outside"),
     (["--prompt-ids", "5,6", "--max-new-tokens", "1000000000"],
-     "--max-new-tokens 1000000000: the prompt (2 tokens) plus the new tokens exceed the target's "
-     "max_position_embeddings (1024)"),
+     "a prompt of 2 tokens plus max_new_tokens=1000000000 reaches position 1000000002, beyond the target's "
+     "max_position_embeddings=1024"),
 ])
 def test_generate_refuses_ids_and_lengths_the_target_cannot_take(checkpoints, flags, words, capsys):
     target_dir, drafter_dir = checkpoints
