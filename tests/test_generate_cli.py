@@ -135,7 +135,7 @@ def test_generate_does_not_hang_on_a_target_config_that_is_a_fifo(checkpoints, t
     worker = threading.Thread(target=lambda: codes.append(main(["generate", str(tmp_path / "t"), drafter_dir,
                                                                  "--prompt-ids", "1"])), daemon=True)
     worker.start()
-    worker.join(3)
+    worker.join(1)
     if worker.is_alive():  # blocked in open(): give it an empty writer, so that the thread ends
         with open(fifo, "wb"):
             pass
