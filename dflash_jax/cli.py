@@ -334,13 +334,17 @@ def generate(args: argparse.Namespace) -> int:
     check_ids(target.config, args)
     drafter = load_drafter(args.drafter, dtype=dtype, revision=args.drafter_revision, cache_dir=args.cache_dir)
     stop = args.stop_token_ids if args.stop_token_ids is not None else list(target.config.eos_token_ids)
+    # A progress bar on a terminal only: its callback runs inside the compiled loop, and JAX does not store
+    # programs with host callbacks in the persistent cache, so without a terminal the loop is cached too.
+    terminal = sys.stderr.isatty()
     bar = rp.Progress(rp.TextColumn("generating"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
-                      transient=True, disable=not sys.stderr.isatty())
+                      transient=True, disable=not terminal)
     task = bar.add_task("generate", total=args.max_new_tokens)
     with bar:
         result = speculative_generate(
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            stop_token_ids=stop, seed=args.seed, progress=lambda n_out: bar.update(task, completed=int(n_out.max())),
+            stop_token_ids=stop, seed=args.seed,
+            progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
         )
     print(",".join(map(str, result.tokens)))
     print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "

@@ -142,3 +142,17 @@ def test_generate_does_not_hang_on_a_target_config_that_is_a_fifo(checkpoints, t
         worker.join(10)
         pytest.fail("the CLI blocked on a FIFO config.json")
     assert codes == [2] and "config.json" in capsys.readouterr().err
+
+
+def test_without_a_terminal_no_progress_callback_enters_the_loop(checkpoints, monkeypatch, capsys):
+    """The bar's callback would keep the decode loop out of JAX's persistent cache (host callbacks are not
+    stored): off a terminal (here, captured output) none is passed."""
+    import dflash_jax.generate
+
+    seen, real = [], dflash_jax.generate.speculative_generate
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate",
+                        lambda *args, **kw: seen.append(kw["progress"]) or real(*args, **kw))
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
+                 "--dtype", "float32"]) == 0
+    assert seen == [None]
