@@ -357,11 +357,10 @@ def generate(args: argparse.Namespace) -> int:
 def check_ids(config, args: argparse.Namespace) -> None:
     """Token ids inside the target's vocabulary (runs longer than the models' positions, which would also
     allocate caches of that length, are refused by `speculative_generate` itself)."""
+    from ._arguments import check_token_ids
+
     for flag, ids in (("--prompt-ids", args.prompt_ids), ("--stop-token-ids", args.stop_token_ids or [])):
-        outside = [t for t in ids if t >= config.vocab_size]
-        if outside:
-            raise ValueError(f"{flag}: token ids {outside[:8]} are outside the target's vocabulary "
-                             f"(vocab_size {config.vocab_size})")
+        check_token_ids("dflash-jax generate", flag, ids, config.vocab_size)
 
 
 if __name__ == "__main__":

@@ -83,8 +83,8 @@ def _bad_target(tmp_path, checkpoints, **changes):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--prompt-ids", "5,128,17"], "--prompt-ids: token ids [128] are outside the target's vocabulary (vocab_size 128)"),
-    (["--prompt-ids", "5", "--stop-token-ids", "1,9999"], "--stop-token-ids: token ids [9999] are outside"),
+    (["--prompt-ids", "5,128,17"], "dflash-jax generate: --prompt-ids[1] = 128 is outside the vocabulary [0, 128)"),
+    (["--prompt-ids", "5", "--stop-token-ids", "1,9999"], "dflash-jax generate: --stop-token-ids[1] = 9999 is outside"),
     (["--prompt-ids", "5,6", "--max-new-tokens", "1000000000"],
      "a prompt of 2 tokens plus max_new_tokens=1000000000 reaches position 1000000002, beyond the target's "
      "max_position_embeddings=1024"),
