@@ -437,32 +437,3 @@ def draft_logits(
     )
     return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
 
-
-class DrafterModule(nn.Module):
-    """The drafter forward as a Flax (linen) module over the pytree of `load_drafter`, unchanged.
-
-    `DrafterModule(drafter.config).apply({"params": drafter.params}, target_hidden, block_ids, ...)` computes
-    `draft_logits`; inside a larger linen model it is a submodule whose params are the drafter's tree, so a
-    Flax pipeline composes the drafter like any other layer. It declares no parameters of its own (the
-    weights come from a checkpoint, not from `init`). `embed` / `lm_head` ([V, H], the target's) are needed
-    unless the drafter ships its own.
-    """
-
-    config: DflashConfig
-    causal: bool | None = None
-    sliding_window: bool = True
-
-    def __call__(
-        self,
-        target_hidden: jax.Array,
-        block_ids: jax.Array,
-        *,
-        context_positions: jax.Array,
-        block_positions: jax.Array,
-        embed: jax.Array | None = None,
-        lm_head: jax.Array | None = None,
-    ) -> jax.Array:
-        drafter = Drafter(params=self.variables["params"], config=self.config, embed=embed, lm_head=lm_head)
-        return draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
-                            block_positions=block_positions, causal=self.causal,
-                            sliding_window=self.sliding_window)  # [batch, B, V] float32

@@ -272,16 +272,22 @@ class Qwen3Target:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
     ) -> Qwen3Target:
-        """Load a Hugging Face Qwen3 directory: config.json + `model.safetensors` or an index with shards.
+        """Load a Hugging Face Qwen3 directory: config.json + `model.safetensors` or an index with shards; or a
+        hub id (`revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them: `dflash_jax.hub`).
 
         Floating tensors are cast to `dtype`; with `mesh` every leaf is replicated over it (as the drafter's),
         without it they land on the first local device. Every tensor's presence, dtype and shape is checked
         against the config before any data is read (`CheckpointError` otherwise).
         """
+        from .hub import resolve
         from .placement import place_all
 
-        path = os.fspath(path)
+        path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
         config = load_qwen3_config(path)
         with Checkpoint(path) as checkpoint:
             plan = plan_qwen3(config)
