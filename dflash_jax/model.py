@@ -10,8 +10,8 @@ One forward serves the three families (spec §1.4, §3, §4):
 
 The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
 passes through a layer's input norm nor joins the residual stream. `draft_logits` is the plain, uncached forward;
-`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache, and
-`DrafterModule` is `draft_logits` as a Flax linen module over the same tree.
+`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
+(`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
 Which keys a query sees (`attention_rules`):
 - causal: the keyword when given, else `config.is_causal`, else `dflash_config.causal`, else "causal exactly on
@@ -34,7 +34,6 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -40,12 +40,14 @@ import jax
 import jax.numpy as jnp
 import msgspec
 
-from .config import RopeScaling, declared_rope_type, normalise_raw
+from .config import (
+    MAX_CONFIG_BYTES, Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw,
+)
 from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
 from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
-from .safetensors import Checkpoint
+from .safetensors import Checkpoint, read_json
 
 log = logging.getLogger("dflash_jax")
 
@@ -131,18 +133,18 @@ class Qwen3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     (`head_dim`, `rope_theta`, `rope_type`, `rope_scaling`, `max_position_embeddings`).
     """
 
-    vocab_size: int = 151936
-    hidden_size: int = 4096
-    intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 32
-    head_dim: int = 128
+    vocab_size: Dim = 151936
+    hidden_size: Dim = 4096
+    intermediate_size: Dim = 22016
+    num_hidden_layers: LayerCount = 32
+    num_attention_heads: Dim = 32
+    num_key_value_heads: Dim = 32
+    head_dim: Dim = 128
     hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
+    max_position_embeddings: Dim = 32768
+    rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: RopeTheta = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
     use_sliding_window: bool = False
@@ -189,13 +191,12 @@ def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen
 def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
     """Read `config.json` from a Qwen3 checkpoint directory."""
     file = os.path.join(os.fspath(path), "config.json")
-    try:
-        with open(file, "rb") as f:
-            raw = msgspec.json.decode(f.read())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json; expected a Hugging Face Qwen3 checkpoint directory") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not os.path.lexists(file):
+        raise ConfigError(f"{path}: no config.json; expected a Hugging Face Qwen3 checkpoint directory")
+    try:  # a regular file of bounded size (a FIFO would block forever), UTF-8, duplicate keys refused
+        raw = read_json(file, "config.json", MAX_CONFIG_BYTES)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top level")
     return parse_qwen3_config(raw, source=file)
