@@ -112,6 +112,15 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
     v.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+    rule = v.add_argument_group("the drafter's attention rule (default: the config's; docs/references.md)")
+    rule.add_argument("--attention-rule", choices=sorted(ATTENTION_RULES), default="config",
+                      help="config: as the config states (sliding layers causal and windowed); zlab: every layer "
+                           "bidirectional, windows ignored (z-lab's transformers model); vllm-v1: one non-causal "
+                           "flag for every layer, windows kept")
+    rule.add_argument("--draft-window", type=positive_int, default=None,
+                      help="opt-in: full layers see only the last N positions (changes acceptance, not output)")
+    rule.add_argument("--draft-sinks", type=non_negative_int, default=0,
+                      help="with --draft-window: the first N positions stay visible too")
     v.set_defaults(run=generate)
     return p
 
@@ -124,14 +133,30 @@ def hub_options(verb: argparse.ArgumentParser) -> None:
     verb.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
 
 
-def positive_int(text: str) -> int:
+# `attention_rules` keywords of each named rule (docs/references.md gives the sources)
+ATTENTION_RULES = {
+    "config": dict(causal=None, sliding_window=True),
+    "zlab": dict(causal=False, sliding_window=False),
+    "vllm-v1": dict(causal=False, sliding_window=True),
+}
+
+
+def _integer(text: str, minimum: int, says: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} {says}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "is not a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _integer(text, 0, "is negative")
 
 
 def token_ids(text: str) -> list[int]:
@@ -345,6 +370,7 @@ def generate(args: argparse.Namespace) -> int:
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             stop_token_ids=stop, seed=args.seed,
             progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
+            draft_window=args.draft_window, draft_sinks=args.draft_sinks, **ATTENTION_RULES[args.attention_rule],
         )
     print(",".join(map(str, result.tokens)))
     print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "

@@ -157,3 +157,23 @@ def test_generate_reports_an_absurd_layer_count(checkpoints, tmp_path, capsys):
                  "--prompt-ids", "1"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "num_hidden_layers" in err
+
+
+def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
+    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its keywords."""
+    import dflash_jax.generate
+
+    seen = {}
+
+    def fake(target, drafter, prompt, **kwargs):
+        seen.update(kwargs)
+        return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
+
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
+                 "--draft-window", "8", "--draft-sinks", "2"]) == 0
+    assert (seen["causal"], seen["sliding_window"], seen["draft_window"], seen["draft_sinks"]) == (False, False, 8, 2)
+    with pytest.raises(SystemExit) as e:  # argparse's own error line and exit status 2
+        main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "-1"])
+    assert e.value.code == 2 and "--draft-sinks: -1 is negative" in capsys.readouterr().err
