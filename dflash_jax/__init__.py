@@ -8,8 +8,9 @@
 
 Modules: `config` (config.json decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `loader` / `placement` (checkpoint -> replicated pytree), `model` (the drafter forward),
-`drafting` (one cached drafting step), `target` (Qwen3 and Llama targets, tensor-parallel on a mesh: `load_target`), `generate` (the draft/verify loop),
-`testing` (random checkpoints), `cli`.
+`drafting` (one cached drafting step), `target` (Qwen3 and Llama targets, tensor-parallel on a mesh:
+`load_target`), `generate` (the draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub
+ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from .config import DflashConfig, load_config, parse_config
@@ -17,10 +18,14 @@ from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
 from .generate import GenerationResult, greedy_generate, speculative_generate
 from .loader import Drafter, draft_to_target_ids, load_drafter
-from .model import DrafterModule, draft_hidden, draft_logits
+from .linen import DrafterModule
+from .model import draft_hidden, draft_logits
 from .target import DecoderTarget, Qwen3Target, Target, load_target
 
+__version__ = "0.1.0"
+
 __all__ = [
+    "__version__",
     "CheckpointError",
     "ConfigError",
     "ContextCache",

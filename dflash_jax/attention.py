@@ -24,8 +24,12 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-SPAN_BLOCK = 512  # key slots per step of the XLA span loop (measured: docs/benchmarks.md, long context)
+SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
+_PALLAS_BLOCK_K = 128  # key slots per step of the GPU kernel
+# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 128-row tile
+# (a 17-token verify) 0.128 -> 0.091 ms with 8; other tiles keep Triton's default (4 and 8 were no faster).
+PALLAS_WARPS: dict[int, int] = {128: 8}
 
 
 class LayerRule(NamedTuple):
@@ -154,12 +158,6 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     m = jnp.where(empty, -jnp.inf, m)
     acc = out.astype(jnp.float32).reshape(*shape, d_h) * l[..., None]
     return _Partial(acc, m, l)
-
-
-_PALLAS_BLOCK_K = 128
-# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 128-row tile
-# (a 17-token verify) 0.128 -> 0.091 ms with 8; other tiles keep Triton's default (4 and 8 were no faster).
-PALLAS_WARPS: dict[int, int] = {128: 8}
 
 
 def _tile_rows(rows: int) -> int:

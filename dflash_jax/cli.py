@@ -1,91 +1,253 @@
-"""`dflash-jax`: inspect, load, convert and demo drafter checkpoints, and generate with them, from the shell."""
+"""`dflash-jax`: inspect, load, convert and demo drafter checkpoints, and generate with them, from the shell.
+
+Every PATH is a checkpoint directory or a Hugging Face hub id (`--revision`, `--cache-dir`; `HF_HOME`,
+`HF_HUB_OFFLINE` and `HF_TOKEN` as for every hub library). Bad input of any kind (a broken checkpoint, an
+unknown hub id, an argument out of range) is reported as one `error: ...` line on stderr with exit status 2,
+never a traceback. The program (`dflash-jax`, `python -m dflash_jax`) keeps JAX's compiled programs in JAX's
+persistent compilation cache, so a second run of the same shapes skips compiling: see `use_compilation_cache`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import resource
 import sys
 import tempfile
 import time
+from typing import NoReturn
+
+from . import __version__
+
+# Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
+BAD_INPUT = 2
+
+
+def run() -> NoReturn:
+    """The program: `main(sys.argv[1:])` with JAX's persistent compilation cache on."""
+    use_compilation_cache()
+    sys.exit(main())
+
+
+def use_compilation_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache for this process; return its directory (None: off).
+
+    `JAX_COMPILATION_CACHE_DIR`, when set, decides (JAX reads it itself; set to the empty string it turns the
+    cache off); otherwise the cache is `$XDG_CACHE_HOME/dflash_jax/jax-compilation-cache` (default
+    `~/.cache/...`). JAX's own rules apply: programs that compile in under a second are not stored, entries
+    are keyed by the program, the backend and the jax/jaxlib versions, and the directory is trusted like
+    any cache of the user's (JAX's documentation, "Persistent compilation cache").
+    """
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
+    import jax
+
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    directory = os.path.join(home, "dflash_jax", "jax-compilation-cache")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return directory
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description=__doc__)
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    p = verbs.add_parser("inspect", help="family, resolved config and tensor table of a checkpoint (reads headers only)")
-    p.add_argument("path")
-    p.set_defaults(run=inspect)
-    p = verbs.add_parser("load", help="load a checkpoint for real and report time, bytes/s and memory")
-    p.add_argument("path")
-    p.add_argument("--devices", type=int, default=None, help="replicate over the first N local devices (default: all)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.set_defaults(run=load)
-    p = verbs.add_parser("demo", help="write a small drafter of each family, load it onto all local devices")
-    p.add_argument("--keep", default=None, help="write the demo checkpoints here instead of a temporary directory")
-    p.set_defaults(run=demo)
-    p = verbs.add_parser("convert-nvfp4", help="quantize a BF16 drafter's linear weights to NVFP4 (ModelOpt layout)")
-    p.add_argument("source")
-    p.add_argument("destination")
-    p.set_defaults(run=convert_nvfp4)
-    p = verbs.add_parser("generate", help="speculative decoding: a Qwen3 or Llama target directory, a drafter "
-                         "directory, prompt ids")
-    p.add_argument("target")
-    p.add_argument("drafter")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-token-ids", default=None, help="comma-separated (default: the target's eos_token_id)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.set_defaults(run=generate)
-    args = parser.parse_args(argv)
+    """Parse `argv` (default `sys.argv[1:]`), run the verb, return the exit status. Process-wide settings
+    (the compilation cache) are `run`'s, so that a caller embedding the CLI keeps its own."""
+    for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    args = parser().parse_args(argv)
     from .errors import CheckpointError, ConfigError
 
     try:
         return args.run(args) or 0
-    except (ConfigError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: unreadable or unwritable paths
+        print(f"error: {shown(str(e))}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"dflash-jax {__version__}")
+    verbs = p.add_subparsers(dest="verb", required=True)
+
+    v = verbs.add_parser("inspect", help="family, resolved config and tensor table of a checkpoint (reads headers only)")
+    v.add_argument("path", help="checkpoint directory or hub id")
+    v.add_argument("--json", action="store_true", help="one JSON object on stdout, for scripts")
+    hub_options(v)
+    v.set_defaults(run=inspect)
+
+    v = verbs.add_parser("load", help="load a checkpoint for real and report time, bytes/s and memory")
+    v.add_argument("path", help="checkpoint directory or hub id")
+    v.add_argument("--devices", type=positive_int, default=None, help="replicate over the first N local devices (default: all)")
+    v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    hub_options(v)
+    v.set_defaults(run=load)
+
+    v = verbs.add_parser("demo", help="write a small drafter of each family, load it onto all local devices")
+    v.add_argument("--keep", default=None, help="write the demo checkpoints here (default: a temporary directory, removed)")
+    v.set_defaults(run=demo)
+
+    v = verbs.add_parser("convert-nvfp4", help="quantize a BF16 drafter's linear weights to NVFP4 (ModelOpt layout)")
+    v.add_argument("source", help="checkpoint directory or hub id")
+    v.add_argument("destination", help="directory to write")
+    hub_options(v)
+    v.set_defaults(run=convert_nvfp4)
+
+    v = verbs.add_parser("generate", help="speculative decoding: a Qwen3 or Llama target, a drafter, prompt ids")
+    v.add_argument("target", help="Qwen3 checkpoint directory or hub id")
+    v.add_argument("drafter", help="drafter checkpoint directory or hub id")
+    v.add_argument("--prompt-ids", required=True, type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
+    v.add_argument("--max-new-tokens", type=positive_int, default=64,
+                   help="at most this many new tokens; prompt + new tokens must fit the models' max_position_embeddings")
+    v.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--stop-token-ids", type=token_ids, default=None, help="comma-separated (default: the target's eos_token_id)")
+    v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
+    v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
+    v.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+    rule = v.add_argument_group("the drafter's attention rule (default: the config's; docs/references.md)")
+    rule.add_argument("--attention-rule", choices=sorted(ATTENTION_RULES), default="config",
+                      help="config: as the config states (sliding layers causal and windowed); zlab: every layer "
+                           "bidirectional, windows ignored (z-lab's transformers model); vllm-v1: one non-causal "
+                           "flag for every layer, windows kept")
+    rule.add_argument("--draft-window", type=positive_int, default=None,
+                      help="opt-in: full layers see only the last N positions (changes acceptance, not output)")
+    rule.add_argument("--draft-sinks", type=non_negative_int, default=0,
+                      help="with --draft-window: the first N positions stay visible too")
+    v.set_defaults(run=generate)
+    return p
+
+
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def hub_options(verb: argparse.ArgumentParser) -> None:
+    verb.add_argument("--revision", default=None, help="hub revision: a branch, tag or commit (for a hub id)")
+    verb.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+
+
+# `attention_rules` keywords of each named rule (docs/references.md gives the sources)
+ATTENTION_RULES = {
+    "config": dict(causal=None, sliding_window=True),
+    "zlab": dict(causal=False, sliding_window=False),
+    "vllm-v1": dict(causal=False, sliding_window=True),
+}
+
+
+def _integer(text: str, minimum: int, says: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} {says}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, "is not a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _integer(text, 0, "is negative")
+
+
+def token_ids(text: str) -> list[int]:
+    """`1,2,3` (spaces allowed) -> [1, 2, 3]: at least one id, each a non-negative integer."""
+    parts = [t.strip() for t in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError("no token ids; expected comma-separated integers such as 1,2,3")
+    if not all(t.isdigit() and t.isascii() for t in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated non-negative integers such as 1,2,3")
+    return [int(t) for t in parts]
+
+
+def temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite temperature >= 0")
+    return value
+
+
+def shown(text: str) -> str:
+    """`text` with every character a terminal would not print as itself (controls, escapes, lone surrogates)
+    written as a Python escape, so that names from a hostile file neither crash the output nor drive the
+    terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
+def local(path: str, args: argparse.Namespace, revision: str | None = None) -> str:
+    """A checkpoint directory for a path or hub id (downloaded into the hub cache when needed)."""
+    from .hub import resolve
+
+    return resolve(path, revision=revision or getattr(args, "revision", None), cache_dir=args.cache_dir)
 
 
 def inspect(args: argparse.Namespace) -> int:
+    import msgspec
+
     from .config import load_config
-    from .loader import check_tensor, find_prefix, plan_tensors, unexpected_tensors
     from .errors import CheckpointError
+    from .loader import check_tensor, find_prefix, plan_tensors, unexpected_tensors
     from .safetensors import Checkpoint
 
-    config = load_config(args.path)
-    print(f"{args.path}: {config.family} drafter")
-    resolved = {
-        "effective_block_size": config.effective_block_size, "num_draft_tokens": config.num_draft_tokens,
-        "mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-        "rope_theta": config.rope_theta, "rope_type": config.rope_type, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "heads (q/kv x dim)": f"{config.num_attention_heads}/{config.num_key_value_heads} x {config.head_dim}",
-        "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
-    }
-    for key, value in resolved.items():
-        print(f"  {key:<22} {value}")
-    with Checkpoint(args.path) as ckpt:
-        plan = plan_tensors(config, ckpt.__contains__, find_prefix(ckpt, args.path), args.path)
-        problems = []
+    path = local(args.path, args)
+    config = load_config(path)
+    with Checkpoint(path) as ckpt:
+        plan = plan_tensors(config, ckpt.__contains__, find_prefix(ckpt, path), path)
+        packed, missing, malformed = [], [], []
         for t in plan:
             try:
-                check_tensor(t, ckpt, args.path)
+                if check_tensor(t, ckpt, path):
+                    packed.append(t.name)
             except CheckpointError as e:
-                problems.append(str(e))
-        width = max(len(n) for n in ckpt)
-        print(f"\n  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'bytes':>12}")
-        for name in sorted(ckpt):
-            info = ckpt[name]
-            print(f"  {name:<{width}}  {info.dtype:<8} {str(list(info.shape)):<18} {info.nbytes:>12,}")
-        total = sum(ckpt[n].nbytes for n in ckpt)
-        print(f"\n  {len(ckpt)} tensors, {total:,} bytes in {len(ckpt.files)} file(s)")
+                (missing if t.name not in ckpt else malformed).append((t.name, str(e)))
+        tensors = [{"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
+                    "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
+        files = [os.path.basename(f) for f in ckpt.files]
         extra = unexpected_tensors(plan, ckpt)
-    print(f"  missing or malformed: {len(problems)}" + "".join(f"\n    {p}" for p in problems))
-    print(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra))
+    resolved = {
+        "family": config.family, "effective_block_size": config.effective_block_size,
+        "num_draft_tokens": config.num_draft_tokens, "mask_token_id": config.mask_token_id,
+        "target_layer_ids": list(config.target_layer_ids), "rope_theta": config.rope_theta,
+        "rope_type": config.rope_type,
+    }
+    problems = [message for _, message in missing + malformed]
+    if args.json:
+        print(json.dumps({
+            "path": args.path, "directory": path, "family": config.family, "nvfp4": bool(packed),
+            "resolved": resolved, "config": msgspec.to_builtins(config), "tensors": tensors, "files": files,
+            "total_bytes": sum(t["bytes"] for t in tensors), "nvfp4_tensors": packed,
+            "missing": [name for name, _ in missing], "malformed": [m for _, m in malformed], "unexpected": extra,
+        }, indent=2))
+        return 1 if problems else 0
+    c = config
+    print(shown(f"{args.path}: {c.family} drafter" + (f" ({path})" if path != args.path else "")
+                + (f", NVFP4: {len(packed)} packed linear weights, dequantized on load" if packed else "")))
+    rows = {**resolved, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+            "heads (q/kv x dim)": f"{c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}",
+            "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
+    rows.pop("family")
+    for key, value in rows.items():
+        print(f"  {key:<22} {value}")
+    names = {t["name"]: shown(t["name"]) for t in tensors}
+    width = max(len(n) for n in names.values())
+    print(f"\n  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'bytes':>12}")
+    for t in tensors:
+        print(f"  {names[t['name']]:<{width}}  {t['dtype']:<8} {str(t['shape']):<18} {t['bytes']:>12,}")
+    print(f"\n  {len(tensors)} tensors, {sum(t['bytes'] for t in tensors):,} bytes in {len(files)} file(s)")
+    print(shown(f"  missing or malformed: {len(problems)}" + "".join(f"\n    {p}" for p in problems)))
+    print(shown(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra)))
     return 1 if problems else 0
 
 
@@ -96,23 +258,52 @@ def load(args: argparse.Namespace) -> int:
     from .loader import load_drafter
     from .safetensors import Checkpoint
 
-    devices = jax.local_devices()[: args.devices] if args.devices else jax.local_devices()
+    available = jax.local_devices()
+    if args.devices and args.devices > len(available):
+        raise ValueError(f"--devices {args.devices}: this process has {len(available)} local device(s)")
+    devices = available[: args.devices or len(available)]
     mesh = jax.sharding.Mesh(devices, ("replica",))
-    with Checkpoint(args.path) as ckpt:
+    path = local(args.path, args)
+    with Checkpoint(path) as ckpt:
         nbytes = sum(ckpt[n].nbytes for n in ckpt)
     start = time.perf_counter()
-    drafter = load_drafter(args.path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None)
+    drafter = load_drafter(path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None)
     jax.block_until_ready(drafter.params)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     leaves = jax.tree.leaves(drafter.params)
-    print(f"{args.path}: {drafter.config.family}, {len(leaves)} tensors, {nbytes / 1e6:.1f} MB on disk")
+    print(shown(f"{args.path}: {drafter.config.family}, {len(leaves)} tensors, {nbytes / 1e6:.1f} MB on disk"))
     print(f"loaded onto {len(devices)} x {devices[0].platform} in {seconds:.3f} s "
           f"({nbytes / seconds / 1e9:.2f} GB/s), peak host RSS {peak_mb:.0f} MB")
     return 0
 
 
 def demo(args: argparse.Namespace) -> int:
+    import jax
+
+    # The package's own log lines (the load summaries) and nothing else: JAX's backend messages stay quiet.
+    log = logging.getLogger("dflash_jax")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("    %(message)s"))
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        mesh = jax.sharding.Mesh(jax.local_devices(), ("replica",))
+        print(f"dflash_jax demo: {len(mesh.devices.flat)} local device(s): {jax.local_devices()[0].platform}")
+        if args.keep:
+            _demo(args.keep, mesh)
+            print(f"checkpoints in {args.keep}")
+        else:
+            with tempfile.TemporaryDirectory(prefix="dflash_jax_demo_") as root:
+                _demo(root, mesh)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return 0
+
+
+def _demo(root: str, mesh) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -121,10 +312,6 @@ def demo(args: argparse.Namespace) -> int:
     from .model import draft_logits
     from .testing import write_checkpoint
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    mesh = jax.sharding.Mesh(jax.local_devices(), ("replica",))
-    print(f"dflash_jax demo: {len(mesh.devices.flat)} local device(s): {jax.local_devices()[0].platform}")
-    root = args.keep or tempfile.mkdtemp(prefix="dflash_jax_demo_")
     rng = np.random.default_rng(0)
     for preset in ("tiny-dflash", "tiny-dflash2", "tiny-dspark"):
         directory = os.path.join(root, preset)
@@ -148,20 +335,14 @@ def demo(args: argparse.Namespace) -> int:
         drafts = jnp.argmax(logits[0, B - c.num_draft_tokens:], axis=-1)
         print(f"    one block [anchor, mask x {B - 1}] -> logits {list(logits.shape)}, "
               f"{c.num_draft_tokens} drafts {drafts.tolist()}")
-    print(f"checkpoints in {root}")
-    return 0
 
 
 def convert_nvfp4(args: argparse.Namespace) -> int:
     from .nvfp4.convert import convert_checkpoint
 
-    written = convert_checkpoint(args.source, args.destination)
-    print(f"{args.destination}: {written} linear weights stored as NVFP4")
+    written = convert_checkpoint(local(args.source, args), args.destination)
+    print(shown(f"{args.destination}: {written} linear weights stored as NVFP4"))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -172,19 +353,23 @@ def generate(args: argparse.Namespace) -> int:
     from .loader import load_drafter
     from .target import load_target
 
-    def ids(text: str) -> list[int]:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-
-    target = load_target(args.target, dtype=jnp.dtype(args.dtype))
-    drafter = load_drafter(args.drafter, dtype=jnp.dtype(args.dtype))
-    stop = ids(args.stop_token_ids) if args.stop_token_ids is not None else list(target.config.eos_token_ids)
+    dtype = jnp.dtype(args.dtype)
+    target = load_target(args.target, dtype=dtype, revision=args.target_revision, cache_dir=args.cache_dir)
+    check_ids(target.config, args)
+    drafter = load_drafter(args.drafter, dtype=dtype, revision=args.drafter_revision, cache_dir=args.cache_dir)
+    stop = args.stop_token_ids if args.stop_token_ids is not None else list(target.config.eos_token_ids)
+    # A progress bar on a terminal only: its callback runs inside the compiled loop, and JAX does not store
+    # programs with host callbacks in the persistent cache, so without a terminal the loop is cached too.
+    terminal = sys.stderr.isatty()
     bar = rp.Progress(rp.TextColumn("generating"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
-                      transient=True, disable=not sys.stderr.isatty())
+                      transient=True, disable=not terminal)
     task = bar.add_task("generate", total=args.max_new_tokens)
     with bar:
         result = speculative_generate(
-            target, drafter, ids(args.prompt_ids), max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            stop_token_ids=stop, seed=args.seed, progress=lambda n_out: bar.update(task, completed=int(n_out.max())),
+            target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            stop_token_ids=stop, seed=args.seed,
+            progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
+            draft_window=args.draft_window, draft_sinks=args.draft_sinks, **ATTENTION_RULES[args.attention_rule],
         )
     print(",".join(map(str, result.tokens)))
     print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "
@@ -192,3 +377,16 @@ def generate(args: argparse.Namespace) -> int:
           f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
           file=sys.stderr)
     return 0
+
+
+def check_ids(config, args: argparse.Namespace) -> None:
+    """Token ids inside the target's vocabulary (runs longer than the models' positions, which would also
+    allocate caches of that length, are refused by `speculative_generate` itself)."""
+    from ._arguments import check_token_ids
+
+    for flag, ids in (("--prompt-ids", args.prompt_ids), ("--stop-token-ids", args.stop_token_ids or [])):
+        check_token_ids("dflash-jax generate", flag, ids, config.vocab_size)
+
+
+if __name__ == "__main__":
+    run()

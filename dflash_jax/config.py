@@ -239,9 +239,19 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
 
 
-def load_config(path: str | os.PathLike[str]) -> DflashConfig:
-    """Read a drafter config from a config.json file or a checkpoint directory."""
-    path = os.fspath(path)
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+) -> DflashConfig:
+    """Read a drafter config from a config.json file, a checkpoint directory or a Hugging Face hub id (the
+    keywords as transformers spells them, for hub ids: `dflash_jax.hub.resolve`)."""
+    from .hub import resolve
+
+    path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):  # also refuses a FIFO or a device, whose read could block forever
         what = "a directory without config.json" if os.path.isdir(path) else "no such file"

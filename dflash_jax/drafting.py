@@ -119,7 +119,10 @@ def init_cache(
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
         if isinstance(where, jax.sharding.NamedSharding):  # spelled as jit outputs spell it: one entry per axis
-            where = where.update(spec=(*where.spec, *(None,) * (len(shape) - len(where.spec))))
+            if any(where.spec[len(shape):]):  # the params' sharding splits an axis the array does not have
+                raise ValueError(f"init_cache: sharding {where.spec} does not fit a {len(shape)}-d cache array; "
+                                 "pass sharding= for the cache")
+            where = where.update(spec=(*where.spec, *(None,) * len(shape))[: len(shape)])
         return jax.device_put(np.zeros(shape, dtype), where)
 
     shapes = [(batch_size, c.num_key_value_heads, n, c.head_dim) for n in rows]

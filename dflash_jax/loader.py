@@ -314,8 +314,14 @@ def load_drafter(
     mesh: jax.sharding.Mesh | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
     progress: bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
 ) -> Drafter:
-    """Load a DFlash / DFlash2 / DSpark drafter checkpoint directory.
+    """Load a DFlash / DFlash2 / DSpark drafter checkpoint directory, or a Hugging Face hub id (`dflash_jax.hub`:
+    `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them; only what a load reads
+    is downloaded).
 
     Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
     stays integer (int32). With `mesh`, each leaf is replicated over it (`NamedSharding(mesh, P())`);
@@ -326,10 +332,11 @@ def load_drafter(
     with x64 enabled) or a `mesh` that is not a non-empty `Mesh`, and `CheckpointError` / `ConfigError` for
     bad files, including a checkpoint larger than a device's free memory; then nothing has been placed.
     """
+    from .hub import resolve
     from .placement import place_all
 
     dtype = check_load_arguments(dtype, mesh)
-    path = os.fspath(path)
+    path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
     config = load_config(path)
     with Checkpoint(path) as checkpoint:
         prefix = find_prefix(checkpoint, path)

@@ -10,8 +10,8 @@ One forward serves the three families (spec §1.4, §3, §4):
 
 The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
 passes through a layer's input norm nor joins the residual stream. `draft_logits` is the plain, uncached forward;
-`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache, and
-`DrafterModule` is `draft_logits` as a Flax linen module over the same tree.
+`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
+(`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
 Which keys a query sees (`attention_rules`):
 - causal: the keyword when given, else `config.is_causal`, else `dflash_config.causal`, else "causal exactly on
@@ -34,7 +34,6 @@ import functools
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -457,32 +456,3 @@ def draft_logits(
     )
     return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
 
-
-class DrafterModule(nn.Module):
-    """The drafter forward as a Flax (linen) module over the pytree of `load_drafter`, unchanged.
-
-    `DrafterModule(drafter.config).apply({"params": drafter.params}, target_hidden, block_ids, ...)` computes
-    `draft_logits`; inside a larger linen model it is a submodule whose params are the drafter's tree, so a
-    Flax pipeline composes the drafter like any other layer. It declares no parameters of its own (the
-    weights come from a checkpoint, not from `init`). `embed` / `lm_head` ([V, H], the target's) are needed
-    unless the drafter ships its own.
-    """
-
-    config: DflashConfig
-    causal: bool | None = None
-    sliding_window: bool = True
-
-    def __call__(
-        self,
-        target_hidden: jax.Array,
-        block_ids: jax.Array,
-        *,
-        context_positions: jax.Array,
-        block_positions: jax.Array,
-        embed: jax.Array | None = None,
-        lm_head: jax.Array | None = None,
-    ) -> jax.Array:
-        drafter = Drafter(params=self.variables["params"], config=self.config, embed=embed, lm_head=lm_head)
-        return draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
-                            block_positions=block_positions, causal=self.causal,
-                            sliding_window=self.sliding_window)  # [batch, B, V] float32

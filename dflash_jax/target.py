@@ -50,12 +50,14 @@ import jax.numpy as jnp
 import msgspec
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .config import RopeScaling, declared_rope_type, normalise_raw
-from .errors import ConfigError
+from .config import (
+    MAX_CONFIG_BYTES, Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw,
+)
+from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
 from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
-from .safetensors import Checkpoint
+from .safetensors import Checkpoint, read_json
 
 log = logging.getLogger("dflash_jax")
 
@@ -147,18 +149,18 @@ class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     QK_NORM: ClassVar[bool] = True
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
 
-    vocab_size: int = 151936
-    hidden_size: int = 4096
-    intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 32
-    head_dim: int | None = 128
+    vocab_size: Dim = 151936
+    hidden_size: Dim = 4096
+    intermediate_size: Dim = 22016
+    num_hidden_layers: LayerCount = 32
+    num_attention_heads: Dim = 32
+    num_key_value_heads: Dim | None = 32
+    head_dim: Dim | None = 128
     hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
+    max_position_embeddings: Dim = 32768
+    rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: RopeTheta = 10000.0
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -194,11 +196,11 @@ class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
     QK_NORM: ClassVar[bool] = False
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
 
-    head_dim: int | None = None
-    intermediate_size: int = 11008
-    num_key_value_heads: int | None = None  # transformers: num_attention_heads when unstated
-    max_position_embeddings: int = 2048
-    vocab_size: int = 32000
+    head_dim: Dim | None = None
+    intermediate_size: Dim = 11008
+    num_key_value_heads: Dim | None = None  # transformers: num_attention_heads when unstated
+    max_position_embeddings: Dim = 2048
+    vocab_size: Dim = 32000
 
 
 ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
@@ -253,13 +255,12 @@ def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen
 def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
     """`(file, raw dict)` of a checkpoint directory's config.json."""
     file = os.path.join(os.fspath(path), "config.json")
-    try:
-        with open(file, "rb") as f:
-            raw = msgspec.json.decode(f.read())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory") from None
-    except msgspec.DecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not os.path.lexists(file):
+        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
+    try:  # a regular file of bounded size (a FIFO would block forever), UTF-8, duplicate keys refused
+        raw = read_json(file, "config.json", MAX_CONFIG_BYTES)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object at the top level")
     return file, raw
@@ -458,9 +459,14 @@ class DecoderTarget:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
         tensor_axis: str = "model",
     ) -> DecoderTarget:
-        """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards.
+        """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards; or a
+        hub id (`revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them: `dflash_jax.hub`).
 
         Floating tensors are cast to `dtype`. Without `mesh` they land on the first local device; with it, each
         leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis` when the mesh has it, replicated
@@ -468,9 +474,10 @@ class DecoderTarget:
         presence, dtype and shape is checked against the config before any data is read (`CheckpointError`);
         a tensor axis that does not divide the heads, the vocabulary or the intermediate size is a `ConfigError`.
         """
+        from .hub import resolve
         from .placement import place_all
 
-        path = os.fspath(path)
+        path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
         config = load_decoder_config(path, cls.CONFIG)
         layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
@@ -573,10 +580,18 @@ def load_target(
     dtype: jnp.dtype = jnp.bfloat16,
     tensor_axis: str = "model",
     progress: bool | None = None,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
 ) -> DecoderTarget:
-    """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM),
-    sharded over `mesh` as `DecoderTarget.from_pretrained` says; another architecture is a `ConfigError`."""
-    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
+    """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM)
+    from a directory or a hub id, sharded over `mesh`, as `DecoderTarget.from_pretrained` says; another
+    architecture is a `ConfigError`."""
+    return DecoderTarget.from_pretrained(
+        path, mesh=mesh, dtype=dtype, progress=progress, revision=revision, cache_dir=cache_dir,
+        local_files_only=local_files_only, token=token, tensor_axis=tensor_axis,
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------

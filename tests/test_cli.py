@@ -1,21 +1,33 @@
-"""The dflash-jax command line: inspect, load, demo (convert-nvfp4 is tested with the NVFP4 loading)."""
+"""The dflash-jax command line: inspect (text and --json), load, demo, --version, `python -m`, the compilation
+cache, and bad input reported as `error: ...` with status 2, never a traceback (convert-nvfp4 is tested with
+the NVFP4 loading; generate in test_generate_cli.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
 import jax
 import numpy as np
+import pytest
 
+import dflash_jax
 from dflash_jax import load_drafter
-from dflash_jax.cli import main
+from dflash_jax.cli import main, shown, use_compilation_cache
+from dflash_jax.testing import write_checkpoint
 
 from ._io import load_file, save_file
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_inspect_reports_family_tensors_missing_and_unexpected(tmp_path, capsys):
-    from dflash_jax.testing import write_checkpoint
-
     write_checkpoint(tmp_path, "tiny-dspark")
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "dspark drafter" in out and "markov_head.markov_w1.weight" in out and "missing or malformed: 0" in out
+    assert "NVFP4" not in out
     tensors = load_file(tmp_path / "model.safetensors")
     tensors.pop("layers.0.mlp.up_proj.weight")
     tensors["stray.weight"] = np.zeros(2, np.float32)
@@ -25,9 +37,39 @@ def test_inspect_reports_family_tensors_missing_and_unexpected(tmp_path, capsys)
     assert "missing tensor 'layers.0.mlp.up_proj.weight'" in out and "unexpected: 1\n    stray.weight" in out
 
 
-def test_load_reports_speed_and_memory(tmp_path, capsys):
-    from dflash_jax.testing import write_checkpoint
+def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
+    write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors.pop("norm.weight")
+    tensors["layers.0.self_attn.q_norm.weight"] = np.zeros(3, np.float32)  # wrong shape
+    tensors["stray.weight"] = np.zeros(2, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert main(["inspect", "--json", str(tmp_path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["family"] == "dflash" and report["nvfp4"] is True and len(report["nvfp4_tensors"]) == 15
+    assert report["resolved"]["num_draft_tokens"] == 7 and report["config"]["hidden_size"] == 64
+    assert report["missing"] == ["norm.weight"] and report["unexpected"] == ["stray.weight"]
+    assert len(report["malformed"]) == 1 and "q_norm" in report["malformed"][0]
+    fc = next(t for t in report["tensors"] if t["name"] == "fc.weight")
+    assert fc == {"name": "fc.weight", "dtype": "U8", "shape": [64, 64], "bytes": 4096, "file": "model.safetensors"}
+    assert report["total_bytes"] == sum(t["bytes"] for t in report["tensors"])
+    write_checkpoint(tmp_path / "q", "tiny-dspark", nvfp4=True)
+    assert main(["inspect", str(tmp_path / "q")]) == 0
+    assert "dspark drafter, NVFP4: 17 packed linear weights" in capsys.readouterr().out
 
+
+def test_names_the_terminal_cannot_print_are_escaped(tmp_path, capsys):
+    write_checkpoint(tmp_path, "tiny-dflash")
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["evil\x1b[2J\u202e.weight"] = np.zeros(2, np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out and "evil\\x1b[2J\\u202e.weight" in out
+    assert shown("caf\u00e9 \ud800 \x07") == "caf\u00e9 \\ud800 \\x07"
+
+
+def test_load_reports_speed_and_memory(tmp_path, capsys):
     write_checkpoint(tmp_path, "tiny-dflash")
     assert main(["load", str(tmp_path), "--devices", "2"]) == 0
     out = capsys.readouterr().out
@@ -37,19 +79,76 @@ def test_load_reports_speed_and_memory(tmp_path, capsys):
 def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "without config.json" in capsys.readouterr().err
+    write_checkpoint(tmp_path / "d", "tiny-dflash")
+    assert main(["load", str(tmp_path / "d"), "--devices", "100"]) == 2
+    assert capsys.readouterr().err == f"error: --devices 100: this process has {len(jax.local_devices())} local device(s)\n"
+    assert main(["convert-nvfp4", str(tmp_path / "d"), "/proc/no-such-dir/x"]) == 2  # an OSError: not writable
+    assert capsys.readouterr().err.startswith("error: ")
 
 
-def test_demo(capsys):
+@pytest.mark.parametrize("argv, words", [
+    (["load", "x", "--devices", "-1"], "-1 is not a positive integer"),
+    (["load", "x", "--devices", "two"], "'two' is not an integer"),
+    (["generate", "t", "d", "--prompt-ids", ""], "no token ids"),
+    (["generate", "t", "d", "--prompt-ids", "1,,2"], "expected comma-separated non-negative integers"),
+    (["generate", "t", "d", "--prompt-ids", "1,-2"], "expected comma-separated non-negative integers"),
+    (["generate", "t", "d", "--prompt-ids", "1", "--max-new-tokens", "0"], "0 is not a positive integer"),
+    (["generate", "t", "d", "--prompt-ids", "1", "--temperature", "-1"], "expected a finite temperature >= 0"),
+    (["generate", "t", "d", "--prompt-ids", "1", "--temperature", "nan"], "expected a finite temperature >= 0"),
+])
+def test_bad_arguments_exit_2_with_an_error_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and words in err and "Traceback" not in err
+
+
+def test_demo_prints_its_own_lines_only_and_leaves_no_temporary_directory(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert main(["demo"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     for preset in ("tiny-dflash", "tiny-dflash2", "tiny-dspark"):
         assert f"{preset}:" in out
     assert f"replicated on {len(jax.local_devices())} device(s)" in out
+    assert "dspark drafter, 2 layers" in out  # the loader's summary, from the package's logger
+    assert err == "" and os.listdir(tmp_path) == []
 
 
-def test_progress_bar_on_request(tmp_path, capsys):
-    from dflash_jax.testing import write_checkpoint
-
+def test_progress_bar_on_request(tmp_path):
     write_checkpoint(tmp_path, "tiny-dflash")
     drafter = load_drafter(tmp_path, progress=True)
     assert len(jax.tree.leaves(drafter.params)) == 25
+
+
+def test_compilation_cache_directory_and_off_switch(tmp_path, monkeypatch):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        expected = str(tmp_path / "dflash_jax" / "jax-compilation-cache")
+        assert use_compilation_cache() == expected == jax.config.jax_compilation_cache_dir
+        jax.config.update("jax_compilation_cache_dir", before)
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")  # off: JAX reads the variable itself
+        assert use_compilation_cache() is None and jax.config.jax_compilation_cache_dir == before
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+        assert use_compilation_cache() == str(tmp_path / "mine")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_python_dash_m_and_version(tmp_path):
+    """`python -m dflash_jax` and `python -m dflash_jax.cli` run the program; the program writes JAX's
+    persistent cache (a second process of the same shapes compiles nothing)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": str(tmp_path), "JAX_PLATFORMS": "cpu",
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    for module in ("dflash_jax", "dflash_jax.cli"):
+        done = subprocess.run([sys.executable, "-m", module, "--version"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout == f"dflash-jax {dflash_jax.__version__}\n", done.stderr
+    write_checkpoint(tmp_path / "d", "tiny-dflash", nvfp4=True)  # loading compiles the dequantizers
+    done = subprocess.run([sys.executable, "-m", "dflash_jax", "load", str(tmp_path / "d"), "--dtype", "float32"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert os.listdir(tmp_path / "dflash_jax" / "jax-compilation-cache")

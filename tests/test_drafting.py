@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -208,7 +209,7 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(options):
         anchors = rng.integers(0, drafter.config.vocab_size, 2).astype(np.int32)
         got, cache = propose(drafter, cache, new, num_new, anchors, append_chunk=16, **options)
         lengths += num_new
-        if step in (0, len(LONG_STEPS) - 1):
+        if step == len(LONG_STEPS) - 1:  # the whole history counts: every earlier append is in these drafts
             for b in range(2):
                 _, want = _uncached(drafter, feats[b], lengths[b], anchors[b], **options)
                 np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
@@ -247,3 +248,13 @@ def test_overflow_is_flagged_never_clamped():
         cache.check()
     with pytest.raises(ValueError, match="attention options"):
         propose(drafter, init_cache(drafter, 2, 12), new, np.array([9, 2]), np.zeros(2, np.int32), draft_window=4)
+
+
+def test_init_cache_where_the_params_carry_a_two_axis_sharding(cpu_mesh):
+    """Params committed with a spelled-out 2-d `P(None, None)` (as `nnx.jit` leaves them): the rank-1 lengths
+    and the 4-d K/V take a spec of their own rank (a ValueError before)."""
+    drafter = tiny_drafter("tiny-dflash")
+    where = NamedSharding(cpu_mesh, P(None, None))
+    params = jax.tree.map(lambda a: jax.device_put(a, where) if a.ndim == 2 else a, drafter.params)
+    cache = init_cache(dataclasses.replace(drafter, params=params), 2, 16)
+    assert cache.lengths.sharding.spec == P(None) and cache.keys[0].sharding.spec == P(None, None, None, None)

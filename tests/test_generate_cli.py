@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dflash_jax import load_drafter
-from dflash_jax._qwen3_testing import write_qwen3_checkpoint
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.target import Qwen3Target
-from dflash_jax.testing import write_checkpoint
+from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint
+
+from ._hub import add_to_cache, directory_files  # first: HF_HUB_OFFLINE=1
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,128 @@ def test_generate_verb_reports_bad_checkpoints(checkpoints, tmp_path, capsys):
     _, drafter_dir = checkpoints
     assert main(["generate", str(tmp_path), drafter_dir, "--prompt-ids", "1"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
+    """Offline (tests/_hub.py sets HF_HUB_OFFLINE=1 before huggingface_hub is imported); the same run as the
+    first test, so that only the resolution is new."""
+    target_dir, drafter_dir = checkpoints
+    add_to_cache(tmp_path, "Qwen/tiny", directory_files(target_dir))
+    add_to_cache(tmp_path, "org/tiny-drafter", directory_files(drafter_dir), revision="v1")
+    args = ["--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--dtype", "float32", "--cache-dir", str(tmp_path)]
+    assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
+    target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
+    expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
+    assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
+    assert main(["generate", "Qwen/tiny", "org/tiny-drafter", *args]) == 2  # no `main` ref for the drafter
+    err = capsys.readouterr().err
+    assert err.startswith("error: org/tiny-drafter: ") and "not in the hub cache" in err
+
+
+def _bad_target(tmp_path, checkpoints, **changes):
+    import json
+    import shutil
+
+    target_dir, _ = checkpoints
+    bad = tmp_path / "target"
+    shutil.copytree(target_dir, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, **changes}))
+    return str(bad)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--prompt-ids", "5,128,17"], "dflash-jax generate: --prompt-ids[1] = 128 is outside the vocabulary [0, 128)"),
+    (["--prompt-ids", "5", "--stop-token-ids", "1,9999"], "dflash-jax generate: --stop-token-ids[1] = 9999 is outside"),
+    (["--prompt-ids", "5,6", "--max-new-tokens", "1000000000"],
+     "a prompt of 2 tokens plus max_new_tokens=1000000000 reaches position 1000000002, beyond the target's "
+     "max_position_embeddings=1024"),
+])
+def test_generate_refuses_ids_and_lengths_the_target_cannot_take(checkpoints, flags, words, capsys):
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {words}") and "Traceback" not in err
+
+
+def test_generate_reports_a_target_config_that_is_a_directory(checkpoints, tmp_path, capsys):
+    import shutil
+
+    target_dir, drafter_dir = checkpoints
+    shutil.copytree(target_dir, tmp_path / "t")
+    os.remove(tmp_path / "t" / "config.json")
+    os.mkdir(tmp_path / "t" / "config.json")
+    assert main(["generate", str(tmp_path / "t"), drafter_dir, "--prompt-ids", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "config.json" in err
+
+
+def test_generate_reports_zero_key_value_heads(checkpoints, tmp_path, capsys):
+    _, drafter_dir = checkpoints
+    code = main(["generate", _bad_target(tmp_path, checkpoints, num_key_value_heads=0), drafter_dir, "--prompt-ids", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "num_key_value_heads" in err
+
+
+def test_generate_does_not_hang_on_a_target_config_that_is_a_fifo(checkpoints, tmp_path, capsys):
+    import shutil
+    import threading
+
+    target_dir, drafter_dir = checkpoints
+    shutil.copytree(target_dir, tmp_path / "t")
+    fifo = tmp_path / "t" / "config.json"
+    os.remove(fifo)
+    os.mkfifo(fifo)
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(main(["generate", str(tmp_path / "t"), drafter_dir,
+                                                                 "--prompt-ids", "1"])), daemon=True)
+    worker.start()
+    worker.join(1)
+    if worker.is_alive():  # blocked in open(): give it an empty writer, so that the thread ends
+        with open(fifo, "wb"):
+            pass
+        worker.join(10)
+        pytest.fail("the CLI blocked on a FIFO config.json")
+    assert codes == [2] and "config.json" in capsys.readouterr().err
+
+
+def test_without_a_terminal_no_progress_callback_enters_the_loop(checkpoints, monkeypatch, capsys):
+    """The bar's callback would keep the decode loop out of JAX's persistent cache (host callbacks are not
+    stored): off a terminal (here, captured output) none is passed."""
+    import dflash_jax.generate
+
+    seen, real = [], dflash_jax.generate.speculative_generate
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate",
+                        lambda *args, **kw: seen.append(kw["progress"]) or real(*args, **kw))
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
+                 "--dtype", "float32"]) == 0
+    assert seen == [None]
+
+
+def test_generate_reports_an_absurd_layer_count(checkpoints, tmp_path, capsys):
+    _, drafter_dir = checkpoints
+    code = main(["generate", _bad_target(tmp_path, checkpoints, num_hidden_layers=10**12), drafter_dir,
+                 "--prompt-ids", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "num_hidden_layers" in err
+
+
+def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
+    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its keywords."""
+    import dflash_jax.generate
+
+    seen = {}
+
+    def fake(target, drafter, prompt, **kwargs):
+        seen.update(kwargs)
+        return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
+
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
+                 "--draft-window", "8", "--draft-sinks", "2"]) == 0
+    assert (seen["causal"], seen["sliding_window"], seen["draft_window"], seen["draft_sinks"]) == (False, False, 8, 2)
+    with pytest.raises(SystemExit) as e:  # argparse's own error line and exit status 2
+        main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "-1"])
+    assert e.value.code == 2 and "--draft-sinks: -1 is negative" in capsys.readouterr().err

@@ -140,23 +140,3 @@ def test_replicated_on_a_mesh_under_jit(cpu_mesh):
         logits = step(replicated, *map(put, inputs), jax.tree.map(put, positions))
         np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-4)  # float32 reassociation
 
-
-def test_flax_module_matches_golden_and_composes():
-    """`DrafterModule` over the loader's tree, unchanged: the golden logits, alone and as a linen submodule."""
-    import flax.linen as nn
-
-    from dflash_jax.model import DrafterModule
-
-    (drafter, hidden, ids), kwargs, io = _golden("dflash-tiny-b", jnp.float32)
-    heads = dict(embed=drafter.embed, lm_head=drafter.lm_head)
-    module = DrafterModule(drafter.config)
-    logits = module.apply({"params": drafter.params}, hidden, ids, **kwargs, **heads)
-    np.testing.assert_allclose(np.asarray(logits), io["expected_logits"], rtol=0, atol=2e-4)
-
-    class Pipeline(nn.Module):  # a user's model holding the drafter as one of its layers
-        @nn.compact
-        def __call__(self, hidden, ids):
-            return DrafterModule(drafter.config, name="drafter")(hidden, ids, **kwargs, **heads).argmax(-1)
-
-    drafts = jax.jit(Pipeline().apply)({"params": {"drafter": drafter.params}}, hidden, ids)
-    np.testing.assert_array_equal(np.asarray(drafts)[0, 1:], io["expected_logits"][0, 1:].argmax(-1))

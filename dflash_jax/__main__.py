@@ -1,0 +1,5 @@
+"""`python -m dflash_jax ...`: the `dflash-jax` command line."""
+
+from .cli import run
+
+run()
