@@ -1,6 +1,7 @@
 """The drafter forward pass: pure functions over the loader's parameter tree (docs/design.md).
 
-One forward serves the three families (spec §1.4, §3, §4):
+One forward serves the three families (z-lab `dflash/model.py`, SpecForge's DFlash2, DeepSpec's DSpark;
+docs/forward.md):
 
     ctx = hidden_norm(fc(target_hidden))               # context rows, shared by every layer
     x   = embed([anchor, MASK x (B-1)])                # the block
@@ -16,16 +17,18 @@ passes through a layer's input norm nor joins the residual stream. `draft_logits
 Which keys a query sees (`attention_rules`):
 - causal: the keyword when given, else `config.is_causal`, else `dflash_config.causal`, else "causal exactly on
   `sliding_attention` layers" -- vLLM's `_dflash_layer_causal` order, the serving rule trained checkpoints are
-  run with (spec §1.4). Configs without `layer_types` are therefore non-causal, like z-lab's reference.
+  run with (docs/references.md §1). Configs without `layer_types` are therefore non-causal, like z-lab's
+  reference.
 - sliding window (default on): on `sliding_attention` layers of a config with `use_sliding_window` and a
   `sliding_window` w, a query at position p sees keys at positions k with |p - k| <= w - 1: transformers'
   flash-attention rule, which on causal layers is vLLM's causal window. Honouring the trained window decides
-  acceptance (spec §5: 11% -> ~50%). `sliding_window=False` ignores windows, as z-lab's eager/sdpa paths do.
+  acceptance (docs/references.md §1). `sliding_window=False` ignores windows, as z-lab's eager/sdpa paths do.
 
 Numerics: matmuls accumulate in float32 (`preferred_element_type`); float32 runs use full-precision
 (`Precision.HIGHEST`) products so they can be compared with a float64/float32 reference, bf16 runs keep bf16
 operands. Norms, RoPE, softmax and the LM head run in float32; RoPE angles are formed in float32 exactly as
-transformers does (`inv_freq` in float32, `position * inv_freq` in float32, spec §7).
+transformers does (`inv_freq` in float32, `position * inv_freq` in float32: transformers'
+`modeling_rope_utils.py`).
 """
 
 from __future__ import annotations
@@ -219,7 +222,7 @@ def attention_rules(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# DFlash2 grouped dynamic causal convolution (spec §4)
+# DFlash2 grouped dynamic causal convolution (SpecForge `dflash2.py`, docs/forward.md)
 # --------------------------------------------------------------------------------------------------------------
 
 
