@@ -1,6 +1,7 @@
 """One drafting step: `propose`, with a static-shape context K/V cache, and the draft samplers.
 
-The step (z-lab `dflash/model.py`'s `dflash_generate`, batched): the target's features for the rows accepted since the last step are projected
+The step (z-lab `dflash/model.py`'s `dflash_generate`, batched): the target's features for the rows accepted
+since the last step are projected
 into every layer's K/V and appended to `ContextCache`; the block `[anchor, MASK x (B-1)]` attends to the whole
 cache plus itself; the draft rows' hidden states become tokens:
 

@@ -3,7 +3,8 @@
     result = speculative_generate(target, drafter, prompt_ids, max_new_tokens=128)
     result.tokens, result.acceptance_lengths, result.decode_tokens_per_second
 
-One step (z-lab `dflash/model.py`'s `dflash_generate`, batched; K = `drafter.config.num_draft_tokens`: B-1 for DFlash/DFlash2, B for DSpark):
+One step (z-lab `dflash/model.py`'s `dflash_generate`, batched; K = `drafter.config.num_draft_tokens`: B-1 for
+DFlash/DFlash2, B for DSpark):
 
     verify  [anchor, d_1 .. d_K] with the target at positions len .. len+K  -> logits, features
     accept  a = the longest accepted prefix of the drafts (greedy: equal to the target's argmax;
