@@ -31,7 +31,7 @@ from .loader import Drafter, build_tree
 from .target import ARCHITECTURES, DecoderConfig, DecoderTarget, Qwen3Config, Qwen3Target, parse_decoder_config, \
     plan_decoder
 from .safetensors import write_tensors
-from .testing import random_tensor
+from ._random_weights import random_tensor
 
 _TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
@@ -81,7 +81,7 @@ def write_qwen3_checkpoint(
     """Write a random Qwen3 or Llama checkpoint of `config` (a preset name or a raw config dict; the architecture
     its `architectures` names) to `directory`.
 
-    Weights are drawn as the drafter test checkpoints' are (`testing.random_tensor`: norms near 1, linears
+    Weights are drawn as the drafter test checkpoints' are (`_random_weights.random_tensor`: norms near 1, linears
     scaled by fan-in). `num_shards > 1` writes shards plus an index; `dtype` is "bfloat16" or "float32".
     Returns the config.
     """

@@ -27,6 +27,10 @@ import numpy as np
 from .config import DflashConfig, parse_config
 from .loader import Drafter, TensorPlan, build_tree, plan_tensors
 from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
+from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-exported)
+    QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target, write_qwen3_checkpoint,
+)
+from ._random_weights import random_tensor
 from .safetensors import write_tensors
 
 _BASE_TINY = {
@@ -105,24 +109,6 @@ def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = 
     return plan_tensors(config, contains, prefix)
 
 
-def random_tensor(t: TensorPlan, config: DflashConfig, rng: np.random.Generator) -> np.ndarray:
-    """Values in the range trained weights have, so forward passes stay well conditioned."""
-    leaf = t.path[-1]
-    if t.kind == "int":  # d2t: a sorted subset of the target vocabulary, as offsets
-        target = np.sort(rng.choice(config.vocab_size, size=t.shape[0], replace=False))
-        return (target - np.arange(t.shape[0])).astype(np.int64)
-    if leaf == "base_kernel":  # identity first tap plus a little noise, as initialised
-        kernel = 0.1 * rng.standard_normal(t.shape)
-        kernel[:, 0] += 1.0
-        return kernel.astype(np.float32)
-    if leaf == "weight" and len(t.shape) == 1:  # RMSNorm gains
-        return (1.0 + 0.1 * rng.standard_normal(t.shape)).astype(np.float32)
-    if leaf == "bias":
-        return (0.02 * rng.standard_normal(t.shape)).astype(np.float32)
-    fan_in = t.shape[-1]
-    return (rng.standard_normal(t.shape) / np.sqrt(fan_in)).astype(np.float32)
-
-
 def random_drafter(config: DflashConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Drafter:
     """A drafter with random weights drawn on the default device (no checkpoint; for benchmarks at real
     sizes): linears N(0, 1/fan_in), norm gains ~1, plus random target embedding and LM head attached."""
@@ -175,17 +161,3 @@ def write_checkpoint(
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, tensors, num_shards)
     return config
-
-
-_QWEN3_HELPERS = ("write_qwen3_checkpoint", "random_qwen3", "successor_target", "successor_drafter",
-                  "QWEN3_TINY_CONFIGS")
-
-
-def __getattr__(name: str):
-    """Qwen3 target helpers (`write_qwen3_checkpoint`, `random_qwen3`, `successor_target`, ...), imported on
-    first use: they live in `_qwen3_testing`, which itself builds on this module."""
-    if name in _QWEN3_HELPERS:
-        from . import _qwen3_testing
-
-        return getattr(_qwen3_testing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
