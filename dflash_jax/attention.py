@@ -26,10 +26,11 @@ import jax.numpy as jnp
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
-_PALLAS_BLOCK_K = 128  # key slots per step of the GPU kernel
-# Warps per program by query tile rows, measured on an H200 over a 32k span (docs/benchmarks.md): a 128-row tile
-# (a 17-token verify) 0.128 -> 0.091 ms with 8; other tiles keep Triton's default (4 and 8 were no faster).
-PALLAS_WARPS: dict[int, int] = {128: 8}
+SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
+# (key slots per step, warps) of the GPU kernel by query tile rows: the fastest of 2 x 3 choices on an H200 over
+# 32k and 128k spans, timed in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token
+# verify's 128-row tile: 0.110 -> 0.085 ms per 32k layer; a 16-token block's 64-row tile: 0.077 -> 0.062 ms.
+PALLAS_TUNING: dict[int, tuple[int, int]] = {16: (128, 4), 32: (128, 4), 64: (64, 4), 128: (64, 4)}
 
 
 class LayerRule(NamedTuple):
@@ -144,13 +145,13 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     capacity = span.k.shape[2]
     splits = _splits(capacity)
     tile = max(16, _tile_rows(groups * Sq))  # query rows per program (Triton's dot needs >= 16)
+    block_k, warps = PALLAS_TUNING[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
     out, (l, m) = decode_attention.mqa(
         rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
         start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
-        block_h=tile, block_k=_PALLAS_BLOCK_K, k_splits=splits, return_residuals=True,
-        num_warps=PALLAS_WARPS.get(tile),
+        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
     )
     shape = (batch, n_kv, groups, Sq)
     l, m = l.reshape(shape), m.reshape(shape)
@@ -166,10 +167,10 @@ def _tile_rows(rows: int) -> int:
 
 
 def _splits(capacity: int) -> int:
-    """Split-K count: a divisor of the capacity's key blocks giving splits of about 8 blocks (1024 keys), so a
+    """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about 8 blocks (1024 keys), so a
     long span is read by many programs at once (measured: 16 fixed splits ran a 128k span at 1/6 of the
     bandwidth); a split past a sequence's `stop` exits at once."""
-    blocks = capacity // _PALLAS_BLOCK_K
+    blocks = capacity // SPAN_ALIGN
     return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - 8))
 
 
@@ -181,7 +182,7 @@ def use_pallas(q: jax.Array, span: Span) -> bool:
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and span.k.dtype == q.dtype
         and groups * Sq <= _PALLAS_MAX_ROWS
-        and span.k.shape[2] % _PALLAS_BLOCK_K == 0
+        and span.k.shape[2] % SPAN_ALIGN == 0
         and d_h in (64, 128, 256)
     )
 

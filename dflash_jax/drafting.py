@@ -27,7 +27,7 @@ import numpy as np
 
 from .loader import Drafter, draft_to_target_ids
 from ._arguments import check_propose_inputs
-from .attention import KeyValues, LayerRule, Span
+from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span
 from .model import (
     Context,
     Memory,
@@ -51,10 +51,11 @@ class ContextCache:
 
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
     buffer: position p in slot `p % ring`, `ring = window + block size` rows, so its memory does not grow with
-    the context. The other layers keep every position p in slot p, up to `max_context`.
+    the context. The other layers keep every position p in slot p, up to `max_context` (their rows are rounded
+    up to a multiple of `attention.SPAN_ALIGN`, so that the GPU kernel reads them).
     """
 
-    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows = max_context, or the ring's size
+    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows: max_context rounded up, or the ring's
     values: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]
     lengths: jax.Array  # [batch] int32: context positions 0 .. lengths-1 have been appended
     overflow: jax.Array  # [batch] bool: a sequence outgrew max_context (rows past it were dropped)
@@ -114,7 +115,8 @@ def init_cache(
     rules = attention_rules(c, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
                             draft_sinks=draft_sinks)
     rings = _rings(rules)
-    rows = [min(max_context, r.window + c.effective_block_size) if ring else max_context
+    full_rows = -(-max_context // SPAN_ALIGN) * SPAN_ALIGN  # aligned for the GPU kernel; rows past max_context stay empty
+    rows = [min(max_context, r.window + c.effective_block_size) if ring else full_rows
             for r, ring in zip(rules, rings)]
 
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
@@ -294,7 +296,7 @@ def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
     keys, values = [], []
     for k, v, (new_k, new_v), ring in zip(cache.keys, cache.values, new_kv, cache.rings):
         rows = k.shape[2]
-        keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < rows)
+        keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < cache.max_context)
         slots = jnp.where(keep, positions % rows if ring else positions, rows)[:, None, :]  # rows: dropped
         keys.append(k.at[seq, heads, slots].set(new_k, mode="drop"))  # indices broadcast to [batch, n_kv, n_new]
         values.append(v.at[seq, heads, slots].set(new_v, mode="drop"))
@@ -336,7 +338,7 @@ def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, 
         slots = jnp.arange(rows)
         positions = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - slots, rows)  # newest p = slot mod rows
         return Memory(dense=(KeyValues(k, v, positions, positions >= 0),))
-    stop = jnp.minimum(lengths, rows)
+    stop = jnp.minimum(lengths, cache.max_context)
     if rule.window is None:
         return Memory(spans=(Span(k, v, jnp.zeros_like(stop), stop),))
     sinks = jnp.minimum(rule.sinks, stop)

@@ -55,7 +55,7 @@ from .config import (
 )
 from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
-from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
+from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from .safetensors import Checkpoint, read_json
 
@@ -527,10 +527,11 @@ class DecoderTarget:
         return self.config.max_position_embeddings
 
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-        """An empty KV cache for `batch_size` sequences of up to `max_length` positions, in the params' dtype
-        (on a mesh: split by KV heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
+        """An empty KV cache for `batch_size` sequences of up to `max_length` positions (rounded up to a multiple
+        of `attention.SPAN_ALIGN`, so that the GPU kernel reads it), in the params' dtype (on a mesh: split by KV
+        heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
-        shape = (batch_size, c.num_key_value_heads, max_length, c.head_dim)
+        shape = (batch_size, c.num_key_value_heads, -(-max_length // SPAN_ALIGN) * SPAN_ALIGN, c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
         zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype, device=where)  # noqa: E731
                               for _ in range(c.num_hidden_layers))

@@ -11,7 +11,7 @@ out here from the planned shardings by row-major arithmetic.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"  # + conftest's
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax.attention import SPAN_ALIGN
 from dflash_jax.drafting import init_cache, propose, sample_drafts
 from dflash_jax.model import draft_hidden
 
@@ -248,6 +249,19 @@ def test_overflow_is_flagged_never_clamped():
         cache.check()
     with pytest.raises(ValueError, match="attention options"):
         propose(drafter, init_cache(drafter, 2, 12), new, np.array([9, 2]), np.zeros(2, np.int32), draft_window=4)
+
+
+def test_full_layers_are_aligned_for_the_gpu_kernel():
+    """Full layers hold `max_context` rounded up to `SPAN_ALIGN` rows (the GPU kernel reads only aligned caches: an
+    unaligned one fell back to the XLA loop, 8x slower at 32k), and rows past `max_context` still stay empty."""
+    drafter = tiny_drafter("tiny-dflash")
+    cache = init_cache(drafter, 2, 20)
+    assert all(k.shape[2] == SPAN_ALIGN for k in cache.keys) and not any(cache.rings)
+    new = features(drafter, 2, 9, seed=7)
+    for _ in range(3):
+        _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
+    np.testing.assert_array_equal(np.asarray(cache.overflow), [True, False])
+    assert not np.asarray(cache.keys[0])[:, :, 20:].any() and np.asarray(cache.keys[0])[0, :, :20].all()
 
 
 def test_init_cache_where_the_params_carry_a_two_axis_sharding(cpu_mesh):
