@@ -239,11 +239,15 @@ def test_the_draft_window_is_the_numpy_rule():
 
 
 def test_overflow_is_flagged_never_clamped():
-    """Rows past `max_context` are dropped and the sequence flagged; `check` raises; lengths keep counting."""
+    """Rows past `max_context` are dropped and the sequence flagged; `check` raises; lengths keep counting. The
+    cache is donated to `propose` (every array of it) and its static fields come back as they went in."""
     drafter = tiny_drafter("tiny-dflash")
     cache = init_cache(drafter, 2, 12)
     new = features(drafter, 2, 9, seed=7)
+    first = cache
     _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
+    assert all(a.is_deleted() for a in jax.tree.leaves(first))  # the whole cache was donated
+    assert (cache.max_context, cache.rings, cache.attention) == (12, first.rings, AttentionOptions())  # static
     cache.check()
     _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [18, 4])
