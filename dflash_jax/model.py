@@ -216,18 +216,20 @@ class AttentionOptions:
             raise ValueError(f"AttentionOptions.causal must be True, False or None, got {self.causal!r}")
         if not isinstance(self.sliding_window, bool):
             raise ValueError(f"AttentionOptions.sliding_window must be True or False, got {self.sliding_window!r}")
-        if self.draft_window is not None and not (_is_int(self.draft_window) and self.draft_window >= 1):
-            raise ValueError(
-                f"AttentionOptions.draft_window must be an integer >= 1 or None, got {self.draft_window!r}")
-        if not (_is_int(self.draft_sinks) and self.draft_sinks >= 0):
-            raise ValueError(f"AttentionOptions.draft_sinks must be an integer >= 0, got {self.draft_sinks!r}")
+        if self.draft_window is not None:
+            object.__setattr__(self, "draft_window", _integer("draft_window", self.draft_window, 1))
+        object.__setattr__(self, "draft_sinks", _integer("draft_sinks", self.draft_sinks, 0))
         if self.draft_sinks and self.draft_window is None:
             raise ValueError(f"AttentionOptions.draft_sinks={self.draft_sinks} needs a draft_window (sinks are the "
                              "positions a window keeps visible)")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _integer(field: str, value: Any, minimum: int) -> int:
+    """`value` as a Python int (NumPy integers too: a plain int keeps the rules' arithmetic weakly typed), at least
+    `minimum`; a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"AttentionOptions.{field} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def attention_rules(config: DflashConfig, attention: AttentionOptions = AttentionOptions()) -> tuple[LayerRule, ...]:

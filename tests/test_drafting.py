@@ -269,6 +269,13 @@ def test_attention_options_are_checked_once_made(fields, bad):
         AttentionOptions(**fields)
 
 
+def test_attention_options_take_numpy_integers_as_ints():
+    """A NumPy integer window is stored as a Python int: equal and hashing alike, so one compiled program."""
+    options = AttentionOptions(draft_window=np.int64(8), draft_sinks=np.int32(2))
+    assert options == AttentionOptions(draft_window=8, draft_sinks=2) and type(options.draft_window) is int
+    assert hash(options) == hash(AttentionOptions(draft_window=8, draft_sinks=2))
+
+
 def test_init_cache_where_the_params_carry_a_two_axis_sharding(cpu_mesh):
     """Params committed with a spelled-out 2-d `P(None, None)` (as `nnx.jit` leaves them): the rank-1 lengths
     and the 4-d K/V take a spec of their own rank (a ValueError before)."""

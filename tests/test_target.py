@@ -70,7 +70,8 @@ def test_matches_numpy_reference_incrementally(tiny):
 
 
 def test_last_layer_feature_is_after_final_norm(tiny):
-    """Feature N-1 is hidden_states[N] (normed), not the raw output of the last layer (spec §7)."""
+    """Feature N-1 is hidden_states[N] (normed), not the raw output of the last layer (transformers'
+    `output_hidden_states` convention; `dflash_jax.target`'s module docstring)."""
     directory, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
     out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(5, 4))
