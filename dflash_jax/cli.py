@@ -139,11 +139,11 @@ def hub_options(verb: argparse.ArgumentParser) -> None:
                       help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
 
 
-# `AttentionOptions` of each named rule (docs/references.md gives the sources)
-ATTENTION_RULES: dict[str, dict[str, bool | None]] = {
-    "config": dict(causal=None, sliding_window=True),
-    "zlab": dict(causal=False, sliding_window=False),
-    "vllm-v1": dict(causal=False, sliding_window=True),
+# `AttentionOptions(causal, sliding_window)` of each named rule (docs/references.md gives the sources)
+ATTENTION_RULES: dict[str, tuple[bool | None, bool]] = {
+    "config": (None, True),
+    "zlab": (False, False),
+    "vllm-v1": (False, True),
 }
 
 
@@ -360,7 +360,8 @@ def generate(args: argparse.Namespace) -> int:
     from .model import AttentionOptions
     from .target import load_target
 
-    attention = AttentionOptions(**ATTENTION_RULES[args.attention_rule], draft_window=args.draft_window,
+    causal, sliding_window = ATTENTION_RULES[args.attention_rule]
+    attention = AttentionOptions(causal=causal, sliding_window=sliding_window, draft_window=args.draft_window,
                                  draft_sinks=args.draft_sinks)  # refused before anything loads
     dtype = jnp.dtype(args.dtype)
     target = load_target(args.target, dtype=dtype, revision=args.target_revision, cache_dir=args.cache_dir)

@@ -129,8 +129,9 @@ def _stop_array(stop_token_ids: Sequence[int] | None) -> jax.Array:
     return jnp.asarray(ids + [-1] * (_round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
 
 
-def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`."""
+def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
+    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`
+    (needed only with a key)."""
     if key is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
