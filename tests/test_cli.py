@@ -123,19 +123,24 @@ def test_progress_bar_on_request(tmp_path, monkeypatch):
     the checkpoint's total, stopped."""
     from rich import progress as rp
 
-    bars, real_update = [], rp.Progress.update
+    bars, stopped, real_update, real_stop = [], [], rp.Progress.update, rp.Progress.stop
 
     def update(self, task, **fields):
         bars.append((self, fields))
         real_update(self, task, **fields)
 
+    def stop(self):
+        stopped.append(self)
+        real_stop(self)
+
     monkeypatch.setattr(rp.Progress, "update", update)
+    monkeypatch.setattr(rp.Progress, "stop", stop)
     write_checkpoint(tmp_path, "tiny-dflash")
     drafter = load_drafter(tmp_path, progress=True)
     leaves = jax.tree.leaves(drafter.params)
     assert len(leaves) == 25 and len(bars) == 25 and len({id(bar) for bar, _ in bars}) == 1
     bar, last = bars[-1]
-    assert last["tensors"] == "25/25 tensors" and not bar.live.is_started  # stopped after the last tensor
+    assert last["tensors"] == "25/25 tensors" and stopped == [bar]  # stopped after the last tensor
     task = bar.tasks[0]
     assert task.finished and task.completed == task.total == sum(a.nbytes for a in leaves)  # bf16 on disk and here
 
