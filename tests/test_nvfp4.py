@@ -42,6 +42,12 @@ def np_e4m3(bits: np.ndarray) -> np.ndarray:
     return np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)
 
 
+def test_numpy_e4m3_is_ml_dtypes_float8_e4m3fn():
+    """The decoding above, byte for byte, against a third implementation (ml_dtypes), NaNs included."""
+    every = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(np_e4m3(every), every.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
 def np_dequantize(packed, scale, scale_2, dtype=ml_dtypes.bfloat16):
     """Both nibbles of every byte (low first) through the E2M1 table, times `f32(block scale) * scale_2` per 16
     values, the product in float32, rounded once to `dtype`. `scale`: E4M3FN values or their bytes."""
