@@ -18,6 +18,7 @@ reference; ours runs on whatever JAX backend is present.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -30,7 +31,7 @@ import numpy as np
 
 from dflash_jax.config import DflashConfig, parse_config
 from dflash_jax.drafting import ContextCache, init_cache, propose
-from dflash_jax.loader import Drafter, TensorPlan, build_tree
+from dflash_jax.loader import Drafter
 from dflash_jax.model import draft_logits
 from dflash_jax.testing import full_plan, preset_dict, random_drafter
 
@@ -70,7 +71,7 @@ def kernel_profile(fn, steps: int = 10) -> dict:
 @functools.partial(jax.jit, donate_argnames="cache")
 def _step(drafter: Drafter, cache: ContextCache, new, num_new, anchors, lengths):
     """`propose` from a cache holding `lengths` rows (reset each call, so every timed step is the same)."""
-    proposal, cache = propose(drafter, cache.replace(lengths=lengths), new, num_new, anchors)
+    proposal, cache = propose(drafter, dataclasses.replace(cache, lengths=lengths), new, num_new, anchors)
     return proposal.tokens, cache
 
 
@@ -81,7 +82,8 @@ def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool) -> dict:
     max_context = CONTEXT + 8  # room for the 7 new rows; the attention reads all of it every step
     cache = init_cache(drafter, batch, max_context)
     shape = cache.keys[0].shape
-    cache = cache.replace(
+    cache = dataclasses.replace(
+        cache,
         keys=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[0], len(cache.keys))),
         values=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[1], len(cache.keys))),
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -40,7 +41,11 @@ from dflash_jax.drafting import init_cache, propose  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.model import attention_rules  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
-    preset_dict, random_drafter, random_qwen3, successor_drafter, successor_target,
+    preset_dict,
+    random_drafter,
+    random_qwen3,
+    successor_drafter,
+    successor_target,
 )
 
 DRAFTERS = {
@@ -97,7 +102,8 @@ def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidt
         for ctx in contexts:
             for impl in impls:
                 cache = init_cache(drafter, batch, ctx + NEW_ROWS * (iters + 10))
-                cache = cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))  # as if ctx rows were appended
+                # as if ctx rows had been appended
+                cache = dataclasses.replace(cache, lengths=jnp.full((batch,), ctx, jnp.int32))
                 feats = jnp.ones((batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
                 num_new, anchors = jnp.full((batch,), NEW_ROWS, jnp.int32), jnp.zeros((batch,), jnp.int32)
                 for _ in range(3):  # compile, warm up
@@ -149,11 +155,11 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
                 continue  # batch > 1 at the shortest prompt only
             prompts = rng.integers(0, V, (batch, P)).tolist()
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
-            runs = {"greedy": lambda: greedy_generate(target, prompts, max_new, prefill_chunk=chunk,
-                                                      beyond_max_positions=beyond)}
+            runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new, prefill_chunk=chunk,
+                                                                          beyond_max_positions=b)}
             for name, d in drafters.items():
-                runs[name] = lambda d=d: speculative_generate(target, d, prompts, max_new_tokens=max_new,
-                                                              prefill_chunk=chunk, beyond_max_positions=beyond)
+                runs[name] = lambda d=d, p=prompts, b=beyond: speculative_generate(
+                    target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b)
             base, greedy_tokens = None, None
             for name, run in runs.items():
                 if not small:  # --small checks the script, not the speed: its one run includes compiling

@@ -8,7 +8,8 @@
    written once), (b) the XLA path, (c) the Pallas kernel (default tile; with --sweep, other tiles on a
    few shapes too). Each timed call runs one jitted program over S distinct input sets (S * bytes moved
    >= 2 GB, at most 64 sets: far more than the 60 MB L2, and a call long enough that its launch cost is
-   small); the sets are chained through optimization barriers so XLA neither merges nor reorders them. Time per tensor = median wall time of a call / S; GB/s counts 2.5625 B/element.
+   small); the sets are chained through optimization barriers so XLA neither merges nor reorders them. Time per
+   tensor = median wall time of a call / S; GB/s counts 2.5625 B/element.
 """
 
 from __future__ import annotations

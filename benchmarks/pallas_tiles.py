@@ -43,9 +43,11 @@ def main() -> None:
             tile = max(16, 1 << (rows - 1).bit_length())
             times = {}
             for block_k, warps, per_split in itertools.product((64, 128), (2, 4, 8), (1024, 2048)):
-                attend = lambda q, k, v, stop, block_k=block_k, warps=warps, per_split=per_split: decode_attention.mqa(  # noqa: E731
-                    q, k, v, start_idx=jnp.zeros_like(stop), kv_seq_len=stop, sm_scale=HEAD_DIM**-0.5, block_h=tile,
-                    block_k=block_k, k_splits=T // per_split, return_residuals=True, num_warps=warps)
+                def attend(q, k, v, stop, tile=tile, block_k=block_k, warps=warps, splits=T // per_split):
+                    return decode_attention.mqa(
+                        q, k, v, start_idx=jnp.zeros_like(stop), kv_seq_len=stop, sm_scale=HEAD_DIM**-0.5,
+                        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps)
+
                 times[block_k, warps, per_split] = loop_ms(attend, q, k, v, stop)
             best = min(times, key=times.get)
             print(f"| {T} | {rows} | {tile} | {floor:.4f} | {times[best]:.4f} | {best[0]} | {best[1]} | {best[2]} | "

@@ -25,20 +25,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
-import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-
-from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target  # noqa: E402
-from dflash_jax.config import parse_config  # noqa: E402
-from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
-from dflash_jax.testing import preset_dict  # noqa: E402
+from dflash_jax.config import parse_config
+from dflash_jax.generate import greedy_generate, speculative_generate
+from dflash_jax.testing import preset_dict, random_drafter, random_qwen3, successor_drafter, successor_target
 
 QWEN3_8B = {
     "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
@@ -104,7 +99,7 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = rng.integers(0, V, (batch, args.prompt_len)).tolist()
-        base, greedy = timed(lambda: greedy_generate(target, prompts, args.max_new), args.repeats)
+        base, greedy = timed(lambda: greedy_generate(target, prompts, args.max_new), args.repeats)  # noqa: B023  (run here)
         follows = np.mean([t[j + 1] == successor[t[j]] for t in greedy.tokens for j in range(len(t) - 1)])
         rows.append(dict(batch=batch, name="greedy", tokens_per_s=base, follows_map=float(follows)))
         print(f"| {batch} | greedy (target follows its map {follows:.0%}) | {base:.1f} | 1.00 | | |", flush=True)
@@ -113,8 +108,9 @@ def main() -> None:
                 print(f"| {batch} | {name} | skipped: over the time budget | | | |", flush=True)
                 continue
             speed, result = timed(
-                lambda: speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new), args.repeats
-            )
+                lambda: speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new),  # noqa: B023
+                args.repeats,
+            )  # the lambda runs here, inside the loop
             same = result.tokens == greedy.tokens
             rows.append(dict(batch=batch, name=name, tokens_per_s=speed, speedup=speed / base,
                              mean_acceptance=result.mean_acceptance_length, same_tokens=same))

@@ -17,15 +17,16 @@ from .config import DflashConfig, load_config, parse_config
 from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
 from .generate import GenerationResult, greedy_generate, speculative_generate
-from .loader import Drafter, draft_to_target_ids, load_drafter
 from .linen import DrafterModule
-from .model import draft_hidden, draft_logits
+from .loader import Drafter, draft_to_target_ids, load_drafter
+from .model import AttentionOptions, draft_hidden, draft_logits
 from .target import DecoderTarget, Qwen3Target, Target, load_target
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "AttentionOptions",
     "CheckpointError",
     "ConfigError",
     "ContextCache",

@@ -18,8 +18,10 @@ window is never re-based.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,9 @@ SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of 
 PALLAS_TUNING: dict[int, tuple[int, int]] = {16: (128, 4), 32: (128, 4), 64: (64, 4), 128: (64, 4)}
 
 
+# Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,
+# `dataclasses.replace` for updates); static hashable records that decide a program, like `LayerRule`, are
+# NamedTuples.
 class LayerRule(NamedTuple):
     """Which keys one layer's queries see: `causal` (key position <= query position) and a window."""
 
@@ -52,7 +57,9 @@ def visible(query_positions: jax.Array, key_positions: jax.Array, rule: LayerRul
     return ok
 
 
-class KeyValues(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KeyValues:
     """Keys/values of a few rows, scored densely: post k_norm + RoPE keys, values, positions, which rows are real."""
 
     k: jax.Array  # [batch, n_kv, rows, d_h]: heads-major, so the attention GEMMs read it without a transpose
@@ -61,7 +68,9 @@ class KeyValues(NamedTuple):
     valid: jax.Array  # [batch, rows] bool
 
 
-class Span(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Span:
     """Slots `[start, stop)` of a cache `[batch, n_kv, capacity, d_h]`, all visible to every query (no mask)."""
 
     k: jax.Array  # [batch, n_kv, capacity, d_h]
@@ -70,7 +79,9 @@ class Span(NamedTuple):
     stop: jax.Array  # [batch] int32 (exclusive; an empty range contributes nothing)
 
 
-class _Partial(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Partial:
     """An unnormalised softmax over some keys: `acc = sum_k exp(s_k - m) v_k`, `m = max_k s_k`, `l = sum exp`."""
 
     acc: jax.Array  # [batch, n_kv, groups, Sq, d_h] f32

@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"dflash-jax {__version__}")
     verbs = p.add_subparsers(dest="verb", required=True)
 
-    v = verbs.add_parser("inspect", help="family, resolved config and tensor table of a checkpoint (reads headers only)")
+    v = verbs.add_parser("inspect",
+                         help="family, resolved config and tensor table of a checkpoint (reads headers only)")
     v.add_argument("path", help="checkpoint directory or hub id")
     v.add_argument("--json", action="store_true", help="one JSON object on stdout, for scripts")
     hub_options(v)
@@ -84,13 +85,15 @@ def parser() -> argparse.ArgumentParser:
 
     v = verbs.add_parser("load", help="load a checkpoint for real and report time, bytes/s and memory")
     v.add_argument("path", help="checkpoint directory or hub id")
-    v.add_argument("--devices", type=positive_int, default=None, help="replicate over the first N local devices (default: all)")
+    v.add_argument("--devices", type=positive_int, default=None,
+                   help="replicate over the first N local devices (default: all)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     hub_options(v)
     v.set_defaults(run=load)
 
     v = verbs.add_parser("demo", help="write a small drafter of each family, load it onto all local devices")
-    v.add_argument("--keep", default=None, help="write the demo checkpoints here (default: a temporary directory, removed)")
+    v.add_argument("--keep", default=None,
+                   help="write the demo checkpoints here (default: a temporary directory, removed)")
     v.set_defaults(run=demo)
 
     v = verbs.add_parser("convert-nvfp4", help="quantize a BF16 drafter's linear weights to NVFP4 (ModelOpt layout)")
@@ -104,10 +107,12 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("drafter", help="drafter checkpoint directory or hub id")
     v.add_argument("--prompt-ids", required=True, type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     v.add_argument("--max-new-tokens", type=positive_int, default=64,
-                   help="at most this many new tokens; prompt + new tokens must fit the models' max_position_embeddings")
+                   help="at most this many new tokens; prompt + new tokens must fit the models' "
+                        "max_position_embeddings")
     v.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--stop-token-ids", type=token_ids, default=None, help="comma-separated (default: the target's eos_token_id)")
+    v.add_argument("--stop-token-ids", type=token_ids, default=None,
+                   help="comma-separated (default: the target's eos_token_id)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
@@ -130,14 +135,15 @@ DTYPES = ["bfloat16", "float16", "float32"]
 
 def hub_options(verb: argparse.ArgumentParser) -> None:
     verb.add_argument("--revision", default=None, help="hub revision: a branch, tag or commit (for a hub id)")
-    verb.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+    verb.add_argument("--cache-dir", default=None,
+                      help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
 
 
-# `attention_rules` keywords of each named rule (docs/references.md gives the sources)
-ATTENTION_RULES = {
-    "config": dict(causal=None, sliding_window=True),
-    "zlab": dict(causal=False, sliding_window=False),
-    "vllm-v1": dict(causal=False, sliding_window=True),
+# `AttentionOptions(causal, sliding_window)` of each named rule (docs/references.md gives the sources)
+ATTENTION_RULES: dict[str, tuple[bool | None, bool]] = {
+    "config": (None, True),
+    "zlab": (False, False),
+    "vllm-v1": (False, True),
 }
 
 
@@ -351,8 +357,12 @@ def generate(args: argparse.Namespace) -> int:
 
     from .generate import speculative_generate
     from .loader import load_drafter
+    from .model import AttentionOptions
     from .target import load_target
 
+    causal, sliding_window = ATTENTION_RULES[args.attention_rule]
+    attention = AttentionOptions(causal=causal, sliding_window=sliding_window, draft_window=args.draft_window,
+                                 draft_sinks=args.draft_sinks)  # refused before anything loads
     dtype = jnp.dtype(args.dtype)
     target = load_target(args.target, dtype=dtype, revision=args.target_revision, cache_dir=args.cache_dir)
     check_ids(target.config, args)
@@ -369,7 +379,7 @@ def generate(args: argparse.Namespace) -> int:
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             stop_token_ids=stop, seed=args.seed,
             progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
-            draft_window=args.draft_window, draft_sinks=args.draft_sinks, **ATTENTION_RULES[args.attention_rule],
+            attention=attention,
         )
     print(",".join(map(str, result.tokens)))
     print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "

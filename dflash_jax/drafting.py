@@ -18,17 +18,18 @@ Rejected context rows are dropped by passing a smaller `num_new`, or afterwards 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loader import Drafter, draft_to_target_ids
 from ._arguments import check_propose_inputs
 from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span
+from .loader import Drafter, draft_to_target_ids
 from .model import (
+    AttentionOptions,
     Context,
     Memory,
     attention_rules,
@@ -41,26 +42,28 @@ from .model import (
     rope_tables,
 )
 
-
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class ContextCache:
     """Per-layer context K/V of a batch of sequences (keys after k_norm and RoPE at their absolute positions).
 
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
     buffer: position p in slot `p % ring`, `ring = window + block size` rows, so its memory does not grow with
     the context. The other layers keep every position p in slot p, up to `max_context` (their rows are rounded
-    up to a multiple of `attention.SPAN_ALIGN`, so that the GPU kernel reads them).
+    up to a multiple of `attention.SPAN_ALIGN`, so that the GPU kernel reads them). `attention`: the options
+    the cache was made with (`propose` refuses others: they decide which layers are rings).
     """
 
     keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows: max_context rounded up, or the ring's
     values: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]
     lengths: jax.Array  # [batch] int32: context positions 0 .. lengths-1 have been appended
     overflow: jax.Array  # [batch] bool: a sequence outgrew max_context (rows past it were dropped)
-    max_context: int = flax.struct.field(pytree_node=False)
-    rings: tuple[bool, ...] = flax.struct.field(pytree_node=False)  # per layer: a ring buffer
+    max_context: int = dataclasses.field(metadata=dict(static=True))
+    rings: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))  # per layer: a ring buffer
+    attention: AttentionOptions = dataclasses.field(metadata=dict(static=True))
 
     def trim(self, lengths: jax.Array) -> ContextCache:
         """Forget rows at and past `lengths` `[batch]` (rejected context): only the lengths change.
@@ -69,7 +72,7 @@ class ContextCache:
         a deeper trim loses the oldest window rows there. The speculative loop never trims (it appends only
         accepted rows).
         """
-        return self.replace(lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
+        return dataclasses.replace(self, lengths=jnp.minimum(self.lengths, jnp.asarray(lengths, jnp.int32)))
 
     def check(self) -> None:
         """Raise `ValueError` if a sequence outgrew `max_context` (reads the flags: a host sync)."""
@@ -94,28 +97,24 @@ def init_cache(
     *,
     dtype: jnp.dtype | None = None,
     sharding: jax.sharding.Sharding | None = None,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
+    attention: AttentionOptions = AttentionOptions(),
 ) -> ContextCache:
     """An empty cache for `batch_size` sequences of up to `max_context` context rows.
 
     dtype: the params' by default. sharding: where the cache lives, by default where the params do (one device,
     or replicated over their mesh); e.g. `NamedSharding(mesh, P("data"))` to split the batch. The arrays are
     committed there, as `propose` returns them, so the first step and the later ones share one compiled program.
-    The attention options (`dflash_jax.model.attention_rules`) decide which layers are ring buffers: pass
-    `propose` the same ones.
+    `attention` (`AttentionOptions`) decides which layers are ring buffers: the cache records it, and `propose`
+    must be given the same.
     """
     if max_context < 1:
         raise ValueError(f"max_context must be >= 1, got {max_context}")
     c = drafter.config
     fc = drafter.params["fc"]["weight"]
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
-    rules = attention_rules(c, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
-                            draft_sinks=draft_sinks)
+    rules = attention_rules(c, attention)
     rings = _rings(rules)
-    full_rows = -(-max_context // SPAN_ALIGN) * SPAN_ALIGN  # aligned for the GPU kernel; rows past max_context stay empty
+    full_rows = -(-max_context // SPAN_ALIGN) * SPAN_ALIGN  # aligned for the GPU kernel; rows past max_context: empty
     rows = [min(max_context, r.window + c.effective_block_size) if ring else full_rows
             for r, ring in zip(rules, rings)]
 
@@ -136,10 +135,12 @@ def init_cache(
         overflow=zeros((batch_size,), bool),
         max_context=max_context,
         rings=rings,
+        attention=attention,
     )
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Proposal:
     """The drafts of one step, in target vocabulary ids."""
 
@@ -300,8 +301,8 @@ def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
         slots = jnp.where(keep, positions % rows if ring else positions, rows)[:, None, :]  # rows: dropped
         keys.append(k.at[seq, heads, slots].set(new_k, mode="drop"))  # indices broadcast to [batch, n_kv, n_new]
         values.append(v.at[seq, heads, slots].set(new_v, mode="drop"))
-    return cache.replace(keys=tuple(keys), values=tuple(values), lengths=end,
-                         overflow=cache.overflow | (end > cache.max_context))
+    return dataclasses.replace(cache, keys=tuple(keys), values=tuple(values), lengths=end,
+                               overflow=cache.overflow | (end > cache.max_context))
 
 
 def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
@@ -357,7 +358,7 @@ def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks", "impl", "append_chunk"),
+    static_argnames=("attention", "impl", "append_chunk"),
     donate_argnames=("cache",),
 )
 def propose(
@@ -372,10 +373,7 @@ def propose(
     confidence_threshold: float | jax.Array = 0.0,
     embed: jax.Array | None = None,
     lm_head: jax.Array | None = None,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
+    attention: AttentionOptions = AttentionOptions(),
     impl: str = "auto",
     append_chunk: int = APPEND_CHUNK,
 ) -> tuple[Proposal, ContextCache]:
@@ -390,8 +388,8 @@ def propose(
     `jit` the values cannot raise.
 
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
-    drafter's own or attached one; causal / sliding_window / draft_window / draft_sinks: the attention rule
-    (`dflash_jax.model.attention_rules`), the same as the cache was made with; impl: the attention's
+    drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the cache was
+    made with (another raises ValueError); impl: the attention's
     (`dflash_jax.attention.attend`). Shapes are checked when the program is traced; values (`num_new` in
     `[0, n_new]`, ids in the vocabulary, a temperature > 0 coming with a key) are not: `propose` is jitted.
     """
@@ -399,11 +397,10 @@ def propose(
     check_propose_inputs(config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens
-    rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
-                            draft_sinks=draft_sinks)
-    if _rings(rules) != cache.rings:
-        raise ValueError("the cache was made with other attention options than this propose call's (its ring-"
-                         "buffered layers differ): pass init_cache the same causal/sliding_window/draft_window")
+    if attention != cache.attention:
+        raise ValueError(f"the cache was made with {cache.attention}, this propose call has {attention}: pass "
+                         "init_cache and propose the same attention options (they decide the cache's layout)")
+    rules = attention_rules(config, attention)
     num_new = jnp.asarray(num_new, jnp.int32)
     dtype = params["fc"]["weight"].dtype
     chunked = n_new > append_chunk

@@ -37,9 +37,8 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +46,7 @@ import numpy as np
 from ._arguments import check_sampling, check_token_ids
 from .drafting import ContextCache, Proposal, init_cache, propose
 from .loader import Drafter
+from .model import AttentionOptions
 from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
@@ -129,8 +129,9 @@ def _stop_array(stop_token_ids: Sequence[int] | None) -> jax.Array:
     return jnp.asarray(ids + [-1] * (_round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
 
 
-def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`."""
+def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
+    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`
+    (needed only with a key)."""
     if key is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
@@ -145,7 +146,8 @@ def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@flax.struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class _State:
     """The decode loop's carry (every array has a static shape)."""
 
@@ -180,7 +182,8 @@ def _acceptance(
 
     accept_key, residual_key = jax.random.split(key)
     p = jax.nn.softmax(logits / temperature, axis=-1)  # [batch, K + 1, V]
-    q = jnp.pad(proposal.probs * proposed[..., None], ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]; 0: no draft
+    q = jnp.where(proposed[..., None], proposal.probs, 0.0)  # [batch, K, V]; 0: no draft
+    q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]
     p_draft = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [batch, K]
     q_draft = jnp.take_along_axis(q[:, :K], drafts[..., None], axis=2)[..., 0]
     u = jax.random.uniform(accept_key, drafts.shape)
@@ -194,28 +197,13 @@ def _acceptance(
     return accepted, last
 
 
-class Options(NamedTuple):
-    """The static switches of a generation call: the drafter's attention rule (`model.attention_rules`) and the
-    chunk sizes of the long-prompt paths (`Target.prefill`, `drafting.propose`)."""
-
-    causal: bool | None = None
-    sliding_window: bool = True
-    draft_window: int | None = None
-    draft_sinks: int = 0
-    prefill_chunk: int = PREFILL_CHUNK
-
-    def rule(self) -> dict[str, Any]:
-        """The keywords `init_cache` and `propose` take."""
-        return dict(causal=self.causal, sliding_window=self.sliding_window, draft_window=self.draft_window,
-                    draft_sinks=self.draft_sinks)
-
-
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "options"), donate_argnames=("target_cache", "context")
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "prefill_chunk"),
+    donate_argnames=("target_cache", "context"),
 )
 def _spec_prefill(
     target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, temperature,
-    threshold, key, *, max_new_tokens: int, sampling: bool, options: Options
+    threshold, key, *, max_new_tokens: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
 ) -> _State:
     """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
 
@@ -224,12 +212,11 @@ def _spec_prefill(
     batch = tokens.shape[0]
     first_key, draft_key, key = jax.random.split(key, 3)
     out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.target_layer_ids,
-                         chunk=options.prefill_chunk)
+                         chunk=prefill_chunk)
     first = _pick(first_key if sampling else None, out.logits, temperature)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
                                 key=draft_key if sampling else None, temperature=temperature,
-                                confidence_threshold=threshold, append_chunk=options.prefill_chunk,
-                                **options.rule())
+                                confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
     return _State(
         step=jnp.zeros((), jnp.int32),
         target_cache=out.cache,
@@ -246,7 +233,7 @@ def _spec_prefill(
 
 
 def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, max_new_tokens: int, sampling: bool,
-               options: Options, s: _State, progress: Callable[[Any], None] | None = None) -> _State:
+               attention: AttentionOptions, s: _State, progress: Callable[[Any], None] | None = None) -> _State:
     """One verify + commit + draft step for every sequence still running."""
     batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
     verify_key, draft_key, key = jax.random.split(s.key, 3)
@@ -270,7 +257,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
     proposal, context = propose(drafter, s.context, out.features, committed, last,
                                 key=draft_key if sampling else None, temperature=temperature,
-                                confidence_threshold=threshold, **options.rule())
+                                confidence_threshold=threshold, attention=attention)
     if progress is not None:
         jax.debug.callback(progress, n_out)
     return _State(
@@ -289,14 +276,14 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "options", "progress"), donate_argnames=("state",)
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "progress"), donate_argnames=("state",)
 )
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
-                 max_new_tokens: int, sampling: bool, options: Options,
+                 max_new_tokens: int, sampling: bool, attention: AttentionOptions,
                  progress: Callable[[Any], None] | None = None) -> _State:
     """Steps until every sequence is done, as one `lax.while_loop`."""
     step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
-                             options, progress=progress)
+                             attention, progress=progress)
     return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
 
 
@@ -311,10 +298,7 @@ def speculative_generate(
     seed: int = 0,
     confidence_threshold: float = 0.0,
     progress: Callable[[np.ndarray], None] | None = None,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
+    attention: AttentionOptions = AttentionOptions(),
     prefill_chunk: int = PREFILL_CHUNK,
     beyond_max_positions: bool = False,
 ) -> GenerationResult:
@@ -328,11 +312,10 @@ def speculative_generate(
     first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
     called after every step with the tokens made so far per sequence (`[batch]` NumPy).
 
-    The drafter's attention rule: `causal` / `sliding_window` / `draft_window` / `draft_sinks`, as
-    `dflash_jax.model.attention_rules` (defaults: the trained rule; a draft window changes acceptance, never
-    the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time. A prompt plus
-    `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused (ValueError)
-    unless `beyond_max_positions`.
+    attention: the drafter's attention rule (`AttentionOptions`; default: the trained rule; a draft window
+    changes acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time.
+    A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
+    (ValueError) unless `beyond_max_positions`.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -345,21 +328,21 @@ def speculative_generate(
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
     capacity = _round_up(tokens.shape[1] + max_new_tokens + K + 1, CACHE_BUCKET)
-    options = Options(causal, sliding_window, draft_window, draft_sinks, prefill_chunk)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
 
     start = time.perf_counter()
     caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
-                                                                   **options.rule())
+                                                                   attention=attention)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
-                          max_new_tokens=max_new_tokens, sampling=sampling, options=options)
+                          max_new_tokens=max_new_tokens, sampling=sampling, attention=attention,
+                          prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens,
-                         sampling=sampling, options=options, progress=progress)
+                         sampling=sampling, attention=attention, progress=progress)
     out, n_out, accept = jax.device_get((state.out, state.n_out, state.accept))
     decode = time.perf_counter() - start
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
@@ -399,32 +382,57 @@ def _attach(target: Target, drafter: Drafter) -> Drafter:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _GreedyState:
+    """The greedy loop's carry (every array has a static shape)."""
+
+    cache: Any  # the target's KV cache
+    lengths: jax.Array  # [batch] positions in the cache
+    last: jax.Array  # [batch] the last new token, not yet run through the target
+    out: jax.Array  # [batch, max_new] new tokens
+    n_out: jax.Array  # [batch] tokens in `out`
+    done: jax.Array  # [batch] bool
+
+
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "prefill_chunk"), donate_argnames=("cache",))
-def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int, prefill_chunk: int):
-    """Run the prompts, take the first token: the loop carry `(cache, lengths, last, out, n_out, done)`."""
+def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int,
+                    prefill_chunk: int) -> _GreedyState:
+    """Run the prompts, take the first token."""
     batch = tokens.shape[0]
     out = target.prefill(tokens, cache, lengths, layer_ids=(), chunk=prefill_chunk)
     first = _pick(None, out.logits, None)  # [batch]
-    done = (first[:, None] == stop).any(-1) | (max_new_tokens <= 1)
-    new = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
-    return out.cache, lengths, first, new, jnp.ones((batch,), jnp.int32), done
+    return _GreedyState(
+        cache=out.cache,
+        lengths=lengths,
+        last=first,
+        out=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
+        n_out=jnp.ones((batch,), jnp.int32),
+        done=(first[:, None] == stop).any(-1) | (max_new_tokens <= 1),
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("carry",))
-def _greedy_decode(target: Target, carry, stop, *, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("state",))
+def _greedy_decode(target: Target, state: _GreedyState, stop, *, max_new_tokens: int) -> _GreedyState:
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
 
-    def step(carry):
-        cache, lengths, last, new, n_out, done = carry
-        o = target(last[:, None], cache, lengths)  # `last` enters the cache at position `lengths`
+    def step(s: _GreedyState) -> _GreedyState:
+        o = target(s.last[:, None], s.cache, s.lengths)  # `last` enters the cache at position `lengths`
         nxt = _pick(None, o.logits[:, 0], None)  # [batch]
-        new = new.at[jnp.arange(new.shape[0]), jnp.where(done, max_new_tokens, n_out)].set(nxt, mode="drop")
-        live = ~done
-        n_out = n_out + live
-        done = done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= max_new_tokens)
-        return o.cache, lengths + live, jnp.where(live, nxt, last), new, n_out, done
+        slots = jnp.where(s.done, max_new_tokens, s.n_out)  # past the end: dropped
+        live = ~s.done
+        advance = live.astype(jnp.int32)  # [batch] 1 while running
+        n_out = s.n_out + advance
+        return _GreedyState(
+            cache=o.cache,
+            lengths=s.lengths + advance,
+            last=jnp.where(live, nxt, s.last),
+            out=s.out.at[jnp.arange(s.out.shape[0]), slots].set(nxt, mode="drop"),
+            n_out=n_out,
+            done=s.done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= max_new_tokens),
+        )
 
-    return jax.lax.while_loop(lambda c: ~c[-1].all(), step, carry)
+    return jax.lax.while_loop(lambda s: ~s.done.all(), step, state)
 
 
 def greedy_generate(
@@ -450,14 +458,14 @@ def greedy_generate(
     capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()
-    carry = jax.block_until_ready(
+    state = jax.block_until_ready(
         _greedy_prefill(target, target.init_cache(len(prompts), capacity), tokens, lengths, stop,
                         max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
     )
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    _, _, _, new, n_out, _ = _greedy_decode(target, carry, stop, max_new_tokens=max_new_tokens)
-    new, n_out = jax.device_get((new, n_out))
+    state = _greedy_decode(target, state, stop, max_new_tokens=max_new_tokens)
+    new, n_out = jax.device_get((state.out, state.n_out))
     decode = time.perf_counter() - start
     lists = _to_lists(new, n_out)
     empty: list[list[int]] = [[] for _ in prompts]

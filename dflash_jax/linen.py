@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .config import DflashConfig
 from .loader import Drafter, TensorPlan, build_tree
-from .model import draft_logits
+from .model import AttentionOptions, draft_logits
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "own_embeddings"))
@@ -86,25 +86,19 @@ class DrafterModule(nn.Module):
 
     `init` declares that tree (random values, `param_dtype`); `apply({"params": drafter.params}, ...)` runs the
     loaded checkpoint. Inside a larger linen model it is a submodule like any other. `embed` / `lm_head`
-    ([V, H], the target's) are needed unless the drafter ships its own (`own_embeddings=True`).
+    ([V, H], the target's) are needed unless the drafter ships its own (`own_embeddings=True`); `attention`:
+    the attention rule (`AttentionOptions`).
     """
 
     config: DflashConfig
-    causal: bool | None = None
-    sliding_window: bool = True
+    attention: AttentionOptions = AttentionOptions()
     own_embeddings: bool = False
     param_dtype: Any = jnp.bfloat16
 
     @nn.compact
     def __call__(
-        self,
-        target_hidden: jax.Array,
-        block_ids: jax.Array,
-        *,
-        context_positions: jax.Array,
-        block_positions: jax.Array,
-        embed: jax.Array | None = None,
-        lm_head: jax.Array | None = None,
+        self, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
+        block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
     ) -> jax.Array:
         if self.is_initializing():  # declare the tree; at apply time the given tree is used as it is
             plan = declared_plan(self.config, own_embeddings=self.own_embeddings)
@@ -112,5 +106,4 @@ class DrafterModule(nn.Module):
                 self.param(name, init_subtree, plan, name, self.param_dtype)
         drafter = Drafter(params=self.variables["params"], config=self.config, embed=embed, lm_head=lm_head)
         return draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
-                            block_positions=block_positions, causal=self.causal,
-                            sliding_window=self.sliding_window)  # [batch, B, V] float32
+                            block_positions=block_positions, attention=self.attention)  # [batch, B, V] float32

@@ -14,15 +14,16 @@ passes through a layer's input norm nor joins the residual stream. `draft_logits
 `dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
 (`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
-Which keys a query sees (`attention_rules`):
-- causal: the keyword when given, else `config.is_causal`, else `dflash_config.causal`, else "causal exactly on
-  `sliding_attention` layers" -- vLLM's `_dflash_layer_causal` order, the serving rule trained checkpoints are
-  run with (docs/references.md §1). Configs without `layer_types` are therefore non-causal, like z-lab's
-  reference.
+Which keys a query sees (`attention_rules`, under the switches of `AttentionOptions`):
+- causal: `AttentionOptions.causal` when given, else `config.is_causal`, else `dflash_config.causal`, else
+  "causal exactly on `sliding_attention` layers" -- vLLM's `_dflash_layer_causal` order, the serving rule
+  trained checkpoints are run with (docs/references.md §1). Configs without `layer_types` are therefore
+  non-causal, like z-lab's reference.
 - sliding window (default on): on `sliding_attention` layers of a config with `use_sliding_window` and a
   `sliding_window` w, a query at position p sees keys at positions k with |p - k| <= w - 1: transformers'
   flash-attention rule, which on causal layers is vLLM's causal window. Honouring the trained window decides
-  acceptance (docs/references.md §1). `sliding_window=False` ignores windows, as z-lab's eager/sdpa paths do.
+  acceptance (docs/references.md §1). `AttentionOptions(sliding_window=False)` ignores windows, as z-lab's
+  eager/sdpa paths do.
 
 Numerics: matmuls accumulate in float32 (`preferred_element_type`); float32 runs use full-precision
 (`Precision.HIGHEST`) products so they can be compared with a float64/float32 reference, bf16 runs keep bf16
@@ -33,9 +34,11 @@ transformers does (`inv_freq` in float32, `position * inv_freq` in float32: tran
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +159,9 @@ def _llama3_frequencies(inv_freq: np.ndarray, s) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-class Rope(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rope:
     """cos/sin tables for a set of rows, `[batch, rows, d_h]` float32 (attention scaling folded in)."""
 
     cos: jax.Array
@@ -185,39 +190,64 @@ def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def attention_rules(
-    config: DflashConfig,
-    *,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
-) -> tuple[LayerRule, ...]:
-    """Per-layer causality and window (see the module docstring for the rule and why it is the default).
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """The drafter's attention switches, one static, hashable value (not a pytree: it decides the program).
 
-    draft_window / draft_sinks: an opt-in bound for the layers without a trained window (full attention): they
-    then see only keys within `draft_window` positions of the query, plus the first `draft_sinks` positions
-    (as dflash-mlx's `draft_window_size` / `draft_sink_size`). It changes drafts, so acceptance, never the
-    output of greedy speculative decoding. Off by default: the trained behaviour.
+    Every entry point takes it as `attention=` (`draft_logits`, `init_cache` / `propose`,
+    `speculative_generate`, the Flax modules); a `ContextCache` records the one it was made with. Checked here,
+    once, so no entry point repeats the checks.
+
+    causal: True / False forces every layer causal / bidirectional; None takes the config's (module docstring).
+    sliding_window: honour the config's trained windows (default); False ignores them, as z-lab's eager/sdpa
+    paths do. draft_window / draft_sinks: an opt-in bound for the layers without a trained window (full
+    attention): they then see only keys within `draft_window` positions of the query, plus the first
+    `draft_sinks` positions (as dflash-mlx's `draft_window_size` / `draft_sink_size`). It changes drafts, so
+    acceptance, never the output of greedy speculative decoding. Off by default: the trained behaviour.
     """
-    if draft_window is not None and draft_window < 1:
-        raise ValueError(f"draft_window must be >= 1 or None, got {draft_window}")
-    if draft_sinks < 0:
-        raise ValueError(f"draft_sinks must be >= 0, got {draft_sinks}")
+
+    causal: bool | None = None
+    sliding_window: bool = True
+    draft_window: int | None = None
+    draft_sinks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ValueError(f"AttentionOptions.causal must be True, False or None, got {self.causal!r}")
+        if not isinstance(self.sliding_window, bool):
+            raise ValueError(f"AttentionOptions.sliding_window must be True or False, got {self.sliding_window!r}")
+        if self.draft_window is not None:
+            object.__setattr__(self, "draft_window", _integer("draft_window", self.draft_window, 1))
+        object.__setattr__(self, "draft_sinks", _integer("draft_sinks", self.draft_sinks, 0))
+        if self.draft_sinks and self.draft_window is None:
+            raise ValueError(f"AttentionOptions.draft_sinks={self.draft_sinks} needs a draft_window (sinks are the "
+                             "positions a window keeps visible)")
+
+
+def _integer(field: str, value: Any, minimum: int) -> int:
+    """`value` as a Python int (NumPy integers too: a plain int keeps the rules' arithmetic weakly typed), at least
+    `minimum`; a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"AttentionOptions.{field} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def attention_rules(config: DflashConfig, attention: AttentionOptions = AttentionOptions()) -> tuple[LayerRule, ...]:
+    """Per-layer causality and window under `attention` (see the module docstring for the rule and why it is the
+    default)."""
     sub = config.dflash_config
     rules = []
     for i in range(config.num_hidden_layers):
         sliding = config.layer_types is not None and config.layer_types[i] == "sliding_attention"
-        layer_causal = next(
-            c for c in (causal, config.is_causal, sub.causal if sub is not None else None, sliding) if c is not None
-        )
-        windowed = sliding_window and sliding and config.use_sliding_window and config.sliding_window is not None
-        if windowed:
-            rules.append(LayerRule(bool(layer_causal), config.sliding_window))
-        elif draft_window is not None:
-            rules.append(LayerRule(bool(layer_causal), draft_window, draft_sinks))
+        stated = (attention.causal, config.is_causal, sub.causal if sub is not None else None, sliding)
+        layer_causal = bool(next(c for c in stated if c is not None))
+        trained = sliding and config.use_sliding_window and config.sliding_window is not None
+        if attention.sliding_window and trained:
+            rules.append(LayerRule(layer_causal, config.sliding_window))
+        elif attention.draft_window is not None:
+            rules.append(LayerRule(layer_causal, attention.draft_window, attention.draft_sinks))
         else:
-            rules.append(LayerRule(bool(layer_causal), None))
+            rules.append(LayerRule(layer_causal, None))
     return tuple(rules)
 
 
@@ -264,7 +294,9 @@ def conv_finish(p: Params, y: jax.Array, delta: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------------------------
 
 
-class Context(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
     """Context rows entering this forward: `hidden_norm(fc(features))` with their positions."""
 
     hidden: jax.Array  # [batch, S, H]
@@ -332,7 +364,9 @@ def decoder_layer(
     return x + h, aux
 
 
-class Memory(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Memory:
     """What one layer's block queries read besides this forward's rows: cached context, as `attention` sources."""
 
     spans: tuple[Span, ...] = ()  # slot ranges every query sees (read unmasked)
@@ -386,28 +420,18 @@ def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dt
     return x
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks"))
+@functools.partial(jax.jit, static_argnames=("attention",))
 def draft_hidden(
-    drafter: Drafter,
-    target_hidden: jax.Array,
-    block_ids: jax.Array,
-    *,
-    context_positions: jax.Array,
-    block_positions: jax.Array,
-    embed: jax.Array | None = None,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
+    drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
+    block_positions: jax.Array, embed: jax.Array | None = None, attention: AttentionOptions = AttentionOptions(),
 ) -> jax.Array:
     """The drafter's final hidden states (after `norm`) for every block row: `[batch, B, H]`, uncached.
 
     target_hidden: `[batch, S, Lf*H]` target features at `target_layer_ids`, shallow to deep;
     block_ids: `[batch, B]` (`[anchor, MASK x (B-1)]`); positions: `[batch, S]` / `[batch, B]` RoPE positions;
-    embed: `[V, H]` HF layout, None for the drafter's own or attached one. `causal` / `sliding_window` /
-    `draft_window` / `draft_sinks`: the attention rule (`attention_rules`). Shapes are checked against the
-    config when the program is traced; under `jit` the ids' values are not (an id past the vocabulary would be
-    clamped by the gather).
+    embed: `[V, H]` HF layout, None for the drafter's own or attached one; attention: the attention rule
+    (`AttentionOptions`, `attention_rules`). Shapes are checked against the config when the program is traced;
+    under `jit` the ids' values are not (an id past the vocabulary would be clamped by the gather).
     """
     params, config = drafter.params, drafter.config
     check_block_inputs(config, "draft_hidden", target_hidden, block_ids, context_positions, block_positions)
@@ -419,43 +443,22 @@ def draft_hidden(
         jnp.ones(context_positions.shape, bool),
     )
     x = embed_block(config, embed, block_ids, dtype)
-    rules = attention_rules(config, causal=causal, sliding_window=sliding_window, draft_window=draft_window,
-                            draft_sinks=draft_sinks)
+    rules = attention_rules(config, attention)
     hidden, _ = forward(params, config, rules, x, block_positions.astype(jnp.int32), context)
     return hidden
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "sliding_window", "draft_window", "draft_sinks"))
+@functools.partial(jax.jit, static_argnames=("attention",))
 def draft_logits(
-    drafter: Drafter,
-    target_hidden: jax.Array,
-    block_ids: jax.Array,
-    *,
-    context_positions: jax.Array,
-    block_positions: jax.Array,
-    embed: jax.Array | None = None,
-    lm_head: jax.Array | None = None,
-    causal: bool | None = None,
-    sliding_window: bool = True,
-    draft_window: int | None = None,
-    draft_sinks: int = 0,
+    drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
+    block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
+    attention: AttentionOptions = AttentionOptions(),
 ) -> jax.Array:
     """Float32 logits `[batch, B, V]` for every block row: `lm_head(draft_hidden(...))`, uncached.
 
     The plain LM-head output, before any Markov bias (DSpark) or DFlash2 softcap/multiplier. lm_head: `[V, H]`
     HF layout, None for the drafter's own or attached one. Other arguments as `draft_hidden`.
     """
-    hidden = draft_hidden(
-        drafter,
-        target_hidden,
-        block_ids,
-        context_positions=context_positions,
-        block_positions=block_positions,
-        embed=embed,
-        causal=causal,
-        sliding_window=sliding_window,
-        draft_window=draft_window,
-        draft_sinks=draft_sinks,
-    )
+    hidden = draft_hidden(drafter, target_hidden, block_ids, context_positions=context_positions,
+                          block_positions=block_positions, embed=embed, attention=attention)
     return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
-

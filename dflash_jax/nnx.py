@@ -32,7 +32,7 @@ from .config import DflashConfig
 from .drafting import ContextCache, Proposal
 from .linen import init_params
 from .loader import Drafter, load_drafter
-from .model import draft_logits
+from .model import AttentionOptions, draft_logits
 
 
 class TargetWeight(nnx.Variable):
@@ -88,23 +88,16 @@ class DFlashDrafter(nnx.Module):
         )
 
     def __call__(
-        self,
-        target_hidden: jax.Array,
-        block_ids: jax.Array,
-        *,
-        context_positions: jax.Array,
-        block_positions: jax.Array,
-        embed: jax.Array | None = None,
-        lm_head: jax.Array | None = None,
-        **options: Any,
+        self, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
+        block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
+        attention: AttentionOptions = AttentionOptions(),
     ) -> jax.Array:
-        """Float32 logits `[batch, B, V]`: `dflash_jax.draft_logits` with this module's weights (`options`:
-        its `causal`, `sliding_window`)."""
+        """Float32 logits `[batch, B, V]`: `dflash_jax.draft_logits` with this module's weights."""
         return draft_logits(self.drafter, target_hidden, block_ids, context_positions=context_positions,
-                            block_positions=block_positions, embed=embed, lm_head=lm_head, **options)
+                            block_positions=block_positions, embed=embed, lm_head=lm_head, attention=attention)
 
     def init_cache(self, batch_size: int, max_context: int, **options: Any) -> ContextCache:
-        """`dflash_jax.init_cache` for this drafter (`options`: `dtype`, `sharding`)."""
+        """`dflash_jax.init_cache` for this drafter (`options`: `dtype`, `sharding`, `attention`)."""
         return drafting.init_cache(self.drafter, batch_size, max_context, **options)
 
     def propose(
@@ -112,6 +105,6 @@ class DFlashDrafter(nnx.Module):
         **options: Any,
     ) -> tuple[Proposal, ContextCache]:
         """One drafting step: `dflash_jax.propose` with this module's weights (`options`: `key`, `temperature`,
-        `confidence_threshold`, `embed`, `lm_head`, `causal`, `sliding_window`, ... as `propose` takes them).
+        `confidence_threshold`, `embed`, `lm_head`, `attention`, ... as `propose` takes them).
         The cache is donated: use the returned one."""
         return drafting.propose(self.drafter, cache, target_hidden, num_new, anchor_ids, **options)

@@ -50,12 +50,19 @@ import jax.numpy as jnp
 import msgspec
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .config import (
-    MAX_CONFIG_BYTES, Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw,
+    MAX_CONFIG_BYTES,
+    Dim,
+    LayerCount,
+    PositiveFloat,
+    RopeScaling,
+    RopeTheta,
+    declared_rope_type,
+    normalise_raw,
 )
 from .errors import CheckpointError, ConfigError
 from .loader import TensorPlan, build_tree, check_tensor
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from .safetensors import Checkpoint, read_json
 
@@ -71,7 +78,9 @@ Params = dict[str, Any]
 # --------------------------------------------------------------------------------------------------------------
 
 
-class KVCache(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
     """A static-shape KV cache: per layer `k`, `v` `[batch, n_kv, T, d_h]` (post k_norm + RoPE keys, heads-major
     as `attention.KeyValues`); slot t = position t. One buffer per layer, updated in place."""
 
@@ -79,7 +88,9 @@ class KVCache(NamedTuple):
     v: tuple[jax.Array, ...]
 
 
-class TargetOutput(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
     """What one target forward returns."""
 
     logits: jax.Array  # [batch, S, V] float32 (`prefill`: [batch, V], at each prompt's last token)
@@ -295,7 +306,7 @@ def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
 VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
 
 
-class ParamSpec(NamedTuple):
+class ParamSpec(NamedTuple):  # a static record, not a pytree of arrays (see `attention.LayerRule`)
     """One tensor of a decoder checkpoint: HF name (`{i}`: the layer), shape and logical axis per dimension."""
 
     name: str
@@ -702,7 +713,8 @@ def _prefill(
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch, P = tokens.shape
     last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    if impl == "cudnn" or (impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim)):  # the whole prompt at once, fused
+    fused = impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim)
+    if impl == "cudnn" or fused:  # the whole prompt at once, fused
         hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [batch, H]
         return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)

@@ -22,8 +22,13 @@ import numpy as np
 import dflash_jax
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.target import Qwen3Target
-from dflash_jax.testing import (preset_dict, successor_drafter, successor_target, write_checkpoint,
-                                write_qwen3_checkpoint)
+from dflash_jax.testing import (
+    preset_dict,
+    successor_drafter,
+    successor_target,
+    write_checkpoint,
+    write_qwen3_checkpoint,
+)
 
 PROMPTS = [[5, 17, 99, 3], [120, 4, 33, 8, 61, 2], [9, 9, 9, 9]]
 MAX_NEW = 96

@@ -1,19 +1,24 @@
 """An independent NumPy reference of the DFlash-family drafter, written from the reference implementations
 (z-lab/dflash `dflash/model.py`, SpecForge `specforge/modeling/draft/`, DeepSpec `deepspec/modeling/dspark/`,
-vLLM `qwen3_dflash.py` / `qwen3_dflash2.py`; docs/references.md says which rule comes from where).
+vLLM `qwen3_dflash.py` / `qwen3_dflash2.py`; docs/references.md says which rule comes from where), and of the
+Qwen3 / Llama targets (transformers' `modeling_qwen3.py` / `modeling_llama.py`), greedy decoding included.
 
 Float64 throughout, except the RoPE frequencies and angles, which are formed in float32 as transformers forms
-them (spec §7), so that tight tolerances hold. One sequence at a time, heads and sequential walks as explicit
-loops, attention over the concatenated [context, block] keys with an explicit mask: deliberately a different
-formulation from `dflash_jax.model` (which batches, merges softmax parts and scans), so the two can only agree
-by computing the same function.
+them (`modeling_rope_utils.py`), so that tight tolerances hold. One sequence at a time, heads and sequential
+walks as explicit loops, attention with an explicit mask, no cache: deliberately a different formulation from
+`dflash_jax.model` / `dflash_jax.target` (which batch, cache, merge softmax parts and scan), so the two can only
+agree by computing the same function. Configs are read as config.json states them, never through the package.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import numpy as np
+
+from ._io import load_file
 
 
 def to_numpy(tree):
@@ -56,15 +61,19 @@ def inv_freq(config) -> tuple[np.ndarray, float]:
     return freq.astype(np.float32), mscale
 
 
-def rope(x, positions, config):
-    """x: [rows, heads, d]; rotate-half layout; angles in float32."""
-    freq, scale = inv_freq(config)
+def rotate(x, positions, freq, scale=1.0):
+    """x: [rows, heads, d]; neox rotate-half layout; angles `position * freq` formed in float32."""
     angles = positions.astype(np.float32)[:, None] * freq[None, :]  # float32
     angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
     cos, sin = np.cos(angles)[:, None, :] * scale, np.sin(angles)[:, None, :] * scale
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+def rope(x, positions, config):
+    """A drafter's RoPE (plain or YaRN, `inv_freq`) on x: [rows, heads, d]."""
+    return rotate(x, positions, *inv_freq(config))
 
 
 def grouped_conv(z, delta, base):
@@ -87,36 +96,64 @@ def conv_pair(p, x):
     return grouped_conv(x, delta[:, 0], p["base_kernel"][0]), delta[:, 1]
 
 
-def layer_rules(config, causal=None, sliding_window=True):
-    """[(causal, window | None)] per layer: vLLM's `_dflash_layer_causal` order (`is_causal`, then
-    `dflash_config.causal`, then "sliding layer"), a window |q - k| <= w - 1 on sliding layers."""
+def layer_types(raw: dict) -> tuple[list[bool], list[bool], int | None]:
+    """From config.json as written (not the package's resolved config): per layer, whether it is sliding, whether
+    it was declared sliding, and the sliding window (None: no window applies).
+
+    Declared: `layer_types` when stated; else transformers' `Qwen3Config` derivation (with `use_sliding_window` and
+    a `sliding_window`, the layers from `max_window_layers` on slide; transformers reads no window without
+    `use_sliding_window`). MiMo's `dflash_config.use_swa` makes every layer sliding when none is declared, and
+    `dflash_config.swa_window_size` (else `sliding_window`) is then the window of the sliding layers (vLLM
+    `qwen3_dflash.py` `_resolve_layer_attention`).
+    """
+    n, sub = raw["num_hidden_layers"], raw.get("dflash_config") or {}
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    if raw.get("layer_types") is not None:
+        declared = [kind == "sliding_attention" for kind in raw["layer_types"]]
+    else:
+        first = raw.get("max_window_layers", 28) if window is not None else n  # 28: Qwen3Config's default
+        declared = [i >= first for i in range(n)]
+    sliding = declared
+    if sub.get("use_swa") and not any(declared):
+        sliding = [True] * n
+    if sub.get("use_swa") or sub.get("swa_window_size"):
+        window = sub.get("swa_window_size") or raw.get("sliding_window")
+    return sliding, declared, window
+
+
+def layer_rules(raw: dict, causal=None, sliding_window=True, draft_window=None, draft_sinks=0):
+    """[(causal, window | None, sinks)] per layer of config.json `raw`, as vLLM serves it: causality from the
+    `causal` option, else `is_causal`, else `dflash_config.causal`, else "declared sliding" (vLLM
+    `_dflash_layer_causal`); a sliding layer's window |q - k| <= w - 1 unless `sliding_window=False`; the other
+    layers unbounded, or `draft_window` with `draft_sinks` when given (dflash-mlx's opt-in window)."""
+    sliding, declared, window = layer_types(raw)
+    stated = causal
+    if stated is None:
+        stated = raw.get("is_causal")
+    if stated is None:
+        stated = (raw.get("dflash_config") or {}).get("causal")
     rules = []
-    for i in range(config.num_hidden_layers):
-        sliding = bool(config.layer_types) and config.layer_types[i] == "sliding_attention"
-        c = causal
-        if c is None:
-            c = config.is_causal
-        if c is None and config.dflash_config is not None:
-            c = config.dflash_config.causal
-        if c is None:
-            c = sliding
-        w = config.sliding_window if (sliding_window and sliding and config.use_sliding_window) else None
-        rules.append((bool(c), w))
+    for slides, was_declared in zip(sliding, declared):
+        c = was_declared if stated is None else bool(stated)
+        if sliding_window and slides and window is not None:
+            rules.append((c, window, 0))
+        else:
+            rules.append((c, draft_window, draft_sinks if draft_window is not None else 0))
     return rules
 
 
-def zlab_rules(config):
+def zlab_rules(raw: dict):
     """z-lab's transformers model (`dflash/model.py`): `is_causal=False` and no attention mask on every layer, and
     its eager / sdpa attention functions take `sliding_window` without applying it, so every key is visible."""
-    return [(False, None)] * config.num_hidden_layers
+    return [(False, None, 0)] * raw["num_hidden_layers"]
 
 
-def vllm_v1_rules(config):
+def vllm_v1_rules(raw: dict):
     """vLLM's v1 proposer (`vllm/v1/spec_decode/dflash.py`): one causal flag for every layer, False as soon as
     `_dflash_layer_causal` makes any layer non-causal; windows stay per layer."""
-    per_layer = layer_rules(config)
-    causal = all(c for c, _ in per_layer)
-    return [(causal, w) for _, w in per_layer]
+    per_layer = layer_rules(raw)
+    causal = all(c for c, _, _ in per_layer)
+    return [(causal, w, sinks) for _, w, sinks in per_layer]
 
 
 def specforge_block_mask(anchor, seq_len, block_size, window=None):
@@ -164,7 +201,7 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         y = rows @ p[name]["weight"].T
         return y + p[name]["bias"] if "bias" in p[name] else y
 
-    for lp, (causal, window, *sinks) in zip(params["layers"], rules):  # sinks: with a draft window
+    for lp, (causal, window, sinks) in zip(params["layers"], rules):
         a = lp["self_attn"]
         xn = rms_norm(x, lp["input_layernorm"]["weight"], eps)
         if "attention_conv" in lp:
@@ -175,7 +212,7 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         k = rms_norm(proj(a, "k_proj", both).reshape(S + B, n_kv, d), a["k_norm"]["weight"], eps)
         k = rope(k, key_pos, config)
         v = proj(a, "v_proj", both).reshape(S + B, n_kv, d)
-        visible = allowed(blk_pos, key_pos, causal, window, *sinks)
+        visible = allowed(blk_pos, key_pos, causal, window, sinks)
         out = np.zeros((B, n_h, d))
         for h in range(n_h):
             kv = h // group
@@ -259,3 +296,88 @@ def selector_greedy(params, config, hidden, unary, anchor):
         pred = int(cand[int(np.argmax(scores))])
         tokens.append(pred)
     return np.array(tokens)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The targets: a Qwen3 / Llama decoder over an HF checkpoint's tensors, and greedy decoding with it
+# --------------------------------------------------------------------------------------------------------------
+
+
+def decoder_inv_freq(raw: dict, d: int) -> np.ndarray:
+    """A target's RoPE frequencies from its config.json: default, or Llama 3's piecewise rule written frequency by
+    frequency (Meta's `apply_scaling` in llama/model.py of llama-models)."""
+    scaling = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = raw.get("rope_theta", scaling.get("rope_theta"))
+    inv = np.float32(1) / np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
+    if scaling.get("rope_type") != "llama3":
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for f in inv.astype(np.float64):
+        wavelength = 2 * np.pi / f
+        if wavelength < old / high:  # high frequencies: unchanged
+            out.append(f)
+        elif wavelength > old / low:  # low frequencies: slowed by the factor
+            out.append(f / factor)
+        else:  # in between: interpolated
+            smooth = (old / wavelength - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.asarray(out, np.float32)
+
+
+def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(logits [S, V], hidden_states) of one sequence: `weights` the checkpoint's tensors by HF name (`model.`
+    prefix), transformers' `output_hidden_states` convention (entry 0 the embedding output, entry i the output of
+    layer i - 1, the last entry after the final norm). Qwen3's q/k norms where the checkpoint has them (Llama has
+    none); causal attention over the whole sequence."""
+    w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    eps, n_h, n_kv = raw["rms_norm_eps"], raw["num_attention_heads"], raw["num_key_value_heads"]
+    d = raw.get("head_dim") or raw["hidden_size"] // n_h
+    inv = decoder_inv_freq(raw, d)
+    S = len(tokens)
+    positions = np.arange(S)
+    x = w["model.embed_tokens.weight"][list(tokens)]
+    states = [x]
+    for i in range(raw["num_hidden_layers"]):
+        def p(name, i=i):
+            return w[f"model.layers.{i}.{name}.weight"]
+
+        def norm(name, y, i=i):
+            key = f"model.layers.{i}.self_attn.{name}.weight"
+            return rms_norm(y, w[key], eps) if key in w else y
+
+        xn = rms_norm(x, p("input_layernorm"), eps)
+        q = rotate(norm("q_norm", (xn @ p("self_attn.q_proj").T).reshape(S, n_h, d)), positions, inv)
+        k = rotate(norm("k_norm", (xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d)), positions, inv)
+        v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
+        heads = []
+        for h in range(n_h):
+            g = h // (n_h // n_kv)
+            scores = q[:, h] @ k[:, g].T / np.sqrt(d)
+            scores[np.triu_indices(S, 1)] = -np.inf
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            heads.append((probs / probs.sum(-1, keepdims=True)) @ v[:, g])
+        x = x + np.concatenate(heads, axis=-1) @ p("self_attn.o_proj").T
+        hn = rms_norm(x, p("post_attention_layernorm"), eps)
+        x = x + (silu(hn @ p("mlp.gate_proj").T) * (hn @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+        states.append(x)
+    states[-1] = rms_norm(x, w["model.norm.weight"], eps)
+    head = w["model.embed_tokens.weight"] if raw["tie_word_embeddings"] else w["lm_head.weight"]
+    return states[-1] @ head.T, states
+
+
+def numpy_decoder(directory: str, tokens) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`decoder` over a checkpoint directory (config.json and model.safetensors)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        raw = json.load(f)
+    return decoder(raw, load_file(os.path.join(directory, "model.safetensors")), tokens)
+
+
+def greedy(raw: dict, weights: dict, prompt, max_new_tokens: int) -> list[int]:
+    """Greedy decoding the plain way: the whole sequence through `decoder` per new token, the argmax appended."""
+    sequence = list(prompt)
+    for _ in range(max_new_tokens):
+        logits, _ = decoder(raw, weights, sequence)
+        sequence.append(int(np.argmax(logits[-1])))
+    return sequence[len(prompt):]

@@ -1,5 +1,6 @@
-"""Test set-up: 8 simulated CPU devices (so replication over a mesh is exercised on any machine), cheap CPU
-compilation, a private executable cache."""
+"""Test set-up: 8 simulated CPU devices (so replication over a mesh is exercised on any machine), strict dtype
+promotion (an implicit promotion in the package is a bug: casts are written out), cheap CPU compilation, a
+private executable cache."""
 
 import atexit
 import importlib.util
@@ -16,14 +17,16 @@ CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expe
                      "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1")
 if not any(importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins")):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAGS}".strip()
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
-# compiled conversions go to a cache of this run, not the user's (tests that need their own set it themselves)
-os.environ["DFLASH_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash_jax-test-cache-")
-atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
+
+# Before any backend is initialised. JAX's own option, not XLA_FLAGS, so subprocesses keep their one device.
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+# compiled conversions go to a cache of this run, not the user's (tests that need their own set it themselves)
+os.environ["DFLASH_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash_jax-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_CACHE_DIR"], ignore_errors=True)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 GOLDEN = os.path.join(DATA, "golden")  # copy of the shared PyTorch-reference outputs (README inside)

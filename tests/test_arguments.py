@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from dflash_jax._arguments import check_block_inputs, check_propose_inputs, check_sampling, check_token_ids
-from dflash_jax.testing import TINY_CONFIGS
 from dflash_jax.config import parse_config
+from dflash_jax.testing import TINY_CONFIGS
 
 CONFIG = parse_config(TINY_CONFIGS["tiny-dflash"])  # H 64, 2 target layers, block 8, vocab 128
 B, WIDTH, V = CONFIG.effective_block_size, 2 * CONFIG.hidden_size, CONFIG.vocab_size
@@ -26,7 +26,8 @@ def test_consistent_block_inputs_pass():
 
 
 @pytest.mark.parametrize("change,says", [
-    (lambda a: (a[0], a[1][:, :-1], a[2], a[3][:, :-1]), "block_ids has shape [2, 7], expected [2, 8] (the block size is 8)"),
+    (lambda a: (a[0], a[1][:, :-1], a[2], a[3][:, :-1]),
+     "block_ids has shape [2, 7], expected [2, 8] (the block size is 8)"),
     (lambda a: (a[0][..., :-1], *a[1:]), "target_hidden has shape [2, 5, 127], expected [batch, S, 128]"),
     (lambda a: (a[0], a[1], a[2][:, :-1], a[3]), "context_positions has shape [2, 4], expected [2, 5]"),
     (lambda a: (a[0], a[1], a[2], a[3][:1]), "block_positions has shape [1, 8]"),

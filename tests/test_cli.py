@@ -17,7 +17,7 @@ from dflash_jax import load_drafter
 from dflash_jax.cli import main, shown, use_compilation_cache
 from dflash_jax.testing import write_checkpoint
 
-from ._io import load_file, save_file
+from ._io import rewrite_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,10 +28,12 @@ def test_inspect_reports_family_tensors_missing_and_unexpected(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "dspark drafter" in out and "markov_head.markov_w1.weight" in out and "missing or malformed: 0" in out
     assert "NVFP4" not in out
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors.pop("layers.0.mlp.up_proj.weight")
-    tensors["stray.weight"] = np.zeros(2, np.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
+
+    def damage(tensors):
+        tensors.pop("layers.0.mlp.up_proj.weight")
+        tensors["stray.weight"] = np.zeros(2, np.float32)
+
+    rewrite_tensors(tmp_path, damage)
     assert main(["inspect", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "missing tensor 'layers.0.mlp.up_proj.weight'" in out and "unexpected: 1\n    stray.weight" in out
@@ -39,11 +41,13 @@ def test_inspect_reports_family_tensors_missing_and_unexpected(tmp_path, capsys)
 
 def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
     write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors.pop("norm.weight")
-    tensors["layers.0.self_attn.q_norm.weight"] = np.zeros(3, np.float32)  # wrong shape
-    tensors["stray.weight"] = np.zeros(2, np.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
+
+    def damage(tensors):
+        tensors.pop("norm.weight")
+        tensors["layers.0.self_attn.q_norm.weight"] = np.zeros(3, np.float32)  # wrong shape
+        tensors["stray.weight"] = np.zeros(2, np.float32)
+
+    rewrite_tensors(tmp_path, damage)
     assert main(["inspect", "--json", str(tmp_path)]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["family"] == "dflash" and report["nvfp4"] is True and len(report["nvfp4_tensors"]) == 15
@@ -60,9 +64,7 @@ def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
 
 def test_names_the_terminal_cannot_print_are_escaped(tmp_path, capsys):
     write_checkpoint(tmp_path, "tiny-dflash")
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors["evil\x1b[2J\u202e.weight"] = np.zeros(2, np.float32)
-    save_file(tensors, tmp_path / "model.safetensors")
+    rewrite_tensors(tmp_path, lambda t: t.update({"evil\x1b[2J\u202e.weight": np.zeros(2, np.float32)}))
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\u202e" not in out and "evil\\x1b[2J\\u202e.weight" in out
@@ -81,7 +83,8 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert "without config.json" in capsys.readouterr().err
     write_checkpoint(tmp_path / "d", "tiny-dflash")
     assert main(["load", str(tmp_path / "d"), "--devices", "100"]) == 2
-    assert capsys.readouterr().err == f"error: --devices 100: this process has {len(jax.local_devices())} local device(s)\n"
+    devices = len(jax.local_devices())
+    assert capsys.readouterr().err == f"error: --devices 100: this process has {devices} local device(s)\n"
     assert main(["convert-nvfp4", str(tmp_path / "d"), "/proc/no-such-dir/x"]) == 2  # an OSError: not writable
     assert capsys.readouterr().err.startswith("error: ")
 
@@ -115,10 +118,31 @@ def test_demo_prints_its_own_lines_only_and_leaves_no_temporary_directory(capsys
     assert err == "" and os.listdir(tmp_path) == []
 
 
-def test_progress_bar_on_request(tmp_path):
+def test_progress_bar_on_request(tmp_path, monkeypatch):
+    """`progress=True` draws rich's bar even off a terminal: started, advanced once per tensor by its bytes up to
+    the checkpoint's total, stopped."""
+    from rich import progress as rp
+
+    bars, stopped, real_update, real_stop = [], [], rp.Progress.update, rp.Progress.stop
+
+    def update(self, task, **fields):
+        bars.append((self, fields))
+        real_update(self, task, **fields)
+
+    def stop(self):
+        stopped.append(self)
+        real_stop(self)
+
+    monkeypatch.setattr(rp.Progress, "update", update)
+    monkeypatch.setattr(rp.Progress, "stop", stop)
     write_checkpoint(tmp_path, "tiny-dflash")
     drafter = load_drafter(tmp_path, progress=True)
-    assert len(jax.tree.leaves(drafter.params)) == 25
+    leaves = jax.tree.leaves(drafter.params)
+    assert len(leaves) == 25 and len(bars) == 25 and len({id(bar) for bar, _ in bars}) == 1
+    bar, last = bars[-1]
+    assert last["tensors"] == "25/25 tensors" and stopped == [bar]  # stopped after the last tensor
+    task = bar.tasks[0]
+    assert task.finished and task.completed == task.total == sum(a.nbytes for a in leaves)  # bf16 on disk and here
 
 
 def test_compilation_cache_directory_and_off_switch(tmp_path, monkeypatch):

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.attention import SPAN_ALIGN
 from dflash_jax.drafting import init_cache, propose, sample_drafts
-from dflash_jax.model import draft_hidden
+from dflash_jax.model import AttentionOptions, draft_hidden
+from dflash_jax.testing import preset_dict
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
@@ -27,13 +28,14 @@ PAD = 9  # new context rows are padded to this many, so every step runs the same
 sample = jax.jit(sample_drafts)
 
 
-def _uncached(drafter, feats, length, anchor, **rule):
+def _uncached(drafter, feats, length, anchor, attention=AttentionOptions()):
     """(final hidden of the draft rows, greedy proposal) of one sequence from its whole context, no cache."""
     c = drafter.config
     B, n = c.effective_block_size, c.num_draft_tokens
     hidden = draft_hidden(
         drafter, feats[None, :length], block(drafter, [anchor]),
-        context_positions=np.arange(length)[None], block_positions=(length + np.arange(B))[None], **rule,
+        context_positions=np.arange(length)[None], block_positions=(length + np.arange(B))[None],
+        attention=attention,
     )[:, B - n:]
     return hidden, sample(drafter, hidden, jnp.asarray([anchor]))
 
@@ -186,9 +188,9 @@ def test_propose_on_a_mesh(cpu_mesh):
 LONG_STEPS = [(40, 33), (3, 5), (8, 1), (5, 8), (2, 4), (6, 3)]
 
 
-@pytest.mark.parametrize("options", [dict(), dict(draft_window=6, draft_sinks=2), dict(draft_window=5)],
-                         ids=["trained", "window+sinks", "window"])
-def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(options):
+@pytest.mark.parametrize("attention", [AttentionOptions(), AttentionOptions(draft_window=6, draft_sinks=2),
+                                       AttentionOptions(draft_window=5)], ids=["trained", "window+sinks", "window"])
+def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention):
     """Past the window: tiny DFlash2 (a sliding layer of window 8, a ring of 16 rows; a full layer) after a
     40-row first step appended in chunks of 16, then steps until the ring wrapped ~4 times. Every step's drafts
     equal the uncached forward over the whole context with the same rule, for the trained rule and for the
@@ -197,10 +199,10 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(options):
     total = np.sum(LONG_STEPS, axis=0)
     feats = features(drafter, 2, int(total.max()) + 40, seed=4)
     rng = np.random.default_rng(5)
-    cache = init_cache(drafter, 2, 128, **options)
-    if "draft_sinks" not in options:
+    cache = init_cache(drafter, 2, 128, attention=attention)
+    if not attention.draft_sinks:
         assert all(k.shape[2] <= 16 for k in cache.keys[:1]) and cache.rings[0]
-    assert cache.rings[1] == ("draft_window" in options and "draft_sinks" not in options)
+    assert cache.rings[1] == (attention.draft_window is not None and not attention.draft_sinks)
     lengths = np.zeros(2, int)
     for step, num_new in enumerate(map(np.array, LONG_STEPS)):
         width = 40 if step == 0 else 9
@@ -208,11 +210,11 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(options):
         for b in range(2):
             new[b, : num_new[b]] = feats[b, lengths[b] : lengths[b] + num_new[b]]
         anchors = rng.integers(0, drafter.config.vocab_size, 2).astype(np.int32)
-        got, cache = propose(drafter, cache, new, num_new, anchors, append_chunk=16, **options)
+        got, cache = propose(drafter, cache, new, num_new, anchors, append_chunk=16, attention=attention)
         lengths += num_new
         if step == len(LONG_STEPS) - 1:  # the whole history counts: every earlier append is in these drafts
             for b in range(2):
-                _, want = _uncached(drafter, feats[b], lengths[b], anchors[b], **options)
+                _, want = _uncached(drafter, feats[b], lengths[b], anchors[b], attention)
                 np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
     assert not np.asarray(cache.overflow).any()
@@ -225,10 +227,12 @@ def test_the_draft_window_is_the_numpy_rule():
     feats = features(drafter, 1, 30, seed=6)[0]
     B = c.effective_block_size
     hidden = draft_hidden(drafter, feats[None], block(drafter, [3]), context_positions=np.arange(30)[None],
-                          block_positions=(30 + np.arange(B))[None], draft_window=7, draft_sinks=3)
-    rules = [(r[0], 7, 3) for r in ref.layer_rules(c)]
-    want = ref.hidden_states(ref.to_numpy(drafter.params), c, feats.astype(np.float64), np.asarray(block(drafter, [3]))[0],
-                             np.arange(30), 30 + np.arange(B), np.asarray(drafter.embedding, np.float64), rules)
+                          block_positions=(30 + np.arange(B))[None],
+                          attention=AttentionOptions(draft_window=7, draft_sinks=3))
+    rules = ref.layer_rules(preset_dict("tiny-dflash"), draft_window=7, draft_sinks=3)
+    want = ref.hidden_states(ref.to_numpy(drafter.params), c, feats.astype(np.float64),
+                             np.asarray(block(drafter, [3]))[0], np.arange(30), 30 + np.arange(B),
+                             np.asarray(drafter.embedding, np.float64), rules)
     np.testing.assert_allclose(np.asarray(hidden[0]), want, rtol=0, atol=2e-4)
     full = draft_hidden(drafter, feats[None], block(drafter, [3]), context_positions=np.arange(30)[None],
                         block_positions=(30 + np.arange(B))[None])
@@ -236,11 +240,15 @@ def test_the_draft_window_is_the_numpy_rule():
 
 
 def test_overflow_is_flagged_never_clamped():
-    """Rows past `max_context` are dropped and the sequence flagged; `check` raises; lengths keep counting."""
+    """Rows past `max_context` are dropped and the sequence flagged; `check` raises; lengths keep counting. The
+    cache is donated to `propose` (every array of it) and its static fields come back as they went in."""
     drafter = tiny_drafter("tiny-dflash")
     cache = init_cache(drafter, 2, 12)
     new = features(drafter, 2, 9, seed=7)
+    first = cache
     _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
+    assert all(a.is_deleted() for a in jax.tree.leaves(first))  # the whole cache was donated
+    assert (cache.max_context, cache.rings, cache.attention) == (12, first.rings, AttentionOptions())  # static
     cache.check()
     _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
     np.testing.assert_array_equal(np.asarray(cache.lengths), [18, 4])
@@ -248,7 +256,25 @@ def test_overflow_is_flagged_never_clamped():
     with pytest.raises(ValueError, match=r"sequences \[0\] outgrew max_context=12"):
         cache.check()
     with pytest.raises(ValueError, match="attention options"):
-        propose(drafter, init_cache(drafter, 2, 12), new, np.array([9, 2]), np.zeros(2, np.int32), draft_window=4)
+        propose(drafter, init_cache(drafter, 2, 12), new, np.array([9, 2]), np.zeros(2, np.int32),
+                attention=AttentionOptions(draft_window=4))
+
+
+@pytest.mark.parametrize("fields, bad", [(dict(draft_window=0), "draft_window"), (dict(draft_sinks=-1), "draft_sinks"),
+                                         (dict(draft_sinks=2), "draft_sinks"), (dict(causal=1), "causal"),
+                                         (dict(sliding_window=None), "sliding_window"),
+                                         (dict(draft_window=True), "draft_window")], ids=str)
+def test_attention_options_are_checked_once_made(fields, bad):
+    """A bad switch is a ValueError naming the field, raised where the options are made (no entry point sees it)."""
+    with pytest.raises(ValueError, match=rf"AttentionOptions\.{bad}\b"):
+        AttentionOptions(**fields)
+
+
+def test_attention_options_take_numpy_integers_as_ints():
+    """A NumPy integer window is stored as a Python int: equal and hashing alike, so one compiled program."""
+    options = AttentionOptions(draft_window=np.int64(8), draft_sinks=np.int32(2))
+    assert options == AttentionOptions(draft_window=8, draft_sinks=2) and type(options.draft_window) is int
+    assert hash(options) == hash(AttentionOptions(draft_window=8, draft_sinks=2))
 
 
 def test_full_layers_are_aligned_for_the_gpu_kernel():

@@ -137,7 +137,8 @@ DIMS = st.integers(-2, 4) | st.sampled_from([0, 2**31, 2**63, 2**64, 10**30])
 ENTRY_FIELDS = {
     "dtype": st.sampled_from(DTYPE_NAMES) | JSON,
     "shape": st.lists(DIMS, max_size=3) | JSON,
-    "data_offsets": st.integers(0, 9).map(lambda b: [b, b]) | st.lists(st.integers(-2, 40), min_size=2, max_size=2) | JSON,
+    "data_offsets": (st.integers(0, 9).map(lambda b: [b, b]) | st.lists(st.integers(-2, 40), min_size=2, max_size=2)
+                     | JSON),
 }
 
 
@@ -307,8 +308,9 @@ def config_edits(draw):
 @fuzz(1200)
 @given(raw=config_edits())
 def test_config_mutations(raw):
-    decode(raw)  # a dict ...
-    decode(dumps(raw))  # ... and the same as JSON text must give the same kind of answer
+    """A dict and the same dict as JSON text give the same answer: the same config, or both a ConfigError."""
+    as_dict, as_text = decode(raw), decode(dumps(raw))
+    assert as_dict == as_text, (as_dict, as_text)
 
 
 @fuzz(100)
@@ -398,7 +400,8 @@ def test_loader_on_mutated_checkpoints(tiny_checkpoints, scratch, preset, data):
     drafter = load_or_refuse(directory)
     if drafter is not None:
         config = drafter.config
-        assert drafter.params["fc"]["weight"].shape == (config.hidden_size, len(config.target_layer_ids) * config.hidden_size)
+        width = len(config.target_layer_ids) * config.hidden_size
+        assert drafter.params["fc"]["weight"].shape == (config.hidden_size, width)
         assert len(drafter.params["layers"]) == config.num_hidden_layers
 
 

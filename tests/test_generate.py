@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import load_drafter
-from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
+from dflash_jax import AttentionOptions, load_drafter
+from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
 from dflash_jax.drafting import init_cache
 from dflash_jax.generate import (
-    Options,
     GenerationResult,
     _attach,
     _pad_prompts,
@@ -25,7 +24,11 @@ from dflash_jax.generate import (
     greedy_generate,
     speculative_generate,
 )
+from dflash_jax.target import PREFILL_CHUNK, plan_decoder
 from dflash_jax.testing import preset_dict, write_checkpoint
+
+from . import _numpy_reference as ref
+from ._io import leaf
 
 MAX_NEW = 24
 RNG = np.random.default_rng(7)
@@ -55,6 +58,15 @@ def oracle(tmp_path_factory):
     config = copy.deepcopy(preset_dict("tiny-dspark"))
     config["markov_rank"] = config["dspark_config"]["markov_rank"] = 128
     return successor_drafter(_drafter(tmp_path_factory, config), SUCCESSOR)
+
+
+def test_greedy_equals_the_numpy_reference(target, greedy):
+    """The baseline against an independent implementation: token for token what a float64 NumPy Qwen3 forward,
+    run over the whole sequence per token, decodes greedily (tests/_numpy_reference.py `greedy`; the
+    transformers comparison, tests/test_reference_transformers.py, needs torch). No program compiled here."""
+    weights = {t.name: leaf(target.params, t.path) for t in plan_decoder(target.config)}
+    for i in (0, 4, 9):  # 1, 5 and 24 prompt tokens
+        assert ref.greedy(QWEN3_TINY_CONFIGS["tiny-qwen3"], weights, PROMPTS[i], MAX_NEW) == greedy.tokens[i], i
 
 
 def test_greedy_baseline(target, greedy):
@@ -116,13 +128,14 @@ def test_caches_hold_exactly_the_committed_tokens(target, oracle):
         tokens, lengths = _pad_prompts(prompts)
         caches = nudged.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
         return _spec_prefill(nudged, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False, options=Options())
+                             jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False, attention=AttentionOptions(),
+                             prefill_chunk=PREFILL_CHUNK)
 
     step = jax.jit(_spec_step, static_argnums=(5, 6, 7))
     state = prefill(PROMPTS)
     # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
     # prompts' bucket, so the fresh prefill below reuses the compiled prefill.
-    state = step(nudged, drafter, stop, temperature, threshold, MAX_NEW, False, Options(), state)
+    state = step(nudged, drafter, stop, temperature, threshold, MAX_NEW, False, AttentionOptions(), state)
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     assert not state.done.any() and len(set(n_out.tolist())) > 1  # sequences accepted different amounts
     committed = [p + out[b, : n_out[b] - 1].tolist() for b, p in enumerate(PROMPTS)]
@@ -172,14 +185,15 @@ def long_greedy(target):
     return greedy_generate(target, LONG_PROMPTS, 12)  # one prefill chunk: the other path than below
 
 
-@pytest.mark.parametrize("preset,options", [("tiny-dflash", dict(draft_window=16, draft_sinks=4)),
-                                            ("tiny-dflash2", {}), ("tiny-dspark", {})])
-def test_long_prompts_are_lossless(tmp_path_factory, target, long_greedy, preset, options):
+@pytest.mark.parametrize("preset,attention", [("tiny-dflash", AttentionOptions(draft_window=16, draft_sinks=4)),
+                                              ("tiny-dflash2", AttentionOptions()),
+                                              ("tiny-dspark", AttentionOptions())])
+def test_long_prompts_are_lossless(tmp_path_factory, target, long_greedy, preset, attention):
     """Prompts several times the drafter's window and the prefill chunk (target prefill and the drafter's first
     append both in chunks of 32): exactly the target's greedy tokens, for every family; the DFlash run also
     bounds its full layers with the opt-in draft window, which changes drafts, never the greedy output."""
     result = speculative_generate(target, _drafter(tmp_path_factory, preset), LONG_PROMPTS, max_new_tokens=12,
-                                  prefill_chunk=32, **options)
+                                  prefill_chunk=32, attention=attention)
     assert result.tokens == long_greedy.tokens
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import load_drafter
+from dflash_jax import AttentionOptions, load_drafter
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.target import Qwen3Target
@@ -110,7 +110,8 @@ def test_generate_reports_a_target_config_that_is_a_directory(checkpoints, tmp_p
 
 def test_generate_reports_zero_key_value_heads(checkpoints, tmp_path, capsys):
     _, drafter_dir = checkpoints
-    code = main(["generate", _bad_target(tmp_path, checkpoints, num_key_value_heads=0), drafter_dir, "--prompt-ids", "1"])
+    bad = _bad_target(tmp_path, checkpoints, num_key_value_heads=0)
+    code = main(["generate", bad, drafter_dir, "--prompt-ids", "1"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "num_key_value_heads" in err
 
@@ -160,7 +161,8 @@ def test_generate_reports_an_absurd_layer_count(checkpoints, tmp_path, capsys):
 
 
 def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
-    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its keywords."""
+    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its options;
+    options `AttentionOptions` refuses are one error line."""
     import dflash_jax.generate
 
     seen = {}
@@ -173,7 +175,10 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
     target_dir, drafter_dir = checkpoints
     assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
                  "--draft-window", "8", "--draft-sinks", "2"]) == 0
-    assert (seen["causal"], seen["sliding_window"], seen["draft_window"], seen["draft_sinks"]) == (False, False, 8, 2)
+    assert seen["attention"] == AttentionOptions(causal=False, sliding_window=False, draft_window=8, draft_sinks=2)
+    capsys.readouterr()
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: AttentionOptions.draft_sinks=2 needs a draft_window")
     with pytest.raises(SystemExit) as e:  # argparse's own error line and exit status 2
         main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "-1"])
     assert e.value.code == 2 and "--draft-sinks: -1 is negative" in capsys.readouterr().err

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import chex
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -15,7 +14,6 @@ from ._hub import add_to_cache, directory_files, repo_folder  # first: sets HF_H
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-import dflash_jax  # noqa: E402
 from dflash_jax import ConfigError, Qwen3Target, load_config, load_drafter  # noqa: E402
 from dflash_jax.hub import is_repo_id, resolve  # noqa: E402
 from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint  # noqa: E402
@@ -158,8 +156,10 @@ def test_env_hf_home_and_offline_are_honoured(tmp_path):
     add_to_cache(tmp_path / "home" / "hub", "org/drafter", directory_files(source))
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
     env.pop("HF_HUB_CACHE", None)
-    run = lambda *args: subprocess.run([sys.executable, "-m", "dflash_jax", *args], env=env, capture_output=True,
-                                       text=True, timeout=120)
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "dflash_jax", *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
     found = run("inspect", "--json", "org/drafter")
     assert found.returncode == 0, found.stderr
     assert '"family": "dspark"' in found.stdout

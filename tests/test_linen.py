@@ -24,7 +24,8 @@ from ._drafters import GOLDEN, block, features
 def example(drafter, rows=5):
     c = drafter.config
     hidden, ids = jnp.asarray(features(drafter, 1, rows)), jnp.asarray(block(drafter, [3]))
-    positions = dict(context_positions=jnp.arange(rows)[None], block_positions=rows + jnp.arange(c.effective_block_size)[None])
+    positions = dict(context_positions=jnp.arange(rows)[None],
+                     block_positions=rows + jnp.arange(c.effective_block_size)[None])
     return hidden, ids, positions
 
 
@@ -35,7 +36,8 @@ def test_init_declares_the_loaders_tree(tmp_path, preset, draft_vocab):
     write_checkpoint(tmp_path, raw, own_embeddings=own)
     loaded = load_drafter(tmp_path, dtype=jnp.float32)
     c = loaded.config
-    heads = {} if own else dict(embed=jnp.ones((c.vocab_size, c.hidden_size)), lm_head=jnp.ones((c.vocab_size, c.hidden_size)))
+    ones = jnp.ones((c.vocab_size, c.hidden_size))
+    heads = {} if own else dict(embed=ones, lm_head=ones)
     hidden, ids, positions = example(loaded)
     module = DrafterModule(c, own_embeddings=own, param_dtype=jnp.float32)
     variables = module.init(jax.random.key(0), hidden, ids, **positions, **heads)

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from ._io import load_file, save_file
+from ._io import leaf, load_file, rewrite_tensors, save_file
 
 from dflash_jax import CheckpointError, Drafter, draft_to_target_ids, load_drafter
 from dflash_jax.testing import write_checkpoint
@@ -21,14 +21,6 @@ from .conftest import GOLDEN
 
 FAMILIES = ["tiny-dflash", "tiny-dflash2", "tiny-dspark"]
 LAYER_KEYS = {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"}
-
-
-def leaf(params, name):
-    """The leaf for an HF tensor name (prefix stripped), following the documented tree."""
-    node = params
-    for part in name.split("."):
-        node = node[int(part)] if part.isdigit() else node[part]
-    return node
 
 
 def written(directory):
@@ -147,14 +139,6 @@ def test_declared_heads_missing_warn(tmp_path):
     assert "markov_head" not in drafter.params
 
 
-def rewrite(directory, change):
-    path = directory / "model.safetensors"
-    tensors = load_file(path)
-    change(tensors)
-    save_file(tensors, path)
-    return str(path)
-
-
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -166,7 +150,7 @@ def rewrite(directory, change):
 )
 def test_checkpoint_errors_name_tensor_and_file(tmp_path, change, message):
     write_checkpoint(tmp_path, "tiny-dflash")
-    rewrite(tmp_path, change)
+    rewrite_tensors(tmp_path, change)
     with pytest.raises(CheckpointError, match=message) as err:
         load_drafter(tmp_path)
     assert str(tmp_path) in str(err.value)
@@ -174,7 +158,7 @@ def test_checkpoint_errors_name_tensor_and_file(tmp_path, change, message):
 
 def test_unexpected_tensors_warn(tmp_path):
     write_checkpoint(tmp_path, "tiny-dflash")
-    rewrite(tmp_path, lambda t: t.update({"extra.weight": np.zeros(3, ml_dtypes.bfloat16)}))
+    rewrite_tensors(tmp_path, lambda t: t.update({"extra.weight": np.zeros(3, ml_dtypes.bfloat16)}))
     with pytest.warns(UserWarning, match="extra.weight"):
         load_drafter(tmp_path)
 
@@ -197,7 +181,7 @@ def test_confidence_head_read_off_its_width(tmp_path):
 
 def test_confidence_head_of_another_width_names_tensor_and_widths(tmp_path):
     write_checkpoint(tmp_path, "tiny-dspark")
-    path = rewrite(tmp_path, lambda t: t.update({"confidence_head.proj.weight": np.zeros((1, 70), ml_dtypes.bfloat16)}))
+    path = rewrite_tensors(tmp_path, lambda t: t.update({"confidence_head.proj.weight": np.zeros((1, 70), ml_dtypes.bfloat16)}))
     with pytest.raises(CheckpointError) as err:
         load_drafter(tmp_path)
     for part in (path, "'confidence_head.proj.weight'", "[1, 70]", "confidence_head_with_markov", "[1, 64]", "[1, 96]"):

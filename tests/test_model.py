@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from dflash_jax.config import parse_config
 from dflash_jax.loader import load_drafter
-from dflash_jax.model import LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
+from dflash_jax.model import AttentionOptions, LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
 from dflash_jax.testing import preset_dict
 
 from . import _numpy_reference as ref
@@ -53,18 +53,20 @@ def test_golden_bfloat16_same_drafts(name):
     np.testing.assert_allclose(logits, expected, rtol=0, atol=0.2)
 
 
-def _against_reference(drafter, *, context_start, S, causal=None, sliding_window=True, atol=1e-4):
-    """Batch of 2 through `draft_hidden` vs the NumPy reference one sequence at a time."""
+def _against_reference(preset, *, context_start, S, causal=None, sliding_window=True, atol=1e-4):
+    """Batch of 2 through `draft_hidden` vs the NumPy reference one sequence at a time (its rules derived from the
+    preset's config.json)."""
+    drafter = tiny_drafter(preset)
     c = drafter.config
     B = c.effective_block_size
     th = features(drafter, 2, S)
     ids = block(drafter, [3, 17])
     ctx_pos = np.broadcast_to(context_start + np.arange(S), (2, S))
     blk_pos = np.broadcast_to(context_start + S + np.arange(B), (2, B))
-    rule = dict(causal=causal, sliding_window=sliding_window)
-    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, **rule)
+    attention = AttentionOptions(causal=causal, sliding_window=sliding_window)
+    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, attention=attention)
     params = ref.to_numpy(drafter.params)
-    rules = ref.layer_rules(c, causal, sliding_window)
+    rules = ref.layer_rules(preset_dict(preset), causal, sliding_window)
     for b in range(2):
         expected = ref.hidden_states(
             params, c, th[b].astype(np.float64), ids[b], ctx_pos[b], blk_pos[b], ref.to_numpy(drafter.embedding), rules
@@ -77,20 +79,18 @@ def _against_reference(drafter, *, context_start, S, causal=None, sliding_window
 )
 def test_dflash2_matches_reference(causal, sliding_window):
     """Grouped dynamic convs, a sliding layer (window 8 < context) and the causal / window variants."""
-    drafter = tiny_drafter("tiny-dflash2")
-    assert "attention_conv" in drafter.params["layers"][0]
-    _against_reference(drafter, context_start=0, S=12, causal=causal, sliding_window=sliding_window)
+    assert "attention_conv" in tiny_drafter("tiny-dflash2").params["layers"][0]
+    _against_reference("tiny-dflash2", context_start=0, S=12, causal=causal, sliding_window=sliding_window)
 
 
 def test_dspark_yarn_matches_reference():
     """DSpark backbone with YaRN RoPE at positions past `original_max_position_embeddings` (64)."""
-    drafter = tiny_drafter("tiny-dspark")
-    assert drafter.config.rope_type == "yarn"
-    _against_reference(drafter, context_start=290, S=9)
+    assert tiny_drafter("tiny-dspark").config.rope_type == "yarn"
+    _against_reference("tiny-dspark", context_start=290, S=9)
 
 
 def test_dflash_causal_matches_reference():
-    _against_reference(tiny_drafter("tiny-dflash"), context_start=40, S=6, causal=True)
+    _against_reference("tiny-dflash", context_start=40, S=6, causal=True)
 
 
 @pytest.mark.parametrize("config", ["tiny-dspark", "radixark-qwen3.8-27b-dspark", "zlab-qwen3-8b-dflash-b16"])
@@ -110,8 +110,8 @@ def test_attention_rules_follow_the_config():
     full = LayerRule(causal=False, window=None)
     tf5 = parse_config(preset_dict("zlab-qwen3.6-35b-a3b-dflash-tf5"))
     assert attention_rules(tf5) == (LayerRule(True, 4096),) * 5 + (full,)  # no is_causal: sliding => causal
-    assert attention_rules(tf5, sliding_window=False)[0] == LayerRule(True, None)
-    assert attention_rules(tf5, causal=False)[0] == LayerRule(False, 4096)
+    assert attention_rules(tf5, AttentionOptions(sliding_window=False))[0] == LayerRule(True, None)
+    assert attention_rules(tf5, AttentionOptions(causal=False))[0] == LayerRule(False, 4096)
     glimmer = parse_config(preset_dict("muse-glimmer-dflash2"))
     assert attention_rules(glimmer) == (LayerRule(False, 2048),) * 5  # explicit is_causal: false
     zlab = preset_dict("zlab-qwen3-8b-dflash-b16")

@@ -25,8 +25,7 @@ def test_two_process_load(tmp_path):
     target = tmp_path / "target"
     write_qwen3_checkpoint(target, "tiny-qwen3-tp", num_shards=2, dtype="float32")
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # XLA_FLAGS: the conftest's compile flags
     procs = [
         subprocess.Popen([sys.executable, WORKER, str(i), port, str(tmp_path), str(target)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -9,13 +9,12 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
-from dflash_jax import draft_logits, init_cache, load_drafter, propose
+from dflash_jax import AttentionOptions, draft_logits, init_cache, load_drafter, propose
+from dflash_jax.config import parse_config
 from dflash_jax.linen import init_params
 from dflash_jax.nnx import DFlashDrafter, TargetWeight
-from dflash_jax.config import parse_config
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 from ._drafters import block, features, tiny_drafter
@@ -39,9 +38,9 @@ def test_logits_equal_draft_logits():
     module = DFlashDrafter.from_drafter(drafter)
     hidden, ids, positions = inputs(drafter)
     np.testing.assert_array_equal(module(hidden, ids, **positions), draft_logits(drafter, hidden, ids, **positions))
-    options = dict(causal=True, sliding_window=False)
-    np.testing.assert_array_equal(module(hidden, ids, **positions, **options),
-                                  draft_logits(drafter, hidden, ids, **positions, **options))
+    attention = AttentionOptions(causal=True, sliding_window=False)
+    np.testing.assert_array_equal(module(hidden, ids, **positions, attention=attention),
+                                  draft_logits(drafter, hidden, ids, **positions, attention=attention))
 
 
 def test_propose_equals_propose():
@@ -63,7 +62,8 @@ def test_state_holds_the_loaded_arrays_without_copies(tmp_path, cpu_mesh):
     assert all(a is b for a, b in zip(leaves_of(module), jax.tree.leaves(drafter.params)))
     assert module.params["layers"][1]["mlp"]["up_proj"]["weight"].get_value() is \
         drafter.params["layers"][1]["mlp"]["up_proj"]["weight"]
-    assert all(leaf.sharding.is_equivalent_to(jax.sharding.NamedSharding(cpu_mesh, jax.sharding.PartitionSpec()), leaf.ndim)
+    replicated = jax.sharding.NamedSharding(cpu_mesh, jax.sharding.PartitionSpec())
+    assert all(leaf.sharding.is_equivalent_to(replicated, leaf.ndim)
                for leaf in leaves_of(module))
     loaded = DFlashDrafter.from_pretrained(tmp_path, mesh=cpu_mesh, dtype=jnp.float32)
     chex.assert_trees_all_equal(loaded.drafter.params, drafter.params)

@@ -1,8 +1,14 @@
-"""NVFP4: spec test vectors, ModelOpt's quantizer against an independent NumPy version, Pallas == XLA bit for bit
-(interpret mode on CPU; the real kernel in the tests marked `gpu`), and bad input.
+"""NVFP4: hand-computed vectors, dequantization (XLA, Pallas in interpret mode on CPU, the real kernel in the tests
+marked `gpu`) against an independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version,
+and bad input. Every random generator is seeded.
 
-The independent NumPy code here is written from the spec (/work/shared/spec/nvfp4.md A5/A6) with ml_dtypes'
-casts, not from the package. Bits are compared as 16-bit patterns with +0 == -0 (spec A11).
+The NumPy code here is written from the format's definition, not from the package: E2M1 codes (1 sign bit, 2
+exponent bits, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; OCP Microscaling Formats v1.0), one
+float8 E4M3FN block scale per 16 consecutive values (Micikevicius et al. 2022, "FP8 Formats for Deep Learning",
+arXiv:2209.05433), a per-tensor float32 `weight_scale_2`, element 2j in a byte's low nibble, and
+`value = e2m1 * (f32(block scale) * scale_2)` in float32, rounded once (NVIDIA ModelOpt `NVFP4QTensor`,
+modelopt/torch/quantization/qtensor/nvfp4_tensor.py). Bits are compared as 16-bit patterns with +0 == -0 (code 8
+is -0; ModelOpt's quantizer never writes it).
 """
 
 import jax
@@ -26,19 +32,34 @@ E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -
 
 # --- independent NumPy reference -------------------------------------------------------------------------------
 
+def np_e4m3(bits: np.ndarray) -> np.ndarray:
+    """float8 E4M3FN bytes -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+    (`m/8 * 2**-6`), S.1111.111 is NaN, there are no infinities. Every value is exact in float32."""
+    b = np.asarray(bits).astype(np.int64)
+    exponent, mantissa = (b >> 3) & 15, b & 7
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    magnitude = np.where((exponent == 15) & (mantissa == 7), np.nan, magnitude)
+    return np.where(b & 0x80, -magnitude, magnitude).astype(np.float32)
+
+
+def test_numpy_e4m3_is_ml_dtypes_float8_e4m3fn():
+    """The decoding above, byte for byte, against a third implementation (ml_dtypes), NaNs included."""
+    every = np.arange(256, dtype=np.uint8)
+    np.testing.assert_array_equal(np_e4m3(every), every.view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+
+
 def np_dequantize(packed, scale, scale_2, dtype=ml_dtypes.bfloat16):
-    """A5: E2M1 table lookup of both nibbles, fp32 block scale * scale_2, fp32 product, one rounding."""
+    """Both nibbles of every byte (low first) through the E2M1 table, times `f32(block scale) * scale_2` per 16
+    values, the product in float32, rounded once to `dtype`. `scale`: E4M3FN values or their bytes."""
     packed = np.asarray(packed)
-    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
-    scale = np.asarray(scale)
-    if scale.dtype == np.uint8:
-        scale = scale.view(ml_dtypes.float8_e4m3fn)
-    block = scale.astype(np.float32) * np.float32(scale_2)
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)  # [..., K]
+    block = np_e4m3(np.asarray(scale).view(np.uint8)) * np.float32(scale_2)  # [..., K/16] f32
     return (E2M1[codes] * np.repeat(block, 16, axis=-1)).astype(dtype)
 
 
 def np_quantize(w):
-    """A6 with ml_dtypes' round-to-nearest-even casts to float8_e4m3fn and float4_e2m1fn."""
+    """ModelOpt's dynamic quantization (`scale_2 = amax / (6 * 448)`, block scale `amax_16 / (6 * scale_2)` cast
+    to E4M3, codes `w / (block scale * scale_2)` cast to E2M1) with ml_dtypes' round-to-nearest-even casts."""
     w = np.asarray(w, np.float32)
     ws2 = np.float32(np.abs(w).max() / np.float32(2688.0))
     blocks = w.reshape(*w.shape[:-1], -1, 16)
@@ -65,7 +86,7 @@ def random_nvfp4(rng, shape_nk, finite=True):
     return packed, scale
 
 
-# --- spec A8 vectors -------------------------------------------------------------------------------------------
+# --- hand-computed vectors -------------------------------------------------------------------------------------------
 
 BACKENDS = ["xla", "interpret"]
 
@@ -205,7 +226,8 @@ def test_nan_scale_gives_nan_in_both():
 def test_dequantize_accepts_scale_forms_and_leading_dims():
     rng = np.random.default_rng(3)
     packed, scale = random_nvfp4(rng, (6, 64))
-    ref = np.asarray(nvfp4.dequantize(packed, scale, np.float32(0.5)))
+    ref = np_dequantize(packed, scale, np.float32(0.5))
+    np.testing.assert_array_equal(bits16(nvfp4.dequantize(packed, scale, np.float32(0.5))), bits16(ref))
     as_f8 = scale.view(ml_dtypes.float8_e4m3fn)
     for s2 in [np.float32(0.5), np.array([0.5], np.float32), jnp.bfloat16(0.5), np.array([0.5], np.float16)]:
         np.testing.assert_array_equal(bits16(nvfp4.dequantize(packed, as_f8, s2)), bits16(ref))
@@ -219,9 +241,10 @@ def test_dequantize_jit_does_not_recompile_per_scale_2():
     rng = np.random.default_rng(4)
     packed, scale = random_nvfp4(rng, (2, 32))
     f = jax.jit(lambda p, s, g: nvfp4.dequantize(p, s, g))
-    outs = [f(packed, scale, jnp.float32(g)) for g in (0.5, 0.25)]
+    for g in (0.5, 0.25):
+        np.testing.assert_array_equal(bits16(f(packed, scale, jnp.float32(g))),
+                                      bits16(np_dequantize(packed, scale, np.float32(g))))
     assert f._cache_size() == 1
-    np.testing.assert_array_equal(np.asarray(outs[0]).astype(np.float32) / 2, np.asarray(outs[1]).astype(np.float32))
 
 
 def test_dequantize_bad_arguments():
@@ -318,7 +341,7 @@ DRAFTER_SHAPES = [(2048, 10240), (4096, 2048), (2048, 4096), (512, 2048), (6144,
 @pytest.mark.parametrize("shape", DRAFTER_SHAPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gpu_pallas_matches_xla_and_numpy(shape, dtype):
-    rng = np.random.default_rng()  # fresh bytes every run
+    rng = np.random.default_rng(shape[0] * 100_000 + shape[1])
     packed, scale = random_nvfp4(rng, shape)
     scale_2 = np.float32(rng.uniform(1e-4, 1e-1))
     out = nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend="pallas")
@@ -331,6 +354,9 @@ def test_gpu_pallas_matches_xla_and_numpy(shape, dtype):
 @needs_gpu
 @pytest.mark.parametrize("scale_2", [1e-38, 3e-36, 1e30])  # subnormal and overflowing products
 def test_gpu_pallas_matches_xla_extreme_scale_2(scale_2):
-    packed, scale = random_nvfp4(np.random.default_rng(), (256, 2048))
+    packed, scale = random_nvfp4(np.random.default_rng(8), (256, 2048))
     out = nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="pallas")
-    np.testing.assert_array_equal(bits16(out), bits16(nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="xla")))
+    xla = nvfp4.dequantize(packed, scale, np.float32(scale_2), backend="xla")
+    np.testing.assert_array_equal(bits16(out), bits16(xla))
+    if scale_2 > 1e-30:  # subnormal products: a platform may flush them (XLA:CPU does), NumPy does not
+        np.testing.assert_array_equal(bits16(out), bits16(np_dequantize(packed, scale, np.float32(scale_2))))

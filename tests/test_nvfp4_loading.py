@@ -6,14 +6,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from ._io import load_file, save_file
 
 from dflash_jax import CheckpointError, load_drafter
 from dflash_jax.cli import main as cli
 from dflash_jax.nvfp4.convert import convert_checkpoint
 from dflash_jax.testing import write_checkpoint
 
-from .test_loader import leaf
+from ._io import leaf, load_file, rewrite_tensors, save_file
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
 
@@ -60,12 +59,6 @@ def test_mixed_checkpoint_and_bf16_scale_2(tmp_path):
     np.testing.assert_array_equal(up.view(np.uint16), bf16["layers.0.mlp.up_proj.weight"].view(np.uint16))
 
 
-def break_tensors(directory, change):
-    tensors = load_file(directory / "model.safetensors")
-    change(tensors)
-    save_file(tensors, directory / "model.safetensors")
-
-
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -83,7 +76,7 @@ def break_tensors(directory, change):
 )
 def test_bad_nvfp4_tensors(tmp_path, change, message):
     write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
-    break_tensors(tmp_path, change)
+    rewrite_tensors(tmp_path, change)
     with pytest.raises(CheckpointError, match=message) as err:
         load_drafter(tmp_path)
     assert "model.safetensors" in str(err.value)

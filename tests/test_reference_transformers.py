@@ -52,10 +52,8 @@ def test_logits_and_hidden_states(tmp_path, preset):
         )
 
 
-def test_greedy_generate_equals_transformers(tmp_path):
-    hf, target = _pair(tmp_path / "target", "tiny-qwen3")
-    write_checkpoint(tmp_path / "drafter", "tiny-dflash", seed=3)
-    drafter = load_drafter(tmp_path / "drafter", dtype=jnp.float32)
+def _generation_equals_transformers(hf, target, drafter):
+    """Greedy and speculative tokens of every prompt equal `hf.generate`'s greedy ones (stopping at eos)."""
     eos = list(target.config.eos_token_ids)
     ours = greedy_generate(target, PROMPTS, MAX_NEW, stop_token_ids=eos).tokens
     speculative = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=eos).tokens
@@ -65,6 +63,13 @@ def test_greedy_generate_equals_transformers(tmp_path):
                                     eos_token_id=eos, pad_token_id=eos[0])
         expected = generated[0, len(prompt):].tolist()
         assert mine == expected and spec == expected
+
+
+def test_greedy_generate_equals_transformers(tmp_path):
+    hf, target = _pair(tmp_path / "target", "tiny-qwen3")
+    write_checkpoint(tmp_path / "drafter", "tiny-dflash", seed=3)
+    drafter = load_drafter(tmp_path / "drafter", dtype=jnp.float32)
+    _generation_equals_transformers(hf, target, drafter)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-llama-v5", "tiny-llama-tied"])
@@ -83,12 +88,4 @@ def test_llama_equals_transformers(tmp_path, preset):
     sharded = load_target(tmp_path / "target", mesh=mesh, dtype=jnp.float32)
     write_checkpoint(tmp_path / "drafter", "tiny-dflash", seed=3)
     drafter = load_drafter(tmp_path / "drafter", mesh=mesh, dtype=jnp.float32)
-    eos = list(target.config.eos_token_ids)
-    ours = greedy_generate(sharded, PROMPTS, MAX_NEW, stop_token_ids=eos).tokens
-    speculative = speculative_generate(sharded, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=eos).tokens
-    for prompt, mine, spec in zip(PROMPTS, ours, speculative):
-        with torch.no_grad():
-            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                                    eos_token_id=eos, pad_token_id=eos[0])
-        expected = generated[0, len(prompt):].tolist()
-        assert mine == expected and spec == expected
+    _generation_equals_transformers(hf, sharded, drafter)

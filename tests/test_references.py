@@ -15,11 +15,12 @@ import pytest
 from dflash_jax import CheckpointError, ConfigError, load_drafter
 from dflash_jax.config import parse_config
 from dflash_jax.drafting import sample_drafts
-from dflash_jax.model import LayerRule, attention_rules, draft_hidden
+from dflash_jax.model import AttentionOptions, LayerRule, attention_rules, draft_hidden
 from dflash_jax.testing import TINY_CONFIGS, preset_dict, write_checkpoint
 
 from . import _numpy_reference as ref
 from ._drafters import block, features
+from ._io import rewrite_tensors
 
 # The z-lab Qwen3.6 tf5 layout in small: sliding layers then a full one, a window shorter than the context,
 # and no `is_causal` anywhere, the case where the references disagree.
@@ -46,23 +47,24 @@ def _load(tmp_path, raw, *, sharpen=3.0):
                           lm_head=jnp.asarray(rng.standard_normal(shape), jnp.float32))
 
 
-def _forward(drafter, S=14, **rule):
+def _forward(drafter, S=14, attention=AttentionOptions()):
     c = drafter.config
     th, ids = features(drafter, 1, S), block(drafter, [7])
     ctx_pos, blk_pos = np.arange(S)[None], S + np.arange(c.effective_block_size)[None]
-    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, **rule)
+    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos, attention=attention)
     inputs = (th[0].astype(np.float64), ids[0], ctx_pos[0], blk_pos[0], ref.to_numpy(drafter.embedding))
     return np.asarray(hidden[0]), inputs
 
 
 def test_zlab_rule_is_causal_false_without_windows(tmp_path):
-    """z-lab's transformers model (every layer bidirectional, window ignored) is `causal=False,
-    sliding_window=False`: same hidden states as the NumPy transcription of it, far from the default rule's."""
+    """z-lab's transformers model (every layer bidirectional, window ignored) is `AttentionOptions(causal=False,
+    sliding_window=False)`: same hidden states as the NumPy transcription of it, far from the default rule's."""
     drafter = _load(tmp_path, TINY_TF5)
     c = drafter.config
-    assert attention_rules(c, causal=False, sliding_window=False) == (LayerRule(False, None),) * 3
-    zlab, inputs = _forward(drafter, causal=False, sliding_window=False)
-    expected = ref.hidden_states(ref.to_numpy(drafter.params), c, *inputs, ref.zlab_rules(c))
+    zlab_options = AttentionOptions(causal=False, sliding_window=False)
+    assert attention_rules(c, zlab_options) == (LayerRule(False, None),) * 3
+    zlab, inputs = _forward(drafter, attention=zlab_options)
+    expected = ref.hidden_states(ref.to_numpy(drafter.params), c, *inputs, ref.zlab_rules(TINY_TF5))
     np.testing.assert_allclose(zlab, expected, rtol=0, atol=1e-4)
     default, _ = _forward(drafter)
     assert np.linalg.norm(default - zlab) / np.linalg.norm(zlab) > 0.05  # the choice matters on this layout
@@ -74,7 +76,8 @@ def test_vllm_v1_single_flag_is_causal_false():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the 8B config states no rope_theta
             c = parse_config(preset_dict(name))
-        assert [tuple(r)[:2] for r in attention_rules(c, causal=False)] == ref.vllm_v1_rules(c), name
+        assert [tuple(r) for r in attention_rules(c, AttentionOptions(causal=False))] == ref.vllm_v1_rules(
+            preset_dict(name)), name
 
 
 @pytest.mark.parametrize("anchor, window, B", [(20, 8, 8), (5000, 4096, 16), (3, 8, 8)])
@@ -106,6 +109,36 @@ def test_use_swa_reads_as_vllm():
     bare = {**mimo, "dflash_config": {**TINY_CONFIGS["tiny-dflash"]["dflash_config"], "use_swa": True}}
     with pytest.raises(ConfigError, match="use_swa"):
         parse_config(bare, source="mimo/config.json")
+
+
+def _sub(raw, **fields):
+    return {**raw, "dflash_config": {**raw["dflash_config"], **fields}}
+
+
+RULE_CONFIGS = {
+    **{name: preset_dict(name) for name in ("tiny-dflash", "tiny-dflash2", "tiny-dspark", "muse-glimmer-dflash2",
+                                            "zlab-qwen3.6-35b-a3b-dflash-tf5", "radixark-qwen3.8-27b-dspark")},
+    "tf5-no-window": {**TINY_TF5, "use_sliding_window": False},
+    "tf5-causal-stated": _sub(TINY_TF5, causal=False),
+    "mimo": _sub(TINY_CONFIGS["tiny-dflash"], use_swa=True, swa_window_size=6),
+    "mimo-causal": _sub(TINY_CONFIGS["tiny-dflash"], use_swa=True, swa_window_size=6, causal=True),
+    "tf5-swa-size": _sub(TINY_TF5, swa_window_size=5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RULE_CONFIGS))
+@pytest.mark.parametrize("attention", [AttentionOptions(), AttentionOptions(causal=True, sliding_window=False),
+                                       AttentionOptions(causal=False, draft_window=5, draft_sinks=2)], ids=str)
+def test_attention_rules_equal_the_rules_read_from_config_json(name, attention):
+    """`attention_rules` (over the package's resolved config) gives per layer what the NumPy reference reads from
+    config.json as written (layer types, windows, causality; tests/_numpy_reference.py `layer_rules`)."""
+    raw = RULE_CONFIGS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # configs without a rope_theta
+        rules = attention_rules(parse_config(raw), attention)
+    expected = ref.layer_rules(raw, attention.causal, attention.sliding_window, attention.draft_window,
+                               attention.draft_sinks)
+    assert [tuple(r) for r in rules] == expected
 
 
 def _rewrite_config(directory, change):
@@ -164,11 +197,8 @@ def test_implemented_extensions_load_silently(tmp_path):
     ],
 )
 def test_unimplemented_tensors_refused_by_name(tmp_path, preset, name, shape, says):
-    from ._io import load_file, save_file
-
     write_checkpoint(tmp_path, preset)
-    file = tmp_path / "model.safetensors"
-    save_file({**load_file(file), name: np.zeros(shape, np.float32)}, file)
+    file = rewrite_tensors(tmp_path, lambda t: t.update({name: np.zeros(shape, np.float32)}))
     with pytest.raises(CheckpointError) as err:
         load_drafter(tmp_path)
     for word in (str(file), repr(name), says):
@@ -206,7 +236,8 @@ def test_dflash2_transform_from_dflash_config_only():
     """DFlash2 takes the values in `dflash_config` (SpecForge, vLLM); top-level copies are warned, not applied."""
     dflash2 = TINY_CONFIGS["tiny-dflash2"]
     assert parse_config(dflash2).logit_transform == (0.5, 20.0)
-    sub = {k: v for k, v in dflash2["dflash_config"].items() if k not in ("final_logit_softcapping", "output_multiplier")}
+    dropped = ("final_logit_softcapping", "output_multiplier")
+    sub = {k: v for k, v in dflash2["dflash_config"].items() if k not in dropped}
     with pytest.warns(UserWarning, match="final_logit_softcapping=30.0 not applied"):
         top = parse_config({**dflash2, "dflash_config": sub, "final_logit_softcapping": 30.0})
     assert top.logit_transform == (None, None)

@@ -16,91 +16,9 @@ from dflash_jax.placement import auto_mesh
 from dflash_jax.target import Qwen3Target, Target
 
 from ._io import load_file, save_file
+from ._numpy_reference import numpy_decoder
 
 TOL = dict(rtol=0, atol=2e-4)  # float32 vs float64 on outputs of size ~5
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# An independent NumPy decoder (Qwen3 and Llama; float64, RoPE angles in float32 as transformers forms them), one
-# sequence at a time, no cache: every call recomputes the whole sequence, heads in an explicit loop.
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _rms(x, w, eps):
-    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def _inv_freq(c: dict, d: int) -> np.ndarray:
-    """RoPE frequencies from the raw config: default, or Llama 3's piecewise rule written frequency by frequency
-    (Meta's `apply_scaling` in llama/model.py of llama-models)."""
-    scaling = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = c.get("rope_theta", scaling.get("rope_theta"))
-    inv = np.float32(1) / np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
-    if scaling.get("rope_type") != "llama3":
-        return inv
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    out = []
-    for f in inv.astype(np.float64):
-        wavelength = 2 * np.pi / f
-        if wavelength < old / high:  # high frequencies: unchanged
-            out.append(f)
-        elif wavelength > old / low:  # low frequencies: slowed by the factor
-            out.append(f / factor)
-        else:  # in between: interpolated
-            smooth = (old / wavelength - low) / (high - low)
-            out.append((1 - smooth) * f / factor + smooth * f)
-    return np.asarray(out, np.float32)
-
-
-def _rope(x, positions, inv):
-    """x: [S, heads, d]; neox rotate-half with float32 angles."""
-    d = x.shape[-1]
-    angles = (positions.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)  # [S, d/2]
-    cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
-    rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
-
-
-def numpy_decoder(directory: str, tokens: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(logits [S, V], hidden_states) with transformers' `output_hidden_states` convention: entry 0 is the
-    embedding output, entry i the output of layer i - 1, and the last entry is after the final norm. Qwen3's
-    q/k norms where the checkpoint has them (Llama has none)."""
-    c = json.load(open(os.path.join(directory, "config.json")))
-    w = {k: v.astype(np.float64) for k, v in load_file(os.path.join(directory, "model.safetensors")).items()}
-    eps, n_h, n_kv = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"]
-    d = c.get("head_dim") or c["hidden_size"] // n_h
-    inv = _inv_freq(c, d)
-    S = len(tokens)
-    positions = np.arange(S)
-    x = w["model.embed_tokens.weight"][tokens]
-    states = [x]
-    for i in range(c["num_hidden_layers"]):
-        p = lambda name: w[f"model.layers.{i}.{name}.weight"]  # noqa: E731
-
-        def norm(name, y):
-            key = f"model.layers.{i}.self_attn.{name}.weight"
-            return _rms(y, w[key], eps) if key in w else y
-
-        xn = _rms(x, p("input_layernorm"), eps)
-        q = _rope(norm("q_norm", (xn @ p("self_attn.q_proj").T).reshape(S, n_h, d)), positions, inv)
-        k = _rope(norm("k_norm", (xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d)), positions, inv)
-        v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
-        heads = []
-        for h in range(n_h):
-            g = h // (n_h // n_kv)
-            scores = q[:, h] @ k[:, g].T / np.sqrt(d)
-            scores[np.triu_indices(S, 1)] = -np.inf
-            weights = np.exp(scores - scores.max(-1, keepdims=True))
-            heads.append((weights / weights.sum(-1, keepdims=True)) @ v[:, g])
-        x = x + np.concatenate(heads, axis=-1) @ p("self_attn.o_proj").T
-        hn = _rms(x, p("post_attention_layernorm"), eps)
-        gate = hn @ p("mlp.gate_proj").T
-        x = x + ((gate / (1 + np.exp(-gate))) * (hn @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
-        states.append(x)
-    states[-1] = _rms(x, w["model.norm.weight"], eps)
-    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
-    return states[-1] @ head.T, states
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +70,8 @@ def test_matches_numpy_reference_incrementally(tiny):
 
 
 def test_last_layer_feature_is_after_final_norm(tiny):
-    """Feature N-1 is hidden_states[N] (normed), not the raw output of the last layer (spec §7)."""
+    """Feature N-1 is hidden_states[N] (normed), not the raw output of the last layer (transformers'
+    `output_hidden_states` convention; `dflash_jax.target`'s module docstring)."""
     directory, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
     out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(5, 4))
@@ -169,7 +88,8 @@ def test_stale_cache_slots_never_read(tiny):
     _, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
     clean = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(1,))
-    dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)  # per layer [b, n_kv, T, d]
+    # per layer [b, n_kv, T, d]
+    dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)
     nxt = jnp.asarray([[11, 12]], jnp.int32)
     length = jnp.asarray([len(PROMPTS[0])], jnp.int32)
     a = target(nxt, clean.cache, length, layer_ids=(1,))

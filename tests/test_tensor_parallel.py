@@ -27,7 +27,8 @@ from dflash_jax.target import (CACHE_AXES, LlamaConfig, Qwen3Config, Qwen3Target
                                plan_decoder)
 from dflash_jax.testing import write_checkpoint
 
-from .test_target import numpy_decoder
+from . import _io
+from ._numpy_reference import numpy_decoder
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 # 8 prompts, so every data axis up to 8 splits the batch
@@ -50,12 +51,6 @@ def pair(tmp_path_factory):
     return root, greedy
 
 
-def _leaf(params, path):
-    for key in path:
-        params = params[key]
-    return params
-
-
 @pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_sharded_generation_equals_single_device(pair, shape):
     root, expected = pair
@@ -76,7 +71,7 @@ def test_sharded_generation_equals_single_device(pair, shape):
     plan = plan_decoder(target.config)
     assert len(jax.tree.leaves(target.params)) == len(plan)
     for t in plan:
-        leaf = _leaf(target.params, t.path)
+        leaf = _io.leaf(target.params, t.path)
         assert leaf.sharding == target.layout.sharding(t.axes), t.name
         if t.name in planned:
             assert leaf.sharding.spec == planned[t.name], t.name

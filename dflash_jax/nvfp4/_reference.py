@@ -48,7 +48,7 @@ def quantize(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise ValueError("quantize: the weight holds NaN or Inf")
     *lead, k = w.shape
     amax = np.abs(w).max(initial=np.float32(0))
-    if amax == 0:  # ModelOpt would divide 0 by 0 here (spec A11)
+    if amax == 0:  # ModelOpt would divide 0 by 0 here (0 / 0 block scales)
         return (np.zeros((*lead, k // 2), np.uint8), np.ones((*lead, k // BLOCK), ml_dtypes.float8_e4m3fn),
                 np.float32(1.0))
     scale_2 = np.float32(amax / np.float32(_FP4_MAX * _FP8_MAX))
