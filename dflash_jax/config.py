@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from .errors import ConfigError
-from .safetensors import refuse_duplicate_keys
+from ._json import refuse_duplicate_keys
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -237,35 +236,6 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
         return _resolve(config, source)
     except RecursionError:
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
-
-
-def load_config(
-    path: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-) -> DflashConfig:
-    """Read a drafter config from a config.json file, a checkpoint directory or a Hugging Face hub id (the
-    keywords as transformers spells them, for hub ids: `dflash_jax.hub.resolve`)."""
-    from .hub import resolve
-
-    path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):  # also refuses a FIFO or a device, whose read could block forever
-        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
-        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
-    if file.endswith(".safetensors"):
-        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory that holds it and config.json")
-    try:
-        if os.path.getsize(file) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a drafter config.json")
-        with open(file, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
-    return parse_config(raw, source=file)
 
 
 def not_a_drafter(raw: dict[str, Any]) -> str | None:

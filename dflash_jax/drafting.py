@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .loader import Drafter, draft_to_target_ids
 from ._arguments import check_propose_inputs
 from .attention import KeyValues, LayerRule, Span
+from .drafter import Drafter, draft_to_target_ids
 from .model import (
     Context,
     Memory,

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_sampling, check_token_ids
+from .drafter import Drafter
 from .drafting import ContextCache, Proposal, init_cache, propose
-from .loader import Drafter
 from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations

@@ -44,7 +44,7 @@ import numpy as np
 from ._arguments import check_block_inputs
 from .attention import KeyValues, LayerRule, Span, attend
 from .config import DflashConfig
-from .loader import Drafter
+from .drafter import Drafter
 
 Params = dict[str, Any]
 

@@ -31,7 +31,8 @@ from . import drafting
 from .config import DflashConfig
 from .drafting import ContextCache, Proposal
 from .linen import init_params
-from .loader import Drafter, load_drafter
+from .drafter import Drafter
+from .loader import load_drafter
 from .model import draft_logits
 
 

@@ -43,7 +43,7 @@ import functools
 import logging
 import math
 import os
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, Unpack, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -53,11 +53,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .config import (
     MAX_CONFIG_BYTES, Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw,
 )
-from .errors import CheckpointError, ConfigError
-from .loader import TensorPlan, build_tree, check_tensor
 from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
+from .errors import CheckpointError, ConfigError
+from .hub import HubOptions, resolve
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
+from .placement import auto_mesh, place_all
+from .plan import TensorPlan, build_tree, check_tensors, planned
 from .safetensors import Checkpoint, read_json
+from .spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 
 log = logging.getLogger("dflash_jax")
 
@@ -291,20 +294,8 @@ def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
 # The parameters, declared once: shapes and logical axes
 # --------------------------------------------------------------------------------------------------------------
 
-# Logical axes (jax-llm-examples' style): what a dimension IS; `Layout` maps them to mesh axes.
-VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
-
-
-class ParamSpec(NamedTuple):
-    """One tensor of a decoder checkpoint: HF name (`{i}`: the layer), shape and logical axis per dimension."""
-
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-
-
-def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
-    """`(global tensors, per-layer templates)` of a checkpoint of `c`.
+def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
+    """The tensors of a checkpoint of `c` (`spec.ParamSpec`; `{i}`: the layer), with their logical axes.
 
     Megatron-style axes: q/k/v and gate/up split by output (`HEADS` / `KV_HEADS` / `MLP` on dim 0), o and down by
     input (dim 1), embedding and LM head by the vocabulary; norms and the residual width (`EMBED`) replicated.
@@ -312,52 +303,45 @@ def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
-    top = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), (VOCAB, EMBED)),
-           ParamSpec("model.norm.weight", (H,), (EMBED,))]
+    gain = dict(kind=NORM, init=Gain())
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    specs = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)),
+             ParamSpec("model.norm.weight", (H,), axes=(EMBED,), **gain)]
     if not c.tie_word_embeddings:
-        top.append(ParamSpec("lm_head.weight", (c.vocab_size, H), (VOCAB, EMBED)))
-    layer = "model.layers.{i}."
-    attn, mlp = layer + "self_attn.", layer + "mlp."
-    per_layer = [
-        ParamSpec(layer + "input_layernorm.weight", (H,), (EMBED,)),
-        ParamSpec(layer + "post_attention_layernorm.weight", (H,), (EMBED,)),
-        ParamSpec(attn + "q_proj.weight", (q_dim, H), (HEADS, EMBED)),
-        ParamSpec(attn + "k_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
-        ParamSpec(attn + "v_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
-        ParamSpec(attn + "o_proj.weight", (H, q_dim), (EMBED, HEADS)),
+        specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)))
+    # Targets load unquantized checkpoints: their matrices are `spec.FLOAT`, never `LINEAR` (NVFP4-packed).
+    specs += [
+        ParamSpec("model.layers.{i}.input_layernorm.weight", (H,), axes=(EMBED,), **gain),
+        ParamSpec("model.layers.{i}.post_attention_layernorm.weight", (H,), axes=(EMBED,), **gain),
+        ParamSpec(attn + "q_proj.weight", (q_dim, H), axes=(HEADS, EMBED)),
+        ParamSpec(attn + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "o_proj.weight", (H, q_dim), axes=(EMBED, HEADS)),
     ]
     if c.QK_NORM:
-        per_layer += [ParamSpec(attn + "q_norm.weight", (d_h,), (None,)),
-                      ParamSpec(attn + "k_norm.weight", (d_h,), (None,))]
-    per_layer += [
-        ParamSpec(mlp + "gate_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "up_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "down_proj.weight", (H, I), (EMBED, MLP)),
+        specs += [ParamSpec(attn + "q_norm.weight", (d_h,), axes=(None,), **gain),
+                  ParamSpec(attn + "k_norm.weight", (d_h,), axes=(None,), **gain)]
+    specs += [
+        ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP)),
     ]
+    bias = dict(init=Bias())
     if c.attention_bias:
-        per_layer += [ParamSpec(attn + "q_proj.bias", (q_dim,), (HEADS,)),
-                      ParamSpec(attn + "k_proj.bias", (kv_dim,), (KV_HEADS,)),
-                      ParamSpec(attn + "v_proj.bias", (kv_dim,), (KV_HEADS,)),
-                      ParamSpec(attn + "o_proj.bias", (H,), (EMBED,))]
+        specs += [ParamSpec(attn + "q_proj.bias", (q_dim,), axes=(HEADS,), **bias),
+                  ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
+                  ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
+                  ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), **bias)]
     if c.mlp_bias:
-        per_layer += [ParamSpec(mlp + "gate_proj.bias", (I,), (MLP,)), ParamSpec(mlp + "up_proj.bias", (I,), (MLP,)),
-                      ParamSpec(mlp + "down_proj.bias", (H,), (EMBED,))]
-    return top, per_layer
+        specs += [ParamSpec(mlp + "gate_proj.bias", (I,), axes=(MLP,), **bias),
+                  ParamSpec(mlp + "up_proj.bias", (I,), axes=(MLP,), **bias),
+                  ParamSpec(mlp + "down_proj.bias", (H,), axes=(EMBED,), **bias)]
+    return specs
 
 
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
-    top, per_layer = parameter_spec(config)
-
-    def planned(spec: ParamSpec, name: str) -> TensorPlan:
-        parts = name.removeprefix("model.").split(".")
-        path = tuple(int(x) if x.isdigit() else x for x in parts)
-        return TensorPlan(path, name, spec.shape, "float", spec.axes)
-
-    plan = [planned(s, s.name) for s in top]
-    for i in range(config.num_hidden_layers):
-        plan += [planned(s, s.name.format(i=i)) for s in per_layer]
-    return plan
+    return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -403,8 +387,6 @@ class Layout:
 
 def make_layout(config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
     """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
-    from .placement import auto_mesh
-
     mesh = auto_mesh(mesh)
     axis = tensor_axis if tensor_axis in mesh.axis_names else None
     tp = mesh.shape[axis] if axis else 1
@@ -459,14 +441,12 @@ class DecoderTarget:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
-        revision: str | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
         tensor_axis: str = "model",
+        **hub: Unpack[HubOptions],
     ) -> DecoderTarget:
         """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards; or a
-        hub id (`revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them: `dflash_jax.hub`).
+        hub id (`hub`: `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them,
+        `dflash_jax.hub`).
 
         Floating tensors are cast to `dtype`. Without `mesh` they land on the first local device; with it, each
         leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis` when the mesh has it, replicated
@@ -474,16 +454,12 @@ class DecoderTarget:
         presence, dtype and shape is checked against the config before any data is read (`CheckpointError`);
         a tensor axis that does not divide the heads, the vocabulary or the intermediate size is a `ConfigError`.
         """
-        from .hub import resolve
-        from .placement import place_all
-
-        path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+        path = resolve(path, **hub)
         config = load_decoder_config(path, cls.CONFIG)
         layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
             plan = plan_decoder(config)
-            for t in plan:
-                check_tensor(t, checkpoint, path)
+            check_tensors(plan, checkpoint, path)
             shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
                                shardings=shardings)
@@ -580,18 +556,13 @@ def load_target(
     dtype: jnp.dtype = jnp.bfloat16,
     tensor_axis: str = "model",
     progress: bool | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
+    **hub: Unpack[HubOptions],
 ) -> DecoderTarget:
     """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM)
     from a directory or a hub id, sharded over `mesh`, as `DecoderTarget.from_pretrained` says; another
     architecture is a `ConfigError`."""
-    return DecoderTarget.from_pretrained(
-        path, mesh=mesh, dtype=dtype, progress=progress, revision=revision, cache_dir=cache_dir,
-        local_files_only=local_files_only, token=token, tensor_axis=tensor_axis,
-    )
+    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis,
+                                         **hub)
 
 
 # --------------------------------------------------------------------------------------------------------------
