@@ -17,9 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-import msgspec
-
-from .config import DflashConfig
+from .config import DflashConfig, replace
 from .errors import CheckpointError
 from .nvfp4.checkpoint import check_packed, check_quant_config, nvfp4_companions
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
@@ -180,7 +178,7 @@ def read_head_flags(config: DflashConfig, checkpoint: Checkpoint, prefix: str) -
             f"{info.file}: tensor {name!r} has shape {list(info.shape)}; the config does not state "
             f"`confidence_head_with_markov`, so expected {expected}"
         )
-    return msgspec.structs.replace(config, confidence_head_with_markov=widths[width])
+    return replace(config, confidence_head_with_markov=widths[width])
 
 
 def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:

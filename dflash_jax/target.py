@@ -142,10 +142,10 @@ class Target(Protocol):
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
 
-    Frozen and hashable: a static `jax.jit` argument. Also satisfies what `model.rope_frequencies` reads
-    (`head_dim`, `rope_theta`, `rope_type`, `rope_scaling`, `max_position_embeddings`). The architectures differ
-    only in the class constants: `MODEL_TYPE`, `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`.
-    `head_dim` is None only before `parse_decoder_config` resolves it (`hidden_size // num_attention_heads`).
+    Frozen and hashable: a static `jax.jit` argument. A `config.RopeConfig`, as the drafter's config is (what
+    `model.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
+    `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`. `head_dim` and `num_key_value_heads` are read through
+    properties that resolve what the file leaves unstated, as transformers does (`stated_*`: as stated).
     """
 
     MODEL_TYPE: ClassVar[str] = ""
@@ -157,8 +157,8 @@ class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     intermediate_size: Dim = 22016
     num_hidden_layers: LayerCount = 32
     num_attention_heads: Dim = 32
-    num_key_value_heads: Dim | None = 32
-    head_dim: Dim | None = 128
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=32, name="num_key_value_heads")
+    stated_head_dim: Dim | None = msgspec.field(default=128, name="head_dim")
     hidden_act: str = "silu"
     max_position_embeddings: Dim = 32768
     rms_norm_eps: PositiveFloat = 1e-6
@@ -171,6 +171,16 @@ class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str | None = None
     architectures: tuple[str, ...] = ()
+
+    @property
+    def head_dim(self) -> int:
+        """As stated, else `hidden_size // num_attention_heads`."""
+        return self.stated_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """As stated, else `num_attention_heads` (multi-head attention)."""
+        return self.stated_num_key_value_heads or self.num_attention_heads
 
     @property
     def rope_type(self) -> str:
@@ -199,9 +209,9 @@ class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
     QK_NORM: ClassVar[bool] = False
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
 
-    head_dim: Dim | None = None
+    stated_head_dim: Dim | None = msgspec.field(default=None, name="head_dim")
     intermediate_size: Dim = 11008
-    num_key_value_heads: Dim | None = None  # transformers: num_attention_heads when unstated
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=None, name="num_key_value_heads")
     max_position_embeddings: Dim = 2048
     vocab_size: Dim = 32000
 
@@ -215,12 +225,6 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[DecoderConfig], *, sour
         config = msgspec.convert(normalise_raw(raw, source), kind)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
-    resolved = {}
-    if config.head_dim is None:
-        resolved["head_dim"] = config.hidden_size // config.num_attention_heads
-    if config.num_key_value_heads is None:
-        resolved["num_key_value_heads"] = config.num_attention_heads
-    config = msgspec.structs.replace(config, **resolved) if resolved else config
     problems = []
     if config.model_type not in (None, kind.MODEL_TYPE):
         problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")

@@ -8,13 +8,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from ._io import load_file, save_file
 
 from dflash_jax import CheckpointError, Drafter, draft_to_target_ids, load_drafter
+from dflash_jax.config import replace
 from dflash_jax.testing import write_checkpoint
 
 from .conftest import GOLDEN
@@ -45,8 +45,8 @@ def test_every_family_and_layout_loads_bit_exactly(tmp_path, preset, prefix, sha
     config = write_checkpoint(tmp_path, preset, prefix=prefix, num_shards=shards, seed=3)
     drafter = load_drafter(tmp_path)
     stated = config.confidence_head_with_markov  # tiny-dspark states none: read off the projection, [1, H + r]
-    assert drafter.config == msgspec.structs.replace(config, confidence_head_with_markov=stated or
-                                                     (True if config.family == "dspark" else None))
+    assert drafter.config == replace(config, confidence_head_with_markov=stated or
+                                     (True if config.family == "dspark" else None))
     tensors = written(tmp_path)
     assert len(jax.tree.leaves(drafter.params)) == len(tensors)
     for name, value in tensors.items():
