@@ -32,7 +32,6 @@ from dflash_jax.config import DflashConfig, parse_config
 from dflash_jax.drafting import ContextCache, init_cache, propose
 from dflash_jax.drafter import Drafter
 from dflash_jax.model import draft_logits
-from dflash_jax.plan import TensorPlan, build_tree
 from dflash_jax.testing import full_plan, preset_dict, random_drafter
 
 CONTEXT, NEW_ROWS = 2048, 7

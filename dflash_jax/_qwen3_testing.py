@@ -92,7 +92,7 @@ def write_qwen3_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
-    arrays = {t.name: t.init.numpy(rng, t.shape).astype(out_dtype) for t in plan_decoder(parsed)}
+    arrays = {t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan_decoder(parsed)}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, arrays, num_shards)
     return parsed
@@ -105,7 +105,7 @@ def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0,
         config = _parse(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config, "random_qwen3")
     plan = plan_decoder(config)
     keys = jax.random.split(jax.random.key(seed), len(plan))
-    leaves = [t.init.jax(key, t.shape, dtype) for key, t in zip(keys, plan)]
+    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
     params = build_tree(plan, leaves)
     params["layers"] = tuple(params["layers"])
     return (Qwen3Target if isinstance(config, Qwen3Config) else DecoderTarget)(params=params, config=config)

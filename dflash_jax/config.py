@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -52,6 +52,7 @@ ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Q
 DEFAULT_ROPE_THETA = 1e7  # the original design's default; transformers' Qwen3Config would use 1e4, vLLM 1e6
 
 
+@runtime_checkable
 class RopeConfig(Protocol):
     """What `model.rope_frequencies` / `model.rope_tables` read: `DflashConfig` and the targets'
     `target.DecoderConfig` both provide it."""
@@ -185,7 +186,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @property
     def markov_rank(self) -> int:
-        """The DSpark Markov head's rank (0: none): the top level's (hoisted from the blocks), else `dspark_config`'s."""
+        """The DSpark Markov head's rank (0: none): the top level's (hoisted from a block), else `dspark_config`'s."""
         spark = self.dspark_config.markov_rank if self.dspark_config is not None else None
         return self.stated_markov_rank or spark or 0
 

@@ -41,7 +41,7 @@ def load_config(path: str | os.PathLike[str], **hub: Unpack[HubOptions]) -> Dfla
         what = "a directory without config.json" if os.path.isdir(path) else "no such file"
         raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
     if file.endswith(".safetensors"):
-        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory that holds it and config.json")
+        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory holding it and config.json")
     try:
         if os.path.getsize(file) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a drafter config.json")

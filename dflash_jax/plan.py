@@ -21,7 +21,7 @@ from .config import DflashConfig, replace
 from .errors import CheckpointError
 from .nvfp4.checkpoint import check_packed, check_quant_config, nvfp4_companions
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
-from .spec import CONFIDENCE, D2T, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
+from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
 
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
@@ -70,17 +70,21 @@ def plan_tensors(
     """Decide which tensors make up this drafter (`spec.drafter_spec`). `contains(name)` says whether the
     checkpoint has a tensor: an optional part is loaded when the config declares it and the checkpoint carries
     its first tensor, under its name or an alias, as the reference loaders do."""
+    specs = expand(drafter_spec(config), config.num_hidden_layers)
     plan: list[TensorPlan] = []
-    present: dict[str, bool] = {}  # optional part -> carried
-    for spec in expand(drafter_spec(config), config.num_hidden_layers):
-        names = [prefix + spec.name] + [a.format(p=prefix) for a in spec.aliases]
+    carried: dict[str, bool] = {}  # optional part -> whether the checkpoint has its first tensor
+    for spec in specs:
+        names = [prefix + spec.name, *(alias.format(p=prefix) for alias in spec.aliases)]
         name = next((n for n in names if contains(n)), names[0])
-        if spec.optional is not None and present.setdefault(spec.optional, contains(name)) is False:
-            continue
+        if spec.optional is not None:
+            if spec.optional not in carried:
+                carried[spec.optional] = contains(name)
+            if not carried[spec.optional]:
+                continue
         plan.append(planned(spec, name))
     for part, says in DRAFTS_WITHOUT.items():
-        if present.get(part) is False:
-            first = next(s.name for s in drafter_spec(config) if s.optional == part)
+        if carried.get(part) is False:
+            first = next(s.name for s in specs if s.optional == part)
             warnings.warn(f"{where}: the checkpoint has no {prefix}{first}, but the {says(config)}", stacklevel=2)
     return plan
 

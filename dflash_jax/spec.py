@@ -33,22 +33,23 @@ INT = "int"  # an integer map (d2t), loaded as int32
 
 
 class Initializer(Protocol):
-    """A distribution of random weights in the range trained ones have, drawn with NumPy (test checkpoints,
-    written from the host) or with JAX (random drafters and targets at real sizes, drawn on the device)."""
+    """A distribution of random weights in the range trained ones have: `host` draws float32 (int64 for d2t)
+    with NumPy, for test checkpoints; `device` draws with JAX on the default device, for random drafters and
+    targets at real sizes."""
 
-    def numpy(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray: ...
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray: ...
 
-    def jax(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array: ...
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class FanIn:
     """N(0, 1 / fan_in), fan_in the last axis (`[out, in]`): projections, codebooks, embeddings."""
 
-    def numpy(self, rng, shape):
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
 
-    def jax(self, key, shape, dtype):
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
         return jax.random.normal(key, shape, dtype) * (shape[-1] ** -0.5)
 
 
@@ -56,10 +57,10 @@ class FanIn:
 class Gain:
     """1 + N(0, 0.1^2): RMSNorm gains near 1."""
 
-    def numpy(self, rng, shape):
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
 
-    def jax(self, key, shape, dtype):
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
         return 1.0 + 0.1 * jax.random.normal(key, shape, dtype)
 
 
@@ -67,10 +68,10 @@ class Gain:
 class Bias:
     """N(0, 0.02^2): biases near 0."""
 
-    def numpy(self, rng, shape):
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         return (0.02 * rng.standard_normal(shape)).astype(np.float32)
 
-    def jax(self, key, shape, dtype):
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
         return 0.02 * jax.random.normal(key, shape, dtype)
 
 
@@ -78,12 +79,12 @@ class Bias:
 class ConvIdentity:
     """A DFlash2 base kernel `[2, taps, H]`: the identity first tap plus N(0, 0.1^2), as initialised."""
 
-    def numpy(self, rng, shape):
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         kernel = 0.1 * rng.standard_normal(shape)
         kernel[:, 0] += 1.0
         return kernel.astype(np.float32)
 
-    def jax(self, key, shape, dtype):
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
         return (0.1 * jax.random.normal(key, shape, dtype)).at[:, 0].add(1)
 
 
@@ -93,11 +94,11 @@ class DraftToTarget:
 
     vocab_size: int
 
-    def numpy(self, rng, shape):
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         target = np.sort(rng.choice(self.vocab_size, size=shape[0], replace=False))
         return (target - np.arange(shape[0])).astype(np.int64)
 
-    def jax(self, key, shape, dtype):
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
         target = jnp.sort(jax.random.choice(key, self.vocab_size, shape, replace=False))
         return (target - jnp.arange(shape[0])).astype(jnp.int32)
 

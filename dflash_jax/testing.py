@@ -102,7 +102,7 @@ def random_drafter(config: DflashConfig | dict[str, Any] | str, *, seed: int = 0
     config, _ = resolve_config(config)
     plan = full_plan(config)
     keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
-    leaves = [t.init.jax(key, t.shape, dtype) for key, t in zip(keys, plan)]
+    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
     shape = (config.vocab_size, config.hidden_size)
     return Drafter(params=build_tree(plan, leaves), config=config).attach(
         embed=jax.random.normal(keys[-2], shape, dtype),
@@ -133,7 +133,7 @@ def write_checkpoint(
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
-        value = t.init.numpy(rng, t.shape)  # float32, or int64 for d2t
+        value = t.init.host(rng, t.shape)  # float32, or int64 for d2t
         if nvfp4 and t.kind == LINEAR:
             tensors.update(nvfp4_tensors(t.name, value))
         else:

@@ -233,3 +233,16 @@ def test_derived_target_layer_ids_stay_within_the_target():
         assert all(0 <= i < n for i in ids), (n, ids)
     with pytest.raises(ConfigError, match="num_target_layers"):
         parse_config({**raw, "num_target_layers": 2**31})
+
+
+def test_rope_config_is_what_both_config_kinds_provide():
+    """`model.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
+    from dflash_jax.config import RopeConfig
+    from dflash_jax.testing import QWEN3_TINY_CONFIGS
+    from dflash_jax.target import LlamaConfig, Qwen3Config, parse_decoder_config
+
+    targets = [parse_decoder_config(QWEN3_TINY_CONFIGS[name], kind)
+               for name, kind in (("tiny-qwen3", Qwen3Config), ("tiny-llama", LlamaConfig))]
+    for config in [parse_config(base()), *targets]:
+        assert isinstance(config, RopeConfig)
+    assert targets[1].head_dim == 64 // 8 and targets[1].stated_head_dim is None  # resolved, stated apart
