@@ -252,14 +252,14 @@ def open_checked(
 ) -> Iterator[CheckedPlan]:
     """Open the drafter checkpoint directory `path` (of `config`), plan it and check every planned tensor's header.
 
-    Refuses an extension this package does not implement, detects the layout prefix, reads the head flags the
+    Detects the layout prefix, refuses an extension this package does not implement, reads the head flags the
     config leaves unstated, plans (`plan_tensors`), checks each tensor (`check_tensors`; with `problems`, the
     per-tensor failures are collected there instead) and the export's NVFP4 declarations. Nothing is read but
     headers and small JSON files. The checkpoint stays open for the `with` block.
     """
     with Checkpoint(path) as checkpoint:
-        refuse_unimplemented(checkpoint, path)
         prefix = find_prefix(checkpoint, path)
+        refuse_unimplemented(checkpoint, path)
         config = read_head_flags(config, checkpoint, prefix)
         plan = plan_tensors(config, checkpoint.__contains__, prefix, path)
         packed = check_tensors(plan, checkpoint, path, problems)
