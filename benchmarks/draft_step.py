@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import DflashConfig, parse_config
+from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import ContextCache, init_cache, propose
-from dflash_jax.loader import Drafter
 from dflash_jax.model import draft_logits
 from dflash_jax.testing import full_plan, preset_dict, random_drafter
 

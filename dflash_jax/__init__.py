@@ -6,19 +6,21 @@
     proposal, cache = dflash_jax.propose(drafter, cache, target_hidden, num_new, anchor_ids)
     result = dflash_jax.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
 
-Modules: `config` (config.json decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
-Pallas kernel), `loader` / `placement` (checkpoint -> replicated pytree), `model` (the drafter forward),
-`drafting` (one cached drafting step), `target` (Qwen3 and Llama targets, tensor-parallel on a mesh:
-`load_target`), `generate` (the draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub
-ids), `nnx` / `linen` (Flax modules), `cli`.
+Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
+Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
+and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
+the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (Qwen3 and
+Llama targets, tensor-parallel on a mesh: `load_target`), `generate` (the draft/verify loop), `testing` (random
+checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
-from .config import DflashConfig, load_config, parse_config
+from .config import DflashConfig, parse_config
+from .drafter import Drafter, draft_to_target_ids
 from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
 from .generate import GenerationResult, greedy_generate, speculative_generate
 from .linen import DrafterModule
-from .loader import Drafter, draft_to_target_ids, load_drafter
+from .loader import load_config, load_drafter
 from .model import AttentionOptions, draft_hidden, draft_logits
 from .target import DecoderTarget, Qwen3Target, Target, load_target
 

@@ -15,23 +15,29 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .loader import Drafter, build_tree
-from .target import ARCHITECTURES, DecoderConfig, DecoderTarget, Qwen3Config, Qwen3Target, parse_decoder_config, \
-    plan_decoder
+from .drafter import Drafter
+from .plan import build_tree
 from .safetensors import write_tensors
-from ._random_weights import random_tensor
+from .target import (
+    ARCHITECTURES,
+    DecoderConfig,
+    DecoderTarget,
+    Qwen3Config,
+    Qwen3Target,
+    parse_decoder_config,
+    plan_decoder,
+)
 
 _TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
@@ -81,8 +87,9 @@ def write_qwen3_checkpoint(
     """Write a random Qwen3 or Llama checkpoint of `config` (a preset name or a raw config dict; the architecture
     its `architectures` names) to `directory`.
 
-    Weights are drawn as the drafter test checkpoints' are (`_random_weights.random_tensor`: norms near 1, linears
-    scaled by fan-in). `num_shards > 1` writes shards plus an index; `dtype` is "bfloat16" or "float32".
+    Each weight is drawn by its spec's initialiser (`target.parameter_spec`: norms near 1, linears scaled by
+    fan-in), as the drafter test checkpoints' are. `num_shards > 1` writes shards plus an index; `dtype` is
+    "bfloat16" or "float32".
     Returns the config.
     """
     raw = copy.deepcopy(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config)
@@ -92,22 +99,20 @@ def write_qwen3_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
-    arrays = {t.name: random_tensor(t, parsed, rng).astype(out_dtype) for t in plan_decoder(parsed)}
+    arrays = {t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan_decoder(parsed)}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, arrays, num_shards)
     return parsed
 
 
 def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Qwen3Target:
-    """A target with random weights drawn on the default device (norm gains 1, linears N(0, 1/fan_in))."""
+    """A target with random weights drawn on the default device, each by its spec's initialiser as
+    `write_qwen3_checkpoint` draws it (norm gains ~1, linears N(0, 1/fan_in))."""
     if not isinstance(config, DecoderConfig):
         config = _parse(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config, "random_qwen3")
     plan = plan_decoder(config)
-    leaves = [
-        jnp.ones(t.shape, dtype) if len(t.shape) == 1
-        else jax.random.normal(jax.random.key(seed * 1000 + i), t.shape, dtype) * (t.shape[-1] ** -0.5)
-        for i, t in enumerate(plan)
-    ]
+    keys = jax.random.split(jax.random.key(seed), len(plan))
+    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
     params = build_tree(plan, leaves)
     params["layers"] = tuple(params["layers"])
     return (Qwen3Target if isinstance(config, Qwen3Config) else DecoderTarget)(params=params, config=config)

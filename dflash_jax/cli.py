@@ -202,22 +202,15 @@ def local(path: str, args: argparse.Namespace, revision: str | None = None) -> s
 def inspect(args: argparse.Namespace) -> int:
     import msgspec
 
-    from .config import load_config
-    from .errors import CheckpointError
-    from .loader import check_tensor, find_prefix, plan_tensors, unexpected_tensors
-    from .safetensors import Checkpoint
+    from .loader import load_config
+    from .plan import open_checked, unexpected_tensors
 
     path = local(args.path, args)
-    config = load_config(path)
-    with Checkpoint(path) as ckpt:
-        plan = plan_tensors(config, ckpt.__contains__, find_prefix(ckpt, path), path)
-        packed, missing, malformed = [], [], []
-        for t in plan:
-            try:
-                if check_tensor(t, ckpt, path):
-                    packed.append(t.name)
-            except CheckpointError as e:
-                (missing if t.name not in ckpt else malformed).append((t.name, str(e)))
+    failures = []  # (tensor name, CheckpointError): every planned tensor that does not pass
+    with open_checked(path, load_config(path), problems=failures) as (ckpt, config, plan, checked_packed):
+        packed = [t.name for t in plan if t.name in checked_packed]  # in plan order
+        missing = [(name, str(e)) for name, e in failures if name not in ckpt]
+        malformed = [(name, str(e)) for name, e in failures if name in ckpt]
         tensors = [{"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
                     "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
         files = [os.path.basename(f) for f in ckpt.files]

@@ -3,22 +3,24 @@
 Field names are the Hugging Face names, verbatim. Released checkpoints disagree on where things live
 (`rope_parameters` vs `rope_scaling`, `block_size` nested or top-level, DSpark fields top-level or in a
 `dspark_config` block), so the raw dict is normalised first (`normalise_raw`), then converted with msgspec
-(types and bounds checked there), then the values that have several sources are resolved once
-(`_resolve`) and written back into the struct, so every reader sees one answer.
+(types and bounds checked there), then checked for consistency (`check`). The struct keeps what the file
+states; a value with several sources (the mask token, the target layers, ...) is read through a property
+that resolves it, so every reader sees one answer and the stated values stay as stated. `replace` derives a
+changed config and checks it again. `RopeConfig` is what the RoPE tables read, of a drafter's config or a
+target's.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
+from ._json import refuse_duplicate_keys
 from .errors import ConfigError
-from .safetensors import refuse_duplicate_keys
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -50,12 +52,32 @@ ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Q
 DEFAULT_ROPE_THETA = 1e7  # the original design's default; transformers' Qwen3Config would use 1e4, vLLM 1e6
 
 
+@runtime_checkable
+class RopeConfig(Protocol):
+    """What `model.rope_frequencies` / `model.rope_tables` read: `DflashConfig` and the targets'
+    `target.DecoderConfig` both provide it."""
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @property
+    def rope_type(self) -> str: ...
+
+    @property
+    def rope_scaling(self) -> RopeScaling | None: ...
+
+    @property
+    def max_position_embeddings(self) -> int | None: ...
+
+
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """HF `rope_scaling` / `rope_parameters` block (only the fields RoPE variants read)."""
 
     rope_type: str | None = None
     type: str | None = None  # pre-4.45 transformers name of rope_type
-    rope_theta: RopeTheta | None = None
     factor: PositiveFloat | None = None
     beta_fast: PositiveFloat | None = None  # YaRN takes log(original / (beta * 2 pi)): <= 0 has none
     beta_slow: PositiveFloat | None = None
@@ -83,7 +105,7 @@ class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     input_embedding_scale: float | None = None
     final_logit_softcapping: PositiveFloat | None = None  # DFlash2's unary transform (`logit_transform`)
     output_multiplier: float | None = None
-    use_swa: bool = False  # MiMo-style: every layer sliding (vLLM `_resolve_layer_attention`), see `_apply_swa`
+    use_swa: bool = False  # MiMo-style: every layer sliding (vLLM `_resolve_layer_attention`), see `attention_layout`
     swa_window_size: Positive | None = None  # the window of sliding layers, over the top-level `sliding_window`
 
 
@@ -93,20 +115,25 @@ class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     mask_token_id: NonNegative | None = None
     target_layer_ids: tuple[LayerId, ...] | None = None
     markov_rank: NonNegative | None = None
-    block_size: Dim | None = None
 
 
 class QuantizationConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """`quantization_config` of a ModelOpt export (or the `quantization` block of hf_quant_config.json)."""
 
-    quant_method: str | None = None
     quant_algo: str | None = None
     group_size: Positive | None = None  # hoisted from config_groups.*.weights.group_size
     ignore: IgnorePatterns = ()  # also filled from `exclude_modules`
 
 
 class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """A DFlash-family drafter config. Frozen and hashable: usable as a static `jax.jit` argument."""
+    """A DFlash-family drafter config. Frozen and hashable: usable as a static `jax.jit` argument.
+
+    The fields are the file's, as stated (after `normalise_raw` has folded the layouts). A value with several
+    sources is stated under a `stated_` field (its HF name in the file) and read through the property of its
+    HF name, which resolves it: `mask_token_id`, `target_layer_ids`, `markov_rank`, and the attention layout
+    (`layer_types`, `is_causal`, `sliding_window`, `use_sliding_window`). Derive a changed config with
+    `replace`, which checks it again.
+    """
 
     hidden_size: Dim
     num_hidden_layers: LayerCount
@@ -116,31 +143,101 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     head_dim: Dim
     vocab_size: Dim
     draft_vocab_size: Dim | None = None
-    tie_word_embeddings: bool = False
     block_size: Dim = 16
     dflash_config: DflashSubConfig | None = None
-    rope_theta: RopeTheta = DEFAULT_ROPE_THETA  # resolved: rope_parameters.rope_theta; a default is warned
+    rope_theta: RopeTheta = DEFAULT_ROPE_THETA  # also read from rope_parameters.rope_theta; a default is warned
     rope_scaling: RopeScaling | None = None  # also read from `rope_parameters`
-    markov_rank: NonNegative = 0
     markov_head_type: str | None = None
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool | None = None  # None: not stated; the loader reads it off the head's width
     rms_norm_eps: PositiveFloat = 1e-6
     attention_bias: bool = False
     num_target_layers: Dim | None = None  # bounded as stated ids are, so derived ids are too
-    layer_types: tuple[str, ...] | None = None
-    sliding_window: Positive | None = None
-    use_sliding_window: bool = False
-    is_causal: bool | None = None
     max_position_embeddings: Positive | None = None
     final_logit_softcapping: PositiveFloat | None = None  # top level, as written: never applied (`logit_transform`)
     output_multiplier: float | None = None  # likewise
-    mask_token_id: NonNegative | None = None  # resolved: dflash_config, top level, dspark_config
-    target_layer_ids: tuple[LayerId, ...] | None = None  # resolved, or the reference default
     dspark_config: DsparkSubConfig | None = None
     architectures: tuple[str, ...] = ()
-    model_type: str | None = None
     quantization_config: QuantizationConfig | None = None
+    # The top-level statements of values with several sources (resolved by the properties of their HF names).
+    stated_mask_token_id: NonNegative | None = msgspec.field(default=None, name="mask_token_id")
+    stated_target_layer_ids: tuple[LayerId, ...] | None = msgspec.field(default=None, name="target_layer_ids")
+    stated_markov_rank: NonNegative = msgspec.field(default=0, name="markov_rank")
+    stated_layer_types: tuple[str, ...] | None = msgspec.field(default=None, name="layer_types")
+    stated_is_causal: bool | None = msgspec.field(default=None, name="is_causal")
+    stated_sliding_window: Positive | None = msgspec.field(default=None, name="sliding_window")
+    stated_use_sliding_window: bool = msgspec.field(default=False, name="use_sliding_window")
+
+    # --- values with several sources, resolved: one answer for every reader ---------------------------------
+
+    @property
+    def mask_token_id(self) -> int | None:
+        """`dflash_config.mask_token_id`, else the top level's, else `dspark_config`'s (None only before `check`)."""
+        return self._first_stated("mask_token_id")
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...] | None:
+        """The target layers read, stated as `mask_token_id` is, else the reference default for
+        `num_target_layers` (`default_target_layer_ids`); None only before `check`."""
+        stated = self._first_stated("target_layer_ids")
+        if stated is None and self.num_target_layers is not None:
+            return default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        return stated
+
+    @property
+    def markov_rank(self) -> int:
+        """The DSpark Markov head's rank (0: none): the top level's (hoisted from a block), else `dspark_config`'s."""
+        spark = self.dspark_config.markov_rank if self.dspark_config is not None else None
+        return self.stated_markov_rank or spark or 0
+
+    @property
+    def layer_types(self) -> tuple[str, ...] | None:
+        """Per layer `full_attention` / `sliding_attention` (`attention_layout`)."""
+        return self.attention_layout()[0]
+
+    @property
+    def is_causal(self) -> bool | None:
+        return self.attention_layout()[1]
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.attention_layout()[2]
+
+    @property
+    def use_sliding_window(self) -> bool:
+        return self.attention_layout()[3]
+
+    def attention_layout(self) -> tuple[tuple[str, ...] | None, bool | None, int | None, bool]:
+        """`(layer_types, is_causal, sliding_window, use_sliding_window)` as stated, or with MiMo-style
+        `dflash_config.use_swa` / `swa_window_size` read as vLLM's `_resolve_layer_attention` reads them.
+
+        `use_swa` on a config without sliding layers makes every layer sliding; `swa_window_size` (else the
+        top-level `sliding_window`) is the window of the sliding layers. vLLM takes causality from the layer types
+        as declared, so layers that only `use_swa` makes sliding stay non-causal unless the config states
+        `is_causal` / `causal`. The window is None when no source states one (`check` refuses that).
+        """
+        stated = (self.stated_layer_types, self.stated_is_causal, self.stated_sliding_window,
+                  self.stated_use_sliding_window)
+        sub = self.dflash_config
+        if sub is None or not (sub.use_swa or sub.swa_window_size):
+            return stated
+        layer_types, is_causal = self.stated_layer_types, self.stated_is_causal
+        made_sliding = sub.use_swa and "sliding_attention" not in (layer_types or ())
+        if made_sliding:
+            layer_types = ("sliding_attention",) * self.num_hidden_layers
+            if is_causal is None and sub.causal is None:
+                is_causal = False
+        if not made_sliding and "sliding_attention" not in (layer_types or ()):
+            return stated
+        return layer_types, is_causal, sub.swa_window_size or self.stated_sliding_window, True
+
+    def _first_stated(self, field: str):
+        """The first stated of `dflash_config.<field>`, the top level's `stated_<field>`, `dspark_config.<field>`."""
+        sources = (getattr(self.dflash_config, field, None), getattr(self, "stated_" + field),
+                   getattr(self.dspark_config, field, None))
+        return next((value for value in sources if value is not None), None)
+
+    # --- derived values ----------------------------------------------------------------------------------------
 
     @property
     def effective_block_size(self) -> int:
@@ -234,38 +331,11 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
             raise ConfigError(f"{source}: {e}") from None
         except UnicodeError:  # msgspec cannot encode a lone surrogate ("\ud800") in a key or a string
             raise ConfigError(f"{source}: a key or string is not valid Unicode (lone surrogate escape)") from None
-        return _resolve(config, source)
+        check(config, source)
+        _warn_unused(config, source)
+        return config
     except RecursionError:
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
-
-
-def load_config(
-    path: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
-) -> DflashConfig:
-    """Read a drafter config from a config.json file, a checkpoint directory or a Hugging Face hub id (the
-    keywords as transformers spells them, for hub ids: `dflash_jax.hub.resolve`)."""
-    from .hub import resolve
-
-    path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):  # also refuses a FIFO or a device, whose read could block forever
-        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
-        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
-    if file.endswith(".safetensors"):
-        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory that holds it and config.json")
-    try:
-        if os.path.getsize(file) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a drafter config.json")
-        with open(file, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
-    return parse_config(raw, source=file)
 
 
 def not_a_drafter(raw: dict[str, Any]) -> str | None:
@@ -379,7 +449,7 @@ def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
     """Fold ModelOpt's two layouts (config.json `quantization_config`, hf_quant_config `quantization`)."""
-    out = {k: block[k] for k in ("quant_method", "quant_algo", "group_size") if k in block}
+    out = {k: block[k] for k in ("quant_algo", "group_size") if k in block}
     ignore = block.get("ignore", block.get("exclude_modules"))
     if ignore is not None:
         out["ignore"] = ignore
@@ -394,31 +464,15 @@ def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _resolve(config: DflashConfig, source: str) -> DflashConfig:
-    """Resolve the values that have several sources, then check the config is self-consistent."""
-    sub, spark = config.dflash_config, config.dspark_config
-
-    def first(field: str):
-        for block in (sub, config, spark):
-            value = getattr(block, field, None) if block is not None else None
-            if value is not None:
-                return value
-        return None
-
-    mask = first("mask_token_id")
-    layer_ids = first("target_layer_ids")
-    if layer_ids == ():
-        raise ConfigError(f"{source}: target_layer_ids is empty; expected the ids of the target layers the drafter reads")
-    derived = layer_ids is None and config.num_target_layers is not None
-    if derived:
-        layer_ids = default_target_layer_ids(config.num_target_layers, config.num_hidden_layers)
-    if config.markov_rank == 0 and spark is not None and spark.markov_rank:
-        config = msgspec.structs.replace(config, markov_rank=spark.markov_rank)
-    config = msgspec.structs.replace(config, mask_token_id=mask, target_layer_ids=layer_ids)
+def check(config: DflashConfig, source: str) -> None:
+    """Refuse a config that is not self-consistent: `ConfigError` naming `source` and the field."""
 
     def fail(message: str):
         raise ConfigError(f"{source}: {message}")
 
+    mask, layer_ids, sub = config.mask_token_id, config.target_layer_ids, config.dflash_config
+    if layer_ids == ():
+        fail("target_layer_ids is empty; expected the ids of the target layers the drafter reads")
     for field, value in _non_finite(config):
         fail(f"{field}={value} is not finite; expected a finite number")
     if mask is None:
@@ -433,12 +487,12 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
             f"draft_vocab_size={config.draft_vocab_size} exceeds vocab_size={config.vocab_size}; "
             "expected a draft vocabulary that is a subset of the target's"
         )
-    if not layer_ids:
+    if layer_ids is None:
         fail(
             "no `target_layer_ids` (in dflash_config, top level or dspark_config) and no "
             "`num_target_layers` to derive the default from"
         )
-    if derived and min(layer_ids) < 0:
+    if config._first_stated("target_layer_ids") is None and min(layer_ids) < 0:
         fail(
             f"num_target_layers={config.num_target_layers} is too few for the default target_layer_ids of "
             f"{config.num_hidden_layers} draft layers ({list(layer_ids)}); expected `target_layer_ids` stated"
@@ -458,10 +512,13 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
             "heads are not implemented; only 'vanilla' (the low-rank bigram bias) is"
         )
     if config.layer_types is not None and len(config.layer_types) != config.num_hidden_layers:
-        fail(f"layer_types has {len(config.layer_types)} entries, expected num_hidden_layers={config.num_hidden_layers}")
+        fail(f"layer_types has {len(config.layer_types)} entries, expected "
+             f"num_hidden_layers={config.num_hidden_layers}")
     for i, kind in enumerate(config.layer_types or ()):
         if kind not in LAYER_TYPES:  # another kind (linear, chunked) would silently run as full attention
             fail(f"layer_types[{i}] = {kind!r}; expected one of {', '.join(LAYER_TYPES)}")
+    if config.use_sliding_window and config.sliding_window is None and sub is not None and sub.use_swa:
+        fail("dflash_config.use_swa without a window: expected `dflash_config.swa_window_size` or `sliding_window`")
     if sub is not None and sub.conv_group_size and config.hidden_size % sub.conv_group_size:
         fail(f"dflash_config.conv_group_size={sub.conv_group_size} does not divide hidden_size={config.hidden_size}")
     if sub is not None and bool(sub.conv_kernel_size) != bool(sub.conv_group_size):
@@ -472,14 +529,20 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
         fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
     if sub is not None and sub.selector_top_k > (config.draft_vocab_size or config.vocab_size):
         fail(f"dflash_config.selector_top_k={sub.selector_top_k} exceeds the draft vocabulary")
-    declared = declared_rope_type(config.rope_scaling)
-    if declared not in ("default", "yarn"):
-        warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     factor = config.rope_scaling.factor if config.rope_scaling else None
     if config.rope_type == "yarn" and not 1 <= (factor or 0) <= MAX_ROPE_FACTOR:
         fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
+
+
+def _warn_unused(config: DflashConfig, source: str) -> None:
+    """Warn about what a config states and this package does not apply: another RoPE type, a logit transform
+    outside DFlash2."""
+    declared = declared_rope_type(config.rope_scaling)
+    if declared not in ("default", "yarn"):
+        warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     transform = ("final_logit_softcapping", "output_multiplier")  # DFlash2's, from dflash_config (`logit_transform`)
     unused = [f"{field}={getattr(config, field)}" for field in transform if getattr(config, field) is not None]
+    sub = config.dflash_config
     if sub is not None and config.family != "dflash2":
         unused += [f"dflash_config.{field}={getattr(sub, field)}" for field in transform
                    if getattr(sub, field) is not None]
@@ -490,43 +553,28 @@ def _resolve(config: DflashConfig, source: str) -> DflashConfig:
             f"{config.family} drafter's logits are the plain LM-head output",
             stacklevel=3,
         )
-    return _apply_swa(config, source)
 
 
-def _apply_swa(config: DflashConfig, source: str) -> DflashConfig:
-    """MiMo-style `dflash_config.use_swa` / `swa_window_size`, read as vLLM's `_resolve_layer_attention` reads them.
-
-    `use_swa` on a config without sliding layers makes every layer sliding; `swa_window_size` (else the top-level
-    `sliding_window`) is the window of the sliding layers. vLLM takes causality from the layer types as declared,
-    so layers that only `use_swa` makes sliding stay non-causal unless the config states `is_causal` / `causal`.
-    """
-    sub = config.dflash_config
-    if sub is None or not (sub.use_swa or sub.swa_window_size):
-        return config
-    declared = config.layer_types or ()
-    changes: dict[str, Any] = {}
-    if sub.use_swa and "sliding_attention" not in declared:
-        changes["layer_types"] = ("sliding_attention",) * config.num_hidden_layers
-        if config.is_causal is None and sub.causal is None:
-            changes["is_causal"] = False
-    if changes or "sliding_attention" in declared:
-        window = sub.swa_window_size or config.sliding_window
-        if window is None:
-            raise ConfigError(
-                f"{source}: dflash_config.use_swa without a window: expected `dflash_config.swa_window_size` or "
-                "`sliding_window`"
-            )
-        changes.update(sliding_window=window, use_sliding_window=True)
-    return msgspec.structs.replace(config, **changes)
+def replace(config: DflashConfig, **changes: Any) -> DflashConfig:
+    """`config` with `changes` (by Python field name, e.g. `confidence_head_with_markov=True`), decoded and checked
+    again as a config file is: a value of the wrong type, out of its bounds or inconsistent with the rest raises
+    `ConfigError` naming the field (`msgspec.structs.replace` would check nothing)."""
+    source = f"replace({', '.join(changes)})"
+    try:
+        changed = msgspec.convert(msgspec.to_builtins(msgspec.structs.replace(config, **changes)), DflashConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    check(changed, source)
+    return changed
 
 
 def _non_finite(struct: msgspec.Struct, prefix: str = ""):
     """(field path, value) of every NaN / Inf float in a decoded config, nested blocks included.
 
     JSON has no NaN or Infinity, but Python's json accepts those literals and reads 1e999 as inf."""
-    for field in struct.__struct_fields__:
-        value = getattr(struct, field)
+    for field in msgspec.structs.fields(struct):
+        value, name = getattr(struct, field.name), field.encode_name  # the name in the file
         if isinstance(value, msgspec.Struct):
-            yield from _non_finite(value, f"{prefix}{field}.")
+            yield from _non_finite(value, f"{prefix}{name}.")
         elif isinstance(value, float) and not math.isfinite(value):
-            yield f"{prefix}{field}", value
+            yield f"{prefix}{name}", value

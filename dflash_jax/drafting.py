@@ -27,7 +27,7 @@ import numpy as np
 
 from ._arguments import check_propose_inputs
 from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span
-from .loader import Drafter, draft_to_target_ids
+from .drafter import Drafter, draft_to_target_ids
 from .model import (
     AttentionOptions,
     Context,

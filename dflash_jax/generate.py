@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_sampling, check_token_ids
+from .drafter import Drafter
 from .drafting import ContextCache, Proposal, init_cache, propose
-from .loader import Drafter
 from .model import AttentionOptions
 from .target import PREFILL_CHUNK, Target
 

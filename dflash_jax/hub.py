@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+from typing import TypedDict
 
 from .errors import ConfigError
 from .safetensors import INDEX_FILE, SINGLE_FILE, read_json
@@ -31,6 +32,16 @@ from .safetensors import INDEX_FILE, SINGLE_FILE, read_json
 METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
 # `owner/name`, as the hub spells repo ids (names of 1-96 characters of letters, digits, `-`, `_`, `.`).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
+class HubOptions(TypedDict, total=False):
+    """The hub keywords every loader takes (`**hub: Unpack[HubOptions]`), as transformers' `from_pretrained`
+    spells them; they apply only to repo ids (`resolve`)."""
+
+    revision: str | None  # a branch, tag or commit
+    cache_dir: str | os.PathLike[str] | None  # else HF_HUB_CACHE / HF_HOME
+    local_files_only: bool  # the cache only, never the network
+    token: str | bool | None  # for gated or private repos; else HF_TOKEN
 
 
 def is_repo_id(text: str) -> bool:

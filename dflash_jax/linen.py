@@ -7,7 +7,7 @@ init the whole model, then put a loaded checkpoint in the drafter's place (`para
 drafter.params`); `apply` with loaded params computes `draft_logits`. `init_params(config, key)` is the same
 tree without a module (the NNX module draws its random initialisation from it too).
 
-Which optional parts the tree holds follows the checkpoints released for the config (`testing.full_plan`):
+Which optional parts the tree holds follows the checkpoints released for the config (`plan.full_plan`):
 the heads the config declares (DFlash2 convs and selector, DSpark Markov and confidence heads), `d2t` when the
 draft vocabulary is reduced, and `embed_tokens` / `lm_head` only with `own_embeddings=True` (DeepSpec DSpark
 drafters ship them; the others use the target's, passed to the call as `embed` / `lm_head`).
@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from .config import DflashConfig
-from .loader import Drafter, TensorPlan, build_tree
+from .drafter import Drafter
 from .model import AttentionOptions, draft_logits
+from .plan import TensorPlan, build_tree, full_plan
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "own_embeddings"))
@@ -40,8 +41,6 @@ def init_params(
 
 def declared_plan(config: DflashConfig, *, own_embeddings: bool = False) -> list[TensorPlan]:
     """The tensors of a released checkpoint of `config`, in the loader's plan order."""
-    from .testing import full_plan  # the plan test checkpoints are written from: one definition of it
-
     return full_plan(config, own_embeddings=own_embeddings)
 
 

@@ -46,8 +46,8 @@ import numpy as np
 
 from ._arguments import check_block_inputs
 from .attention import KeyValues, LayerRule, Span, attend
-from .config import DflashConfig
-from .loader import Drafter
+from .config import DflashConfig, RopeConfig
+from .drafter import Drafter
 
 Params = dict[str, Any]
 
@@ -95,7 +95,7 @@ def lm_logits(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=64)
-def rope_frequencies(config: DflashConfig) -> tuple[np.ndarray, float]:
+def rope_frequencies(config: RopeConfig) -> tuple[np.ndarray, float]:
     """`(inv_freq [d_h/2] float32, attention_scaling)` as transformers computes them.
 
     Default: `inv_freq = 1 / theta ** (arange(0, d, 2) / d)` in float32, scaling 1. YaRN follows transformers 5's
@@ -168,7 +168,7 @@ class Rope:
     sin: jax.Array
 
 
-def rope_tables(config: DflashConfig, positions: jax.Array) -> Rope:
+def rope_tables(config: RopeConfig, positions: jax.Array) -> Rope:
     """cos/sin at integer `positions` `[batch, rows]`; angles `position * inv_freq` formed in float32."""
     inv_freq, scaling = rope_frequencies(config)
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, rows, d/2]

@@ -29,9 +29,10 @@ from flax import nnx
 
 from . import drafting
 from .config import DflashConfig
+from .drafter import Drafter
 from .drafting import ContextCache, Proposal
 from .linen import init_params
-from .loader import Drafter, load_drafter
+from .loader import load_drafter
 from .model import AttentionOptions, draft_logits
 
 

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._executables import compiled
 from .errors import CheckpointError
-from .loader import TensorPlan, nvfp4_companions
+from .nvfp4.checkpoint import nvfp4_companions
+from .plan import TensorPlan
 from .safetensors import Checkpoint
 
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024

@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
+from ._json import refuse_duplicate_keys
 from .errors import CheckpointError
 
 DTYPES: dict[str, np.dtype] = {
@@ -44,6 +45,11 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")  # every floating dtype: what can hold a NaN
+# The dtypes a float weight (norm, bias, unquantized matrix) may be stored in; float8 appears only as the
+# block scales of an NVFP4-packed weight (`nvfp4.checkpoint.check_packed`).
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+INT_DTYPES = ("I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself enforces
@@ -150,16 +156,6 @@ def _metadata(path: str, metadata: object) -> dict[str, str]:
         if isinstance(value, (dict, list)):
             raise CheckpointError(f"{path}: __metadata__[{key!r}] is a JSON {type(value).__name__}, expected a string")
     return {key: str(value) for key, value in metadata.items()}
-
-
-def refuse_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    """`object_pairs_hook` for `json.loads`: a key given twice is an error, not silently the last value."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _tensor_info(path: str, name: str, entry: object, base: int, data_size: int) -> TensorInfo:

@@ -43,7 +43,7 @@ import functools
 import logging
 import math
 import os
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, Unpack, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +62,12 @@ from .config import (
     normalise_raw,
 )
 from .errors import CheckpointError, ConfigError
-from .loader import TensorPlan, build_tree, check_tensor
+from .hub import HubOptions, resolve
 from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
+from .placement import auto_mesh, place_all
+from .plan import TensorPlan, build_tree, check_tensors, planned
 from .safetensors import Checkpoint, read_json
+from .spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 
 log = logging.getLogger("dflash_jax")
 
@@ -150,10 +153,10 @@ class Target(Protocol):
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
 
-    Frozen and hashable: a static `jax.jit` argument. Also satisfies what `model.rope_frequencies` reads
-    (`head_dim`, `rope_theta`, `rope_type`, `rope_scaling`, `max_position_embeddings`). The architectures differ
-    only in the class constants: `MODEL_TYPE`, `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`.
-    `head_dim` is None only before `parse_decoder_config` resolves it (`hidden_size // num_attention_heads`).
+    Frozen and hashable: a static `jax.jit` argument. A `config.RopeConfig`, as the drafter's config is (what
+    `model.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
+    `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`. `head_dim` and `num_key_value_heads` are read through
+    properties that resolve what the file leaves unstated, as transformers does (`stated_*`: as stated).
     """
 
     MODEL_TYPE: ClassVar[str] = ""
@@ -165,8 +168,8 @@ class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     intermediate_size: Dim = 22016
     num_hidden_layers: LayerCount = 32
     num_attention_heads: Dim = 32
-    num_key_value_heads: Dim | None = 32
-    head_dim: Dim | None = 128
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=32, name="num_key_value_heads")
+    stated_head_dim: Dim | None = msgspec.field(default=128, name="head_dim")
     hidden_act: str = "silu"
     max_position_embeddings: Dim = 32768
     rms_norm_eps: PositiveFloat = 1e-6
@@ -179,6 +182,16 @@ class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str | None = None
     architectures: tuple[str, ...] = ()
+
+    @property
+    def head_dim(self) -> int:
+        """As stated, else `hidden_size // num_attention_heads`."""
+        return self.stated_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """As stated, else `num_attention_heads` (multi-head attention)."""
+        return self.stated_num_key_value_heads or self.num_attention_heads
 
     @property
     def rope_type(self) -> str:
@@ -207,9 +220,9 @@ class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
     QK_NORM: ClassVar[bool] = False
     ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
 
-    head_dim: Dim | None = None
+    stated_head_dim: Dim | None = msgspec.field(default=None, name="head_dim")
     intermediate_size: Dim = 11008
-    num_key_value_heads: Dim | None = None  # transformers: num_attention_heads when unstated
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=None, name="num_key_value_heads")
     max_position_embeddings: Dim = 2048
     vocab_size: Dim = 32000
 
@@ -223,12 +236,6 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[DecoderConfig], *, sour
         config = msgspec.convert(normalise_raw(raw, source), kind)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
-    resolved = {}
-    if config.head_dim is None:
-        resolved["head_dim"] = config.hidden_size // config.num_attention_heads
-    if config.num_key_value_heads is None:
-        resolved["num_key_value_heads"] = config.num_attention_heads
-    config = msgspec.structs.replace(config, **resolved) if resolved else config
     problems = []
     if config.model_type not in (None, kind.MODEL_TYPE):
         problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
@@ -302,20 +309,8 @@ def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
 # The parameters, declared once: shapes and logical axes
 # --------------------------------------------------------------------------------------------------------------
 
-# Logical axes (jax-llm-examples' style): what a dimension IS; `Layout` maps them to mesh axes.
-VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
-
-
-class ParamSpec(NamedTuple):  # a static record, not a pytree of arrays (see `attention.LayerRule`)
-    """One tensor of a decoder checkpoint: HF name (`{i}`: the layer), shape and logical axis per dimension."""
-
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-
-
-def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
-    """`(global tensors, per-layer templates)` of a checkpoint of `c`.
+def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
+    """The tensors of a checkpoint of `c` (`spec.ParamSpec`; `{i}`: the layer), with their logical axes.
 
     Megatron-style axes: q/k/v and gate/up split by output (`HEADS` / `KV_HEADS` / `MLP` on dim 0), o and down by
     input (dim 1), embedding and LM head by the vocabulary; norms and the residual width (`EMBED`) replicated.
@@ -323,52 +318,45 @@ def parameter_spec(c: DecoderConfig) -> tuple[list[ParamSpec], list[ParamSpec]]:
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
-    top = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), (VOCAB, EMBED)),
-           ParamSpec("model.norm.weight", (H,), (EMBED,))]
+    gain = dict(kind=NORM, init=Gain())
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    specs = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)),
+             ParamSpec("model.norm.weight", (H,), axes=(EMBED,), **gain)]
     if not c.tie_word_embeddings:
-        top.append(ParamSpec("lm_head.weight", (c.vocab_size, H), (VOCAB, EMBED)))
-    layer = "model.layers.{i}."
-    attn, mlp = layer + "self_attn.", layer + "mlp."
-    per_layer = [
-        ParamSpec(layer + "input_layernorm.weight", (H,), (EMBED,)),
-        ParamSpec(layer + "post_attention_layernorm.weight", (H,), (EMBED,)),
-        ParamSpec(attn + "q_proj.weight", (q_dim, H), (HEADS, EMBED)),
-        ParamSpec(attn + "k_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
-        ParamSpec(attn + "v_proj.weight", (kv_dim, H), (KV_HEADS, EMBED)),
-        ParamSpec(attn + "o_proj.weight", (H, q_dim), (EMBED, HEADS)),
+        specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)))
+    # Targets load unquantized checkpoints: their matrices are `spec.FLOAT`, never `LINEAR` (NVFP4-packed).
+    specs += [
+        ParamSpec("model.layers.{i}.input_layernorm.weight", (H,), axes=(EMBED,), **gain),
+        ParamSpec("model.layers.{i}.post_attention_layernorm.weight", (H,), axes=(EMBED,), **gain),
+        ParamSpec(attn + "q_proj.weight", (q_dim, H), axes=(HEADS, EMBED)),
+        ParamSpec(attn + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "o_proj.weight", (H, q_dim), axes=(EMBED, HEADS)),
     ]
     if c.QK_NORM:
-        per_layer += [ParamSpec(attn + "q_norm.weight", (d_h,), (None,)),
-                      ParamSpec(attn + "k_norm.weight", (d_h,), (None,))]
-    per_layer += [
-        ParamSpec(mlp + "gate_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "up_proj.weight", (I, H), (MLP, EMBED)),
-        ParamSpec(mlp + "down_proj.weight", (H, I), (EMBED, MLP)),
+        specs += [ParamSpec(attn + "q_norm.weight", (d_h,), axes=(None,), **gain),
+                  ParamSpec(attn + "k_norm.weight", (d_h,), axes=(None,), **gain)]
+    specs += [
+        ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP)),
     ]
+    bias = dict(init=Bias())
     if c.attention_bias:
-        per_layer += [ParamSpec(attn + "q_proj.bias", (q_dim,), (HEADS,)),
-                      ParamSpec(attn + "k_proj.bias", (kv_dim,), (KV_HEADS,)),
-                      ParamSpec(attn + "v_proj.bias", (kv_dim,), (KV_HEADS,)),
-                      ParamSpec(attn + "o_proj.bias", (H,), (EMBED,))]
+        specs += [ParamSpec(attn + "q_proj.bias", (q_dim,), axes=(HEADS,), **bias),
+                  ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
+                  ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
+                  ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), **bias)]
     if c.mlp_bias:
-        per_layer += [ParamSpec(mlp + "gate_proj.bias", (I,), (MLP,)), ParamSpec(mlp + "up_proj.bias", (I,), (MLP,)),
-                      ParamSpec(mlp + "down_proj.bias", (H,), (EMBED,))]
-    return top, per_layer
+        specs += [ParamSpec(mlp + "gate_proj.bias", (I,), axes=(MLP,), **bias),
+                  ParamSpec(mlp + "up_proj.bias", (I,), axes=(MLP,), **bias),
+                  ParamSpec(mlp + "down_proj.bias", (H,), axes=(EMBED,), **bias)]
+    return specs
 
 
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
-    top, per_layer = parameter_spec(config)
-
-    def planned(spec: ParamSpec, name: str) -> TensorPlan:
-        parts = name.removeprefix("model.").split(".")
-        path = tuple(int(x) if x.isdigit() else x for x in parts)
-        return TensorPlan(path, name, spec.shape, "float", spec.axes)
-
-    plan = [planned(s, s.name) for s in top]
-    for i in range(config.num_hidden_layers):
-        plan += [planned(s, s.name.format(i=i)) for s in per_layer]
-    return plan
+    return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -414,8 +402,6 @@ class Layout:
 
 def make_layout(config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
     """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
-    from .placement import auto_mesh
-
     mesh = auto_mesh(mesh)
     axis = tensor_axis if tensor_axis in mesh.axis_names else None
     tp = mesh.shape[axis] if axis else 1
@@ -470,14 +456,12 @@ class DecoderTarget:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
-        revision: str | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
         tensor_axis: str = "model",
+        **hub: Unpack[HubOptions],
     ) -> DecoderTarget:
         """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards; or a
-        hub id (`revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them: `dflash_jax.hub`).
+        hub id (`hub`: `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them,
+        `dflash_jax.hub`).
 
         Floating tensors are cast to `dtype`. Without `mesh` they land on the first local device; with it, each
         leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis` when the mesh has it, replicated
@@ -485,16 +469,12 @@ class DecoderTarget:
         presence, dtype and shape is checked against the config before any data is read (`CheckpointError`);
         a tensor axis that does not divide the heads, the vocabulary or the intermediate size is a `ConfigError`.
         """
-        from .hub import resolve
-        from .placement import place_all
-
-        path = resolve(path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+        path = resolve(path, **hub)
         config = load_decoder_config(path, cls.CONFIG)
         layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
             plan = plan_decoder(config)
-            for t in plan:
-                check_tensor(t, checkpoint, path)
+            check_tensors(plan, checkpoint, path)
             shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
                                shardings=shardings)
@@ -592,18 +572,13 @@ def load_target(
     dtype: jnp.dtype = jnp.bfloat16,
     tensor_axis: str = "model",
     progress: bool | None = None,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    token: str | bool | None = None,
+    **hub: Unpack[HubOptions],
 ) -> DecoderTarget:
     """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM)
     from a directory or a hub id, sharded over `mesh`, as `DecoderTarget.from_pretrained` says; another
     architecture is a `ConfigError`."""
-    return DecoderTarget.from_pretrained(
-        path, mesh=mesh, dtype=dtype, progress=progress, revision=revision, cache_dir=cache_dir,
-        local_files_only=local_files_only, token=token, tensor_axis=tensor_axis,
-    )
+    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis,
+                                         **hub)
 
 
 # --------------------------------------------------------------------------------------------------------------

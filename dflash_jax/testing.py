@@ -24,14 +24,19 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .config import DflashConfig, parse_config
-from .loader import Drafter, TensorPlan, build_tree, plan_tensors
-from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
 from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-exported)
-    QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target, write_qwen3_checkpoint,
+    QWEN3_TINY_CONFIGS,
+    random_qwen3,
+    successor_drafter,
+    successor_target,
+    write_qwen3_checkpoint,
 )
-from ._random_weights import random_tensor
+from .config import DflashConfig, parse_config
+from .drafter import Drafter
+from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
+from .plan import build_tree, full_plan
 from .safetensors import write_tensors
+from .spec import INT, LINEAR
 
 _BASE_TINY = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -94,33 +99,14 @@ def resolve_config(config: DflashConfig | dict[str, Any] | str) -> tuple[DflashC
     return config, {k: v for k, v in raw.items() if v is not None}
 
 
-def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = False) -> list[TensorPlan]:
-    """Every tensor a checkpoint of this config carries: the heads the config declares, `d2t` when the
-    draft vocabulary is reduced, and `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style)."""
-
-    def contains(name: str) -> bool:
-        name = name.removeprefix(prefix)
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            return own_embeddings
-        if name == "d2t":
-            return config.draft_vocab_size is not None and config.draft_vocab_size != config.vocab_size
-        return name != "draft_id_to_target_id"
-
-    return plan_tensors(config, contains, prefix)
-
-
 def random_drafter(config: DflashConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Drafter:
     """A drafter with random weights drawn on the default device (no checkpoint; for benchmarks at real
-    sizes): linears N(0, 1/fan_in), norm gains ~1, plus random target embedding and LM head attached."""
+    sizes), each tensor as its spec's initialiser draws it (`spec.drafter_spec`: linears N(0, 1/fan_in), norm
+    gains ~1, ...), plus a random target embedding (N(0, 1)) and LM head (N(0, 1/H)) attached."""
     config, _ = resolve_config(config)
     plan = full_plan(config)
     keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
-    leaves = []
-    for key, t in zip(keys, plan):
-        if len(t.shape) == 1:
-            leaves.append(1.0 + 0.1 * jax.random.normal(key, t.shape, dtype))
-        else:
-            leaves.append(jax.random.normal(key, t.shape, dtype) * (t.shape[-1] ** -0.5))
+    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
     shape = (config.vocab_size, config.hidden_size)
     return Drafter(params=build_tree(plan, leaves), config=config).attach(
         embed=jax.random.normal(keys[-2], shape, dtype),
@@ -151,11 +137,11 @@ def write_checkpoint(
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
     for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
-        value = random_tensor(t, config, rng)
-        if nvfp4 and t.kind == "linear":
+        value = t.init.host(rng, t.shape)  # float32, or int64 for d2t
+        if nvfp4 and t.kind == LINEAR:
             tensors.update(nvfp4_tensors(t.name, value))
         else:
-            tensors[t.name] = value if t.kind == "int" else value.astype(ml_dtypes.bfloat16)
+            tensors[t.name] = value if t.kind == INT else value.astype(ml_dtypes.bfloat16)
     if nvfp4:
         declare_nvfp4(directory, raw, excluded=[])
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

@@ -15,7 +15,7 @@ weights or a `d2t` that maps draft ids outside the target vocabulary. The policy
   must be a target id: `0 <= target < vocab_size`. A config that declares a draft vocabulary smaller than
   the target's needs a `d2t`: without one, draft ids would silently be taken for target ids.
 
-These run only after every planned tensor's header has been checked (`loader.check_tensor`), so a missing
+These run only after every planned tensor's header has been checked (`plan.check_tensors`), so a missing
 or misshapen tensor is reported before a byte of tensor data is read.
 """
 
@@ -24,30 +24,28 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .config import DflashConfig
 from .errors import CheckpointError
-from .safetensors import Checkpoint, TensorInfo
-
-if TYPE_CHECKING:
-    from .config import DflashConfig
-    from .loader import TensorPlan
+from .nvfp4.checkpoint import check_packed_scales
+from .plan import TensorPlan
+from .safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
+from .spec import INT
 
 SCAN_ELEMENTS = 1 << 16  # tensors up to this many elements are scanned for NaN/Inf on every load
 D2T_CHUNK = 1 << 20  # d2t entries compared at a time: bounded memory whatever the vocabulary
-FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")
 
 
 def check_values(
-    config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: set[str], dtype=None
+    config: DflashConfig, plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: frozenset[str], dtype=None
 ) -> None:
     """The loader's value checks: NaN/Inf in small floating tensors, NVFP4 scales (within `dtype`, the load
     dtype, when given), the range of `d2t`, and a `d2t` wherever the config declares a reduced draft vocabulary."""
     plan = list(plan)
     reduced = config.draft_vocab_size is not None and config.draft_vocab_size < config.vocab_size
-    if reduced and not any(t.kind == "int" for t in plan):
+    if reduced and not any(t.kind == INT for t in plan):
         raise CheckpointError(
             f"{checkpoint.path}: config declares draft_vocab_size={config.draft_vocab_size} < "
             f"vocab_size={config.vocab_size} but the checkpoint has no `d2t` (or `draft_id_to_target_id`); "
@@ -55,12 +53,10 @@ def check_values(
         )
     for t in plan:
         if t.name in packed:
-            from .nvfp4.checkpoint import check_packed_scales  # here: the BF16 path needs no NVFP4 code
-
             check_packed_scales(checkpoint, t.name, dtype)
             continue
         info = checkpoint[t.name]
-        if t.kind == "int":
+        if t.kind == INT:
             check_d2t(checkpoint, info, config.vocab_size)
         elif info.dtype in FLOAT_DTYPES and math.prod(info.shape) <= SCAN_ELEMENTS:
             check_finite(checkpoint, info)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.loader import Drafter, load_drafter
+from dflash_jax.drafter import Drafter
+from dflash_jax.loader import load_drafter
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "golden")

@@ -5,11 +5,10 @@ import pathlib
 import warnings
 from unittest.mock import ANY
 
-import msgspec
 import pytest
 
 from dflash_jax import ConfigError, DflashConfig, load_config, parse_config
-from dflash_jax.config import default_target_layer_ids
+from dflash_jax.config import default_target_layer_ids, replace
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 
@@ -74,7 +73,7 @@ def test_rust_schema_defaults():
     (message,) = [str(w.message) for w in record]
     assert "drafter/config.json" in message and "10000000" in message and "1e4" in message and "1e6" in message
     assert config.confidence_head_with_markov is None and config.markov_rank == 0
-    assert config.tie_word_embeddings is False and config.draft_vocab_size is None
+    assert config.draft_vocab_size is None
     assert config.rms_norm_eps == 1e-6 and config.markov_head_type is None and not config.enable_confidence_head
 
 
@@ -183,11 +182,20 @@ def test_not_a_drafter(tmp_path):
         parse_config({**qwen, "architectures": ["LlamaForCausalLMEagle3"]})
 
 
-def test_frozen():
+def test_frozen_and_replace_checks_again():
+    """A config cannot be changed in place; `replace` derives one and checks it as a file is checked (types,
+    bounds, consistency), with the typed error naming the field; the stated values stay apart from resolved ones."""
     config = parse_config(base())
     with pytest.raises(AttributeError):
         config.hidden_size = 1
-    assert msgspec.structs.replace(config, hidden_size=8).hidden_size == 8
+    assert replace(config, hidden_size=8).hidden_size == 8
+    with pytest.raises(ConfigError, match=r"replace\(hidden_size\).*hidden_size"):
+        replace(config, hidden_size=0)  # below its bound
+    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
+        replace(config, num_key_value_heads=3)  # consistent types, inconsistent heads
+    with pytest.raises(ConfigError, match="outside the target vocabulary"):
+        replace(config, vocab_size=config.mask_token_id)
+    assert config.stated_mask_token_id is None and config.mask_token_id == config.dflash_config.mask_token_id
 
 
 # --- issue 13 §5 ----------------------------------------------------------------------------------------
@@ -225,3 +233,16 @@ def test_derived_target_layer_ids_stay_within_the_target():
         assert all(0 <= i < n for i in ids), (n, ids)
     with pytest.raises(ConfigError, match="num_target_layers"):
         parse_config({**raw, "num_target_layers": 2**31})
+
+
+def test_rope_config_is_what_both_config_kinds_provide():
+    """`model.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
+    from dflash_jax.config import RopeConfig
+    from dflash_jax.target import LlamaConfig, Qwen3Config, parse_decoder_config
+    from dflash_jax.testing import QWEN3_TINY_CONFIGS
+
+    targets = [parse_decoder_config(QWEN3_TINY_CONFIGS[name], kind)
+               for name, kind in (("tiny-qwen3", Qwen3Config), ("tiny-llama", LlamaConfig))]
+    for config in [parse_config(base()), *targets]:
+        assert isinstance(config, RopeConfig)
+    assert targets[1].head_dim == 64 // 8 and targets[1].stated_head_dim is None  # resolved, stated apart

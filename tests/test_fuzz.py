@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -245,7 +246,7 @@ def released_configs() -> list[dict]:
 
 
 BASES = released_configs()
-FIELDS = sorted(set(DflashConfig.__struct_fields__) | {"rope_parameters", "dflash_config", "dspark_config"})
+FIELDS = sorted({f.encode_name for f in msgspec.structs.fields(DflashConfig)} | {"rope_parameters"})  # file names
 SUB_FIELDS = {"dflash_config": DflashSubConfig.__struct_fields__, "dspark_config": DsparkSubConfig.__struct_fields__,
               "rope_scaling": RopeScaling.__struct_fields__, "rope_parameters": RopeScaling.__struct_fields__,
               "quantization_config": ("quant_method", "quant_algo", "group_size", "ignore", "exclude_modules",

@@ -649,12 +649,11 @@ def test_a_checkpoint_larger_than_the_free_device_memory_is_refused_before_place
 
 
 def test_check_fits_counts_the_leaves_at_the_load_dtype(tmp_path: Path):
-    from dflash_jax.config import load_config
-    from dflash_jax.loader import find_prefix, plan_tensors
+    from dflash_jax.loader import load_config
+    from dflash_jax.plan import open_checked
 
     write_checkpoint(tmp_path, "tiny-dflash")
-    with dflash_jax.safetensors.Checkpoint(tmp_path) as checkpoint:
-        plan = plan_tensors(load_config(tmp_path), checkpoint.__contains__, find_prefix(checkpoint, ""))
+    with open_checked(str(tmp_path), load_config(tmp_path)) as (checkpoint, _, plan, _):
         sources = [[t.name] for t in plan]
         elements = sum(math.prod(t.shape) for t in plan)
         largest = max(checkpoint[t.name].nbytes for t in plan)

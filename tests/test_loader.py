@@ -8,15 +8,15 @@ import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import msgspec
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from ._io import leaf, load_file, rewrite_tensors, save_file
 
 from dflash_jax import CheckpointError, Drafter, draft_to_target_ids, load_drafter
+from dflash_jax.config import replace
 from dflash_jax.testing import write_checkpoint
 
+from ._io import leaf, load_file, rewrite_tensors, save_file
 from .conftest import GOLDEN
 
 FAMILIES = ["tiny-dflash", "tiny-dflash2", "tiny-dspark"]
@@ -37,8 +37,8 @@ def test_every_family_and_layout_loads_bit_exactly(tmp_path, preset, prefix, sha
     config = write_checkpoint(tmp_path, preset, prefix=prefix, num_shards=shards, seed=3)
     drafter = load_drafter(tmp_path)
     stated = config.confidence_head_with_markov  # tiny-dspark states none: read off the projection, [1, H + r]
-    assert drafter.config == msgspec.structs.replace(config, confidence_head_with_markov=stated or
-                                                     (True if config.family == "dspark" else None))
+    assert drafter.config == replace(config, confidence_head_with_markov=stated or
+                                     (True if config.family == "dspark" else None))
     tensors = written(tmp_path)
     assert len(jax.tree.leaves(drafter.params)) == len(tensors)
     for name, value in tensors.items():
@@ -107,7 +107,7 @@ def test_attach_target_embeddings(tmp_path):
     config = write_checkpoint(tmp_path, "tiny-dflash")
     drafter = load_drafter(tmp_path)
     with pytest.raises(ValueError, match="attach"):
-        drafter.output_head
+        _ = drafter.output_head
     embed = jnp.ones((config.vocab_size, config.hidden_size), jnp.bfloat16)
     attached = drafter.attach(embed=embed, lm_head=embed * 2)
     assert attached.embedding is embed and attached.output_head.shape == embed.shape
@@ -143,7 +143,8 @@ def test_declared_heads_missing_warn(tmp_path):
     "change,message",
     [
         (lambda t: t.pop("layers.1.mlp.up_proj.weight"), "missing tensor 'layers.1.mlp.up_proj.weight'"),
-        (lambda t: t.update({"norm.weight": t["norm.weight"][:10]}), "'norm.weight' has shape \\[10\\], expected \\[64\\]"),
+        (lambda t: t.update({"norm.weight": t["norm.weight"][:10]}),
+         "'norm.weight' has shape \\[10\\], expected \\[64\\]"),
         (lambda t: t.update({"fc.weight": t["fc.weight"].astype(np.int32)}), "'fc.weight' has dtype I32"),
         (lambda t: t.pop("fc.weight"), "no `fc.weight`"),
     ],
@@ -181,7 +182,8 @@ def test_confidence_head_read_off_its_width(tmp_path):
 
 def test_confidence_head_of_another_width_names_tensor_and_widths(tmp_path):
     write_checkpoint(tmp_path, "tiny-dspark")
-    path = rewrite_tensors(tmp_path, lambda t: t.update({"confidence_head.proj.weight": np.zeros((1, 70), ml_dtypes.bfloat16)}))
+    bad_head = np.zeros((1, 70), ml_dtypes.bfloat16)
+    path = rewrite_tensors(tmp_path, lambda t: t.update({"confidence_head.proj.weight": bad_head}))
     with pytest.raises(CheckpointError) as err:
         load_drafter(tmp_path)
     for part in (path, "'confidence_head.proj.weight'", "[1, 70]", "confidence_head_with_markov", "[1, 64]", "[1, 96]"):

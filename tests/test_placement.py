@@ -1,5 +1,7 @@
 """place_all: the in-flight bound on host pages, plan order, replication (NVFP4 and cast conversions included)."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,17 +9,16 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from dflash_jax import placement
-from dflash_jax.loader import check_tensor, find_prefix, plan_tensors
-from dflash_jax.config import load_config
+from dflash_jax.loader import load_config
+from dflash_jax.plan import open_checked
 from dflash_jax.safetensors import Checkpoint
 from dflash_jax.testing import write_checkpoint
 
+_OPEN = contextlib.ExitStack()  # the tests' checkpoints stay open until the session ends
+
 
 def planned(path):
-    config = load_config(path)
-    checkpoint = Checkpoint(path)
-    plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, path), str(path))
-    packed = {t.name for t in plan if check_tensor(t, checkpoint, str(path))}
+    checkpoint, _, plan, packed = _OPEN.enter_context(open_checked(str(path), load_config(path)))
     return plan, checkpoint, packed
 
 

@@ -21,13 +21,18 @@ import numpy as np
 
 from ..config import DflashConfig, QuantizationConfig, normalise_quantization
 from ..errors import CheckpointError
-from ..loader import nvfp4_companions
 from ..safetensors import Checkpoint, read_json
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import quantize
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 SUPPORTED_ALGOS = ("NVFP4", "W4A16_NVFP4")  # weight-only dequantization is the same for both
+
+
+def nvfp4_companions(name: str) -> tuple[str, str]:
+    """The block-scale and global-scale tensors ModelOpt stores beside a packed `<m>.weight`."""
+    stem = name.removesuffix(".weight")
+    return stem + ".weight_scale", stem + ".weight_scale_2"
 
 
 def check_packed(checkpoint: Checkpoint, name: str, expected_shape: tuple[int, ...]) -> None:
@@ -78,7 +83,8 @@ def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -
     for source, quant in declared:
         if quant.quant_algo is not None and quant.quant_algo not in SUPPORTED_ALGOS:
             raise CheckpointError(
-                f"{source}: quant_algo {quant.quant_algo!r} but tensors are U8-packed; expected one of {SUPPORTED_ALGOS}"
+                f"{source}: quant_algo {quant.quant_algo!r} but tensors are U8-packed; "
+                f"expected one of {SUPPORTED_ALGOS}"
             )
         if quant.group_size is not None and quant.group_size != 16:
             raise CheckpointError(f"{source}: group_size {quant.group_size}; NVFP4 uses blocks of 16")

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import load_config
 from ..errors import CheckpointError
-from ..safetensors import INDEX_FILE, Checkpoint, write_tensors
+from ..loader import load_config
+from ..plan import open_checked
+from ..safetensors import INDEX_FILE, write_tensors
+from ..spec import LINEAR
 from .checkpoint import QUANT_CONFIG_FILE, declare_nvfp4, nvfp4_tensors
 
 # What makes a checkpoint, besides its *.safetensors files: replaced together, never mixed.
@@ -36,8 +38,6 @@ def convert_checkpoint(
     written beside it first, then the old ones removed and the new ones moved in; other files stay.
     Returns the number of weights quantized. The whole checkpoint passes through host memory once.
     """
-    from ..loader import check_tensor, find_prefix, plan_tensors
-
     source, destination = os.fspath(source), Path(destination)
     if destination.resolve() == Path(source).resolve():
         raise CheckpointError(f"{destination}: refusing to convert a checkpoint onto itself")
@@ -48,11 +48,9 @@ def convert_checkpoint(
             f"{destination}: not empty; expected a new or empty destination directory (or overwrite=True, "
             "`--overwrite`, to replace the checkpoint there)"
         )
-    config = load_config(source)
     excluded = sorted(exclude)
-    with Checkpoint(source) as checkpoint:
-        plan = plan_tensors(config, checkpoint.__contains__, find_prefix(checkpoint, source), source)
-        linear = {t.name for t in plan if not check_tensor(t, checkpoint, source) and t.kind == "linear"}
+    with open_checked(source, load_config(source)) as (checkpoint, _, plan, packed):
+        linear = {t.name for t in plan if t.kind == LINEAR and t.name not in packed}
         linear = {n for n in linear if n.removesuffix(".weight") not in excluded}
         tensors: dict[str, np.ndarray] = {}
         for name in checkpoint:

@@ -1,0 +1,67 @@
+"""The `Drafter` type: a drafter's config and parameter tree, with the target's embeddings when it ships none.
+
+What `load_drafter` returns and every forward function reads (`model`, `drafting`, `generate`); it knows
+nothing of files, so the forward modules import it without the I/O stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .config import DflashConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded drafter: `config` (static), `params` (docs/design.md tree) and the target's attached
+    `embed` / `lm_head` ([V, H], HF layout) when the drafter does not ship its own.
+
+    A pytree: pass it whole through `jax.jit`; the config is static metadata.
+    """
+
+    params: dict[str, Any]
+    embed: jax.Array | None = None
+    lm_head: jax.Array | None = None
+    config: DflashConfig = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
+        """Return a drafter that uses the target's embedding / LM head (HF layout, [V, H])."""
+        H = self.config.hidden_size
+        for what, value in (("embed", embed), ("lm_head", lm_head)):
+            if value is not None and (value.ndim != 2 or value.shape[1] != H):
+                raise ValueError(f"attach: {what} has shape {value.shape}, expected [vocab, {H}]")
+        return dataclasses.replace(
+            self,
+            embed=self.embed if embed is None else embed,
+            lm_head=self.lm_head if lm_head is None else lm_head,
+        )
+
+    @property
+    def embedding(self) -> jax.Array:
+        """The embedding the block is embedded with [V, H]: the drafter's own, else the attached target's."""
+        return self._own_or_attached("embed_tokens", self.embed, "embed")
+
+    @property
+    def output_head(self) -> jax.Array:
+        """The LM head [V, H]: the drafter's own, else the attached target's."""
+        return self._own_or_attached("lm_head", self.lm_head, "lm_head")
+
+    def _own_or_attached(self, name: str, attached: jax.Array | None, keyword: str) -> jax.Array:
+        own = self.params.get(name)
+        if own is not None:
+            return own["weight"]
+        if attached is None:
+            raise ValueError(f"this drafter ships no {name}: attach the target's with drafter.attach({keyword}=...)")
+        return attached
+
+
+def draft_to_target_ids(draft_ids: jax.Array, d2t: jax.Array | None) -> jax.Array:
+    """Map draft-vocabulary ids to target ids: `target = draft + d2t[draft]` (identity without d2t)."""
+    if d2t is None:
+        return draft_ids
+    return draft_ids + jnp.take(d2t, draft_ids, axis=0).astype(draft_ids.dtype)

@@ -1,0 +1,268 @@
+"""The plan of a load: which checkpoint tensor fills which leaf of the tree, checked before a byte is read.
+
+From the config's parameter spec (`spec.drafter_spec`, `target.parameter_spec`) and the checkpoint's headers
+alone: `plan_tensors` decides which tensors make up the drafter (the optional parts the checkpoint carries),
+`check_tensors` checks the presence, dtype and shape of every one (NVFP4 companions included), and
+`build_tree` nests the placed leaves at their paths (README "Parameter tree"). `open_checked` does all of it
+for a drafter directory: the one way the loader, the CLI, the NVFP4 converter and the tests open a checkpoint.
+Any problem raises `CheckpointError` naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from .config import DflashConfig, replace
+from .errors import CheckpointError
+from .nvfp4.checkpoint import check_packed, check_quant_config, nvfp4_companions
+from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
+from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
+
+# Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
+IGNORED_NAMES = ("t2d",)
+# Tensors (by name part) of extensions this package does not implement: loading the rest of such a checkpoint
+# would run a different network from the one trained, so they are refused, not warned about (docs/references.md).
+UNIMPLEMENTED_TENSORS = (
+    ("attention_sink_bias", "a learned per-head attention sink (MiMo-style; vLLM qwen3_dflash.py)"),
+    ("markov_head.gate_proj.", "a gated Markov head (SpecForge / DeepSpec `markov_head_type: gated`)"),
+    ("markov_head.joint_proj.", "an RNN Markov head (SpecForge / DeepSpec `markov_head_type: rnn`)"),
+    ("mask_embedding", "a separately trained mask embedding (vLLM `_read_mask_embedding`)"),
+)
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's override of the mask token's embedding row (MiMo)
+# Optional parts a config declares that a checkpoint may still lack: drafting goes on without them, warned.
+DRAFTS_WITHOUT: dict[str, Callable[[DflashConfig], str]] = {
+    MARKOV: lambda c: f"config declares markov_rank={c.markov_rank}; drafting without the Markov bias",
+    CONFIDENCE: lambda c: "config enables the confidence head; proposals will not be cut by confidence",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """One leaf to load: which checkpoint tensor, where it goes in the tree, what it must look like."""
+
+    path: tuple[str | int, ...]  # position in the tree, e.g. ("layers", 0, "mlp", "up_proj", "weight")
+    name: str  # checkpoint tensor name (prefix included)
+    shape: tuple[int, ...]  # expected logical shape
+    kind: str  # `spec.LINEAR` (float or NVFP4-packed), `NORM`, `FLOAT`, `INT` (d2t)
+    axes: tuple[str | None, ...] = ()  # logical axis per dimension (a target's tensor-parallel plan); (): none
+    init: Initializer = FanIn()  # how a random drafter or test checkpoint draws it
+
+
+def planned(spec: ParamSpec, name: str, root: str = "") -> TensorPlan:
+    """The plan of one tensor of `spec` stored as `name`; its tree path is the spec's name, `root` stripped."""
+    return TensorPlan(tree_path(spec.name.removeprefix(root)), name, spec.shape, spec.kind, spec.axes, spec.init)
+
+
+def tree_path(name: str) -> tuple[str | int, ...]:
+    """`"layers.0.mlp.up_proj.weight"` -> `("layers", 0, "mlp", "up_proj", "weight")`."""
+    return tuple(int(x) if x.isdigit() else x for x in name.split("."))
+
+
+def plan_tensors(
+    config: DflashConfig, contains: Callable[[str], bool], prefix: str = "", where: str = "<checkpoint>"
+) -> list[TensorPlan]:
+    """Decide which tensors make up this drafter (`spec.drafter_spec`). `contains(name)` says whether the
+    checkpoint has a tensor: an optional part is loaded when the config declares it and the checkpoint carries
+    its first tensor, under its name or an alias, as the reference loaders do."""
+    specs = expand(drafter_spec(config), config.num_hidden_layers)
+    plan: list[TensorPlan] = []
+    carried: dict[str, bool] = {}  # optional part -> whether the checkpoint has its first tensor
+    for spec in specs:
+        names = [prefix + spec.name, *(alias.format(p=prefix) for alias in spec.aliases)]
+        name = next((n for n in names if contains(n)), names[0])
+        if spec.optional is not None:
+            if spec.optional not in carried:
+                carried[spec.optional] = contains(name)
+            if not carried[spec.optional]:
+                continue
+        plan.append(planned(spec, name))
+    for part, says in DRAFTS_WITHOUT.items():
+        if carried.get(part) is False:
+            first = next(s.name for s in specs if s.optional == part)
+            warnings.warn(f"{where}: the checkpoint has no {prefix}{first}, but the {says(config)}", stacklevel=2)
+    return plan
+
+
+def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = False) -> list[TensorPlan]:
+    """Every tensor a released checkpoint of this config carries: the heads the config declares, `d2t` when the
+    draft vocabulary is reduced, and `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style)."""
+    reduced = config.draft_vocab_size is not None and config.draft_vocab_size != config.vocab_size
+
+    def contains(name: str) -> bool:
+        name = name.removeprefix(prefix)
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return own_embeddings
+        return reduced if name == "d2t" else name != "draft_id_to_target_id"
+
+    return plan_tensors(config, contains, prefix)
+
+
+def build_tree(plan: list[TensorPlan], leaves: list[Any]) -> dict[str, Any]:
+    """Nest the leaves at their tree paths; `layers` becomes a list of per-layer dicts."""
+    tree: dict[str, Any] = {}
+    for t, leaf in zip(plan, leaves):
+        node: Any = tree
+        for key, nxt in zip(t.path[:-1], t.path[1:]):
+            if isinstance(key, int):
+                while len(node) <= key:
+                    node.append({})
+                node = node[key]
+            else:
+                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+        node[t.path[-1]] = leaf
+    return tree
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checks on the headers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def find_prefix(checkpoint: Checkpoint, where: str) -> str:
+    """`""` or `"model."`: the layout of the checkpoint, detected by its `fc.weight`."""
+    names = set(checkpoint)
+    if any(n.startswith(("midlayer.", "model.midlayer.")) for n in names):  # EAGLE-3 has an fc.weight too
+        raise CheckpointError(
+            f"{where}: tensors `midlayer.*`: this is an EAGLE-3 drafter, not a DFlash-family drafter; "
+            "expected `fc.weight` with `layers.*`"
+        )
+    if "fc.weight" in checkpoint:
+        return ""
+    if "model.fc.weight" in checkpoint:
+        return "model."
+    if "model.embed_tokens.weight" in names or "lm_head.weight" in names:
+        what = "a full language model (it has embed_tokens/lm_head but no fc)"
+    else:
+        what = f"a checkpoint of {len(names)} tensors without one"
+    raise CheckpointError(
+        f"{where}: no `fc.weight` or `model.fc.weight`: this is {what}; expected a DFlash-family drafter"
+    )
+
+
+def refuse_unimplemented(checkpoint: Checkpoint, where: str) -> None:
+    """Refuse a checkpoint that carries an extension this package does not implement, naming the tensor or file."""
+    for name in sorted(checkpoint):
+        for part, what in UNIMPLEMENTED_TENSORS:
+            if part in name:
+                raise CheckpointError(
+                    f"{checkpoint[name].file}: tensor {name!r} is {what}, which dflash_jax does not implement; "
+                    "running without it would run a different network"
+                )
+    override = os.path.join(where, MASK_EMBEDDING_FILE)
+    if os.path.isfile(override):
+        raise CheckpointError(
+            f"{override}: a separately trained mask embedding (vLLM `_read_mask_embedding`), which dflash_jax does "
+            "not implement; the mask token would be embedded with the target's row instead"
+        )
+
+
+def read_head_flags(config: DflashConfig, checkpoint: Checkpoint, prefix: str) -> DflashConfig:
+    """The config with `confidence_head_with_markov` read off the confidence projection when the config is silent.
+
+    SpecForge's DSpark exports may omit the flag (SpecForge's default is false) and ship a `[1, H]` projection;
+    DeepSpec's and RadixArk's ship `[1, H + markov_rank]` (hidden state and Markov latent). The width decides.
+    """
+    name = f"{prefix}confidence_head.proj.weight"
+    if config.confidence_head_with_markov is not None or not config.enable_confidence_head or name not in checkpoint:
+        return config
+    info = checkpoint[name]
+    H, rank = config.hidden_size, config.markov_rank
+    widths = {H: False, **({H + rank: True} if rank else {})}
+    width = info.shape[-1] * (2 if info.dtype == "U8" else 1) if len(info.shape) == 2 else None  # U8: NVFP4 pairs
+    if width not in widths:
+        expected = " or ".join(f"[1, {w}] ({'with' if markov else 'without'} the Markov latent)"
+                               for w, markov in widths.items())
+        raise CheckpointError(
+            f"{info.file}: tensor {name!r} has shape {list(info.shape)}; the config does not state "
+            f"`confidence_head_with_markov`, so expected {expected}"
+        )
+    return replace(config, confidence_head_with_markov=widths[width])
+
+
+def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
+    """Check one planned tensor's presence, dtype and shape; return True when it is NVFP4-packed."""
+    if t.name not in checkpoint:
+        raise CheckpointError(f"{where}: missing tensor {t.name!r} (expected shape {list(t.shape)})")
+    info = checkpoint[t.name]
+    if t.kind == LINEAR and info.dtype == "U8":
+        check_packed(checkpoint, t.name, t.shape)
+        return True
+    allowed = INT_DTYPES if t.kind == INT else WEIGHT_DTYPES
+    if info.dtype not in allowed:
+        raise CheckpointError(
+            f"{info.file}: tensor {t.name!r} has dtype {info.dtype}, expected one of {', '.join(allowed)}"
+            + (" (or U8 NVFP4-packed)" if t.kind == LINEAR else "")
+        )
+    if info.shape != t.shape:
+        raise CheckpointError(
+            f"{info.file}: tensor {t.name!r} has shape {list(info.shape)}, expected {list(t.shape)} from the config"
+        )
+    return False
+
+
+def check_tensors(plan: list[TensorPlan], checkpoint: Checkpoint, where: str,
+                  problems: list[tuple[str, CheckpointError]] | None = None) -> frozenset[str]:
+    """`check_tensor` on every planned tensor; returns the names of the NVFP4-packed ones. With `problems` (a
+    list), each failure is appended as `(tensor name, error)` instead of raised, so that all are reported."""
+    packed = set()
+    for t in plan:
+        try:
+            if check_tensor(t, checkpoint, where):
+                packed.add(t.name)
+        except CheckpointError as e:
+            if problems is None:
+                raise
+            problems.append((t.name, e))
+    return frozenset(packed)
+
+
+def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[str]:
+    """Checkpoint tensors the plan does not consume (NVFP4 companions and known extras excluded)."""
+    used = {t.name for t in plan}
+    used |= {c for t in plan if t.name.endswith(".weight") for c in nvfp4_companions(t.name)}
+    return sorted(
+        n for n in checkpoint
+        if n not in used and not n.endswith(IGNORED_SUFFIXES) and n.split(".")[-1] not in IGNORED_NAMES
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Open, plan, check
+# --------------------------------------------------------------------------------------------------------------
+
+
+class CheckedPlan(NamedTuple):
+    """A drafter checkpoint's plan whose headers passed every check."""
+
+    checkpoint: Checkpoint  # open: tensors are read from it
+    config: DflashConfig  # the config with `confidence_head_with_markov` read off the head (`read_head_flags`)
+    plan: list[TensorPlan]
+    packed: frozenset[str]  # the NVFP4-packed weights among the planned tensors
+
+
+@contextlib.contextmanager
+def open_checked(
+    path: str, config: DflashConfig, *, problems: list[tuple[str, CheckpointError]] | None = None
+) -> Iterator[CheckedPlan]:
+    """Open the drafter checkpoint directory `path` (of `config`), plan it and check every planned tensor's header.
+
+    Detects the layout prefix, refuses an extension this package does not implement, reads the head flags the
+    config leaves unstated, plans (`plan_tensors`), checks each tensor (`check_tensors`; with `problems`, the
+    per-tensor failures are collected there instead) and the export's NVFP4 declarations. Nothing is read but
+    headers and small JSON files. The checkpoint stays open for the `with` block.
+    """
+    with Checkpoint(path) as checkpoint:
+        prefix = find_prefix(checkpoint, path)
+        refuse_unimplemented(checkpoint, path)
+        config = read_head_flags(config, checkpoint, prefix)
+        plan = plan_tensors(config, checkpoint.__contains__, prefix, path)
+        packed = check_tensors(plan, checkpoint, path, problems)
+        if packed:
+            check_quant_config(path, config, packed)
+        yield CheckedPlan(checkpoint, config, plan, packed)

@@ -1,0 +1,86 @@
+"""The package's import graph: no circles, and the forward modules reach nothing of the I/O stack.
+
+Read with `ast` from the sources (nothing is imported), every import counted, the ones inside functions too: a
+lazy import hides a circle from the interpreter, not from a reader.
+"""
+
+import ast
+import os
+
+import dflash_jax
+
+PACKAGE = os.path.dirname(dflash_jax.__file__)
+FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention")
+IO = ("dflash_jax.safetensors", "dflash_jax.loader", "dflash_jax.placement", "dflash_jax.validate",
+      "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert")
+
+
+def modules() -> dict[str, str]:
+    """Module name -> source file, for every module of the package."""
+    found = {}
+    for root, _, files in os.walk(PACKAGE):
+        for file in files:
+            if file.endswith(".py"):
+                parts = os.path.relpath(os.path.join(root, file), os.path.dirname(PACKAGE))[:-3].split(os.sep)
+                found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(root, file)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports: those it names, and their parent packages (whose `__init__` runs
+    first), except its own parents (already being initialised) and the root (unless named: `from . import x`)."""
+    known = modules()
+    graph = {}
+    for name, file in known.items():
+        package = name if file.endswith("__init__.py") else name.rpartition(".")[0]
+        with open(file) as f:
+            tree = ast.parse(f.read(), file)
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets.add(base)
+                targets |= {f"{base}.{alias.name}" for alias in node.names}  # `from . import drafting`
+        edges = set()
+        for target in targets:
+            parts = target.split(".")
+            edges |= {".".join(parts[:n]) for n in range(2, len(parts) + 1)} & known.keys()
+            if target == "dflash_jax":
+                edges.add(target)
+        ancestors = {package.rsplit(".", n)[0] for n in range(package.count(".") + 1)}  # initialised first
+        graph[name] = edges - ancestors - {name} | ({"dflash_jax"} & targets)
+    return graph
+
+
+def reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert {"dflash_jax.plan", "dflash_jax.drafter", "dflash_jax.hub"} <= graph["dflash_jax.loader"]
+    assert "dflash_jax.spec" in graph["dflash_jax.plan"]
+    assert "dflash_jax.nvfp4.checkpoint" in graph["dflash_jax.plan"]
+    assert "dflash_jax.drafting" in graph["dflash_jax.nnx"]  # `from . import drafting`
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    circles = sorted(name for name in graph if name in reach(graph, name))
+    assert circles == [], f"modules on an import circle: {circles}"
+
+
+def test_forward_modules_reach_no_io():
+    graph = import_graph()
+    for module in FORWARD:
+        assert not reach(graph, module) & set(IO), f"{module} reaches {sorted(reach(graph, module) & set(IO))}"
