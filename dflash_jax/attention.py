@@ -159,11 +159,12 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     block_k, warps = PALLAS_TUNING[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
-    out, (l, m) = decode_attention.mqa(
-        rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
-        start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
-        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
-    )
+    with jax.numpy_dtype_promotion("standard"):  # JAX's kernel adds `(~mask) * float`; this module is strict-clean
+        out, (l, m) = decode_attention.mqa(
+            rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
+            start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
+            block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
+        )
     shape = (batch, n_kv, groups, Sq)
     l, m = l.reshape(shape), m.reshape(shape)
     empty = l == 0  # the kernel's max starts at finfo.min, not -inf

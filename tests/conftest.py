@@ -36,3 +36,14 @@ GOLDEN = os.path.join(DATA, "golden")  # copy of the shared PyTorch-reference ou
 def cpu_mesh():
     """A 1-D mesh over every local device (8 simulated CPU devices in the suite)."""
     return jax.make_mesh((len(jax.devices()),), ("data",))
+
+
+# The modules that compile the most run first, so that parallel workers (pyproject's `-n 2 --dist loadfile`) finish
+# together instead of one of them ending the run alone on a late heavy module. Order within a module is kept.
+_HEAVY_FIRST = ("test_tensor_parallel", "test_readme", "test_benchmarks", "test_generate_sampling", "test_generate",
+                "test_fuzz", "test_drafting", "test_target", "test_generate_cli")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
