@@ -35,6 +35,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
+from timing import call_seconds  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
@@ -60,13 +61,7 @@ NEW_ROWS = 16
 
 def fastest(f, x, runs: int = 5) -> float:
     """Seconds of the fastest of `runs` calls of `f(x)`, after one compiling call."""
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(call_seconds(lambda: f(x), runs))
 
 
 def copy_bandwidth(gib: float) -> float:

@@ -31,6 +31,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax.nvfp4 import _pallas  # noqa: E402
 from dflash_jax.nvfp4._reference import dequantize_xla  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import call_seconds  # noqa: E402
+
 BYTES_PER_ELEMENT = 2.5625  # 0.5 packed + 1/16 scale read, 2 written
 SHAPES = {  # name: (N, K)
     "fc": (2048, 10240), "q_proj": (4096, 2048), "o_proj": (2048, 4096), "k/v_proj": (512, 2048),
@@ -104,14 +107,7 @@ def time_per_tensor(fn, make_args, bytes_per_set, repeats):
             outs.append(previous)
         return outs
 
-    jax.block_until_ready(run(sets))
-    jax.block_until_ready(run(sets))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(sets))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / n_sets
+    return statistics.median(call_seconds(lambda: run(sets), repeats, warmup=2)) / n_sets
 
 
 def bench(name, n, k, key, sweep):

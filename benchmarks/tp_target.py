@@ -20,12 +20,12 @@ import functools
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from timing import call_seconds  # benchmarks/timing.py (the script's directory is on sys.path)
 
 from dflash_jax import load_drafter, load_target
 from dflash_jax._qwen3_testing import random_qwen3
@@ -59,16 +59,14 @@ def step_ms(target, batch: int, rows: int, context: int, repeats: int) -> float:
 
         return jax.lax.fori_loop(0, LOOP_STEPS, step, (cache, tokens))
 
-    carry = (target.init_cache(batch, context + rows), jnp.ones((batch, rows), jnp.int32))
+    box = [(target.init_cache(batch, context + rows), jnp.ones((batch, rows), jnp.int32))]  # the loop's carry
     lengths = jnp.full((batch,), context, jnp.int32)
-    for _ in range(2):  # compile; the second call sees the first's output shardings
-        carry = jax.block_until_ready(run(target, *carry, lengths))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        carry = jax.block_until_ready(run(target, *carry, lengths))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / LOOP_STEPS * 1e3
+
+    def call():
+        box[0] = run(target, *box[0], lengths)
+        return box[0]
+
+    return statistics.median(call_seconds(call, repeats, warmup=2)) / LOOP_STEPS * 1e3
 
 
 def write_target(directory: str, raw: dict) -> None:
@@ -89,13 +87,7 @@ def write_target(directory: str, raw: dict) -> None:
 def load_gbps(load, path: str, repeats: int) -> float:
     """Checkpoint GB/s of `load(path)` (median of `repeats`, after one untimed load)."""
     nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
-    jax.block_until_ready(jax.tree.leaves(load(path)))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(jax.tree.leaves(load(path)))
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / statistics.median(call_seconds(lambda: jax.tree.leaves(load(path)), repeats)) / 1e9
 
 
 def main() -> None:
