@@ -47,12 +47,12 @@ def check_block_inputs(config: DflashConfig, where: str, target_hidden, block_id
                        block_positions) -> None:
     """`draft_hidden` / `draft_logits`: target_hidden `[batch, S, Lf*H]`, block_ids `[batch, B]` of token ids,
     context_positions `[batch, S]`, block_positions `[batch, B]`, with Lf, H and B from the config."""
-    width = len(config.target_layer_ids) * config.hidden_size
+    width = len(config.checked_target_layer_ids) * config.hidden_size
     block = config.effective_block_size
     hidden = _shape(target_hidden)
     if len(hidden) != 3 or hidden[2] != width:
         raise ValueError(f"{where}: target_hidden has shape {list(hidden)}, expected [batch, S, {width}] "
-                         f"({len(config.target_layer_ids)} target layers x hidden {config.hidden_size})")
+                         f"({len(config.checked_target_layer_ids)} target layers x hidden {config.hidden_size})")
     batch, rows = hidden[:2]
     for name, x, expected in (("block_ids", block_ids, (batch, block)),
                               ("context_positions", context_positions, (batch, rows)),
@@ -67,11 +67,11 @@ def check_propose_inputs(config: DflashConfig, where: str, cache_batch: int, tar
                          anchor_ids) -> None:
     """`propose`: target_hidden `[batch, n_new, Lf*H]` with the cache's batch, num_new `[batch]` in
     `[0, n_new]`, anchor_ids `[batch]` of token ids."""
-    width = len(config.target_layer_ids) * config.hidden_size
+    width = len(config.checked_target_layer_ids) * config.hidden_size
     hidden = _shape(target_hidden)
     if len(hidden) != 3 or hidden[2] != width or hidden[0] != cache_batch:
         raise ValueError(f"{where}: target_hidden has shape {list(hidden)}, expected [{cache_batch}, n_new, {width}] "
-                         f"(the cache's batch, {len(config.target_layer_ids)} target layers x hidden "
+                         f"(the cache's batch, {len(config.checked_target_layer_ids)} target layers x hidden "
                          f"{config.hidden_size})")
     batch, n_new = hidden[:2]
     for name, x in (("num_new", num_new), ("anchor_ids", anchor_ids)):

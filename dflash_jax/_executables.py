@@ -164,8 +164,8 @@ def _environment() -> tuple:
     """Versions, flags and the source of the conversion code: any change makes new cache entries."""
     package = Path(__file__).parent
     source = hashlib.sha256(b"".join((package / name).read_bytes() for name in _SOURCES)).hexdigest()
-    return (jax.__version__, jaxlib.version.__version__, os.environ.get("XLA_FLAGS", ""),
-            bool(jax.config.jax_enable_x64), source)
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
+    return jax.__version__, jaxlib.version.__version__, os.environ.get("XLA_FLAGS", ""), bool(x64), source
 
 
 def _digest(description: bytes, payload: bytes) -> bytes:

@@ -105,7 +105,7 @@ def write_qwen3_checkpoint(
     return parsed
 
 
-def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> Qwen3Target:
+def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0, dtype=jnp.bfloat16) -> DecoderTarget:
     """A target with random weights drawn on the default device, each by its spec's initialiser as
     `write_qwen3_checkpoint` draws it (norm gains ~1, linears N(0, 1/fan_in))."""
     if not isinstance(config, DecoderConfig):

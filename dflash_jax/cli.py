@@ -18,9 +18,12 @@ import resource
 import sys
 import tempfile
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .errors import CheckpointError
 
 # Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
 BAD_INPUT = 2
@@ -206,19 +209,21 @@ def inspect(args: argparse.Namespace) -> int:
     from .plan import open_checked, unexpected_tensors
 
     path = local(args.path, args)
-    failures = []  # (tensor name, CheckpointError): every planned tensor that does not pass
+    # (tensor name, CheckpointError): every planned tensor that does not pass
+    failures: list[tuple[str, CheckpointError]] = []
     with open_checked(path, load_config(path), problems=failures) as (ckpt, config, plan, checked_packed):
         packed = [t.name for t in plan if t.name in checked_packed]  # in plan order
         missing = [(name, str(e)) for name, e in failures if name not in ckpt]
         malformed = [(name, str(e)) for name, e in failures if name in ckpt]
-        tensors = [{"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
-                    "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
+        tensors: list[dict[str, Any]] = [
+            {"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
+             "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
         files = [os.path.basename(f) for f in ckpt.files]
         extra = unexpected_tensors(plan, ckpt)
-    resolved = {
+    resolved: dict[str, Any] = {
         "family": config.family, "effective_block_size": config.effective_block_size,
         "num_draft_tokens": config.num_draft_tokens, "mask_token_id": config.mask_token_id,
-        "target_layer_ids": list(config.target_layer_ids), "rope_theta": config.rope_theta,
+        "target_layer_ids": list(config.checked_target_layer_ids), "rope_theta": config.rope_theta,
         "rope_type": config.rope_type,
     }
     problems = [message for _, message in missing + malformed]
@@ -327,7 +332,7 @@ def _demo(root: str, mesh) -> None:
         embed, head = (jnp.asarray(rng.standard_normal((c.vocab_size, c.hidden_size)), jnp.bfloat16) for _ in "ab")
         drafter = drafter.attach(embed=embed, lm_head=head)
         S, B = 12, c.effective_block_size
-        feats = jnp.asarray(rng.standard_normal((1, S, len(c.target_layer_ids) * c.hidden_size)), jnp.bfloat16)
+        feats = jnp.asarray(rng.standard_normal((1, S, len(c.checked_target_layer_ids) * c.hidden_size)), jnp.bfloat16)
         block = jnp.asarray([[7] + [c.mask_token_id] * (B - 1)])
         logits = draft_logits(drafter, feats, block, context_positions=jnp.arange(S)[None],
                               block_positions=S + jnp.arange(B)[None])

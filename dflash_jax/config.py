@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, NoReturn, Protocol, runtime_checkable
 
 import msgspec
 
@@ -71,6 +71,8 @@ class RopeConfig(Protocol):
 
     @property
     def max_position_embeddings(self) -> int | None: ...
+
+    def __hash__(self) -> int: ...  # `rope_frequencies` caches by config
 
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -183,6 +185,20 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         if stated is None and self.num_target_layers is not None:
             return default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         return stated
+
+    @property
+    def checked_mask_token_id(self) -> int:
+        """`mask_token_id` of a checked config (`parse_config` and `replace` check each config they make)."""
+        mask = self.mask_token_id
+        assert mask is not None, "an unchecked DflashConfig: `check` refuses one without a mask token"
+        return mask
+
+    @property
+    def checked_target_layer_ids(self) -> tuple[int, ...]:
+        """`target_layer_ids` of a checked config (`parse_config` and `replace` check each config they make)."""
+        layer_ids = self.target_layer_ids
+        assert layer_ids is not None, "an unchecked DflashConfig: `check` refuses one without target_layer_ids"
+        return layer_ids
 
     @property
     def markov_rank(self) -> int:
@@ -370,7 +386,8 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
     Extensions some checkpoints declare and this package does not implement are refused by name, never
     ignored: each would change the network (docs/references.md).
     """
-    sub = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    stated_sub = raw.get("dflash_config")
+    sub: dict[str, Any] = stated_sub if isinstance(stated_sub, dict) else {}
     problems = []
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type not in MODEL_TYPES:
@@ -449,7 +466,7 @@ def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
     """Fold ModelOpt's two layouts (config.json `quantization_config`, hf_quant_config `quantization`)."""
-    out = {k: block[k] for k in ("quant_algo", "group_size") if k in block}
+    out: dict[str, Any] = {k: block[k] for k in ("quant_algo", "group_size") if k in block}
     ignore = block.get("ignore", block.get("exclude_modules"))
     if ignore is not None:
         out["ignore"] = ignore
@@ -467,7 +484,7 @@ def normalise_quantization(block: dict[str, Any]) -> dict[str, Any]:
 def check(config: DflashConfig, source: str) -> None:
     """Refuse a config that is not self-consistent: `ConfigError` naming `source` and the field."""
 
-    def fail(message: str):
+    def fail(message: str) -> NoReturn:
         raise ConfigError(f"{source}: {message}")
 
     mask, layer_ids, sub = config.mask_token_id, config.target_layer_ids, config.dflash_config

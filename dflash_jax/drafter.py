@@ -7,7 +7,7 @@ nothing of files, so the forward modules import it without the I/O stack.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,8 @@ class Drafter:
     params: dict[str, Any]
     embed: jax.Array | None = None
     lm_head: jax.Array | None = None
-    config: DflashConfig = dataclasses.field(default=None, metadata=dict(static=True))
+    # Always given (a default only because it follows defaulted fields; None is no usable config).
+    config: DflashConfig = dataclasses.field(default=cast(DflashConfig, None), metadata=dict(static=True))
 
     def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
         """Return a drafter that uses the target's embedding / LM head (HF layout, [V, H])."""

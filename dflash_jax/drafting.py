@@ -115,7 +115,7 @@ def init_cache(
     rules = attention_rules(c, attention)
     rings = _rings(rules)
     full_rows = -(-max_context // SPAN_ALIGN) * SPAN_ALIGN  # aligned for the GPU kernel; rows past max_context: empty
-    rows = [min(max_context, r.window + c.effective_block_size) if ring else full_rows
+    rows = [min(max_context, r.window + c.effective_block_size) if ring and r.window is not None else full_rows
             for r, ring in zip(rules, rings)]
 
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
@@ -417,7 +417,8 @@ def propose(
             jnp.arange(n_new) < num_new[:, None],
         )
     block_ids = jnp.concatenate(
-        [anchor_ids[:, None].astype(jnp.int32), jnp.full((batch, B - 1), config.mask_token_id, jnp.int32)], axis=1
+        [anchor_ids[:, None].astype(jnp.int32), jnp.full((batch, B - 1), config.checked_mask_token_id, jnp.int32)],
+        axis=1,
     )  # [batch, B]
     x = embed_block(config, drafter.embedding if embed is None else embed, block_ids, dtype)
     memory = [_memory(cache, i, rule, start, B) for i, rule in enumerate(rules)]

@@ -101,9 +101,9 @@ class GenerationResult:
 
 def _as_batch(prompt_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[list[int]], bool]:
     """`(prompts, single)`: a batch of non-empty prompts, and whether one bare prompt was given."""
-    prompts = list(prompt_ids)
-    single = not prompts or not isinstance(prompts[0], (Sequence, np.ndarray))
-    prompts = [[int(t) for t in p] for p in ([prompts] if single else prompts)]
+    given: list[Any] = list(prompt_ids)  # the tokens of one bare prompt, or the prompts
+    single = not given or not isinstance(given[0], (Sequence, np.ndarray))
+    prompts = [[int(t) for t in p] for p in ([given] if single else given)]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     return prompts, single
@@ -134,6 +134,7 @@ def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | Non
     (needed only with a key)."""
     if key is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    assert temperature is not None  # the sampling callers pass one with every key
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
 
@@ -181,6 +182,7 @@ def _acceptance(
         return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
     accept_key, residual_key = jax.random.split(key)
+    assert proposal.probs is not None  # a proposal drafted with a key carries its q (`_choose`)
     p = jax.nn.softmax(logits / temperature, axis=-1)  # [batch, K + 1, V]
     q = jnp.where(proposed[..., None], proposal.probs, 0.0)  # [batch, K, V]; 0: no draft
     q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]
@@ -211,7 +213,7 @@ def _spec_prefill(
     """
     batch = tokens.shape[0]
     first_key, draft_key, key = jax.random.split(key, 3)
-    out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.target_layer_ids,
+    out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.checked_target_layer_ids,
                          chunk=prefill_chunk)
     first = _pick(first_key if sampling else None, out.logits, temperature)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
@@ -239,7 +241,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     verify_key, draft_key, key = jax.random.split(s.key, 3)
     live = ~s.done
     verify = jnp.concatenate([s.anchor[:, None], s.proposal.tokens], axis=1)  # [batch, K + 1]
-    out = target(verify, s.target_cache, s.lengths, layer_ids=drafter.config.target_layer_ids)
+    out = target(verify, s.target_cache, s.lengths, layer_ids=drafter.config.checked_target_layer_ids)
     accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
 
     # Commit d_1..d_a + last, cut after a stop token and at the token budget.
@@ -417,7 +419,7 @@ def _greedy_decode(target: Target, state: _GreedyState, stop, *, max_new_tokens:
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
 
     def step(s: _GreedyState) -> _GreedyState:
-        o = target(s.last[:, None], s.cache, s.lengths)  # `last` enters the cache at position `lengths`
+        o = target(s.last[:, None], s.cache, s.lengths, layer_ids=())  # `last` enters the cache at position `lengths`
         nxt = _pick(None, o.logits[:, 0], None)  # [batch]
         slots = jnp.where(s.done, max_new_tokens, s.n_out)  # past the end: dropped
         live = ~s.done

@@ -24,7 +24,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from .errors import ConfigError
 from .safetensors import INDEX_FILE, SINGLE_FILE, read_json
@@ -73,7 +73,7 @@ def resolve(
             f"{path}: no such file or directory; to load it as a Hugging Face hub id install huggingface_hub "
             "(pip install 'dflash_jax[hub]')"
         ) from None
-    options = dict(cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+    options: dict[str, Any] = dict(cache_dir=cache_dir, local_files_only=local_files_only, token=token)
     snapshot = _snapshot(huggingface_hub, path, list(METADATA_FILES), revision=revision, **options)
     commit = os.path.basename(snapshot)  # snapshots/<commit hash>: pin the second step to it
     index = os.path.join(snapshot, INDEX_FILE)

@@ -102,7 +102,8 @@ class DrafterModule(nn.Module):
         if self.is_initializing():  # declare the tree; at apply time the given tree is used as it is
             plan = declared_plan(self.config, own_embeddings=self.own_embeddings)
             for name in dict.fromkeys(t.path[0] for t in plan):
+                assert isinstance(name, str)  # top-level keys are names (ints index only the layers)
                 self.param(name, init_subtree, plan, name, self.param_dtype)
-        drafter = Drafter(params=self.variables["params"], config=self.config, embed=embed, lm_head=lm_head)
+        drafter = Drafter(params=dict(self.variables["params"]), config=self.config, embed=embed, lm_head=lm_head)
         return draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
                             block_positions=block_positions, attention=self.attention)  # [batch, B, V] float32

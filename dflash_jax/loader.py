@@ -91,7 +91,8 @@ def check_load_arguments(dtype: Any, mesh: Any) -> jnp.dtype:
     """The load dtype as a `jnp.dtype`, after refusing what would load silently wrong: an integer dtype
     (all-zero weights), float8 (weights rounded to 3 mantissa bits), float64 without x64 (JAX gives float32),
     and a mesh that is not a `jax.sharding.Mesh` or has no devices. Raises `ValueError` naming the argument."""
-    allowed = [jnp.bfloat16, jnp.float16, jnp.float32] + ([jnp.float64] if jax.config.jax_enable_x64 else [])
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
+    allowed = [jnp.bfloat16, jnp.float16, jnp.float32] + ([jnp.float64] if x64 else [])
     names = ", ".join(jnp.dtype(d).name for d in allowed)
     try:
         resolved = jnp.dtype(dtype)
@@ -108,14 +109,15 @@ def check_load_arguments(dtype: Any, mesh: Any) -> jnp.dtype:
 
 def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str) -> str:
     """The one-line load summary: layers, hidden, vocab, block size, target layers, family, heads."""
-    heads = [h for h in ("candidate_selector", "markov_head", "confidence_head", "embed_tokens", "lm_head", "d2t")
-             if h in params]
+    heads: list[str] = [
+        h for h in ("candidate_selector", "markov_head", "confidence_head", "embed_tokens", "lm_head", "d2t")
+        if h in params]
     if "attention_conv" in params["layers"][0]:
         heads.insert(0, "convs")
     return (
         f"{checkpoint_path}: {config.family} drafter, {len(params['layers'])} layers, "
         f"hidden={config.hidden_size}, vocab={config.vocab_size}, block={config.effective_block_size} "
-        f"({config.num_draft_tokens} drafts/step), target_layers={list(config.target_layer_ids)}, "
+        f"({config.num_draft_tokens} drafts/step), target_layers={list(config.checked_target_layer_ids)}, "
         f"heads=[{', '.join(heads) or 'none'}]"
         + (f", {len(packed)} NVFP4 tensors dequantized (input_scale ignored)" if packed else "")
     )

@@ -114,6 +114,7 @@ def rope_frequencies(config: RopeConfig) -> tuple[np.ndarray, float]:
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
 
     s = config.rope_scaling
+    assert s is not None  # rope type "yarn" is declared only by a rope_scaling block (`declared_rope_type`)
     max_positions = config.max_position_embeddings or _QWEN3_DEFAULT_MAX_POSITIONS
     original = s.original_max_position_embeddings or max_positions
     factor = s.factor if s.factor is not None else max_positions / original

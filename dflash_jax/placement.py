@@ -14,9 +14,10 @@ the page cache, it is only unmapped from us).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import sys
-from typing import NamedTuple
+from collections.abc import Sequence, Set
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,8 @@ def target_sharding(mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding:
     return NamedSharding(auto_mesh(mesh), PartitionSpec())
 
 
-class Piece(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Piece:
     """A part of a leaf held by some of this process's devices: `index` (a step-1 slice per dimension) and the
     local devices holding that part (replicas of it), in device id order."""
 
@@ -66,6 +68,7 @@ def pieces(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[Piec
     """The distinct parts of a leaf of `shape` this process's devices hold under `sharding`, each read once."""
     by_index: dict[tuple[tuple[int, int], ...], list[jax.Device]] = {}
     for device, index in sharding.addressable_devices_indices_map(shape).items():
+        assert index is not None  # typed Optional by jax; a concrete `shape` gives every device its slices
         key = tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
         by_index.setdefault(key, []).append(device)
     return [Piece(tuple(slice(a, b) for a, b in key), tuple(sorted(devices, key=lambda d: d.id)))
@@ -75,13 +78,13 @@ def pieces(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[Piec
 def place_all(
     plan: list[TensorPlan],
     checkpoint: Checkpoint,
-    packed: set[str],
+    packed: Set[str],
     *,
     mesh: jax.sharding.Mesh | None,
     dtype: jnp.dtype,
     progress: bool | None,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
-    shardings: list[jax.sharding.Sharding] | None = None,
+    shardings: Sequence[jax.sharding.Sharding] | None = None,
 ) -> list[jax.Array]:
     """Place every planned tensor (in plan order) on its sharding: `shardings[i]` for leaf i, or (None) every
     leaf replicated on `mesh` (`target_sharding`).
@@ -95,7 +98,8 @@ def place_all(
         shardings = [target_sharding(mesh)] * len(plan)
     sources = [_sources(t, packed) for t in plan]
     distinct = {id(sh): sh for sh in shardings}.values()
-    devices = sorted({d for sh in distinct for d in sh.addressable_devices}, key=lambda d: d.id)
+    devices = sorted({d for sh in distinct for d in sh.addressable_devices},
+                     key=lambda d: d.id)  # type: ignore[attr-defined]  # jax.Device: unresolved in jax's stubs
     check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype),
                [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)])
     parts = [pieces(sh, t.shape) for t, sh in zip(plan, shardings)]
@@ -184,7 +188,7 @@ def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice
     return array.astype(np.int32) if kind == "int" else array
 
 
-def _sources(t: TensorPlan, packed: set[str]) -> list[str]:
+def _sources(t: TensorPlan, packed: Set[str]) -> list[str]:
     """The checkpoint tensors one leaf is made from: itself, or a packed weight and its two scales."""
     if t.name not in packed:
         return [t.name]

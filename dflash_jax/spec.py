@@ -121,8 +121,8 @@ class ParamSpec(NamedTuple):
 def expand(specs: list[ParamSpec], num_layers: int) -> list[ParamSpec]:
     """`specs` with each run of per-layer templates repeated layer by layer (`{i}` filled in), in order."""
     out: list[ParamSpec] = []
-    for layered, run in itertools.groupby(specs, key=lambda s: "{i}" in s.name):
-        run = list(run)
+    for layered, group in itertools.groupby(specs, key=lambda s: "{i}" in s.name):
+        run = list(group)
         out += [s._replace(name=s.name.format(i=i)) for i in range(num_layers) for s in run] if layered else run
     return out
 
@@ -148,7 +148,7 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     attn, mlp = "layers.{i}.self_attn.", "layers.{i}.mlp."
     projections = {"q_proj": (q_dim, H), "k_proj": (kv_dim, H), "v_proj": (kv_dim, H), "o_proj": (H, q_dim)}
     specs = [
-        ParamSpec("fc.weight", (H, len(c.target_layer_ids) * H), LINEAR),
+        ParamSpec("fc.weight", (H, len(c.checked_target_layer_ids) * H), LINEAR),
         ParamSpec("hidden_norm.weight", (H,), NORM, init=Gain()),
         ParamSpec("norm.weight", (H,), NORM, init=Gain()),
         ParamSpec("layers.{i}.input_layernorm.weight", (H,), NORM, init=Gain()),

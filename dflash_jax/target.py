@@ -43,7 +43,7 @@ import functools
 import logging
 import math
 import os
-from typing import Any, ClassVar, Protocol, Unpack, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, Unpack, overload, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +230,10 @@ class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
 ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
 
 
-def parse_decoder_config(raw: dict[str, Any], kind: type[DecoderConfig], *, source: str = "<config>") -> DecoderConfig:
+C = TypeVar("C", bound=DecoderConfig)
+
+
+def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<config>") -> C:
     """Decode a config dict as `kind` (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
     try:
         config = msgspec.convert(normalise_raw(raw, source), kind)
@@ -252,14 +255,14 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[DecoderConfig], *, sour
     if declared not in kind.ROPE_TYPES:
         problems.append(f"rope type {declared!r}; only {' and '.join(kind.ROPE_TYPES)} are implemented")
     s = config.rope_scaling
-    if declared == "llama3":
+    if declared == "llama3" and s is not None:  # declared only by a rope_scaling block
         absent = [f for f in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                   if getattr(s, f) is None]
+        low, high = s.low_freq_factor, s.high_freq_factor
         if absent:
             problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
-        elif s.low_freq_factor >= s.high_freq_factor:
-            problems.append(f"llama3 RoPE: low_freq_factor={s.low_freq_factor} must be below "
-                            f"high_freq_factor={s.high_freq_factor}")
+        elif low is not None and high is not None and low >= high:  # both stated: not absent
+            problems.append(f"llama3 RoPE: low_freq_factor={low} must be below high_freq_factor={high}")
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
@@ -284,6 +287,10 @@ def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]
     return file, raw
 
 
+@overload
+def load_decoder_config(path: str | os.PathLike[str], kind: type[C]) -> C: ...
+@overload
+def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> DecoderConfig: ...
 def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
     """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
     file, raw = read_config_json(path)
@@ -318,39 +325,47 @@ def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
-    gain = dict(kind=NORM, init=Gain())
+    gain_init = Gain()
+
+    def norm(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> ParamSpec:
+        return ParamSpec(name, shape, kind=NORM, axes=axes, init=gain_init)
+
+    bias_init = Bias()
+
+    def bias(name: str, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> ParamSpec:
+        return ParamSpec(name, shape, axes=axes, init=bias_init)
+
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     specs = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)),
-             ParamSpec("model.norm.weight", (H,), axes=(EMBED,), **gain)]
+             norm("model.norm.weight", (H,), (EMBED,))]
     if not c.tie_word_embeddings:
         specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)))
     # Targets load unquantized checkpoints: their matrices are `spec.FLOAT`, never `LINEAR` (NVFP4-packed).
     specs += [
-        ParamSpec("model.layers.{i}.input_layernorm.weight", (H,), axes=(EMBED,), **gain),
-        ParamSpec("model.layers.{i}.post_attention_layernorm.weight", (H,), axes=(EMBED,), **gain),
+        norm("model.layers.{i}.input_layernorm.weight", (H,), (EMBED,)),
+        norm("model.layers.{i}.post_attention_layernorm.weight", (H,), (EMBED,)),
         ParamSpec(attn + "q_proj.weight", (q_dim, H), axes=(HEADS, EMBED)),
         ParamSpec(attn + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
         ParamSpec(attn + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
         ParamSpec(attn + "o_proj.weight", (H, q_dim), axes=(EMBED, HEADS)),
     ]
     if c.QK_NORM:
-        specs += [ParamSpec(attn + "q_norm.weight", (d_h,), axes=(None,), **gain),
-                  ParamSpec(attn + "k_norm.weight", (d_h,), axes=(None,), **gain)]
+        specs += [norm(attn + "q_norm.weight", (d_h,), (None,)),
+                  norm(attn + "k_norm.weight", (d_h,), (None,))]
     specs += [
         ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
         ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
         ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP)),
     ]
-    bias = dict(init=Bias())
     if c.attention_bias:
-        specs += [ParamSpec(attn + "q_proj.bias", (q_dim,), axes=(HEADS,), **bias),
-                  ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
-                  ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), **bias),
-                  ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), **bias)]
+        specs += [bias(attn + "q_proj.bias", (q_dim,), (HEADS,)),
+                  bias(attn + "k_proj.bias", (kv_dim,), (KV_HEADS,)),
+                  bias(attn + "v_proj.bias", (kv_dim,), (KV_HEADS,)),
+                  bias(attn + "o_proj.bias", (H,), (EMBED,))]
     if c.mlp_bias:
-        specs += [ParamSpec(mlp + "gate_proj.bias", (I,), axes=(MLP,), **bias),
-                  ParamSpec(mlp + "up_proj.bias", (I,), axes=(MLP,), **bias),
-                  ParamSpec(mlp + "down_proj.bias", (H,), axes=(EMBED,), **bias)]
+        specs += [bias(mlp + "gate_proj.bias", (I,), (MLP,)),
+                  bias(mlp + "up_proj.bias", (I,), (MLP,)),
+                  bias(mlp + "down_proj.bias", (H,), (EMBED,))]
     return specs
 
 
@@ -385,8 +400,9 @@ class Layout:
 
     def spec(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> PartitionSpec:
         """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
-        rules = {VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis,
-                 KV_HEADS: self.tensor_axis if self.split_kv else None}
+        rules: dict[str | None, str | tuple[str, ...] | None] = {
+            VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis,
+            KV_HEADS: self.tensor_axis if self.split_kv else None}
         batch = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None and batch_size % batch == 0 \
             else None

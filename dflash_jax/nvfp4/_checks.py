@@ -22,7 +22,7 @@ def check_nvfp4_shapes(
     packed_shape: Sequence[int],
     scale_shape: Sequence[int],
     scale_2_shape: Sequence[int],
-    expected_nk: tuple[int, int] | None = None,
+    expected_nk: tuple[int, ...] | None = None,
 ) -> tuple[int, int]:
     """Checks the shapes of one NVFP4 Linear and returns its unpacked (N, K).
 

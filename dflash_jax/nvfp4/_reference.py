@@ -35,7 +35,7 @@ def dequantize_xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array, dtyp
     return (values * block_scale[..., None]).reshape(*lead, 2 * half_k).astype(dtype)
 
 
-def quantize(w) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize(w) -> tuple[np.ndarray, np.ndarray, np.float32]:
     """ModelOpt's dynamic NVFP4 quantization of `w` [..., K] (any float dtype), K a multiple of 16.
 
     Returns packed u8 [..., K/2], scale float8_e4m3fn [..., K/16] and scale_2 f32 [] such that

@@ -12,7 +12,7 @@ import fnmatch
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ def check_packed_scales(checkpoint: Checkpoint, name: str, dtype) -> None:
         raise CheckpointError(f"{checkpoint[scale_name].file}: {e}") from None
 
 
-def check_quant_config(directory: str, config: DflashConfig, packed: set[str]) -> None:
+def check_quant_config(directory: str, config: DflashConfig, packed: Set[str]) -> None:
     """Check that what the export declares (hf_quant_config.json, quantization_config) fits the tensors."""
     declared: list[tuple[str, QuantizationConfig]] = []
     file = os.path.join(directory, QUANT_CONFIG_FILE)
