@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import decode_attention
 
+from dflash_jax.attention import pallas_tile
+
 LOOP = 20
 KV_HEADS, HEAD_DIM = 8, 128
 
@@ -40,7 +42,7 @@ def main() -> None:
         floor = 2 * k.nbytes / 4.0e12 * 1e3
         for rows in row_counts:
             q = jax.random.normal(jax.random.key(2), (KV_HEADS, rows, HEAD_DIM), jnp.bfloat16)
-            tile = max(16, 1 << (rows - 1).bit_length())
+            tile = pallas_tile(rows)
             times = {}
             for block_k, warps, per_split in itertools.product((64, 128), (2, 4, 8), (1024, 2048)):
                 def attend(q, k, v, stop, tile=tile, block_k=block_k, warps=warps, splits=T // per_split):

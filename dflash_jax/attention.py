@@ -29,9 +29,9 @@ import jax.numpy as jnp
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-# (key slots per step, warps) of the GPU kernel by query tile rows: the fastest of 2 x 3 choices on an H200 over
-# 32k and 128k spans, timed in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token
-# verify's 128-row tile: 0.110 -> 0.085 ms per 32k layer; a 16-token block's 64-row tile: 0.077 -> 0.062 ms.
+# (key slots per step, warps) of the GPU kernel by query tile rows (`pallas_tile`): measured on an H200 over 32k
+# and 128k spans in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token verify's 128-row
+# tile: 0.119 -> 0.077 ms per 32k layer against 128 slots; a 16-token block's 64-row tile: 0.068 -> 0.061 ms.
 PALLAS_TUNING: dict[int, tuple[int, int]] = {16: (128, 4), 32: (128, 4), 64: (64, 4), 128: (64, 4)}
 
 
@@ -155,7 +155,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     batch, n_kv, groups, Sq, d_h = q.shape
     capacity = span.k.shape[2]
     splits = _splits(capacity)
-    tile = max(16, _tile_rows(groups * Sq))  # query rows per program (Triton's dot needs >= 16)
+    tile = pallas_tile(groups * Sq)
     block_k, warps = PALLAS_TUNING[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
@@ -173,9 +173,15 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     return _Partial(acc, m, l)
 
 
-def _tile_rows(rows: int) -> int:
-    """Rows of the kernel's query tile: the next power of two (Triton tiles are powers of two)."""
-    return 1 << (rows - 1).bit_length()
+def pallas_tile(rows: int) -> int:
+    """Query rows per program of the GPU kernel for `rows` query rows per KV head: the next power of two (Triton
+    tiles are powers of two), at least 16 (Triton's dot needs 16)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def span_capacity(rows: int) -> int:
+    """`rows` rounded up to a multiple of `SPAN_ALIGN`: the capacity of a cache the GPU kernel reads."""
+    return -(-rows // SPAN_ALIGN) * SPAN_ALIGN
 
 
 def _splits(capacity: int) -> int:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_propose_inputs
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span
+from .attention import KeyValues, LayerRule, Span, span_capacity
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
     AttentionOptions,
@@ -114,7 +114,7 @@ def init_cache(
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
     rules = attention_rules(c, attention)
     rings = _rings(rules)
-    full_rows = -(-max_context // SPAN_ALIGN) * SPAN_ALIGN  # aligned for the GPU kernel; rows past max_context: empty
+    full_rows = span_capacity(max_context)  # aligned for the GPU kernel; rows past max_context stay empty
     rows = [min(max_context, r.window + c.effective_block_size) if ring and r.window is not None else full_rows
             for r, ring in zip(rules, rings)]
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import msgspec
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, attend, causal_self_attention, use_cudnn
+from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
 from .config import (
     MAX_CONFIG_BYTES,
     Dim,
@@ -538,7 +538,7 @@ class DecoderTarget:
         of `attention.SPAN_ALIGN`, so that the GPU kernel reads it), in the params' dtype (on a mesh: split by KV
         heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
-        shape = (batch_size, c.num_key_value_heads, -(-max_length // SPAN_ALIGN) * SPAN_ALIGN, c.head_dim)
+        shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
         zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype, device=where)  # noqa: E731
                               for _ in range(c.num_hidden_layers))
@@ -570,7 +570,6 @@ class DecoderTarget:
         `[batch, V]` float32, and the cache.
         """
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
-
 
 
 @jax.tree_util.register_dataclass
