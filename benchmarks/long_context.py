@@ -9,8 +9,9 @@ all `ctx` rows on full ones) at the copy bandwidth measured in the same run (`x 
 
 Part `decode`: `speculative_generate` and `greedy_generate` on a Qwen3-8B-shaped target (YaRN to 131072
 positions, as Qwen3 documents for long contexts) made by `successor_target` (so acceptance can be dialled), with
-the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`: prefill seconds, decode
-tokens/s, peak device memory. Floors: greedy decoding reads the weights and the KV cache each token; a prefill
+the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each also with the default
+`Backoff` (plain target steps while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device
+memory. Floors: greedy decoding reads the weights and the KV cache each token; a prefill
 does `2 x params x tokens` plus causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with
 the bf16 matmul rate measured in the same run (an 8192^3 GEMM).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -39,7 +41,7 @@ from timing import call_seconds  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
-from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.generate import Backoff, greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.model import attention_rules  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
     preset_dict,
@@ -57,6 +59,8 @@ DRAFTERS = {
 LONG_QWEN3_8B = {**QWEN3_8B, "max_position_embeddings": 131072,
                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
 NEW_ROWS = 16
+DECODE_RUNS = ("greedy", "full acceptance", "zero acceptance", "full acceptance + backoff",
+               "zero acceptance + backoff")
 
 
 def fastest(f, x, runs: int = 5) -> float:
@@ -126,7 +130,7 @@ def peak_gb() -> float:
 
 
 def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
-                chunk: int):
+                chunk: int, wanted):
     config = {**SMALL, "num_hidden_layers": 3, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
@@ -139,6 +143,7 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),
                 "zero acceptance": successor_drafter(dspark, other)}
+    backoffs = {"": None, " + backoff": Backoff()}
     c = target.config
     params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
     weight_bytes = nbytes(target.params) - c.vocab_size * c.hidden_size * 2
@@ -152,11 +157,13 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
             runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new, prefill_chunk=chunk,
                                                                           beyond_max_positions=b)}
-            for name, d in drafters.items():
-                runs[name] = lambda d=d, p=prompts, b=beyond: speculative_generate(
-                    target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b)
+            for (name, d), (suffix, backoff) in itertools.product(drafters.items(), backoffs.items()):
+                runs[name + suffix] = lambda d=d, p=prompts, b=beyond, bo=backoff: speculative_generate(
+                    target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b, backoff=bo)
             base, greedy_tokens = None, None
             for name, run in runs.items():
+                if name != "greedy" and name not in wanted:
+                    continue
                 if not small:  # --small checks the script, not the speed: its one run includes compiling
                     run()
                 results = [run() for _ in range(repeats)]
@@ -171,10 +178,11 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
                 row = dict(part="decode", run=name, prompt=P, batch=batch, prefill_s=prefill,
                            prefill_mfu=prefill_flops / prefill / flops, tokens_per_s=tps, speedup=tps / base,
                            greedy_floor_tps=floor_tps, same_as_greedy=tokens == greedy_tokens, peak_gb=peak_gb(),
-                           mean_acceptance=results[-1].mean_acceptance_length)
+                           mean_acceptance=results[-1].mean_acceptance_length,
+                           plain_tokens=np.sum(results[-1].plain_tokens).item())
                 rows.append(row)
                 print(f"| {P} | {batch} | {name} | {prefill:.2f} | {row['prefill_mfu']:.0%} | {tps:.1f} | "
-                      f"{tps / base:.2f} | {floor_tps:.1f} | {row['mean_acceptance']:.2f} | "
+                      f"{tps / base:.2f} | {floor_tps:.1f} | {row['mean_acceptance']:.2f} | {row['plain_tokens']} | "
                       f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
     return rows
 
@@ -189,6 +197,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--decode-batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--runs", nargs="+", default=list(DECODE_RUNS), choices=DECODE_RUNS,
+                        help="decode runs (greedy always runs: the others are compared with it)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
@@ -213,10 +223,11 @@ def main() -> None:
                                  args.impls, args.small)
     if "decode" in args.parts:
         print("| prompt | batch | run | prefill s | prefill MFU | tokens/s | x greedy | greedy floor tok/s | "
-              "acceptance | same as greedy | peak GB |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
+              "acceptance | plain tokens | same as greedy | peak GB |\n"
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
               flush=True)
         rows += decode_rows(args.prompts, args.decode_batch, args.max_new, args.repeats, bandwidth, flops,
-                            args.small, args.chunk)
+                            args.small, args.chunk, args.runs)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

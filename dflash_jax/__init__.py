@@ -18,7 +18,7 @@ from .config import DflashConfig, parse_config
 from .drafter import Drafter, draft_to_target_ids
 from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
-from .generate import GenerationResult, greedy_generate, speculative_generate
+from .generate import Backoff, GenerationResult, greedy_generate, speculative_generate
 from .linen import DrafterModule
 from .loader import load_config, load_drafter
 from .model import AttentionOptions, draft_hidden, draft_logits
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "AttentionOptions",
+    "Backoff",
     "CheckpointError",
     "ConfigError",
     "ContextCache",

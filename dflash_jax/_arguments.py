@@ -64,9 +64,9 @@ def check_block_inputs(config: DflashConfig, where: str, target_hidden, block_id
 
 
 def check_propose_inputs(config: DflashConfig, where: str, cache_batch: int, target_hidden, num_new,
-                         anchor_ids) -> None:
-    """`propose`: target_hidden `[batch, n_new, Lf*H]` with the cache's batch, num_new `[batch]` in
-    `[0, n_new]`, anchor_ids `[batch]` of token ids."""
+                         anchor_ids=None) -> None:
+    """`propose` / `append_context`: target_hidden `[batch, n_new, Lf*H]` with the cache's batch, num_new
+    `[batch]` in `[0, n_new]`, anchor_ids (`propose`'s) `[batch]` of token ids."""
     width = len(config.checked_target_layer_ids) * config.hidden_size
     hidden = _shape(target_hidden)
     if len(hidden) != 3 or hidden[2] != width or hidden[0] != cache_batch:
@@ -75,13 +75,14 @@ def check_propose_inputs(config: DflashConfig, where: str, cache_batch: int, tar
                          f"{config.hidden_size})")
     batch, n_new = hidden[:2]
     for name, x in (("num_new", num_new), ("anchor_ids", anchor_ids)):
-        if _shape(x) != (batch,):
+        if x is not None and _shape(x) != (batch,):
             raise ValueError(f"{where}: {name} has shape {list(_shape(x))}, expected [{batch}]")
     counts = _concrete(num_new)
     if counts is not None and ((counts < 0) | (counts > n_new)).any():
         raise ValueError(f"{where}: num_new {counts.tolist()} has entries outside [0, {n_new}] (n_new, the "
                          "padded row count of target_hidden)")
-    check_token_ids(where, "anchor_ids", anchor_ids, config.vocab_size)
+    if anchor_ids is not None:
+        check_token_ids(where, "anchor_ids", anchor_ids, config.vocab_size)
 
 
 def check_sampling(where: str, key, temperature) -> None:

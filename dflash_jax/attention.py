@@ -29,6 +29,7 @@ import jax.numpy as jnp
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
+SPLIT_KEYS = 1024  # key slots per program of the GPU kernel (split-K); caches longer than this are multiples of it
 # (key slots per step, warps) of the GPU kernel by query tile rows (`pallas_tile`): measured on an H200 over 32k
 # and 128k spans in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token verify's 128-row
 # tile: 0.119 -> 0.077 ms per 32k layer against 128 slots; a 16-token block's 64-row tile: 0.068 -> 0.061 ms.
@@ -180,16 +181,20 @@ def pallas_tile(rows: int) -> int:
 
 
 def span_capacity(rows: int) -> int:
-    """`rows` rounded up to a multiple of `SPAN_ALIGN`: the capacity of a cache the GPU kernel reads."""
-    return -(-rows // SPAN_ALIGN) * SPAN_ALIGN
+    """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and
+    past `SPLIT_KEYS` rows a multiple of it, so that the kernel's splits (which must divide the capacity) are
+    `SPLIT_KEYS` long. Before, 128-slot alignment alone gave capacities of a prime number of blocks (2944 =
+    23 x 128 for a 2k context with room for 50 steps), read in splits of 128 keys."""
+    align = SPLIT_KEYS if rows > SPLIT_KEYS else SPAN_ALIGN
+    return -(-rows // align) * align
 
 
 def _splits(capacity: int) -> int:
-    """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about 8 blocks (1024 keys), so a
-    long span is read by many programs at once (measured: 16 fixed splits ran a 128k span at 1/6 of the
-    bandwidth); a split past a sequence's `stop` exits at once."""
-    blocks = capacity // SPAN_ALIGN
-    return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - 8))
+    """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about `SPLIT_KEYS` keys (exactly
+    that for a `span_capacity`), so a long span is read by many programs at once (measured: 16 fixed splits ran a
+    128k span at 1/6 of the bandwidth); a split past a sequence's `stop` exits at once."""
+    blocks, per_split = capacity // SPAN_ALIGN, SPLIT_KEYS // SPAN_ALIGN
+    return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - per_split))
 
 
 def use_pallas(q: jax.Array, span: Span) -> bool:

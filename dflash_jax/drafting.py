@@ -53,7 +53,7 @@ class ContextCache:
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
     buffer: position p in slot `p % ring`, `ring = window + block size` rows, so its memory does not grow with
     the context. The other layers keep every position p in slot p, up to `max_context` (their rows are rounded
-    up to a multiple of `attention.SPAN_ALIGN`, so that the GPU kernel reads them). `attention`: the options
+    up by `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options
     the cache was made with (`propose` refuses others: they decide which layers are rings).
     """
 
@@ -356,6 +356,33 @@ def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, 
     return Memory(spans=(Span(k, v, jnp.zeros_like(stop), sinks), Span(k, v, interior, stop)), dense=(strip,))
 
 
+def _check_attention(cache: ContextCache, attention: AttentionOptions, where: str) -> None:
+    if attention != cache.attention:
+        raise ValueError(f"the cache was made with {cache.attention}, this {where} call has {attention}: pass "
+                         f"init_cache and {where} the same attention options (they decide the cache's layout)")
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "append_chunk"), donate_argnames=("cache",))
+def append_context(
+    drafter: Drafter,
+    cache: ContextCache,
+    target_hidden: jax.Array,
+    num_new: jax.Array,
+    *,
+    attention: AttentionOptions = AttentionOptions(),
+    append_chunk: int = APPEND_CHUNK,
+) -> ContextCache:
+    """Append context rows without drafting: `propose`'s first half, for steps that make no drafts.
+
+    target_hidden `[batch, n_new, Lf*H]` and num_new `[batch]` as in `propose`; the rows are projected and their
+    K/V written `append_chunk` at a time. The cache is donated; `attention` must be the cache's.
+    """
+    check_propose_inputs(drafter.config, "append_context", cache.lengths.shape[0], target_hidden, num_new)
+    _check_attention(cache, attention, "append_context")
+    return _append_chunked(drafter, cache, target_hidden, jnp.asarray(num_new, jnp.int32),
+                           min(append_chunk, target_hidden.shape[1]))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("attention", "impl", "append_chunk"),
@@ -397,9 +424,7 @@ def propose(
     check_propose_inputs(config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens
-    if attention != cache.attention:
-        raise ValueError(f"the cache was made with {cache.attention}, this propose call has {attention}: pass "
-                         "init_cache and propose the same attention options (they decide the cache's layout)")
+    _check_attention(cache, attention, "propose")
     rules = attention_rules(config, attention)
     num_new = jnp.asarray(num_new, jnp.int32)
     dtype = params["fc"]["weight"].dtype

@@ -45,7 +45,7 @@ import numpy as np
 
 from ._arguments import check_sampling, check_token_ids
 from .drafter import Drafter
-from .drafting import ContextCache, Proposal, init_cache, propose
+from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .model import AttentionOptions
 from .target import PREFILL_CHUNK, Target
 
@@ -67,6 +67,7 @@ class GenerationResult:
     acceptance_lengths: list[int] | list[list[int]]
     prefill_seconds: float
     decode_seconds: float
+    plain_tokens: int | list[int] = 0  # per prompt: tokens made by plain target steps (`Backoff`), not by verifies
 
     def _per_prompt(self, field: list) -> list[list[int]]:
         return field if field and isinstance(field[0], list) else [field]
@@ -147,6 +148,35 @@ def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """Stop drafting while it does not pay: `speculative_generate(..., backoff=Backoff())` (off by default).
+
+    A verify step costs more than a plain target step: K + 1 tokens through the target, then a drafting step (on
+    an H200 at a 32k context, a 16-draft DSpark step costs ~1.6 plain steps). The loop keeps a running mean of
+    the tokens a verify commits per running sequence (accepted drafts + the bonus; each verify weighs half, the
+    older ones the other half; it starts at K + 1). While that mean is below `min_tokens`, it runs plain target
+    steps, one token and no drafting each, before drafting again: 1 after the first verify below it, then 2, 4,
+    ... up to `max_plain_steps` while the verifies in between keep it below. The drafter's context keeps up
+    during plain steps (their features are appended to it), so the next draft sees the whole sequence.
+
+    Output is unchanged: the target's greedy tokens at temperature 0, its sampling distribution at T > 0 (a
+    plain step samples from the target; when to verify depends only on past steps). The decision is one for the
+    batch, which runs in lockstep. Varying how much to speculate from the acceptance so far is the idea of
+    adaptive speculation lengths (Mamou et al. 2024, arXiv:2405.04304; Huang et al. 2024, arXiv:2405.19715).
+    """
+
+    min_tokens: float = 1.5
+    max_plain_steps: int = 32
+
+    def __post_init__(self):
+        if not (isinstance(self.min_tokens, (int, float)) and 1 <= self.min_tokens < float("inf")):
+            raise ValueError(f"Backoff.min_tokens must be a finite number >= 1 (a verify commits at least one "
+                             f"token), got {self.min_tokens!r}")
+        if not (isinstance(self.max_plain_steps, int) and self.max_plain_steps >= 1):
+            raise ValueError(f"Backoff.max_plain_steps must be an int >= 1, got {self.max_plain_steps!r}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _State:
@@ -160,9 +190,13 @@ class _State:
     proposal: Proposal  # drafts for the next verify
     out: jax.Array  # [batch, max_new] new tokens
     n_out: jax.Array  # [batch] tokens in `out`
-    accept: jax.Array  # [batch, max_new] acceptance length of each step (0 once a sequence is done)
+    accept: jax.Array  # [batch, max_new] acceptance length of each verify step (0: done, or a plain step)
+    plain: jax.Array  # [batch] tokens made by plain steps
     done: jax.Array  # [batch] bool
     key: jax.Array
+    mean_tokens: jax.Array  # [] float32 `Backoff`'s running mean of tokens per verify
+    plain_run: jax.Array  # [] int32 the length of the current run of plain steps (0: none)
+    plain_left: jax.Array  # [] int32 plain steps before the next verify (0: this step verifies)
 
 
 def _acceptance(
@@ -229,20 +263,42 @@ def _spec_prefill(
         out=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
         n_out=jnp.ones((batch,), jnp.int32),
         accept=jnp.zeros((batch, max_new_tokens), jnp.int32),
+        plain=jnp.zeros((batch,), jnp.int32),
         done=(first[:, None] == stop).any(-1) | (max_new_tokens <= 1),
         key=key,
+        mean_tokens=jnp.float32(drafter.config.num_draft_tokens + 1),
+        plain_run=jnp.zeros((), jnp.int32),
+        plain_left=jnp.zeros((), jnp.int32),
     )
 
 
 def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, max_new_tokens: int, sampling: bool,
-               attention: AttentionOptions, s: _State, progress: Callable[[Any], None] | None = None) -> _State:
-    """One verify + commit + draft step for every sequence still running."""
+               attention: AttentionOptions, backoff: Backoff | None, s: _State,
+               progress: Callable[[Any], None] | None = None) -> _State:
+    """One verify + commit + draft step for every sequence still running (under `backoff`, some steps are plain:
+    one target token, no drafts)."""
     batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
+    layer_ids = drafter.config.checked_target_layer_ids
     verify_key, draft_key, key = jax.random.split(s.key, 3)
     live = ~s.done
-    verify = jnp.concatenate([s.anchor[:, None], s.proposal.tokens], axis=1)  # [batch, K + 1]
-    out = target(verify, s.target_cache, s.lengths, layer_ids=drafter.config.checked_target_layer_ids)
-    accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
+
+    def verify(s: _State):
+        tokens = jnp.concatenate([s.anchor[:, None], s.proposal.tokens], axis=1)  # [batch, K + 1]
+        out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
+        accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
+        return out.cache, out.features, accepted, last  # features [batch, K + 1, Lf*H]
+
+    def plain(s: _State):  # the anchor alone: a verify that rejects every draft
+        out = target(s.anchor[:, None], s.target_cache, s.lengths, layer_ids=layer_ids)
+        last = _pick(verify_key if sampling else None, out.logits[:, 0], temperature)  # [batch]
+        features = jnp.pad(out.features, ((0, 0), (0, K), (0, 0)))  # [batch, K + 1, Lf*H]; only row 0 is real
+        return out.cache, features, jnp.zeros_like(last), last
+
+    verifies = s.plain_left == 0  # [] always, without a backoff
+    if backoff is None:
+        target_cache, features, accepted, last = verify(s)
+    else:
+        target_cache, features, accepted, last = jax.lax.cond(verifies, verify, plain, s)
 
     # Commit d_1..d_a + last, cut after a stop token and at the token budget.
     made = jnp.pad(s.proposal.tokens, ((0, 0), (0, 1)))
@@ -255,37 +311,65 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     slots = jnp.where(kept, s.n_out[:, None] + jnp.arange(K + 1), max_new_tokens)  # past the end: dropped
     n_out = s.n_out + keep
     done = s.done | (is_stop & kept).any(1) | (n_out >= max_new_tokens)
-
     committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
-    proposal, context = propose(drafter, s.context, out.features, committed, last,
-                                key=draft_key if sampling else None, temperature=temperature,
-                                confidence_threshold=threshold, attention=attention)
+
+    mean_tokens, plain_run, plain_left = _backoff_schedule(backoff, s, committed, live)
+
+    def draft(context: ContextCache):
+        return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
+                       temperature=temperature, confidence_threshold=threshold, attention=attention)
+
+    def keep_up(context: ContextCache):  # the next step is plain: its drafts are never read
+        return s.proposal, append_context(drafter, context, features, committed, attention=attention)
+
+    if backoff is None:
+        proposal, context = draft(s.context)
+    else:
+        proposal, context = jax.lax.cond(plain_left == 0, draft, keep_up, s.context)
     if progress is not None:
         jax.debug.callback(progress, n_out)
     return _State(
         step=s.step + 1,
-        target_cache=out.cache,
+        target_cache=target_cache,
         lengths=s.lengths + committed,
         context=context,
         anchor=jnp.where(live, last, s.anchor),
         proposal=proposal,
         out=s.out.at[rows, slots].set(made, mode="drop"),
         n_out=n_out,
-        accept=s.accept.at[:, s.step].set(committed),
+        accept=s.accept.at[:, s.step].set(jnp.where(verifies, committed, 0)),
+        plain=s.plain + jnp.where(verifies, 0, committed),
         done=done,
         key=key,
+        mean_tokens=mean_tokens,
+        plain_run=plain_run,
+        plain_left=plain_left,
     )
 
 
+def _backoff_schedule(backoff: Backoff | None, s: _State, committed: jax.Array, live: jax.Array):
+    """`Backoff`'s rule after a step: `(mean tokens per verify, plain run length, plain steps left)`."""
+    if backoff is None:
+        return s.mean_tokens, s.plain_run, s.plain_left
+    verified = s.plain_left == 0
+    tokens = committed.sum() / jnp.maximum(live.sum(), 1)  # [] this step's tokens per running sequence
+    mean = jnp.where(verified, (s.mean_tokens + tokens) / 2, s.mean_tokens)
+    failing = mean < backoff.min_tokens
+    run = jnp.where(failing, jnp.clip(2 * s.plain_run, 1, backoff.max_plain_steps), 0)  # 1, 2, 4, ... max
+    return (mean, jnp.where(verified, run, s.plain_run).astype(jnp.int32),
+            jnp.where(verified, jnp.where(failing, run, 0), s.plain_left - 1).astype(jnp.int32))
+
+
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "progress"), donate_argnames=("state",)
+    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "backoff", "progress"),
+    donate_argnames=("state",),
 )
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
-                 max_new_tokens: int, sampling: bool, attention: AttentionOptions,
+                 max_new_tokens: int, sampling: bool, attention: AttentionOptions, backoff: Backoff | None = None,
                  progress: Callable[[Any], None] | None = None) -> _State:
     """Steps until every sequence is done, as one `lax.while_loop`."""
     step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
-                             attention, progress=progress)
+                             attention, backoff, progress=progress)
     return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
 
 
@@ -303,6 +387,7 @@ def speculative_generate(
     attention: AttentionOptions = AttentionOptions(),
     prefill_chunk: int = PREFILL_CHUNK,
     beyond_max_positions: bool = False,
+    backoff: Backoff | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
 
@@ -317,8 +402,11 @@ def speculative_generate(
     attention: the drafter's attention rule (`AttentionOptions`; default: the trained rule; a draft window
     changes acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time.
     A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
-    (ValueError) unless `beyond_max_positions`.
+    (ValueError) unless `beyond_max_positions`. `backoff` (`Backoff`): run plain target steps while drafts are
+    rarely accepted (`GenerationResult.plain_tokens` counts their tokens); None: every step verifies drafts.
     """
+    if backoff is not None and not isinstance(backoff, Backoff):
+        raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompts, single = _as_batch(prompt_ids)
@@ -344,14 +432,16 @@ def speculative_generate(
     prefill = time.perf_counter() - start
     start = time.perf_counter()
     state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens,
-                         sampling=sampling, attention=attention, progress=progress)
-    out, n_out, accept = jax.device_get((state.out, state.n_out, state.accept))
+                         sampling=sampling, attention=attention, backoff=backoff, progress=progress)
+    out, n_out, accept, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
     decode = time.perf_counter() - start
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
     new = _to_lists(out, n_out)
     steps = [[int(a) for a in row if a > 0] for row in accept]
-    return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode)
+    plain_tokens = [int(n) for n in plain]
+    return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode,
+                            plain_tokens[0] if single else plain_tokens)
 
 
 def _check_positions(prompts: list[list[int]], max_new_tokens: int, target: Target, drafter: Drafter | None,
@@ -471,4 +561,5 @@ def greedy_generate(
     decode = time.perf_counter() - start
     lists = _to_lists(new, n_out)
     empty: list[list[int]] = [[] for _ in prompts]
-    return GenerationResult(lists[0] if single else lists, empty[0] if single else empty, prefill, decode)
+    return GenerationResult(lists[0] if single else lists, empty[0] if single else empty, prefill, decode,
+                            0 if single else [0] * len(prompts))

@@ -534,8 +534,8 @@ class DecoderTarget:
         return self.config.max_position_embeddings
 
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-        """An empty KV cache for `batch_size` sequences of up to `max_length` positions (rounded up to a multiple
-        of `attention.SPAN_ALIGN`, so that the GPU kernel reads it), in the params' dtype (on a mesh: split by KV
+        """An empty KV cache for `batch_size` sequences of up to `max_length` positions (rounded up by
+        `attention.span_capacity`, so that the GPU kernel reads it well), in the params' dtype (on a mesh: split by KV
         heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
         shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)

@@ -16,7 +16,10 @@ def test_long_context_small(tmp_path):
     propose = [r for r in rows if r["part"] == "propose"]
     decode = [r for r in rows if r["part"] == "decode"]
     assert propose and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in propose)
-    assert {r["run"] for r in decode} == {"greedy", "full acceptance", "zero acceptance"}
+    assert {r["run"] for r in decode} == {"greedy", "full acceptance", "zero acceptance", "full acceptance + backoff",
+                                          "zero acceptance + backoff"}
     assert all(r["same_as_greedy"] for r in decode)
     full = next(r for r in decode if r["run"] == "full acceptance")
     assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
+    runs = {r["run"]: r for r in decode}
+    assert runs["full acceptance + backoff"]["plain_tokens"] == 0 < runs["zero acceptance + backoff"]["plain_tokens"]

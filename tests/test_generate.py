@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import AttentionOptions, load_drafter
+from dflash_jax import AttentionOptions, Backoff, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
 from dflash_jax.drafting import init_cache
 from dflash_jax.generate import (
     GenerationResult,
     _attach,
+    _backoff_schedule,
     _pad_prompts,
     _spec_prefill,
     _spec_step,
@@ -34,6 +35,7 @@ MAX_NEW = 24
 RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (1, 2, 3, 5, 8, 13, 17, 21, 24, 24)]  # one prompt bucket
 SUCCESSOR = np.random.default_rng(0).permutation(128)
+ALWAYS = Backoff(min_tokens=100.0, max_plain_steps=4)  # every verify falls short: plain runs of 1, 2, 4, 4, ...
 
 
 @pytest.fixture(scope="module")
@@ -116,35 +118,32 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert cut.mean_acceptance_length < result.mean_acceptance_length
 
 
-def test_caches_hold_exactly_the_committed_tokens(target, oracle):
-    """After steps with partial acceptance, each sequence's target KV cache and drafter context hold exactly what
-    a fresh prefill of its committed tokens (prompt + output, less the pending anchor) gives: rejected drafts
-    are trimmed away, no accepted token is missing, and the next proposal is the same."""
-    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
-    drafter = _attach(nudged, oracle)
+def _stepper(target, drafter):
+    """`(prefill(prompts), step(state, backoff))` of the speculative loop, greedy, with 128-slot caches."""
     stop, temperature, threshold = _stop_array(None), jnp.float32(1.0), jnp.float32(0.0)
 
     def prefill(prompts):
         tokens, lengths = _pad_prompts(prompts)
-        caches = nudged.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
-        return _spec_prefill(nudged, drafter, *caches, tokens, lengths, stop, temperature, threshold,
+        caches = target.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
+        return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temperature, threshold,
                              jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False, attention=AttentionOptions(),
                              prefill_chunk=PREFILL_CHUNK)
 
-    step = jax.jit(_spec_step, static_argnums=(5, 6, 7))
-    state = prefill(PROMPTS)
-    # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
-    # prompts' bucket, so the fresh prefill below reuses the compiled prefill.
-    state = step(nudged, drafter, stop, temperature, threshold, MAX_NEW, False, AttentionOptions(), state)
-    out, n_out = np.asarray(state.out), np.asarray(state.n_out)
-    assert not state.done.any() and len(set(n_out.tolist())) > 1  # sequences accepted different amounts
-    committed = [p + out[b, : n_out[b] - 1].tolist() for b, p in enumerate(PROMPTS)]
+    step = jax.jit(_spec_step, static_argnums=(5, 6, 7, 8))
+    return prefill, lambda state, backoff: step(target, drafter, stop, temperature, threshold, MAX_NEW, False,
+                                                AttentionOptions(), backoff, state)
 
+
+def _assert_as_if_prefilled(prefill, state, prompts):
+    """Each sequence's target KV cache, drafter context and next proposal are what a fresh prefill of its committed
+    tokens (prompt + output, less the pending anchor) gives."""
+    out, n_out = np.asarray(state.out), np.asarray(state.n_out)
+    committed = [p + out[b, : n_out[b] - 1].tolist() for b, p in enumerate(prompts)]
     fresh = prefill(committed)
     lengths = [len(c) for c in committed]
     for got in (state.lengths, state.context.lengths, fresh.lengths, fresh.context.lengths):
         assert np.asarray(got).tolist() == lengths
-    np.testing.assert_array_equal(np.asarray(state.anchor), out[np.arange(len(PROMPTS)), n_out - 1])
+    np.testing.assert_array_equal(np.asarray(state.anchor), out[np.arange(len(prompts)), n_out - 1])
     np.testing.assert_array_equal(np.asarray(fresh.anchor), np.asarray(state.anchor))
     np.testing.assert_array_equal(np.asarray(fresh.proposal.tokens), np.asarray(state.proposal.tokens))
     pairs = zip(state.target_cache.k + state.target_cache.v + state.context.keys + state.context.values,
@@ -152,6 +151,33 @@ def test_caches_hold_exactly_the_committed_tokens(target, oracle):
     for a, b in pairs:  # per layer [batch, n_kv, T, d_h]
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=0, atol=1e-5)
+
+
+def test_caches_hold_exactly_the_committed_tokens(target, oracle):
+    """After a step with partial acceptance, the caches hold exactly the committed tokens: rejected drafts are
+    trimmed away, no accepted token is missing, and the next proposal is the same as after a fresh prefill."""
+    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
+    prefill, step = _stepper(nudged, _attach(nudged, oracle))
+    # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
+    # prompts' bucket, so the fresh prefill reuses the compiled prefill.
+    state = step(prefill(PROMPTS), None)
+    assert not state.done.any() and len(set(np.asarray(state.n_out).tolist())) > 1  # different acceptances
+    _assert_as_if_prefilled(prefill, state, PROMPTS)
+
+
+def test_plain_steps_keep_the_drafters_context(target, oracle):
+    """`Backoff`: after a verify, a plain step and the drafting step that ends it, the caches and the proposal are
+    again those of a fresh prefill: the plain step's features were appended, once, at the right positions."""
+    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
+    prefill, step = _stepper(nudged, _attach(nudged, oracle))
+    state = prefill(PROMPTS)
+    verified = []
+    for _ in range(2):
+        verified.append(int(state.plain_left) == 0)
+        state = step(state, ALWAYS)
+    assert verified == [True, False] and int(state.plain_left) == 0  # verify, plain; the next step verifies
+    np.testing.assert_array_equal(np.asarray(state.plain), np.ones(len(PROMPTS)))
+    _assert_as_if_prefilled(prefill, state, PROMPTS)
 
 
 def test_stop_tokens_and_batch_independence(target, greedy, oracle):
@@ -204,3 +230,60 @@ def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory
         greedy_generate(target, [[1] * 1000], 30)
     with pytest.raises(ValueError, match="drafter's max_position_embeddings=200"):
         speculative_generate(target, drafter, [[1] * 190], max_new_tokens=20)
+
+
+# --- Backoff: plain target steps while drafts are rarely accepted ----------------------------------------------
+
+
+def _schedule(backoff: Backoff, tokens_per_verify: list[int], K: int = 7) -> str:
+    """The rule on one sequence that commits `tokens_per_verify[i]` at its i-th verify: 'v' verify, 'p' plain,
+    up to the verify after the last."""
+    s = type("Carry", (), {})()
+    s.mean_tokens, s.plain_run, s.plain_left = jnp.float32(K + 1), jnp.int32(0), jnp.int32(0)
+    kinds, verifies = "", iter(tokens_per_verify)
+    while True:
+        verified = int(s.plain_left) == 0
+        committed = next(verifies, None) if verified else 1
+        if committed is None:
+            return kinds
+        kinds += "v" if verified else "p"
+        s.mean_tokens, s.plain_run, s.plain_left = _backoff_schedule(backoff, s, jnp.asarray([committed]),
+                                                                     jnp.asarray([True]))
+
+
+def test_the_backoff_schedule():
+    """A running mean that halves the weight of older verifies (8 -> 4.5 -> 2.75 -> 1.88 -> 1.44): the fourth
+    1-token verify takes it under 1.5; then plain runs double up to the maximum, and a good verify ends them."""
+    backoff = Backoff(min_tokens=1.5, max_plain_steps=4)
+    assert _schedule(backoff, [1] * 8) == "vvvv" + "pv" + "ppv" + "ppppv" + "ppppv" + "pppp"
+    assert _schedule(backoff, [1] * 5 + [8, 8]) == "vvvv" + "pv" + "ppv" + "v"  # 8 lifts the mean to 4.6
+    assert _schedule(backoff, [8] * 6) == "v" * 6
+    assert _schedule(Backoff(min_tokens=1.0), [1] * 6) == "v" * 6  # a verify makes >= 1: never backs off
+
+
+@pytest.mark.parametrize("preset,backoff", [("tiny-dflash", Backoff()), ("tiny-dflash2", ALWAYS)])
+def test_backoff_is_lossless_and_counted(tmp_path_factory, target, greedy, preset, backoff):
+    """Random drafters: the loop turns to plain steps, the output is still the greedy one, and every token is the
+    prefill's, a verify's or a plain step's."""
+    drafter = _drafter(tmp_path_factory, preset, seed=2)
+    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=backoff)
+    assert result.tokens == greedy.tokens
+    assert all(n > 0 for n in result.plain_tokens)
+    for steps, plain, tokens in zip(result.acceptance_lengths, result.plain_tokens, result.tokens):
+        assert 1 + sum(steps) + plain >= len(tokens) == MAX_NEW  # the last step may be cut at the budget
+    with pytest.raises(TypeError, match="backoff must be a dflash_jax.Backoff"):
+        speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=1.5)
+
+
+def test_a_drafter_that_is_right_never_backs_off(target, oracle):
+    exact = successor_target(target, SUCCESSOR, layer_scale=0.5)
+    backed = speculative_generate(exact, oracle, PROMPTS[9], max_new_tokens=MAX_NEW, backoff=Backoff())
+    assert backed.tokens == greedy_generate(exact, PROMPTS[9], MAX_NEW).tokens
+    assert backed.plain_tokens == 0 and set(backed.acceptance_lengths) == {oracle.config.num_draft_tokens + 1}
+
+
+@pytest.mark.parametrize("bad", [dict(min_tokens=0.5), dict(min_tokens=float("nan")), dict(min_tokens=float("inf")),
+                                 dict(max_plain_steps=0), dict(max_plain_steps=2.0)])
+def test_bad_backoffs(bad):
+    with pytest.raises(ValueError, match="Backoff"):
+        Backoff(**bad)
