@@ -29,7 +29,12 @@ import jax.numpy as jnp
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-SPLIT_KEYS = 1024  # key slots per program of the GPU kernel (split-K); caches longer than this are multiples of it
+# Key slots per program of the GPU kernel (split-K), by cache capacity: (up to this many slots, keys per split for
+# tiles of < 64 rows, for 64- and 128-row tiles). Measured on an H200, one layer of 8 KV heads (benchmarks/
+# pallas_tiles.py, docs/benchmarks.md): short spans gain from more programs (a 2k span at 64 rows: 0.045 ms in
+# splits of 1024, 0.021 in splits of 512), a 128k span read by 64 rows from fewer partial results to merge
+# (0.178 -> 0.156 ms in splits of 4096), while a greedy token's 16-row tile keeps 1024 there.
+SPLIT_BANDS: tuple[tuple[float, int, int], ...] = ((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096))
 # (key slots per step, warps) of the GPU kernel by query tile rows (`pallas_tile`): measured on an H200 over 32k
 # and 128k spans in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token verify's 128-row
 # tile: 0.119 -> 0.077 ms per 32k layer against 128 slots; a 16-token block's 64-row tile: 0.068 -> 0.061 ms.
@@ -155,8 +160,8 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
 
     batch, n_kv, groups, Sq, d_h = q.shape
     capacity = span.k.shape[2]
-    splits = _splits(capacity)
     tile = pallas_tile(groups * Sq)
+    splits = _splits(capacity, tile)
     block_k, warps = PALLAS_TUNING[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
@@ -180,20 +185,26 @@ def pallas_tile(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
+def split_keys(capacity: int, tile: int) -> int:
+    """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs (`SPLIT_BANDS`)."""
+    _, small, large = next(band for band in SPLIT_BANDS if capacity <= band[0])
+    return large if tile >= 64 else small
+
+
 def span_capacity(rows: int) -> int:
-    """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and
-    past `SPLIT_KEYS` rows a multiple of it, so that the kernel's splits (which must divide the capacity) are
-    `SPLIT_KEYS` long. Before, 128-slot alignment alone gave capacities of a prime number of blocks (2944 =
-    23 x 128 for a 2k context with room for 50 steps), read in splits of 128 keys."""
-    align = SPLIT_KEYS if rows > SPLIT_KEYS else SPAN_ALIGN
+    """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and of
+    the longest split its band uses (`SPLIT_BANDS`), since the kernel's splits must divide the capacity. Before,
+    128-slot alignment alone gave capacities of a prime number of blocks (2944 = 23 x 128 for a 2k context with
+    room for 50 steps), read in splits of 128 keys. Rounding up never leaves the band."""
+    align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16), split_keys(rows, 128))
     return -(-rows // align) * align
 
 
-def _splits(capacity: int) -> int:
-    """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about `SPLIT_KEYS` keys (exactly
+def _splits(capacity: int, tile: int) -> int:
+    """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about `split_keys` keys (exactly
     that for a `span_capacity`), so a long span is read by many programs at once (measured: 16 fixed splits ran a
     128k span at 1/6 of the bandwidth); a split past a sequence's `stop` exits at once."""
-    blocks, per_split = capacity // SPAN_ALIGN, SPLIT_KEYS // SPAN_ALIGN
+    blocks, per_split = capacity // SPAN_ALIGN, split_keys(capacity, tile) // SPAN_ALIGN
     return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - per_split))
 
 

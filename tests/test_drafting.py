@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflash_jax.attention import SPAN_ALIGN, SPLIT_KEYS, _splits, span_capacity
+from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
 from dflash_jax.drafting import init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, draft_hidden
 from dflash_jax.testing import preset_dict
@@ -280,8 +280,8 @@ def test_attention_options_take_numpy_integers_as_ints():
 def test_full_layers_are_aligned_for_the_gpu_kernel():
     """Full layers hold `max_context` rounded up to `SPAN_ALIGN` rows (the GPU kernel reads only aligned caches: an
     unaligned one fell back to the XLA loop, 8x slower at 32k), and rows past `max_context` still stay empty.
-    Long caches are multiples of `SPLIT_KEYS`, so the kernel reads them in splits of that many keys (128-slot
-    alignment alone gave capacities of a prime number of blocks, and splits of 128 keys)."""
+    Long caches are multiples of their split length, so the kernel reads them in splits of that many keys
+    (128-slot alignment alone gave capacities of a prime number of blocks, and splits of 128 keys)."""
     drafter = tiny_drafter("tiny-dflash")
     cache = init_cache(drafter, 2, 20)
     assert all(k.shape[2] == SPAN_ALIGN for k in cache.keys) and not any(cache.rings)
@@ -290,11 +290,13 @@ def test_full_layers_are_aligned_for_the_gpu_kernel():
         _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
     np.testing.assert_array_equal(np.asarray(cache.overflow), [True, False])
     assert not np.asarray(cache.keys[0])[:, :, 20:].any() and np.asarray(cache.keys[0])[0, :, :20].all()
-    for rows in (1, 128, 129, 1024, 1025, 2848, 8992, 33568, 131872):  # the long-context benchmark's 2k..128k
+    for rows in (1, 128, 129, 1024, 1025, 2848, 8992, 16384, 16385, 33568, 65537, 131872):  # the benchmark's 2k..128k
         capacity = span_capacity(rows)
-        assert capacity >= rows and capacity % SPAN_ALIGN == 0 and capacity - rows < max(SPLIT_KEYS, SPAN_ALIGN)
-        keys_per_split = capacity // _splits(capacity)
-        assert keys_per_split == (SPLIT_KEYS if rows > SPLIT_KEYS else capacity), rows
+        assert capacity >= rows and capacity % SPAN_ALIGN == 0 and capacity - rows < 4096
+        for tile in (16, 64, 128):
+            expected = split_keys(capacity, tile) if rows > SPAN_ALIGN else capacity
+            assert capacity // _splits(capacity, tile) == expected, (rows, tile)
+    assert span_capacity(2848) == 3072 and split_keys(3072, 64) == 512  # 6 splits, not 23 of 128 keys
 
 
 def test_init_cache_where_the_params_carry_a_two_axis_sharding(cpu_mesh):
