@@ -85,9 +85,11 @@ def nbytes(tree) -> int:
 
 def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidth: float, impls, small: bool):
     raw = copy.deepcopy(preset_dict(preset))
-    if small:  # tiny: the preset's layer layout at small widths
+    if small:  # tiny: the preset's two kinds of layer (its last two) at small widths
         raw |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16)
+                    head_dim=16, num_hidden_layers=2)
+        if raw.get("layer_types"):
+            raw["layer_types"] = raw["layer_types"][-2:]
         if raw.get("sliding_window"):
             raw["sliding_window"] = 32
     drafter = random_drafter(parse_config(raw), seed=1)
@@ -137,8 +139,9 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
     successor, other = rng.permutation(V), rng.permutation(V)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
     raw = drafter_configs(config)["dspark"]
-    if small:  # a 3-layer target: the drafter reads two of its layers
-        raw = {**raw, "num_target_layers": 3, "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
+    if small:  # a 3-layer target: a 2-layer drafter reads two of its layers
+        raw = {**raw, "num_hidden_layers": 2, "num_target_layers": 3,
+               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     dspark = random_drafter(parse_config(raw), seed=1)
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),

@@ -16,7 +16,7 @@ checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli
 
 from .config import DflashConfig, parse_config
 from .drafter import Drafter, draft_to_target_ids
-from .drafting import ContextCache, Proposal, init_cache, propose, sample_drafts
+from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError
 from .generate import Backoff, GenerationResult, greedy_generate, speculative_generate
 from .linen import DrafterModule
@@ -41,6 +41,7 @@ __all__ = [
     "Proposal",
     "Qwen3Target",
     "Target",
+    "append_context",
     "draft_hidden",
     "draft_logits",
     "draft_to_target_ids",

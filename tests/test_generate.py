@@ -80,18 +80,23 @@ def test_greedy_baseline(target, greedy):
         assert alone.tokens == greedy.tokens[i] and alone.acceptance_lengths == []
 
 
-@pytest.mark.parametrize("preset", ["tiny-dflash", "tiny-dflash2"])
-def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset):
+@pytest.mark.parametrize("preset,backoff", [("tiny-dflash", None), ("tiny-dflash2", ALWAYS)])
+def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, backoff):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
-    is right, wrong, or cut by its confidence head at varying points.)"""
+    is right, wrong, or cut by its confidence head at varying points.) With a `Backoff` the loop turns to plain
+    steps, and every token is the prefill's, a verify's or a plain step's."""
     drafter = _drafter(tmp_path_factory, preset, seed=2)
-    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW)
+    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=backoff)
     assert result.tokens == greedy.tokens
     K = drafter.config.num_draft_tokens
-    for steps, tokens in zip(result.acceptance_lengths, result.tokens):
+    for steps, plain, tokens in zip(result.acceptance_lengths, result.plain_tokens, result.tokens):
         assert all(1 <= a <= K + 1 for a in steps)
-        assert sum(steps) >= len(tokens) - 1  # the first token comes from the prefill
+        assert 1 + sum(steps) + plain >= len(tokens) == MAX_NEW  # the last step may be cut at the budget
+        assert (plain > 0) == (backoff is not None)
+    if backoff is not None:
+        with pytest.raises(TypeError, match="backoff must be a dflash_jax.Backoff"):
+            speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=1.5)
 
 
 def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
@@ -259,27 +264,6 @@ def test_the_backoff_schedule():
     assert _schedule(backoff, [1] * 5 + [8, 8]) == "vvvv" + "pv" + "ppv" + "v"  # 8 lifts the mean to 4.6
     assert _schedule(backoff, [8] * 6) == "v" * 6
     assert _schedule(Backoff(min_tokens=1.0), [1] * 6) == "v" * 6  # a verify makes >= 1: never backs off
-
-
-@pytest.mark.parametrize("preset,backoff", [("tiny-dflash", Backoff()), ("tiny-dflash2", ALWAYS)])
-def test_backoff_is_lossless_and_counted(tmp_path_factory, target, greedy, preset, backoff):
-    """Random drafters: the loop turns to plain steps, the output is still the greedy one, and every token is the
-    prefill's, a verify's or a plain step's."""
-    drafter = _drafter(tmp_path_factory, preset, seed=2)
-    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=backoff)
-    assert result.tokens == greedy.tokens
-    assert all(n > 0 for n in result.plain_tokens)
-    for steps, plain, tokens in zip(result.acceptance_lengths, result.plain_tokens, result.tokens):
-        assert 1 + sum(steps) + plain >= len(tokens) == MAX_NEW  # the last step may be cut at the budget
-    with pytest.raises(TypeError, match="backoff must be a dflash_jax.Backoff"):
-        speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=1.5)
-
-
-def test_a_drafter_that_is_right_never_backs_off(target, oracle):
-    exact = successor_target(target, SUCCESSOR, layer_scale=0.5)
-    backed = speculative_generate(exact, oracle, PROMPTS[9], max_new_tokens=MAX_NEW, backoff=Backoff())
-    assert backed.tokens == greedy_generate(exact, PROMPTS[9], MAX_NEW).tokens
-    assert backed.plain_tokens == 0 and set(backed.acceptance_lengths) == {oracle.config.num_draft_tokens + 1}
 
 
 @pytest.mark.parametrize("bad", [dict(min_tokens=0.5), dict(min_tokens=float("nan")), dict(min_tokens=float("inf")),

@@ -5,7 +5,9 @@ distribution of (x1, x2) and of x3 is compared with the target's exact distribut
 target on every continuation. x1 comes from the prefill; x2 and x3 come out of verify steps (accepted drafts,
 residual samples after a rejection, bonus tokens), so the rule itself is on trial. The drafters' own q is far
 from the target's p, so both accepts and rejects happen often. DFlash2 draws from top-K candidates only
-(q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes.
+(q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes. The DFlash2 run also
+has a `Backoff` that fails every verify, so x3 comes from a plain target step wherever the first verify made only
+x2: a plain step samples from the target, and when to take one depends on earlier steps only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import load_drafter
+from dflash_jax import Backoff, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
 from dflash_jax.generate import _attach, speculative_generate
 from dflash_jax.testing import preset_dict, write_checkpoint
@@ -78,18 +80,22 @@ def _chi2_z(counts: np.ndarray, expected: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    "preset, threshold",  # DSpark with its confidence cut: drafts past the cut are never accepted
-    [("tiny-dflash", 0.0), ("tiny-dflash2", 0.0), ("tiny-dspark", 0.5)],
+    "preset, threshold, backoff",  # DSpark with its confidence cut: drafts past the cut are never accepted
+    [("tiny-dflash", 0.0, None),
+     ("tiny-dflash2", 0.0, Backoff(min_tokens=100.0)),  # every verify falls short: x3 from a plain step or step 1
+     ("tiny-dspark", 0.5, None)],
 )
-def test_output_distribution_is_the_targets(tmp_path, target, exact, preset, threshold):
+def test_output_distribution_is_the_targets(tmp_path, target, exact, preset, threshold, backoff):
     write_checkpoint(tmp_path, _small_vocab(preset), seed=11)
     drafter = _attach(target, load_drafter(tmp_path, dtype=jnp.float32))
 
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1,
-                                  confidence_threshold=threshold)
+                                  confidence_threshold=threshold, backoff=backoff)
     tokens = np.array(result.tokens)  # [SAMPLES, 3]
     first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
+    if backoff is not None:  # the sequences whose first verify made only x2 made x3 in a plain step
+        assert np.asarray(result.plain_tokens).sum() == first_steps.count(1)
 
     joint12 = np.zeros((V, V))
     np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)

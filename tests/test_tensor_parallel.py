@@ -1,8 +1,8 @@
 """Tensor-parallel targets (Qwen3, Llama 3) on a mesh, the drafter replicated beside them; `load_target`.
 
-On the 8 simulated CPU devices: for meshes (1, 8), (2, 4), (4, 2), (8, 1) over ("data", "model"), greedy and
-speculative tokens equal the single-device run's and every leaf (and the cache) has its planned sharding; the
-vocabulary-sharded embedding and LM head are used without being gathered; the Llama target equals the NumPy
+On the 8 simulated CPU devices: for meshes (1, 8), (4, 2), (8, 1) over ("data", "model"), greedy and
+speculative tokens equal the single-device run's and every leaf (and the cache) has its planned sharding; on
+(2, 4), the vocabulary-sharded embedding and LM head are used without being gathered; the Llama target equals the NumPy
 reference in both config layouts; bad tensor axes and unknown architectures are refused by name.
 """
 
@@ -37,7 +37,7 @@ from dflash_jax.testing import write_checkpoint
 from . import _io
 from ._numpy_reference import numpy_decoder
 
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+MESHES = [(1, 8), (4, 2), (8, 1)]  # tensor only, KV heads replicated; both, KV heads split; data only
 # 8 prompts, so every data axis up to 8 splits the batch
 PROMPTS = [[5, 17, 99, 3], [120, 4], [9, 9, 9], [1, 2, 3, 4, 5], [7], [8, 8, 60], [100, 101], [3, 3, 3, 3, 3, 3]]
 MAX_NEW = 6
