@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_propose_inputs
-from .attention import KeyValues, LayerRule, Span, span_capacity
+from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
     AttentionOptions,
@@ -51,9 +51,10 @@ class ContextCache:
     """Per-layer context K/V of a batch of sequences (keys after k_norm and RoPE at their absolute positions).
 
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
-    buffer: position p in slot `p % ring`, `ring = window + block size` rows, so its memory does not grow with
-    the context. The other layers keep every position p in slot p, up to `max_context` (their rows are rounded
-    up by `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options
+    buffer: position p in slot `p % ring`, `ring` = window + block size rows (past 128 rounded up by
+    `attention.span_capacity`, for the GPU kernel), so its memory does not grow with the context. The other
+    layers keep every position p in slot p, up to `max_context` (their rows are rounded up by
+    `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options
     the cache was made with (`propose` refuses others: they decide which layers are rings).
     """
 
@@ -90,6 +91,12 @@ def _rings(rules) -> tuple[bool, ...]:
     return tuple(r.window is not None and r.sinks == 0 for r in rules)
 
 
+def _ring_rows(needed: int) -> int:
+    """A ring's rows: `needed` (window + block size), rounded up by `span_capacity` past `SPAN_ALIGN` rows so that
+    the GPU kernel reads it (a longer ring holds more positions, which the window then masks out)."""
+    return needed if needed <= SPAN_ALIGN else span_capacity(needed)
+
+
 def init_cache(
     drafter: Drafter,
     batch_size: int,
@@ -115,8 +122,8 @@ def init_cache(
     rules = attention_rules(c, attention)
     rings = _rings(rules)
     full_rows = span_capacity(max_context)  # aligned for the GPU kernel; rows past max_context stay empty
-    rows = [min(max_context, r.window + c.effective_block_size) if ring and r.window is not None else full_rows
-            for r, ring in zip(rules, rings)]
+    rows = [_ring_rows(min(max_context, r.window + c.effective_block_size)) if ring and r.window is not None
+            else full_rows for r, ring in zip(rules, rings)]
 
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
@@ -329,31 +336,34 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
 def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, block: int) -> Memory:
     """What layer `layer`'s block queries (positions `start .. start + block - 1`) read of the cache.
 
-    Ring layers: the whole ring, masked by position (it holds only the window). Full layers: the span of
-    slots `[0, lengths)`; under a draft window, the sinks' span, the span every query's window covers, and
-    the `block - 1` rows at the window's edge that only some queries see (masked).
+    Without a window: the span of slots `[0, lengths)`. With one (a trained sliding layer, or `draft_window`):
+    the keys every query's window covers, as spans (read unmasked, by the GPU kernel where it applies), and the
+    `block - 1` positions at the window's edge that only some queries see, as a masked strip. A ring (no sinks)
+    holds positions `[lengths - rows, lengths)` in slots `p % rows`, so its covered range is one slot range, or
+    two where it wraps; a full layer keeps its sinks `[0, sinks)` as a span of their own.
     """
     k, v, lengths = cache.keys[layer], cache.values[layer], cache.lengths
-    rows = k.shape[2]
-    if cache.rings[layer]:
-        slots = jnp.arange(rows)
-        positions = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - slots, rows)  # newest p = slot mod rows
-        return Memory(dense=(KeyValues(k, v, positions, positions >= 0),))
-    stop = jnp.minimum(lengths, cache.max_context)
+    rows, ring = k.shape[2], cache.rings[layer]
+    stop = lengths if ring else jnp.minimum(lengths, cache.max_context)  # [batch]
     if rule.window is None:
         return Memory(spans=(Span(k, v, jnp.zeros_like(stop), stop),))
-    sinks = jnp.minimum(rule.sinks, stop)
-    interior = jnp.clip(start + block - rule.window, sinks, stop)  # every query's window reaches back to here
-    edge = start - rule.window + 1  # the first query's window starts here: [edge, interior) is masked
-    positions = edge[:, None] + jnp.arange(block - 1)  # [batch, block - 1]
-    slots = jnp.clip(positions, 0, rows - 1)[:, None, :, None]
+    oldest = jnp.maximum(stop - rows, 0) if ring else jnp.minimum(rule.sinks, stop)  # [batch] the window's floor
+    interior = jnp.clip(start + block - rule.window, oldest, stop)  # every query's window reaches back to here
+    positions = (start - rule.window + 1)[:, None] + jnp.arange(block - 1)  # [batch, block - 1] the edge
+    slots = (jnp.mod(positions, rows) if ring else jnp.clip(positions, 0, rows - 1))[:, None, :, None]
     strip = KeyValues(
         jnp.take_along_axis(k, slots, axis=2),  # [batch, n_kv, block - 1, d_h]
         jnp.take_along_axis(v, slots, axis=2),
         positions,
-        (positions >= sinks[:, None]) & (positions < interior[:, None]),
+        (positions >= oldest[:, None]) & (positions < interior[:, None]),
     )
-    return Memory(spans=(Span(k, v, jnp.zeros_like(stop), sinks), Span(k, v, interior, stop)), dense=(strip,))
+    if ring:
+        first = jnp.mod(interior, rows)
+        end = first + stop - interior  # past `rows`: the range wraps to slot 0
+        spans = (Span(k, v, first, jnp.minimum(end, rows)), Span(k, v, jnp.zeros_like(end), jnp.maximum(end - rows, 0)))
+    else:
+        spans = (Span(k, v, jnp.zeros_like(stop), oldest), Span(k, v, interior, stop))
+    return Memory(spans=spans, dense=(strip,))
 
 
 def _check_attention(cache: ContextCache, attention: AttentionOptions, where: str) -> None:

@@ -27,15 +27,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # compiled conversions go to a cache of this run, not the user's (tests that need their own set it themselves)
 os.environ["DFLASH_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash_jax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_CACHE_DIR"], ignore_errors=True)
-# Many modules compile the same programs (the tiny speculative loop, above all). JAX's persistent compilation cache,
-# private to this run, compiles each once: the first process to load this file (pytest itself; under xdist the
-# controller, before it starts the workers, which inherit the variable) makes it and removes it at exit. A hit
-# still traces and lowers; it skips only XLA's compilation.
-if "DFLASH_JAX_TEST_XLA_CACHE" not in os.environ:
-    os.environ["DFLASH_JAX_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="dflash_jax-test-xla-")
-    atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_TEST_XLA_CACHE"], ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", os.environ["DFLASH_JAX_TEST_XLA_CACHE"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 GOLDEN = os.path.join(DATA, "golden")  # copy of the shared PyTorch-reference outputs (README inside)

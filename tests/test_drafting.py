@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
 from dflash_jax.drafting import init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, draft_hidden
-from dflash_jax.testing import preset_dict
+from dflash_jax.testing import preset_dict, random_drafter
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
@@ -188,20 +188,28 @@ def test_propose_on_a_mesh(cpu_mesh):
 LONG_STEPS = [(40, 33), (3, 5), (8, 1), (5, 8), (2, 4), (6, 3)]
 
 
-@pytest.mark.parametrize("attention", [AttentionOptions(), AttentionOptions(draft_window=6, draft_sinks=2),
-                                       AttentionOptions(draft_window=5)], ids=["trained", "window+sinks", "window"])
-def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention):
+@pytest.mark.parametrize("attention, roomy", [(AttentionOptions(), False),
+                                              (AttentionOptions(draft_window=6, draft_sinks=2), False),
+                                              (AttentionOptions(draft_window=5), False), (AttentionOptions(), True)],
+                         ids=["trained", "window+sinks", "window", "roomy ring"])
+def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, roomy):
     """Past the window: tiny DFlash2 (a sliding layer of window 8, a ring of 16 rows; a full layer) after a
     40-row first step appended in chunks of 16, then steps until the ring wrapped ~4 times. Every step's drafts
     equal the uncached forward over the whole context with the same rule, for the trained rule and for the
-    opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring)."""
+    opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring). A ring is
+    read as the slot ranges its window covers (two where it wraps) and a masked edge; "roomy": a ring of 21
+    rows, more than the window needs (as long rings are, rounded up for the GPU kernel)."""
     drafter = tiny_drafter("tiny-dflash2")
     total = np.sum(LONG_STEPS, axis=0)
     feats = features(drafter, 2, int(total.max()) + 40, seed=4)
     rng = np.random.default_rng(5)
     cache = init_cache(drafter, 2, 128, attention=attention)
+    if roomy:
+        wider = [jnp.zeros((*a.shape[:2], 21, a.shape[3]), a.dtype) if ring else a
+                 for a, ring in zip(cache.keys, cache.rings)]
+        cache = dataclasses.replace(cache, keys=tuple(wider), values=tuple(jnp.zeros_like(a) for a in wider))
     if not attention.draft_sinks:
-        assert all(k.shape[2] <= 16 for k in cache.keys[:1]) and cache.rings[0]
+        assert all(k.shape[2] <= (21 if roomy else 16) for k in cache.keys[:1]) and cache.rings[0]
     assert cache.rings[1] == (attention.draft_window is not None and not attention.draft_sinks)
     lengths = np.zeros(2, int)
     for step, num_new in enumerate(map(np.array, LONG_STEPS)):
@@ -218,6 +226,24 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention):
                 np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
     assert not np.asarray(cache.overflow).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_gpu_kernel_reads_rings_as_the_xla_path_does():
+    """bf16 tiny DFlash2 with a 200-token window (a ring of 512 rows, read by the GPU kernel) and a full layer, 900
+    context rows (the ring wrapped): the drafting distribution q equals the blocked XLA path's."""
+    raw = preset_dict("tiny-dflash2") | {"sliding_window": 200}
+    drafter = random_drafter(raw, seed=3, dtype=jnp.bfloat16)
+    cache = init_cache(drafter, 2, 1024)
+    assert cache.rings[0] and cache.keys[0].shape[2] == 512
+    for seed, num_new in enumerate(([300, 290], [300, 300], [300, 310])):
+        new = jnp.asarray(features(drafter, 2, 310, seed=seed), jnp.bfloat16)
+        _, cache = propose(drafter, cache, new, np.array(num_new), np.array([3, 4], np.int32))
+    new = jnp.asarray(features(drafter, 2, 9, seed=9), jnp.bfloat16)
+    runs = [propose(drafter, jax.tree.map(jnp.copy, cache), new, np.array([9, 4]), np.array([5, 6], np.int32),
+                    key=jax.random.key(0), temperature=1.0, impl=impl)[0] for impl in ("auto", "xla")]
+    np.testing.assert_allclose(np.asarray(runs[0].probs), np.asarray(runs[1].probs), atol=2e-2)
 
 
 def test_the_draft_window_is_the_numpy_rule():
