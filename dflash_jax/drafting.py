@@ -43,6 +43,11 @@ from .model import (
 )
 
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
+# Batches from this size on read ring layers with the GPU span kernel; smaller ones score the whole ring densely.
+# Measured on an H200 (docs/benchmarks.md), Qwen3.6-35B-A3B tf5 shapes (5 rings of 4096 + 16 rows): at batch 8 a
+# step took 1.454 ms instead of 1.530 at a 2k context and 2.618 instead of 3.095 at 128k; at batch 1 it took
+# 1.034 instead of 0.800 at 2k (two kernel launches per ring cost more than one dense pass over 4k rows).
+RING_SPANS_MIN_BATCH = 8
 
 
 @jax.tree_util.register_dataclass
@@ -51,8 +56,9 @@ class ContextCache:
     """Per-layer context K/V of a batch of sequences (keys after k_norm and RoPE at their absolute positions).
 
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
-    buffer: position p in slot `p % ring`, `ring` = window + block size rows (past 128 rounded up by
-    `attention.span_capacity`, for the GPU kernel), so its memory does not grow with the context. The other
+    buffer: position p in slot `p % ring`, `ring` = window + block size rows, so its memory does not grow with
+    the context. With `ring_spans` (`init_cache` sets it from `RING_SPANS_MIN_BATCH` sequences on) a ring is
+    read as spans by the GPU kernel, and past 128 rows rounded up by `attention.span_capacity` for it. The other
     layers keep every position p in slot p, up to `max_context` (their rows are rounded up by
     `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options
     the cache was made with (`propose` refuses others: they decide which layers are rings).
@@ -65,6 +71,7 @@ class ContextCache:
     max_context: int = dataclasses.field(metadata=dict(static=True))
     rings: tuple[bool, ...] = dataclasses.field(metadata=dict(static=True))  # per layer: a ring buffer
     attention: AttentionOptions = dataclasses.field(metadata=dict(static=True))
+    ring_spans: bool = dataclasses.field(default=False, metadata=dict(static=True))  # rings read as spans (below)
 
     def trim(self, lengths: jax.Array) -> ContextCache:
         """Forget rows at and past `lengths` `[batch]` (rejected context): only the lengths change.
@@ -91,10 +98,10 @@ def _rings(rules) -> tuple[bool, ...]:
     return tuple(r.window is not None and r.sinks == 0 for r in rules)
 
 
-def _ring_rows(needed: int) -> int:
-    """A ring's rows: `needed` (window + block size), rounded up by `span_capacity` past `SPAN_ALIGN` rows so that
-    the GPU kernel reads it (a longer ring holds more positions, which the window then masks out)."""
-    return needed if needed <= SPAN_ALIGN else span_capacity(needed)
+def _ring_rows(needed: int, spans: bool) -> int:
+    """A ring's rows: `needed` (window + block size); read as spans, rounded up by `span_capacity` past
+    `SPAN_ALIGN` rows so that the GPU kernel reads it (a longer ring holds more positions, outside the window)."""
+    return span_capacity(needed) if spans and needed > SPAN_ALIGN else needed
 
 
 def init_cache(
@@ -122,8 +129,10 @@ def init_cache(
     rules = attention_rules(c, attention)
     rings = _rings(rules)
     full_rows = span_capacity(max_context)  # aligned for the GPU kernel; rows past max_context stay empty
-    rows = [_ring_rows(min(max_context, r.window + c.effective_block_size)) if ring and r.window is not None
-            else full_rows for r, ring in zip(rules, rings)]
+    ring_spans = batch_size >= RING_SPANS_MIN_BATCH
+    rows = [full_rows if not ring or r.window is None else
+            _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
+            for r, ring in zip(rules, rings)]
 
     def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
@@ -143,6 +152,7 @@ def init_cache(
         max_context=max_context,
         rings=rings,
         attention=attention,
+        ring_spans=ring_spans,
     )
 
 
@@ -336,14 +346,18 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
 def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, block: int) -> Memory:
     """What layer `layer`'s block queries (positions `start .. start + block - 1`) read of the cache.
 
-    Without a window: the span of slots `[0, lengths)`. With one (a trained sliding layer, or `draft_window`):
-    the keys every query's window covers, as spans (read unmasked, by the GPU kernel where it applies), and the
-    `block - 1` positions at the window's edge that only some queries see, as a masked strip. A ring (no sinks)
-    holds positions `[lengths - rows, lengths)` in slots `p % rows`, so its covered range is one slot range, or
-    two where it wraps; a full layer keeps its sinks `[0, sinks)` as a span of their own.
+    Without a window: the span of slots `[0, lengths)`. A ring (no sinks) holds positions `[lengths - rows,
+    lengths)` in slots `p % rows`: scored whole, masked by position, or (`cache.ring_spans`) read as below. With
+    a window: the keys every query's window covers, as spans (read unmasked, by the GPU kernel where it applies),
+    and the `block - 1` positions at the window's edge that only some queries see, as a masked strip. On a ring
+    the covered range is one slot range, or two where it wraps; a full layer keeps its sinks `[0, sinks)` as a
+    span of their own.
     """
     k, v, lengths = cache.keys[layer], cache.values[layer], cache.lengths
     rows, ring = k.shape[2], cache.rings[layer]
+    if ring and not cache.ring_spans:
+        newest = lengths[:, None] - 1 - jnp.mod(lengths[:, None] - 1 - jnp.arange(rows), rows)  # position in a slot
+        return Memory(dense=(KeyValues(k, v, newest, newest >= 0),))
     stop = lengths if ring else jnp.minimum(lengths, cache.max_context)  # [batch]
     if rule.window is None:
         return Memory(spans=(Span(k, v, jnp.zeros_like(stop), stop),))

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
-from dflash_jax.drafting import init_cache, propose, sample_drafts
+from dflash_jax.drafting import RING_SPANS_MIN_BATCH, init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, draft_hidden
 from dflash_jax.testing import preset_dict, random_drafter
 
@@ -188,22 +188,26 @@ def test_propose_on_a_mesh(cpu_mesh):
 LONG_STEPS = [(40, 33), (3, 5), (8, 1), (5, 8), (2, 4), (6, 3)]
 
 
-@pytest.mark.parametrize("attention, roomy", [(AttentionOptions(), False),
-                                              (AttentionOptions(draft_window=6, draft_sinks=2), False),
-                                              (AttentionOptions(draft_window=5), False), (AttentionOptions(), True)],
-                         ids=["trained", "window+sinks", "window", "roomy ring"])
-def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, roomy):
+@pytest.mark.parametrize("attention, spans, roomy", [(AttentionOptions(), False, False),
+                                                     (AttentionOptions(draft_window=6, draft_sinks=2), False, False),
+                                                     (AttentionOptions(draft_window=5), True, False),
+                                                     (AttentionOptions(), True, True)],
+                         ids=["trained", "window+sinks", "window, ring spans", "roomy ring spans"])
+def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, spans, roomy):
     """Past the window: tiny DFlash2 (a sliding layer of window 8, a ring of 16 rows; a full layer) after a
     40-row first step appended in chunks of 16, then steps until the ring wrapped ~4 times. Every step's drafts
     equal the uncached forward over the whole context with the same rule, for the trained rule and for the
-    opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring). A ring is
-    read as the slot ranges its window covers (two where it wraps) and a masked edge; "roomy": a ring of 21
-    rows, more than the window needs (as long rings are, rounded up for the GPU kernel)."""
+    opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring). Rings are
+    scored whole, or (`ring_spans`, as from 8 sequences on) read as the slot ranges the window covers (two where
+    it wraps) and a masked edge; "roomy": rings of 21 rows, more than the window needs (as long rings are,
+    rounded up for the GPU kernel)."""
     drafter = tiny_drafter("tiny-dflash2")
     total = np.sum(LONG_STEPS, axis=0)
     feats = features(drafter, 2, int(total.max()) + 40, seed=4)
     rng = np.random.default_rng(5)
     cache = init_cache(drafter, 2, 128, attention=attention)
+    assert not cache.ring_spans and init_cache(drafter, RING_SPANS_MIN_BATCH, 128).ring_spans
+    cache = dataclasses.replace(cache, ring_spans=spans)
     if roomy:
         wider = [jnp.zeros((*a.shape[:2], 21, a.shape[3]), a.dtype) if ring else a
                  for a, ring in zip(cache.keys, cache.rings)]
@@ -231,12 +235,16 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, ro
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_gpu_kernel_reads_rings_as_the_xla_path_does():
-    """bf16 tiny DFlash2 with a 200-token window (a ring of 512 rows, read by the GPU kernel) and a full layer, 900
-    context rows (the ring wrapped): the drafting distribution q equals the blocked XLA path's."""
+    """bf16 tiny DFlash2 with a 200-token window (a ring of 512 rows read as spans by the GPU kernel, as from 8
+    sequences on) and a full layer, 900 context rows (the ring wrapped): the drafting distribution q equals the
+    blocked XLA path's."""
     raw = preset_dict("tiny-dflash2") | {"sliding_window": 200}
     drafter = random_drafter(raw, seed=3, dtype=jnp.bfloat16)
     cache = init_cache(drafter, 2, 1024)
-    assert cache.rings[0] and cache.keys[0].shape[2] == 512
+    cache = dataclasses.replace(cache, ring_spans=True, keys=tuple(jnp.zeros((2, k.shape[1], 512, k.shape[3]),
+                                k.dtype) if ring else k for k, ring in zip(cache.keys, cache.rings)))
+    cache = dataclasses.replace(cache, values=tuple(jnp.zeros_like(k) for k in cache.keys))
+    assert cache.rings[0] and init_cache(drafter, RING_SPANS_MIN_BATCH, 1024).keys[0].shape[2] == 512
     for seed, num_new in enumerate(([300, 290], [300, 300], [300, 310])):
         new = jnp.asarray(features(drafter, 2, 310, seed=seed), jnp.bfloat16)
         _, cache = propose(drafter, cache, new, np.array(num_new), np.array([3, 4], np.int32))
