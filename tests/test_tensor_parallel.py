@@ -1,7 +1,7 @@
 """Tensor-parallel targets (Qwen3, Llama 3) on a mesh, the drafter replicated beside them; `load_target`.
 
-On the 8 simulated CPU devices: for meshes (1, 8), (4, 2), (8, 1) over ("data", "model"), greedy and
-speculative tokens equal the single-device run's and every leaf (and the cache) has its planned sharding; on
+On the 8 simulated CPU devices: for meshes (1, 8), (4, 2), (8, 1) over ("data", "model"), speculative tokens
+(and on (4, 2) greedy ones) equal the single-device run's and every leaf (and the cache) has its planned sharding; on
 (2, 4), the vocabulary-sharded embedding and LM head are used without being gathered; the Llama target equals the NumPy
 reference in both config layouts; bad tensor axes and unknown architectures are refused by name.
 """
@@ -92,7 +92,8 @@ def test_sharded_generation_equals_single_device(pair, shape):
     assert planned_cache.spec == P(("data",), kv, None, None)
     for k in target.init_cache(len(PROMPTS), 32).k:
         assert k.sharding == planned_cache
-    assert greedy_generate(target, PROMPTS, MAX_NEW).tokens == expected
+    if kv == "model" and data > 1:  # the plain greedy loop on the mesh that splits everything (suite time)
+        assert greedy_generate(target, PROMPTS, MAX_NEW).tokens == expected
     assert speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == expected
 
 
