@@ -120,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
     v.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+    v.add_argument("--backoff", type=backoff, default=None, metavar="MIN_TOKENS",
+                   help="run plain target steps while verifies commit fewer than MIN_TOKENS tokens on average "
+                        "(dflash_jax.Backoff; e.g. 1.5); default: verify drafts every step")
     rule = v.add_argument_group("the drafter's attention rule (default: the config's; docs/references.md)")
     rule.add_argument("--attention-rule", choices=sorted(ATTENTION_RULES), default="config",
                       help="config: as the config states (sliding layers causal and windowed); zlab: every layer "
@@ -176,6 +179,16 @@ def token_ids(text: str) -> list[int]:
     if not all(t.isdigit() and t.isascii() for t in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated non-negative integers such as 1,2,3")
     return [int(t) for t in parts]
+
+
+def backoff(text: str):
+    """`1.5` -> `Backoff(min_tokens=1.5)` (its own check: a finite number >= 1)."""
+    from .generate import Backoff
+
+    try:
+        return Backoff(min_tokens=float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def temperature(text: str) -> float:
@@ -377,10 +390,11 @@ def generate(args: argparse.Namespace) -> int:
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             stop_token_ids=stop, seed=args.seed,
             progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
-            attention=attention,
+            attention=attention, backoff=args.backoff,
         )
     print(",".join(map(str, result.tokens)))
-    print(f"{result.num_tokens} tokens, {len(result.acceptance_lengths)} steps, mean acceptance length "
+    plain = f", {result.plain_tokens} from plain steps" if args.backoff else ""
+    print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths)} verify steps, mean acceptance length "
           f"{result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
           f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
           file=sys.stderr)

@@ -188,18 +188,17 @@ def test_propose_on_a_mesh(cpu_mesh):
 LONG_STEPS = [(40, 33), (3, 5), (8, 1), (5, 8), (2, 4), (6, 3)]
 
 
-@pytest.mark.parametrize("attention, spans, roomy", [(AttentionOptions(), False, False),
-                                                     (AttentionOptions(draft_window=6, draft_sinks=2), False, False),
-                                                     (AttentionOptions(draft_window=5), True, False),
-                                                     (AttentionOptions(), True, True)],
-                         ids=["trained", "window+sinks", "window, ring spans", "roomy ring spans"])
-def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, spans, roomy):
+@pytest.mark.parametrize("attention, spans", [(AttentionOptions(), False),
+                                              (AttentionOptions(draft_window=6, draft_sinks=2), False),
+                                              (AttentionOptions(draft_window=5), True)],
+                         ids=["trained", "window+sinks", "window, roomy ring spans"])
+def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, spans):
     """Past the window: tiny DFlash2 (a sliding layer of window 8, a ring of 16 rows; a full layer) after a
     40-row first step appended in chunks of 16, then steps until the ring wrapped ~4 times. Every step's drafts
     equal the uncached forward over the whole context with the same rule, for the trained rule and for the
     opt-in draft window on the full layer (with sinks: a span and a masked edge; without: a ring). Rings are
     scored whole, or (`ring_spans`, as from 8 sequences on) read as the slot ranges the window covers (two where
-    it wraps) and a masked edge; "roomy": rings of 21 rows, more than the window needs (as long rings are,
+    it wraps) and a masked edge, here with rings of 21 rows, more than the windows need (as long rings are,
     rounded up for the GPU kernel)."""
     drafter = tiny_drafter("tiny-dflash2")
     total = np.sum(LONG_STEPS, axis=0)
@@ -208,12 +207,12 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, sp
     cache = init_cache(drafter, 2, 128, attention=attention)
     assert not cache.ring_spans and init_cache(drafter, RING_SPANS_MIN_BATCH, 128).ring_spans
     cache = dataclasses.replace(cache, ring_spans=spans)
-    if roomy:
+    if spans:
         wider = [jnp.zeros((*a.shape[:2], 21, a.shape[3]), a.dtype) if ring else a
                  for a, ring in zip(cache.keys, cache.rings)]
         cache = dataclasses.replace(cache, keys=tuple(wider), values=tuple(jnp.zeros_like(a) for a in wider))
     if not attention.draft_sinks:
-        assert all(k.shape[2] <= (21 if roomy else 16) for k in cache.keys[:1]) and cache.rings[0]
+        assert all(k.shape[2] <= (21 if spans else 16) for k in cache.keys[:1]) and cache.rings[0]
     assert cache.rings[1] == (attention.draft_window is not None and not attention.draft_sinks)
     lengths = np.zeros(2, int)
     for step, num_new in enumerate(map(np.array, LONG_STEPS)):

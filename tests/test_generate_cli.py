@@ -28,13 +28,13 @@ def checkpoints(tmp_path_factory):
 def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     target_dir, drafter_dir = checkpoints
     code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32"])
+                 "--dtype", "float32", "--backoff", "1.5"])
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
     assert out.strip() == ",".join(map(str, expected))
-    assert "mean acceptance length" in err and "tokens/s" in err
+    assert "mean acceptance length" in err and "tokens/s" in err and "from plain steps" in err
 
 
 def test_progress_callback_sees_every_step(checkpoints):
@@ -60,7 +60,8 @@ def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
     target_dir, drafter_dir = checkpoints
     add_to_cache(tmp_path, "Qwen/tiny", directory_files(target_dir))
     add_to_cache(tmp_path, "org/tiny-drafter", directory_files(drafter_dir), revision="v1")
-    args = ["--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--dtype", "float32", "--cache-dir", str(tmp_path)]
+    args = ["--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--dtype", "float32", "--backoff", "1.5",
+            "--cache-dir", str(tmp_path)]
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
@@ -182,3 +183,6 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:  # argparse's own error line and exit status 2
         main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "-1"])
     assert e.value.code == 2 and "--draft-sinks: -1 is negative" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--backoff", "0.5"])
+    assert e.value.code == 2 and "--backoff: '0.5': Backoff.min_tokens must be" in capsys.readouterr().err
