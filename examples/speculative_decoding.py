@@ -4,7 +4,8 @@ Writes a tiny Qwen3 target and tiny drafters to a temporary directory, loads the
 loaded, and compares plain greedy decoding with speculative decoding:
 
 1. a random DFlash drafter: nearly every draft is rejected (acceptance length about 1), the output is still
-   the target's own, and speculation costs more than it saves;
+   the target's own, and speculation costs more than it saves, unless a `Backoff` turns to plain target steps
+   while drafts keep failing;
 2. a target rebuilt to follow a fixed successor map and a DSpark drafter whose Markov head walks that map:
    nearly whole blocks are accepted, which is where speculation pays.
 
@@ -40,7 +41,7 @@ def timed(run):
 
 
 def report(name, result, reference=None):
-    line = f"{name:<44} {result.decode_tokens_per_second:8.0f} tokens/s"
+    line = f"{name:<46} {result.decode_tokens_per_second:8.0f} tokens/s"
     if reference is not None:
         same = "same tokens as greedy" if result.tokens == reference.tokens else "DIFFERENT from greedy"
         line += f", mean acceptance length {result.mean_acceptance_length:.2f} ({same})"
@@ -64,6 +65,9 @@ def main() -> None:
     report("random target, greedy", greedy)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW))
     report("random target, random DFlash drafter", spec, greedy)
+    spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW,
+                                              backoff=dflash_jax.Backoff()))
+    report("random target, random DFlash drafter, Backoff", spec, greedy)
 
     successor = np.random.default_rng(0).permutation(target.config.vocab_size)
     follower = successor_target(target, successor)
