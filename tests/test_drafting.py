@@ -234,22 +234,22 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, sp
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_gpu_kernel_reads_rings_as_the_xla_path_does():
-    """bf16 tiny DFlash2 with a 200-token window (a ring of 512 rows read as spans by the GPU kernel, as from 8
-    sequences on) and a full layer, 900 context rows (the ring wrapped): the drafting distribution q equals the
-    blocked XLA path's."""
+    """bf16 tiny DFlash2 with a 200-token window and a full layer, a batch of `RING_SPANS_MIN_BATCH` (so the ring is
+    read as spans by the GPU kernel, 512 rows), 900 context rows (the ring wrapped): the drafting distribution q
+    equals the blocked XLA path's."""
     raw = preset_dict("tiny-dflash2") | {"sliding_window": 200}
     drafter = random_drafter(raw, seed=3, dtype=jnp.bfloat16)
-    cache = init_cache(drafter, 2, 1024)
-    cache = dataclasses.replace(cache, ring_spans=True, keys=tuple(jnp.zeros((2, k.shape[1], 512, k.shape[3]),
-                                k.dtype) if ring else k for k, ring in zip(cache.keys, cache.rings)))
-    cache = dataclasses.replace(cache, values=tuple(jnp.zeros_like(k) for k in cache.keys))
-    assert cache.rings[0] and init_cache(drafter, RING_SPANS_MIN_BATCH, 1024).keys[0].shape[2] == 512
-    for seed, num_new in enumerate(([300, 290], [300, 300], [300, 310])):
-        new = jnp.asarray(features(drafter, 2, 310, seed=seed), jnp.bfloat16)
-        _, cache = propose(drafter, cache, new, np.array(num_new), np.array([3, 4], np.int32))
-    new = jnp.asarray(features(drafter, 2, 9, seed=9), jnp.bfloat16)
-    runs = [propose(drafter, jax.tree.map(jnp.copy, cache), new, np.array([9, 4]), np.array([5, 6], np.int32),
-                    key=jax.random.key(0), temperature=1.0, impl=impl)[0] for impl in ("auto", "xla")]
+    batch = RING_SPANS_MIN_BATCH
+    cache = init_cache(drafter, batch, 1024)
+    assert cache.rings[0] and cache.ring_spans and cache.keys[0].shape[2] == 512
+    rng = np.random.default_rng(0)
+    for seed in range(3):
+        new = jnp.asarray(features(drafter, batch, 310, seed=seed), jnp.bfloat16)
+        _, cache = propose(drafter, cache, new, rng.integers(290, 311, batch), np.arange(batch, dtype=np.int32))
+    new = jnp.asarray(features(drafter, batch, 9, seed=9), jnp.bfloat16)
+    num_new, anchors = rng.integers(1, 10, batch), np.arange(batch, dtype=np.int32) + 5
+    runs = [propose(drafter, jax.tree.map(jnp.copy, cache), new, num_new, anchors, key=jax.random.key(0),
+                    temperature=1.0, impl=impl)[0] for impl in ("auto", "xla")]
     np.testing.assert_allclose(np.asarray(runs[0].probs), np.asarray(runs[1].probs), atol=2e-2)
 
 

@@ -5,6 +5,7 @@ confidence cuts and batches of prompts of different lengths."""
 from __future__ import annotations
 
 import copy
+import types
 
 import jax
 import jax.numpy as jnp
@@ -243,8 +244,7 @@ def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory
 def _schedule(backoff: Backoff, tokens_per_verify: list[int], K: int = 7) -> str:
     """The rule on one sequence that commits `tokens_per_verify[i]` at its i-th verify: 'v' verify, 'p' plain,
     up to the verify after the last."""
-    s = type("Carry", (), {})()
-    s.mean_tokens, s.plain_run, s.plain_left = jnp.float32(K + 1), jnp.int32(0), jnp.int32(0)
+    s = types.SimpleNamespace(mean_tokens=jnp.float32(K + 1), plain_run=jnp.int32(0), plain_left=jnp.int32(0))
     kinds, verifies = "", iter(tokens_per_verify)
     while True:
         verified = int(s.plain_left) == 0
