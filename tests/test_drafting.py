@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
+from dflash_jax.config import parse_config
 from dflash_jax.drafting import RING_SPANS_MIN_BATCH, init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, draft_hidden
 from dflash_jax.testing import preset_dict, random_drafter
@@ -308,6 +309,18 @@ def test_attention_options_take_numpy_integers_as_ints():
     options = AttentionOptions(draft_window=np.int64(8), draft_sinks=np.int32(2))
     assert options == AttentionOptions(draft_window=8, draft_sinks=2) and type(options.draft_window) is int
     assert hash(options) == hash(AttentionOptions(draft_window=8, draft_sinks=2))
+
+
+def test_long_rings_are_aligned_for_the_gpu():
+    """A ring of more than `SPAN_ALIGN` rows is rounded up: to a multiple of it when scored whole (XLA padded an
+    unaligned 4112-row ring for its GPU GEMMs every step), by `span_capacity` when read as spans. Shorter rings
+    keep window + block rows; a short `max_context` caps a ring before it is rounded."""
+    raw = preset_dict("tiny-dflash2")
+    block = parse_config(raw).effective_block_size
+    for window, batch, rows in ((8, 2, 8 + block), (200, 2, 256), (200, RING_SPANS_MIN_BATCH, 512), (240, 1, 256)):
+        cache = init_cache(random_drafter(raw | {"sliding_window": window}, seed=0), batch, 1024)
+        assert cache.rings[0] and cache.keys[0].shape[2] == rows and cache.values[0].shape == cache.keys[0].shape
+    assert init_cache(random_drafter(raw | {"sliding_window": 200}, seed=0), 2, 150).keys[0].shape[2] == 256
 
 
 def test_full_layers_are_aligned_for_the_gpu_kernel():
