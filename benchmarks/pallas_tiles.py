@@ -1,8 +1,8 @@
-"""The GPU span kernel's tuning: key slots per step and warps for each query tile (`attention.PALLAS_TUNING`).
+"""The GPU span kernel's tuning: key slots per step, warps and stages for each query tile (`attention.PALLAS_TUNING`).
 
 JAX's Pallas split-K decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`) over one layer's
-cache, 8 KV heads of 128 at batch 1, for the query rows per KV head the package runs: 4 (a greedy token, 4
-query heads per KV head), 64 (a 16-token block) and 68 (a 17-token DSpark verify). Each configuration is timed
+cache, 8 KV heads of 128 at batch 1 (or `--batch`), for the query rows per KV head the package runs: 4 (a greedy
+token, 4 query heads per KV head), 64 (a 16-token block) and 68 (a 17-token DSpark verify). Each configuration is timed
 over `LOOP` calls inside one jitted loop (a call is ~0.05 ms: timed one by one, dispatch would dominate).
 Floor: the K and V bytes at 4.0 TB/s.
 
@@ -36,32 +36,46 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spans", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 68], help="query rows per KV head")
-    parser.add_argument("--keys-per-split", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--keys-per-split", type=int, nargs="+", default=[1024, 2048],
+                        help="0: the package's (`attention.split_keys`)")
+    parser.add_argument("--slots", type=int, nargs="+", default=[64, 128], help="key slots per step")
+    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2], help="software-pipelining stages")
+    parser.add_argument("--batch", type=int, default=1, help="sequences (each with 8 KV heads)")
     args = parser.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print("| span | rows | tile | floor ms | fastest ms | key slots/step | warps | keys/split | ms at the package's "
-          "tuning |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"batch {args.batch}\n| span | rows | tile | floor ms | fastest ms | key slots/step | warps | keys/split | "
+          "stages | ms at the package's tuning |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T, row_counts in ((T, args.rows) for T in args.spans):
-        k = jax.random.normal(jax.random.key(0), (KV_HEADS, T, HEAD_DIM), jnp.bfloat16)  # [heads, T, d]
-        v = jax.random.normal(jax.random.key(1), (KV_HEADS, T, HEAD_DIM), jnp.bfloat16)
-        stop = jnp.full((KV_HEADS,), T - 200, jnp.int32)
-        floor = 2 * k.nbytes / 4.0e12 * 1e3
+        heads = args.batch * KV_HEADS  # the package flattens [batch, n_kv] for the kernel
+        k = jax.random.normal(jax.random.key(0), (heads, T, HEAD_DIM), jnp.bfloat16)  # [batch * heads, T, d]
+        v = jax.random.normal(jax.random.key(1), (heads, T, HEAD_DIM), jnp.bfloat16)
+        stop = jnp.full((heads,), T - 200, jnp.int32)
+        floor = 2 * k.nbytes / 4.0e12 * 1e3  # K and V
         for rows in row_counts:
-            q = jax.random.normal(jax.random.key(2), (KV_HEADS, rows, HEAD_DIM), jnp.bfloat16)
+            q = jax.random.normal(jax.random.key(2), (heads, rows, HEAD_DIM), jnp.bfloat16)
             tile = pallas_tile(rows)
             times = {}
-            for block_k, warps, per_split in itertools.product((64, 128), (2, 4, 8), args.keys_per_split):
+            splits = [n or split_keys(T, tile) for n in args.keys_per_split]
+            for block_k, warps, per_split, stages in itertools.product(args.slots, args.warps, splits, args.stages):
                 if per_split > T:
                     continue
-                def attend(q, k, v, stop, tile=tile, block_k=block_k, warps=warps, splits=T // per_split):
+                def attend(q, k, v, stop, tile=tile, block_k=block_k, warps=warps, splits=T // per_split, st=stages):
                     return decode_attention.mqa(
                         q, k, v, start_idx=jnp.zeros_like(stop), kv_seq_len=stop, sm_scale=HEAD_DIM**-0.5,
-                        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps)
+                        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
+                        num_stages=st)
 
-                times[block_k, warps, per_split] = loop_ms(attend, q, k, v, stop)
+                try:
+                    times[block_k, warps, per_split, stages] = loop_ms(attend, q, k, v, stop)
+                except jax.errors.JaxRuntimeError as e:  # more stages or slots than shared memory holds
+                    if "Shared memory" not in str(e):
+                        raise
             best = min(times, key=times.get)
-            print(f"| {T} | {rows} | {tile} | {floor:.4f} | {times[best]:.4f} | {best[0]} | {best[1]} | {best[2]} | "
-                  f"{times.get((*PALLAS_TUNING[tile], split_keys(T, tile)), float('nan')):.4f} |", flush=True)
+            slots, warps, stages = PALLAS_TUNING[tile]
+            package = times.get((slots, warps, split_keys(T, tile), stages), float("nan"))
+            print(f"| {T} | {rows} | {tile} | {floor:.4f} | {times[best]:.4f} | {' | '.join(map(str, best))} | "
+                  f"{package:.4f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,13 @@ SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of 
 # splits of 1024, 0.021 in splits of 512), a 128k span read by 64 rows from fewer partial results to merge
 # (0.178 -> 0.156 ms in splits of 4096), while a greedy token's 16-row tile keeps 1024 there.
 SPLIT_BANDS: tuple[tuple[float, int, int], ...] = ((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096))
-# (key slots per step, warps) of the GPU kernel by query tile rows (`pallas_tile`): measured on an H200 over 32k
-# and 128k spans in a jitted loop (`benchmarks/pallas_tiles.py`, docs/benchmarks.md). A 17-token verify's 128-row
-# tile: 0.119 -> 0.077 ms per 32k layer against 128 slots; a 16-token block's 64-row tile: 0.068 -> 0.061 ms.
-PALLAS_TUNING: dict[int, tuple[int, int]] = {16: (128, 4), 32: (128, 4), 64: (64, 4), 128: (64, 4)}
+# (key slots per step, warps, software-pipelining stages) of the GPU kernel by query tile rows (`pallas_tile`),
+# measured on an H200 (docs/benchmarks.md). Slots and warps over 32k and 128k spans in a jitted loop
+# (`benchmarks/pallas_tiles.py`): a 17-token verify's 128-row tile took 0.077 ms per 32k layer instead of 0.119
+# with 128 slots; a 16-token block's 64-row tile 0.061 instead of 0.068. Stages (JAX's default is 2), in whole
+# `propose` steps: 3 for the 64-row tile took tf5 at 128k to 0.942 ms from 0.964, the 8B drafter at batch 8 and
+# 2k to 1.581 from 1.598.
+PALLAS_TUNING: dict[int, tuple[int, int, int]] = {16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,
@@ -162,7 +165,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     capacity = span.k.shape[2]
     tile = pallas_tile(groups * Sq)
     splits = _splits(capacity, tile)
-    block_k, warps = PALLAS_TUNING[tile]
+    block_k, warps, stages = PALLAS_TUNING[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
     with jax.numpy_dtype_promotion("standard"):  # JAX's kernel adds `(~mask) * float`; this module is strict-clean
@@ -170,6 +173,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
             rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
             start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
             block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
+            num_stages=stages,
         )
     shape = (batch, n_kv, groups, Sq)
     l, m = l.reshape(shape), m.reshape(shape)
