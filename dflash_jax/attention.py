@@ -88,6 +88,13 @@ class Span:
     stop: jax.Array  # [batch] int32 (exclusive; an empty range contributes nothing)
 
 
+def write_slots(cache: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """`cache [batch, n_kv, capacity, d_h]` with `rows [batch, n_kv, n, d_h]` written at `slots [batch, n]` (per
+    sequence; a slot >= capacity drops its row). In place when the cache is donated."""
+    seq, heads = jnp.arange(cache.shape[0])[:, None, None], jnp.arange(cache.shape[1])[None, :, None]
+    return cache.at[seq, heads, slots[:, None, :]].set(rows, mode="drop")  # indices broadcast to [batch, n_kv, n]
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Partial:

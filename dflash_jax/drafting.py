@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_propose_inputs
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity
+from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity, write_slots
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
+    Absorb,
     AttentionOptions,
     Context,
     Memory,
@@ -134,7 +135,8 @@ def init_cache(
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
     rules = attention_rules(c, attention)
     rings = _rings(rules)
-    full_rows = span_capacity(max_context)  # aligned for the GPU kernel; rows past max_context stay empty
+    # aligned for the GPU kernel, with room for the block after a full context (`_absorbed`)
+    full_rows = span_capacity(max_context + c.effective_block_size)
     ring_spans = batch_size >= RING_SPANS_MIN_BATCH
     rows = [full_rows if not ring or r.window is None else
             _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
@@ -310,20 +312,21 @@ def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
     """Write the first `num_new [batch]` of the new rows' K/V `[batch, n_kv, n_new, d_h]` at positions `lengths..`.
 
     Ring layers keep the last `ring` of them (older ones would share a slot); full layers drop rows past
-    `max_context` and flag the sequence in `overflow`.
+    `max_context` and flag the sequence in `overflow`. A layer whose entry is None keeps its arrays (the forward
+    wrote its rows: `_absorbed`).
     """
-    batch, n_kv, n_new, _ = new_kv[0][0].shape
-    positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
-    fresh = jnp.arange(n_new) < num_new[:, None]
     end = cache.lengths + num_new  # [batch]
-    seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(n_kv)[None, :, None]
     keys, values = [], []
-    for k, v, (new_k, new_v), ring in zip(cache.keys, cache.values, new_kv, cache.rings):
-        rows = k.shape[2]
-        keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < cache.max_context)
-        slots = jnp.where(keep, positions % rows if ring else positions, rows)[:, None, :]  # rows: dropped
-        keys.append(k.at[seq, heads, slots].set(new_k, mode="drop"))  # indices broadcast to [batch, n_kv, n_new]
-        values.append(v.at[seq, heads, slots].set(new_v, mode="drop"))
+    for k, v, new, ring in zip(cache.keys, cache.values, new_kv, cache.rings):
+        if new is not None:
+            rows, n_new = k.shape[2], new[0].shape[2]
+            positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
+            fresh = jnp.arange(n_new) < num_new[:, None]
+            keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < cache.max_context)
+            slots = jnp.where(keep, positions % rows if ring else positions, rows)  # rows: dropped
+            k, v = write_slots(k, new[0], slots), write_slots(v, new[1], slots)
+        keys.append(k)
+        values.append(v)
     return dataclasses.replace(cache, keys=tuple(keys), values=tuple(values), lengths=end,
                                overflow=cache.overflow | (end > cache.max_context))
 
@@ -384,6 +387,19 @@ def _memory(cache: ContextCache, layer: int, rule: LayerRule, start: jax.Array, 
     else:
         spans = (Span(k, v, jnp.zeros_like(stop), oldest), Span(k, v, interior, stop))
     return Memory(spans=spans, dense=(strip,))
+
+
+def _absorbed(cache: ContextCache, layer: int, num_new: jax.Array, n_new: int, block: int) -> Memory:
+    """What a full layer whose queries see every key (no causal mask, no window) reads: the cache, with this step's
+    `n_new` context rows (the first `num_new` real) at their positions and the block's rows right after the kept
+    context, as one span. Context rows past `max_context` are not written; the block's slots past the context are
+    scratch that the next step's context overwrites (`init_cache` leaves room for a block after `max_context`)."""
+    k = cache.keys[layer]
+    positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
+    keep = (jnp.arange(n_new) < num_new[:, None]) & (positions < cache.max_context)
+    kept = jnp.minimum(cache.lengths + num_new, cache.max_context)  # [batch] the context's end in the cache
+    slots = jnp.concatenate([jnp.where(keep, positions, k.shape[2]), kept[:, None] + jnp.arange(block)], axis=1)
+    return Memory(absorb=Absorb(k, cache.values[layer], slots, kept + block))
 
 
 def _check_attention(cache: ContextCache, attention: AttentionOptions, where: str) -> None:
@@ -476,12 +492,19 @@ def propose(
         axis=1,
     )  # [batch, B]
     x = embed_block(config, drafter.embedding if embed is None else embed, block_ids, dtype)
-    memory = [_memory(cache, i, rule, start, B) for i, rule in enumerate(rules)]
+    n_context = context.hidden.shape[1]  # this forward's context rows: n_new, or none after a chunked append
+    absorbs = [r.window is None and not r.causal for r in rules]
+    fresh = jnp.zeros_like(num_new) if chunked else num_new  # [batch] context rows in this forward
+    memory = [_absorbed(cache, i, fresh, n_context, B) if absorb else _memory(cache, i, rule, start, B)
+              for i, (rule, absorb) in enumerate(zip(rules, absorbs))]
     hidden, new_kv = forward(
         params, config, rules, x, start[:, None] + jnp.arange(B, dtype=jnp.int32), context, memory, impl=impl
     )  # [batch, B, H]
+    cache = dataclasses.replace(  # absorbing layers come back written
+        cache, keys=tuple(kv[0] if a else k for kv, a, k in zip(new_kv, absorbs, cache.keys)),
+        values=tuple(kv[1] if a else v for kv, a, v in zip(new_kv, absorbs, cache.values)))
     if not chunked:
-        cache = _append(cache, new_kv, num_new)
+        cache = _append(cache, [None if a else kv for kv, a in zip(new_kv, absorbs)], num_new)
     proposal = sample_drafts(
         drafter,
         hidden[:, B - n_draft :],  # the draft rows: 1..B-1 (z-lab) or all B (DSpark)

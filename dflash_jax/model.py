@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_block_inputs
-from .attention import KeyValues, LayerRule, Span, attend
+from .attention import KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
 
@@ -367,11 +367,25 @@ def decoder_layer(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Absorb:
+    """A layer's cache that this forward's rows (context rows, then the block) are written into before the block
+    attends, so that the cache and they are read as one span by one kernel: for layers whose every query sees every
+    key (no causal mask, no window), where the rows would otherwise be a second, dense source."""
+
+    k: jax.Array  # [batch, n_kv, capacity, d_h]
+    v: jax.Array  # [batch, n_kv, capacity, d_h]
+    slots: jax.Array  # [batch, S + B] int32: each row's slot (>= capacity: not written, not read)
+    stop: jax.Array  # [batch] int32: the span `[0, stop)` the block reads once they are written
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Memory:
     """What one layer's block queries read besides this forward's rows: cached context, as `attention` sources."""
 
     spans: tuple[Span, ...] = ()  # slot ranges every query sees (read unmasked)
     dense: tuple[KeyValues, ...] = ()  # rows masked by the layer's rule (a ring buffer, a window's edge)
+    absorb: Absorb | None = None  # a cache this forward's rows join, read as one more span (then not dense)
 
 
 def forward(
@@ -389,7 +403,8 @@ def forward(
 
     Per layer the block's queries attend to `memory[i]` (earlier context), the new `context` rows and the block
     itself; the context rows enter only as keys/values (same k_proj/v_proj, k_norm, RoPE at their positions).
-    Returns `norm(x)` `[batch, B, H]` and, per layer, the context rows' `(k, v)` `[batch, n_kv, S, d_h]`.
+    Returns `norm(x)` `[batch, B, H]` and, per layer, the context rows' `(k, v)` `[batch, n_kv, S, d_h]`, or
+    for a layer whose memory has an `absorb`, its cache `(k, v)` with this forward's rows written.
     """
     batch, B, _ = x.shape
     S = context.hidden.shape[1]
@@ -404,9 +419,15 @@ def forward(
         def attention(attn, xn, rule=rule, mem=mem):
             q = queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
             k, v = keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM each
-            fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
-            a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
-            return a.reshape(batch, B, -1), (k[:, :, :S], v[:, :, :S])
+            if mem.absorb is None:
+                fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
+                a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
+                return a.reshape(batch, B, -1), (k[:, :, :S], v[:, :, :S])
+            cache = mem.absorb
+            kc, vc = write_slots(cache.k, k, cache.slots), write_slots(cache.v, v, cache.slots)
+            span = Span(kc, vc, jnp.zeros_like(cache.stop), cache.stop)
+            a = attend(q, positions, rule, mem.dense, (*mem.spans, span), impl=impl)
+            return a.reshape(batch, B, -1), (kc, vc)
 
         x, kv = decoder_layer(p, config, x, attention)
         new_kv.append(kv)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
 from dflash_jax.config import parse_config
 from dflash_jax.drafting import RING_SPANS_MIN_BATCH, init_cache, propose, sample_drafts
-from dflash_jax.model import AttentionOptions, draft_hidden
+from dflash_jax.model import AttentionOptions, attention_rules, draft_hidden
 from dflash_jax.testing import preset_dict, random_drafter
 
 from . import _numpy_reference as ref
@@ -323,9 +323,34 @@ def test_long_rings_are_aligned_for_the_gpu():
     assert init_cache(random_drafter(raw | {"sliding_window": 200}, seed=0), 2, 150).keys[0].shape[2] == 256
 
 
+@pytest.mark.parametrize("append_chunk", [2048, 32], ids=["one append", "chunked"])
+def test_a_full_context_still_holds_the_block(append_chunk):
+    """Contexts of exactly `max_context` = `SPAN_ALIGN` rows: a full layer whose queries see every key reads the cache
+    with the step's rows written into it, the block after the context, so the cache has room for a block past
+    `max_context`. The drafts equal the uncached forward's, and no sequence is flagged."""
+    drafter = tiny_drafter("tiny-dflash")
+    assert not any(r.causal or r.window for r in attention_rules(drafter.config))
+    feats = features(drafter, 2, 128, seed=8)
+    cache = init_cache(drafter, 2, 128)
+    assert cache.keys[0].shape[2] == span_capacity(128 + drafter.config.effective_block_size)
+    lengths, anchors = np.zeros(2, int), np.array([5, 9], np.int32)
+    for num_new in (np.array([60, 68]), np.array([68, 60])):
+        new = np.zeros((2, 68, feats.shape[-1]), np.float32)
+        for b in range(2):
+            new[b, : num_new[b]] = feats[b, lengths[b] : lengths[b] + num_new[b]]
+        got, cache = propose(drafter, cache, new, num_new, anchors, append_chunk=append_chunk)
+        lengths += num_new
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [128, 128])
+    cache.check()
+    for b in range(2):
+        _, want = _uncached(drafter, feats[b], 128, anchors[b])
+        np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
+
+
 def test_full_layers_are_aligned_for_the_gpu_kernel():
-    """Full layers hold `max_context` rounded up to `SPAN_ALIGN` rows (the GPU kernel reads only aligned caches: an
-    unaligned one fell back to the XLA loop, 8x slower at 32k), and rows past `max_context` still stay empty.
+    """Full layers hold `max_context` plus a block rounded up to `SPAN_ALIGN` rows (the GPU kernel reads only aligned
+    caches: an unaligned one fell back to the XLA loop, 8x slower at 32k). Rows past `max_context` are not kept:
+    only the last block's scratch rows follow the kept context, and the slots past them stay empty.
     Long caches are multiples of their split length, so the kernel reads them in splits of that many keys
     (128-slot alignment alone gave capacities of a prime number of blocks, and splits of 128 keys)."""
     drafter = tiny_drafter("tiny-dflash")
@@ -335,7 +360,9 @@ def test_full_layers_are_aligned_for_the_gpu_kernel():
     for _ in range(3):
         _, cache = propose(drafter, cache, new, np.array([9, 2]), np.zeros(2, np.int32))
     np.testing.assert_array_equal(np.asarray(cache.overflow), [True, False])
-    assert not np.asarray(cache.keys[0])[:, :, 20:].any() and np.asarray(cache.keys[0])[0, :, :20].all()
+    B, keys = drafter.config.effective_block_size, np.asarray(cache.keys[0])
+    assert keys[0, :, : 20 + B].all() and not keys[0, :, 20 + B :].any()  # lengths 27: 20 kept, then the block
+    assert keys[1, :, : 6 + B].all() and not keys[1, :, 6 + B :].any()  # lengths 6
     for rows in (1, 128, 129, 1024, 1025, 2848, 8992, 16384, 16385, 33568, 65537, 131872):  # the benchmark's 2k..128k
         capacity = span_capacity(rows)
         assert capacity >= rows and capacity % SPAN_ALIGN == 0 and capacity - rows < 4096
