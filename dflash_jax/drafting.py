@@ -3,7 +3,8 @@
 The step (z-lab `dflash/model.py`'s `dflash_generate`, batched): the target's features for the rows accepted
 since the last step are projected
 into every layer's K/V and appended to `ContextCache`; the block `[anchor, MASK x (B-1)]` attends to the whole
-cache plus itself; the draft rows' hidden states become tokens:
+cache plus itself (on full layers that see every key, with the new rows and the block written into the cache
+first, so that one span is read); the draft rows' hidden states become tokens:
 
 - DFlash: argmax (or a sample) of `lm_head(h)` on rows 1..B-1 (z-lab convention).
 - DSpark: all B rows, sampled sequentially with the Markov bias `markov_w2(markov_w1[prev])` (prev_0 = anchor);
@@ -60,13 +61,13 @@ class ContextCache:
     buffer: position p in slot `p % ring`, `ring` = window + block size rows (past 128 rows rounded up to a
     multiple of 128 for the GPU's GEMMs), so its memory does not grow with the context. With `ring_spans`
     (`init_cache` sets it from `RING_SPANS_MIN_BATCH` sequences on) a ring is read as spans by the GPU kernel,
-    and past 128 rows rounded up by `attention.span_capacity` for it instead. The other
-    layers keep every position p in slot p, up to `max_context` (their rows are rounded up by
-    `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options
-    the cache was made with (`propose` refuses others: they decide which layers are rings).
+    and past 128 rows rounded up by `attention.span_capacity` for it instead. The other layers keep every
+    position p in slot p, up to `max_context`, and room for a block after it (`_absorbed`; their rows are rounded
+    up by `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options the cache
+    was made with (`propose` refuses others: they decide which layers are rings).
     """
 
-    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows: max_context rounded up, or the ring's
+    keys: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]; rows: max_context + block rounded up, or a ring's
     values: tuple[jax.Array, ...]  # per layer [batch, n_kv, rows, d_h]
     lengths: jax.Array  # [batch] int32: context positions 0 .. lengths-1 have been appended
     overflow: jax.Array  # [batch] bool: a sequence outgrew max_context (rows past it were dropped)
