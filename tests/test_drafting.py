@@ -315,12 +315,13 @@ def test_long_rings_are_aligned_for_the_gpu():
     """A ring of more than `SPAN_ALIGN` rows is rounded up: to a multiple of it when scored whole (XLA padded an
     unaligned 4112-row ring for its GPU GEMMs every step), by `span_capacity` when read as spans. Shorter rings
     keep window + block rows; a short `max_context` caps a ring before it is rounded."""
-    raw = preset_dict("tiny-dflash2")
-    block = parse_config(raw).effective_block_size
+    raw, drafter = preset_dict("tiny-dflash2"), tiny_drafter("tiny-dflash2")
+    with_window = lambda w: dataclasses.replace(drafter, config=parse_config(raw | {"sliding_window": w}))  # noqa: E731
+    block = drafter.config.effective_block_size
     for window, batch, rows in ((8, 2, 8 + block), (200, 2, 256), (200, RING_SPANS_MIN_BATCH, 512), (240, 1, 256)):
-        cache = init_cache(random_drafter(raw | {"sliding_window": window}, seed=0), batch, 1024)
+        cache = init_cache(with_window(window), batch, 1024)
         assert cache.rings[0] and cache.keys[0].shape[2] == rows and cache.values[0].shape == cache.keys[0].shape
-    assert init_cache(random_drafter(raw | {"sliding_window": 200}, seed=0), 2, 150).keys[0].shape[2] == 256
+    assert init_cache(with_window(200), 2, 150).keys[0].shape[2] == 256
 
 
 @pytest.mark.parametrize("append_chunk", [2048, 32], ids=["one append", "chunked"])
