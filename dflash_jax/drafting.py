@@ -320,16 +320,25 @@ def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:
     keys, values = [], []
     for k, v, new, ring in zip(cache.keys, cache.values, new_kv, cache.rings):
         if new is not None:
-            rows, n_new = k.shape[2], new[0].shape[2]
-            positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
-            fresh = jnp.arange(n_new) < num_new[:, None]
-            keep = fresh & (positions >= end[:, None] - rows) if ring else fresh & (positions < cache.max_context)
-            slots = jnp.where(keep, positions % rows if ring else positions, rows)  # rows: dropped
+            slots = _context_slots(cache, k.shape[2], ring, num_new, new[0].shape[2])
             k, v = write_slots(k, new[0], slots), write_slots(v, new[1], slots)
         keys.append(k)
         values.append(v)
     return dataclasses.replace(cache, keys=tuple(keys), values=tuple(values), lengths=end,
                                overflow=cache.overflow | (end > cache.max_context))
+
+
+def _context_slots(cache: ContextCache, rows: int, ring: bool, num_new: jax.Array, n_new: int) -> jax.Array:
+    """`[batch, n_new]` slots of a layer of `rows` rows for `n_new` new context rows at positions `lengths..`, the
+    first `num_new` real: `p % rows` on a ring (the last `rows` of them), p on a full layer (below `max_context`),
+    `rows` (dropped) for the others."""
+    positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
+    fresh = jnp.arange(n_new) < num_new[:, None]
+    if ring:
+        keep = fresh & (positions >= (cache.lengths + num_new)[:, None] - rows)
+    else:
+        keep = fresh & (positions < cache.max_context)
+    return jnp.where(keep, positions % rows if ring else positions, rows)
 
 
 def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
@@ -396,10 +405,9 @@ def _absorbed(cache: ContextCache, layer: int, num_new: jax.Array, n_new: int, b
     context, as one span. Context rows past `max_context` are not written; the block's slots past the context are
     scratch that the next step's context overwrites (`init_cache` leaves room for a block after `max_context`)."""
     k = cache.keys[layer]
-    positions = cache.lengths[:, None] + jnp.arange(n_new)  # [batch, n_new]
-    keep = (jnp.arange(n_new) < num_new[:, None]) & (positions < cache.max_context)
+    context = _context_slots(cache, k.shape[2], False, num_new, n_new)  # [batch, n_new]
     kept = jnp.minimum(cache.lengths + num_new, cache.max_context)  # [batch] the context's end in the cache
-    slots = jnp.concatenate([jnp.where(keep, positions, k.shape[2]), kept[:, None] + jnp.arange(block)], axis=1)
+    slots = jnp.concatenate([context, kept[:, None] + jnp.arange(block)], axis=1)  # [batch, n_new + block]
     return Memory(absorb=Absorb(k, cache.values[layer], slots, kept + block))
 
 
