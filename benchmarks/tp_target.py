@@ -30,7 +30,8 @@ from timing import call_seconds  # benchmarks/timing.py (the script's directory 
 from dflash_jax import load_drafter, load_target
 from dflash_jax._qwen3_testing import random_qwen3
 from dflash_jax.safetensors import write_tensors
-from dflash_jax.target import parse_qwen3_config, plan_decoder
+from dflash_jax.target.config import parse_qwen3_config
+from dflash_jax.target.dense import plan_decoder
 from dflash_jax.testing import write_checkpoint
 
 QWEN3_8B = {

@@ -9,8 +9,8 @@
 Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
 and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
-the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (Qwen3 and
-Llama targets, tensor-parallel on a mesh: `load_target`), `generate` (the draft/verify loop), `testing` (random
+the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
+`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`: `load_target`), `generate` (the draft/verify loop), `testing` (random
 checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
@@ -22,7 +22,9 @@ from .generate import Backoff, GenerationResult, greedy_generate, speculative_ge
 from .linen import DrafterModule
 from .loader import load_config, load_drafter
 from .model import AttentionOptions, draft_hidden, draft_logits
-from .target import DecoderTarget, Qwen3Target, Target, load_target
+from .target import Target
+from .target.dense import DecoderTarget, Qwen3Target
+from .target.loading import load_target
 
 __version__ = "0.1.0"
 

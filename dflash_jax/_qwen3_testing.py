@@ -29,15 +29,8 @@ import numpy as np
 from .drafter import Drafter
 from .plan import build_tree
 from .safetensors import write_tensors
-from .target import (
-    ARCHITECTURES,
-    DecoderConfig,
-    DecoderTarget,
-    Qwen3Config,
-    Qwen3Target,
-    parse_decoder_config,
-    plan_decoder,
-)
+from .target.config import ARCHITECTURES, DecoderConfig, Qwen3Config, parse_decoder_config
+from .target.dense import DecoderTarget, Qwen3Target, plan_decoder
 
 _TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",

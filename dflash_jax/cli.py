@@ -369,7 +369,7 @@ def generate(args: argparse.Namespace) -> int:
     from .generate import speculative_generate
     from .loader import load_drafter
     from .model import AttentionOptions
-    from .target import load_target
+    from .target.loading import load_target
 
     causal, sliding_window = ATTENTION_RULES[args.attention_rule]
     attention = AttentionOptions(causal=causal, sliding_window=sliding_window, draft_window=args.draft_window,

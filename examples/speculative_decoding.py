@@ -22,7 +22,7 @@ import numpy as np
 
 import dflash_jax
 from dflash_jax.generate import greedy_generate, speculative_generate
-from dflash_jax.target import Qwen3Target
+from dflash_jax.target.dense import Qwen3Target
 from dflash_jax.testing import (
     preset_dict,
     successor_drafter,

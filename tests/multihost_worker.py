@@ -26,7 +26,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=proc
 from dflash_jax import load_drafter, load_target  # noqa: E402
 from dflash_jax.placement import auto_mesh  # noqa: E402
 from dflash_jax.safetensors import Checkpoint  # noqa: E402
-from dflash_jax.target import plan_decoder  # noqa: E402
+from dflash_jax.target.dense import plan_decoder  # noqa: E402
 
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
 mesh = jax.make_mesh((4,), ("replica",), devices=jax.devices())

@@ -238,7 +238,7 @@ def test_derived_target_layer_ids_stay_within_the_target():
 def test_rope_config_is_what_both_config_kinds_provide():
     """`model.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
     from dflash_jax.config import RopeConfig
-    from dflash_jax.target import LlamaConfig, Qwen3Config, parse_decoder_config
+    from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
     from dflash_jax.testing import QWEN3_TINY_CONFIGS
 
     targets = [parse_decoder_config(QWEN3_TINY_CONFIGS[name], kind)

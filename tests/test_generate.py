@@ -26,7 +26,8 @@ from dflash_jax.generate import (
     greedy_generate,
     speculative_generate,
 )
-from dflash_jax.target import PREFILL_CHUNK, plan_decoder
+from dflash_jax.target import PREFILL_CHUNK
+from dflash_jax.target.dense import plan_decoder
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 from . import _numpy_reference as ref

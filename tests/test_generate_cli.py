@@ -11,7 +11,7 @@ import pytest
 from dflash_jax import AttentionOptions, load_drafter
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
-from dflash_jax.target import Qwen3Target
+from dflash_jax.target.dense import Qwen3Target
 from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint
 
 from ._hub import add_to_cache, directory_files  # first: HF_HUB_OFFLINE=1

@@ -71,7 +71,8 @@ def test_sharded_leaves_hold_their_slices_cast_on_device(tmp_path):
     checkpoint tensor (row blocks, column blocks, replicated norms), cast to float32 on the device it was put on,
     and only the bytes of the distinct parts were counted as read."""
     from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
-    from dflash_jax.target import make_layout, plan_decoder
+    from dflash_jax.target.dense import plan_decoder
+    from dflash_jax.target.layout import make_layout
 
     config = write_qwen3_checkpoint(tmp_path, {**QWEN3_TINY_CONFIGS["tiny-qwen3-tp"], "num_hidden_layers": 1})
     layout = make_layout(config, jax.make_mesh((2, 4), ("data", "model")), "model", str(tmp_path))

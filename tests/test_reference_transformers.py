@@ -20,7 +20,7 @@ import jax  # noqa: E402
 from dflash_jax import load_drafter, load_target  # noqa: E402
 from dflash_jax._qwen3_testing import write_qwen3_checkpoint  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
-from dflash_jax.target import Qwen3Target  # noqa: E402
+from dflash_jax.target.dense import Qwen3Target  # noqa: E402
 from dflash_jax.testing import write_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.reference

@@ -10,7 +10,10 @@ import os
 import dflash_jax
 
 PACKAGE = os.path.dirname(dflash_jax.__file__)
-FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention")
+# The forward and the decode loop: pure model code. `dflash_jax.target` is the target protocol; the families'
+# model modules load checkpoints too (`from_pretrained`), so the loop sees targets only through the protocol.
+FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
+           "dflash_jax.target")
 IO = ("dflash_jax.safetensors", "dflash_jax.loader", "dflash_jax.placement", "dflash_jax.validate",
       "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert")
 
@@ -72,6 +75,7 @@ def test_the_graph_is_read():
     assert "dflash_jax.spec" in graph["dflash_jax.plan"]
     assert "dflash_jax.nvfp4.checkpoint" in graph["dflash_jax.plan"]
     assert "dflash_jax.drafting" in graph["dflash_jax.nnx"]  # `from . import drafting`
+    assert "dflash_jax.target" in graph["dflash_jax.generate"]  # the protocol, a package's __init__
 
 
 def test_no_import_circles():

@@ -13,7 +13,8 @@ import pytest
 from dflash_jax import CheckpointError, ConfigError
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.placement import auto_mesh
-from dflash_jax.target import Qwen3Target, Target
+from dflash_jax.target import Target
+from dflash_jax.target.dense import Qwen3Target
 
 from ._io import load_file, save_file
 from ._numpy_reference import numpy_decoder

@@ -1,17 +1,10 @@
-"""The target side of speculative decoding: a `Target` protocol and `DecoderTarget`, a dense decoder in JAX
-(Qwen3 and Llama 3.x: one forward, the architectures differing only in their config class).
+"""The dense decoder target (Qwen3 and Llama 3.x: one forward, the architectures differing only in their config
+class), with its parameters declared once and its tensor-parallel placement.
 
-`load_target(path, mesh=..., tensor_axis="model")` reads config.json's `architectures` (`Qwen3ForCausalLM`,
-`LlamaForCausalLM`; anything else is refused by name) and loads the checkpoint (config.json + safetensors,
-sharded or not) with the package's header-first reader; `Qwen3Target.from_pretrained(path)` does the same for a
+`DecoderTarget.from_pretrained(path, mesh=..., tensor_axis="model")` loads a checkpoint (config.json +
+safetensors, sharded or not) with the package's header-first reader; `Qwen3Target.from_pretrained(path)` reads a
 Qwen3 directory only. The forward runs the new tokens of each sequence against a static-shape KV cache and
-returns, besides the final hidden states, the target features a DFlash-family drafter reads:
-
-    feature l = transformers' hidden_states[l + 1]   the output of decoder layer l, for 0 <= l < N - 1
-    feature N - 1 = hidden_states[N]                 the LAST layer's output AFTER the final norm
-    feature -1 = hidden_states[0]                    the embedding output (DeepSpec)
-
-concatenated shallow-to-deep in `layer_ids` order: `[batch, S, Lf * H]`.
+returns, besides the final hidden states, the target features a DFlash-family drafter reads (`dflash_jax.target`).
 
 KV cache: `KVCache(k, v)`, per layer `[batch, n_kv, T, d_h]`; slot t holds position t. The cache itself carries
 no length: the caller keeps `lengths [batch]` (tokens committed per sequence). A forward over `S` new tokens
@@ -41,275 +34,27 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 import os
-from typing import Any, ClassVar, Protocol, TypeVar, Unpack, overload, runtime_checkable
+from typing import Any, ClassVar, Unpack
 
 import jax
 import jax.numpy as jnp
-import msgspec
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from .attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
-from .config import (
-    MAX_CONFIG_BYTES,
-    Dim,
-    LayerCount,
-    PositiveFloat,
-    RopeScaling,
-    RopeTheta,
-    declared_rope_type,
-    normalise_raw,
-)
-from .errors import CheckpointError, ConfigError
-from .hub import HubOptions, resolve
-from .model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
-from .placement import auto_mesh, place_all
-from .plan import TensorPlan, build_tree, check_tensors, planned
-from .safetensors import Checkpoint, read_json
-from .spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
+from ..attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
+from ..hub import HubOptions, resolve
+from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
+from ..placement import place_all
+from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..safetensors import Checkpoint
+from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
+from . import PREFILL_CHUNK, KVCache, TargetOutput
+from .config import DecoderConfig, Qwen3Config, load_decoder_config
+from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 
 log = logging.getLogger("dflash_jax")
 
-PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`DecoderTarget.prefill`)
-
 Params = dict[str, Any]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The protocol the speculative loop needs
-# --------------------------------------------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """A static-shape KV cache: per layer `k`, `v` `[batch, n_kv, T, d_h]` (post k_norm + RoPE keys, heads-major
-    as `attention.KeyValues`); slot t = position t. One buffer per layer, updated in place."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TargetOutput:
-    """What one target forward returns."""
-
-    logits: jax.Array  # [batch, S, V] float32 (`prefill`: [batch, V], at each prompt's last token)
-    features: jax.Array  # [batch, S, Lf * H] at the requested layer ids, shallow to deep
-    cache: Any  # the cache with the new tokens' K/V written
-
-
-@runtime_checkable
-class Target(Protocol):
-    """A causal LM that `speculative_generate` can verify drafts with.
-
-    Requirements:
-    - It is a JAX pytree (arrays as leaves, configuration as static metadata), so it is passed through `jax.jit`
-      as an argument rather than baked into the program as constants.
-    - `vocab_size`: the size of the logits' last axis; `embed`, `lm_head`: `[V, H]` in HF layout, handed to
-      `drafter.attach` (DFlash drafters use the target's embedding and LM head).
-    - `init_cache(batch, max_length)`: an empty cache pytree for up to `max_length` positions per sequence.
-    - `__call__(tokens, cache, lengths, *, layer_ids)`: run `tokens [batch, S]` at positions
-      `lengths[b] .. lengths[b] + S - 1`, attending to the first `lengths[b]` cached positions and causally
-      among the new ones; return `TargetOutput` (logits and features for every new token, the updated cache).
-      Cache entries at positions `>= lengths[b] + S` must never influence the result: the loop trims a cache to
-      an accepted prefix by passing a smaller `lengths` next time.
-    - `prefill(tokens, cache, lengths, *, layer_ids, chunk)`: run right-padded prompts `tokens [batch, P]` (real lengths
-      `lengths`) into an empty cache; return the features of every row and the logits `[batch, V]` of each
-      prompt's last token only (a long prompt's `[P, V]` logits would not fit), `chunk` tokens at a time.
-    - `max_positions`: the longest sequence it runs (`max_position_embeddings`), or None for no limit.
-    """
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def embed(self) -> jax.Array: ...
-
-    @property
-    def lm_head(self) -> jax.Array: ...
-
-    def init_cache(self, batch_size: int, max_length: int) -> Any: ...
-
-    def __call__(
-        self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...]
-    ) -> TargetOutput: ...
-
-    def prefill(
-        self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...], chunk: int
-    ) -> TargetOutput: ...
-
-    @property
-    def max_positions(self) -> int | None: ...
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Configs: one decoder, a small difference per architecture
-# --------------------------------------------------------------------------------------------------------------
-
-
-class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
-
-    Frozen and hashable: a static `jax.jit` argument. A `config.RopeConfig`, as the drafter's config is (what
-    `model.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
-    `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`. `head_dim` and `num_key_value_heads` are read through
-    properties that resolve what the file leaves unstated, as transformers does (`stated_*`: as stated).
-    """
-
-    MODEL_TYPE: ClassVar[str] = ""
-    QK_NORM: ClassVar[bool] = True
-    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
-
-    vocab_size: Dim = 151936
-    hidden_size: Dim = 4096
-    intermediate_size: Dim = 22016
-    num_hidden_layers: LayerCount = 32
-    num_attention_heads: Dim = 32
-    stated_num_key_value_heads: Dim | None = msgspec.field(default=32, name="num_key_value_heads")
-    stated_head_dim: Dim | None = msgspec.field(default=128, name="head_dim")
-    hidden_act: str = "silu"
-    max_position_embeddings: Dim = 32768
-    rms_norm_eps: PositiveFloat = 1e-6
-    tie_word_embeddings: bool = False
-    rope_theta: RopeTheta = 10000.0
-    rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    use_sliding_window: bool = False
-    eos_token_id: int | tuple[int, ...] | None = None
-    model_type: str | None = None
-    architectures: tuple[str, ...] = ()
-
-    @property
-    def head_dim(self) -> int:
-        """As stated, else `hidden_size // num_attention_heads`."""
-        return self.stated_head_dim or self.hidden_size // self.num_attention_heads
-
-    @property
-    def num_key_value_heads(self) -> int:
-        """As stated, else `num_attention_heads` (multi-head attention)."""
-        return self.stated_num_key_value_heads or self.num_attention_heads
-
-    @property
-    def rope_type(self) -> str:
-        declared = declared_rope_type(self.rope_scaling)
-        return declared if declared in self.ROPE_TYPES else "default"
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """`eos_token_id` as a tuple (configs state one id or a list)."""
-        eos = self.eos_token_id
-        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
-
-class Qwen3Config(DecoderConfig, frozen=True, forbid_unknown_fields=False):
-    """Qwen3 (dense): per-head q/k norm, default or YaRN RoPE."""
-
-    MODEL_TYPE: ClassVar[str] = "qwen3"
-    QK_NORM: ClassVar[bool] = True
-    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "yarn")
-
-
-class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
-    """Llama (3.x): no q/k norm, default or `llama3` RoPE, `head_dim` from the hidden size when unstated."""
-
-    MODEL_TYPE: ClassVar[str] = "llama"
-    QK_NORM: ClassVar[bool] = False
-    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
-
-    stated_head_dim: Dim | None = msgspec.field(default=None, name="head_dim")
-    intermediate_size: Dim = 11008
-    stated_num_key_value_heads: Dim | None = msgspec.field(default=None, name="num_key_value_heads")
-    max_position_embeddings: Dim = 2048
-    vocab_size: Dim = 32000
-
-
-ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
-
-
-C = TypeVar("C", bound=DecoderConfig)
-
-
-def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<config>") -> C:
-    """Decode a config dict as `kind` (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
-    try:
-        config = msgspec.convert(normalise_raw(raw, source), kind)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    problems = []
-    if config.model_type not in (None, kind.MODEL_TYPE):
-        problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
-    if config.hidden_act != "silu":
-        problems.append(f"hidden_act is {config.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
-    if config.num_attention_heads % config.num_key_value_heads:
-        problems.append(
-            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
-            f"num_key_value_heads={config.num_key_value_heads}"
-        )
-    if config.use_sliding_window:
-        problems.append("use_sliding_window=true is not implemented (released dense models leave it off)")
-    declared = declared_rope_type(config.rope_scaling)
-    if declared not in kind.ROPE_TYPES:
-        problems.append(f"rope type {declared!r}; only {' and '.join(kind.ROPE_TYPES)} are implemented")
-    s = config.rope_scaling
-    if declared == "llama3" and s is not None:  # declared only by a rope_scaling block
-        absent = [f for f in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                  if getattr(s, f) is None]
-        low, high = s.low_freq_factor, s.high_freq_factor
-        if absent:
-            problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
-        elif low is not None and high is not None and low >= high:  # both stated: not absent
-            problems.append(f"llama3 RoPE: low_freq_factor={low} must be below high_freq_factor={high}")
-    if problems:
-        raise ConfigError(f"{source}: " + "; ".join(problems))
-    return config
-
-
-def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
-    """Decode a Qwen3 config dict."""
-    return parse_decoder_config(raw, Qwen3Config, source=source)
-
-
-def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
-    """`(file, raw dict)` of a checkpoint directory's config.json."""
-    file = os.path.join(os.fspath(path), "config.json")
-    if not os.path.lexists(file):
-        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
-    try:  # a regular file of bounded size (a FIFO would block forever), UTF-8, duplicate keys refused
-        raw = read_json(file, "config.json", MAX_CONFIG_BYTES)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: expected a JSON object at the top level")
-    return file, raw
-
-
-@overload
-def load_decoder_config(path: str | os.PathLike[str], kind: type[C]) -> C: ...
-@overload
-def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> DecoderConfig: ...
-def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
-    """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
-    file, raw = read_config_json(path)
-    if kind is None:
-        names = raw.get("architectures")
-        names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
-        known = [ARCHITECTURES[a] for a in names if a in ARCHITECTURES]
-        if not known:
-            raise ConfigError(
-                f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
-                f"{', '.join(ARCHITECTURES)}"
-            )
-        kind = known[0]
-    return parse_decoder_config(raw, kind, source=file)
-
-
-def load_qwen3_config(path: str | os.PathLike[str]) -> Qwen3Config:
-    """Read `config.json` from a Qwen3 checkpoint directory."""
-    return load_decoder_config(path, Qwen3Config)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,75 +117,6 @@ def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
     return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Where the arrays live on a mesh
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A target's placement on a mesh: logical axes -> mesh axes (hashable: static metadata of the target).
-
-    `tensor_axis` (None when the mesh has no such axis) splits heads, the MLP width and the vocabulary; KV heads
-    only when it has at most `num_key_value_heads` devices (`split_kv`), else every device keeps all KV heads
-    and each query shard attends with its own group's. The other mesh axes (`batch_axes`) split the batch where
-    it divides (else it is replicated). The mesh has Auto axis types (`placement.auto_mesh`).
-    """
-
-    mesh: jax.sharding.Mesh
-    tensor_axis: str | None
-    batch_axes: tuple[str, ...]
-    split_kv: bool
-
-    @property
-    def tensor_size(self) -> int:
-        return self.mesh.shape[self.tensor_axis] if self.tensor_axis else 1
-
-    def spec(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> PartitionSpec:
-        """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
-        rules: dict[str | None, str | tuple[str, ...] | None] = {
-            VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis,
-            KV_HEADS: self.tensor_axis if self.split_kv else None}
-        batch = math.prod(self.mesh.shape[a] for a in self.batch_axes)
-        rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None and batch_size % batch == 0 \
-            else None
-        return PartitionSpec(*(rules.get(a) for a in axes))
-
-    def sharding(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(axes, batch_size))
-
-    def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-        """`x` pinned to the layout of `axes` (dim 0 the batch when `BATCH` is among them)."""
-        return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape[0]))
-
-
-def make_layout(config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
-    """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
-    mesh = auto_mesh(mesh)
-    axis = tensor_axis if tensor_axis in mesh.axis_names else None
-    tp = mesh.shape[axis] if axis else 1
-    c = config
-    for field in ("num_attention_heads", "vocab_size", "intermediate_size"):
-        if getattr(c, field) % tp:
-            raise ConfigError(
-                f"{source}: tensor axis {tensor_axis!r} has {tp} devices, which does not divide "
-                f"{field}={getattr(c, field)}; expected a tensor-parallel size dividing the heads, the vocabulary "
-                "and the intermediate size"
-            )
-    n_kv = c.num_key_value_heads
-    if (n_kv % tp if tp <= n_kv else tp % n_kv):
-        raise ConfigError(
-            f"{source}: tensor axis {tensor_axis!r} has {tp} devices and num_key_value_heads={n_kv}: expected one "
-            "to divide the other (KV heads are split, or replicated when the axis is larger)"
-        )
-    batch_axes = tuple(a for a in mesh.axis_names if a != axis)
-    return Layout(mesh, axis, batch_axes, split_kv=tp <= n_kv)
-
-
-CACHE_AXES = (BATCH, KV_HEADS, None, None)  # [batch, n_kv, T, d_h]
-ROWS_AXES = (BATCH, None, None)  # the residual stream [batch, S, H]: replicated over the tensor axis
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -579,21 +255,6 @@ class Qwen3Target(DecoderTarget):
 
     CONFIG = Qwen3Config
 
-
-def load_target(
-    path: str | os.PathLike[str],
-    *,
-    mesh: jax.sharding.Mesh | None = None,
-    dtype: jnp.dtype = jnp.bfloat16,
-    tensor_axis: str = "model",
-    progress: bool | None = None,
-    **hub: Unpack[HubOptions],
-) -> DecoderTarget:
-    """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM)
-    from a directory or a hub id, sharded over `mesh`, as `DecoderTarget.from_pretrained` says; another
-    architecture is a `ConfigError`."""
-    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis,
-                                         **hub)
 
 
 # --------------------------------------------------------------------------------------------------------------

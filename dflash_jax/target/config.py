@@ -1,0 +1,183 @@
+"""Configs of the dense decoder targets: one `DecoderConfig`, a small difference per architecture (Qwen3, Llama).
+
+`parse_decoder_config(raw, kind)` decodes a config dict; `load_decoder_config(path)` reads a checkpoint
+directory's config.json as the architecture its `architectures` names (`ARCHITECTURES`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, TypeVar, overload
+
+import msgspec
+
+from ..config import (
+    MAX_CONFIG_BYTES,
+    Dim,
+    LayerCount,
+    PositiveFloat,
+    RopeScaling,
+    RopeTheta,
+    declared_rope_type,
+    normalise_raw,
+)
+from ..errors import CheckpointError, ConfigError
+from ..safetensors import read_json
+
+
+class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
+
+    Frozen and hashable: a static `jax.jit` argument. A `config.RopeConfig`, as the drafter's config is (what
+    `model.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
+    `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`. `head_dim` and `num_key_value_heads` are read through
+    properties that resolve what the file leaves unstated, as transformers does (`stated_*`: as stated).
+    """
+
+    MODEL_TYPE: ClassVar[str] = ""
+    QK_NORM: ClassVar[bool] = True
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
+
+    vocab_size: Dim = 151936
+    hidden_size: Dim = 4096
+    intermediate_size: Dim = 22016
+    num_hidden_layers: LayerCount = 32
+    num_attention_heads: Dim = 32
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=32, name="num_key_value_heads")
+    stated_head_dim: Dim | None = msgspec.field(default=128, name="head_dim")
+    hidden_act: str = "silu"
+    max_position_embeddings: Dim = 32768
+    rms_norm_eps: PositiveFloat = 1e-6
+    tie_word_embeddings: bool = False
+    rope_theta: RopeTheta = 10000.0
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    use_sliding_window: bool = False
+    eos_token_id: int | tuple[int, ...] | None = None
+    model_type: str | None = None
+    architectures: tuple[str, ...] = ()
+
+    @property
+    def head_dim(self) -> int:
+        """As stated, else `hidden_size // num_attention_heads`."""
+        return self.stated_head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """As stated, else `num_attention_heads` (multi-head attention)."""
+        return self.stated_num_key_value_heads or self.num_attention_heads
+
+    @property
+    def rope_type(self) -> str:
+        declared = declared_rope_type(self.rope_scaling)
+        return declared if declared in self.ROPE_TYPES else "default"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """`eos_token_id` as a tuple (configs state one id or a list)."""
+        eos = self.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
+class Qwen3Config(DecoderConfig, frozen=True, forbid_unknown_fields=False):
+    """Qwen3 (dense): per-head q/k norm, default or YaRN RoPE."""
+
+    MODEL_TYPE: ClassVar[str] = "qwen3"
+    QK_NORM: ClassVar[bool] = True
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "yarn")
+
+
+class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
+    """Llama (3.x): no q/k norm, default or `llama3` RoPE, `head_dim` from the hidden size when unstated."""
+
+    MODEL_TYPE: ClassVar[str] = "llama"
+    QK_NORM: ClassVar[bool] = False
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "llama3")
+
+    stated_head_dim: Dim | None = msgspec.field(default=None, name="head_dim")
+    intermediate_size: Dim = 11008
+    stated_num_key_value_heads: Dim | None = msgspec.field(default=None, name="num_key_value_heads")
+    max_position_embeddings: Dim = 2048
+    vocab_size: Dim = 32000
+
+
+ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
+
+
+C = TypeVar("C", bound=DecoderConfig)
+
+
+def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<config>") -> C:
+    """Decode a config dict as `kind` (transformers 4 `rope_theta`/`rope_scaling` or 5 `rope_parameters` layout)."""
+    try:
+        config = msgspec.convert(normalise_raw(raw, source), kind)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    problems = []
+    if config.model_type not in (None, kind.MODEL_TYPE):
+        problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
+    if config.hidden_act != "silu":
+        problems.append(f"hidden_act is {config.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
+    if config.num_attention_heads % config.num_key_value_heads:
+        problems.append(
+            f"num_attention_heads={config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={config.num_key_value_heads}"
+        )
+    if config.use_sliding_window:
+        problems.append("use_sliding_window=true is not implemented (released dense models leave it off)")
+    declared = declared_rope_type(config.rope_scaling)
+    if declared not in kind.ROPE_TYPES:
+        problems.append(f"rope type {declared!r}; only {' and '.join(kind.ROPE_TYPES)} are implemented")
+    s = config.rope_scaling
+    if declared == "llama3" and s is not None:  # declared only by a rope_scaling block
+        absent = [f for f in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                  if getattr(s, f) is None]
+        low, high = s.low_freq_factor, s.high_freq_factor
+        if absent:
+            problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
+        elif low is not None and high is not None and low >= high:  # both stated: not absent
+            problems.append(f"llama3 RoPE: low_freq_factor={low} must be below high_freq_factor={high}")
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+    return config
+
+
+def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
+    """Decode a Qwen3 config dict."""
+    return parse_decoder_config(raw, Qwen3Config, source=source)
+
+
+def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """`(file, raw dict)` of a checkpoint directory's config.json."""
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.lexists(file):
+        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
+    try:  # a regular file of bounded size (a FIFO would block forever), UTF-8, duplicate keys refused
+        raw = read_json(file, "config.json", MAX_CONFIG_BYTES)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object at the top level")
+    return file, raw
+
+
+@overload
+def load_decoder_config(path: str | os.PathLike[str], kind: type[C]) -> C: ...
+@overload
+def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> DecoderConfig: ...
+def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
+    """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
+    file, raw = read_config_json(path)
+    if kind is None:
+        names = raw.get("architectures")
+        names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+        known = [ARCHITECTURES[a] for a in names if a in ARCHITECTURES]
+        if not known:
+            raise ConfigError(
+                f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
+                f"{', '.join(ARCHITECTURES)}"
+            )
+        kind = known[0]
+    return parse_decoder_config(raw, kind, source=file)
+
