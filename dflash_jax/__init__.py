@@ -9,19 +9,21 @@
 Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
 and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
-the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
-`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`: `load_target`), `generate` (the draft/verify loop), `testing` (random
-checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
+the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the
+target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`:
+`load_target`), `pairing` (is a drafter compatible with a target), `generate` (the draft/verify loop),
+`testing` (random checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from .config import DflashConfig, parse_config
 from .drafter import Drafter, draft_to_target_ids
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, IncompatiblePairError
 from .generate import Backoff, GenerationResult, greedy_generate, speculative_generate
 from .linen import DrafterModule
 from .loader import load_config, load_drafter
 from .model import AttentionOptions, draft_hidden, draft_logits
+from .pairing import check_pair
 from .target import Target
 from .target.dense import DecoderTarget, Qwen3Target
 from .target.loading import load_target
@@ -40,10 +42,12 @@ __all__ = [
     "Drafter",
     "DrafterModule",
     "GenerationResult",
+    "IncompatiblePairError",
     "Proposal",
     "Qwen3Target",
     "Target",
     "append_context",
+    "check_pair",
     "draft_hidden",
     "draft_logits",
     "draft_to_target_ids",

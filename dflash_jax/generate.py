@@ -46,7 +46,9 @@ import numpy as np
 from ._arguments import check_sampling, check_token_ids
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
+from .errors import IncompatiblePairError
 from .model import AttentionOptions
+from .pairing import check_pair
 from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
@@ -199,6 +201,18 @@ class _State:
     plain_left: jax.Array  # [] int32 plain steps before the next verify (0: this step verifies)
 
 
+def _in_vocabulary(drafts: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """`(drafts with ids outside [0, vocab_size) replaced by 0, which drafts were inside)`, both `[batch, K]`.
+
+    A second line of defence behind `pairing.check_pair`: an id past the target's vocabulary would be embedded as
+    NaN by the verify's gather (and poison the cache), so the target sees 0 there, and `_acceptance` never
+    accepts such a draft: greedily it is no argmax; sampled, it is a draw where p = 0, always rejected, and the
+    residual max(p - q, 0) of the standard rule keeps the output distributed as p.
+    """
+    inside = (drafts >= 0) & (drafts < vocab_size)
+    return jnp.where(inside, drafts, 0), inside
+
+
 def _acceptance(
     key: jax.Array | None, logits: jax.Array, proposal: Proposal, temperature: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
@@ -207,11 +221,12 @@ def _acceptance(
     logits: `[batch, K + 1, V]`, row j the target's logits for the token after verify row j (row j < K checks
     draft j, row K follows the last draft).
     """
-    drafts, K = proposal.tokens, proposal.tokens.shape[1]  # [batch, K]
+    drafts, in_vocabulary = _in_vocabulary(proposal.tokens, logits.shape[-1])  # [batch, K]
+    K = drafts.shape[1]
     proposed = jnp.arange(K) < proposal.num_tokens[:, None]  # [batch, K]
     if key is None:  # greedy: a draft stands if it is the target's argmax
         choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch, K + 1]
-        ok = (drafts == choice[:, :K]) & proposed
+        ok = (drafts == choice[:, :K]) & proposed & in_vocabulary
         accepted = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
         return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
@@ -223,7 +238,7 @@ def _acceptance(
     p_draft = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [batch, K]
     q_draft = jnp.take_along_axis(q[:, :K], drafts[..., None], axis=2)[..., 0]
     u = jax.random.uniform(accept_key, drafts.shape)
-    ok = (u * q_draft < p_draft) & proposed  # accept with probability min(1, p / q)
+    ok = (u * q_draft < p_draft) & proposed & in_vocabulary  # accept with probability min(1, p / q)
     accepted = jnp.cumprod(ok, axis=1).sum(axis=1).astype(jnp.int32)
     p_a = jnp.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [batch, V]
     q_a = jnp.take_along_axis(q, accepted[:, None, None], axis=1)[:, 0]  # zero after the last proposed draft
@@ -283,16 +298,18 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     live = ~s.done
 
     def verify(s: _State):
-        tokens = jnp.concatenate([s.anchor[:, None], s.proposal.tokens], axis=1)  # [batch, K + 1]
+        drafts, _ = _in_vocabulary(s.proposal.tokens, target.vocab_size)
+        tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, K + 1]
         out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
         accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
-        return out.cache, out.features, accepted, last  # features [batch, K + 1, Lf*H]
+        cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor and the accepted drafts
+        return cache, out.features, accepted, last  # features [batch, K + 1, Lf*H]
 
     def plain(s: _State):  # the anchor alone: a verify that rejects every draft
         out = target(s.anchor[:, None], s.target_cache, s.lengths, layer_ids=layer_ids)
         last = _pick(verify_key if sampling else None, out.logits[:, 0], temperature)  # [batch]
         features = jnp.pad(out.features, ((0, 0), (0, K), (0, 0)))  # [batch, K + 1, Lf*H]; only row 0 is real
-        return out.cache, features, jnp.zeros_like(last), last
+        return target.commit(out.cache, live.astype(jnp.int32)), features, jnp.zeros_like(last), last
 
     verifies = s.plain_left == 0  # [] always, without a backoff
     if backoff is None:
@@ -393,7 +410,8 @@ def speculative_generate(
 
     prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own.
     temperature 0: greedy, token for token the target's own greedy decoding; > 0: sampled, distributed as the
-    target's sampling at that temperature (module docstring). A sequence stops after a token of
+    target's sampling at that temperature (module docstring). `drafter`: a `Drafter` or an
+    `nnx.DFlashDrafter`; the pair is checked first (`pairing.check_pair`). A sequence stops after a token of
     `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
     ships none. `confidence_threshold` (DSpark drafters with a confidence head): proposals end before the
     first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
@@ -409,6 +427,9 @@ def speculative_generate(
         raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
+        drafter = drafter.drafter  # an `nnx.DFlashDrafter` module: its current values
+    check_pair(target, drafter)
     prompts, single = _as_batch(prompt_ids)
     for p in prompts:
         check_token_ids("speculative_generate", "prompt_ids", p, target.vocab_size)
@@ -516,7 +537,7 @@ def _greedy_decode(target: Target, state: _GreedyState, stop, *, max_new_tokens:
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         n_out = s.n_out + advance
         return _GreedyState(
-            cache=o.cache,
+            cache=target.commit(o.cache, advance),
             lengths=s.lengths + advance,
             last=jnp.where(live, nxt, s.last),
             out=s.out.at[jnp.arange(s.out.shape[0]), slots].set(nxt, mode="drop"),
@@ -542,6 +563,9 @@ def greedy_generate(
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not hasattr(target, "commit"):
+        raise IncompatiblePairError(f"greedy_generate: {type(target).__name__} has no commit(pending, kept): it "
+                                    "does not implement the Target protocol (dflash_jax.Target)")
     prompts, single = _as_batch(prompt_ids)
     for p in prompts:
         check_token_ids("greedy_generate", "prompt_ids", p, target.vocab_size)

@@ -27,6 +27,7 @@ import jax
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`DecoderTarget.prefill`)
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -44,7 +45,7 @@ class TargetOutput:
 
     logits: jax.Array  # [batch, S, V] float32 (`prefill`: [batch, V], at each prompt's last token)
     features: jax.Array  # [batch, S, Lf * H] at the requested layer ids, shallow to deep
-    cache: Any  # the cache with the new tokens' K/V written
+    cache: Any  # `__call__`: pending, until `Target.commit` keeps the accepted rows; `prefill`: committed
 
 
 @runtime_checkable
@@ -55,13 +56,21 @@ class Target(Protocol):
     - It is a JAX pytree (arrays as leaves, configuration as static metadata), so it is passed through `jax.jit`
       as an argument rather than baked into the program as constants.
     - `vocab_size`: the size of the logits' last axis; `embed`, `lm_head`: `[V, H]` in HF layout, handed to
-      `drafter.attach` (DFlash drafters use the target's embedding and LM head).
+      `drafter.attach` (DFlash drafters use the target's embedding and LM head). `hidden_size` (H, the width of
+      one feature) and `num_layers` (the decoder layers a drafter's `target_layer_ids` index): the loop checks a
+      drafter against them before anything compiles.
     - `init_cache(batch, max_length)`: an empty cache pytree for up to `max_length` positions per sequence.
     - `__call__(tokens, cache, lengths, *, layer_ids)`: run `tokens [batch, S]` at positions
       `lengths[b] .. lengths[b] + S - 1`, attending to the first `lengths[b]` cached positions and causally
-      among the new ones; return `TargetOutput` (logits and features for every new token, the updated cache).
-      Cache entries at positions `>= lengths[b] + S` must never influence the result: the loop trims a cache to
-      an accepted prefix by passing a smaller `lengths` next time.
+      among the new ones; return `TargetOutput` (logits and features for every new token, a *pending* cache).
+      Cache entries at positions `>= lengths[b] + S` must never influence the result: the loop trims an
+      attention cache to an accepted prefix by passing a smaller `lengths` next time.
+    - `commit(pending, kept)`: the cache after keeping only the first `kept[b]` (`[batch]`, 0..S) of the rows the
+      last `__call__` ran, exactly as if only those had been run; its shapes never depend on S. The loop calls it
+      after every `__call__`, with the accepted rows of a verify (0 for finished sequences). An attention cache
+      returns the pending cache as it is (its rejected slots lie past `lengths` and are overwritten); a recurrent
+      state (Gated DeltaNet, Mamba), which has already absorbed all S rows, must bring back the state after row
+      `kept[b]`. A target without `commit` is refused by the loop: it cannot be rolled back.
     - `prefill(tokens, cache, lengths, *, layer_ids, chunk)`: run right-padded prompts `tokens [batch, P]` (real lengths
       `lengths`) into an empty cache; return the features of every row and the logits `[batch, V]` of each
       prompt's last token only (a long prompt's `[P, V]` logits would not fit), `chunk` tokens at a time.
@@ -77,11 +86,19 @@ class Target(Protocol):
     @property
     def lm_head(self) -> jax.Array: ...
 
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
     def init_cache(self, batch_size: int, max_length: int) -> Any: ...
 
     def __call__(
         self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...]
     ) -> TargetOutput: ...
+
+    def commit(self, pending: Any, kept: jax.Array) -> Any: ...
 
     def prefill(
         self, tokens: jax.Array, cache: Any, lengths: jax.Array, *, layer_ids: tuple[int, ...], chunk: int

@@ -206,8 +206,22 @@ class DecoderTarget:
         return self.embed if own is None else own["weight"]
 
     @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
+
+    def commit(self, pending: KVCache, kept: jax.Array) -> KVCache:
+        """The KV cache after a forward whose first `kept [batch]` rows are kept: unchanged, since the rows past
+        them lie at slots past the committed lengths, never read and later overwritten (`Target.commit`)."""
+        del kept
+        return pending
 
     def init_cache(self, batch_size: int, max_length: int) -> KVCache:
         """An empty KV cache for `batch_size` sequences of up to `max_length` positions (rounded up by

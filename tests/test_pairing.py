@@ -1,0 +1,140 @@
+"""A drafter and a target that do not belong together are refused before anything compiles, naming both and the
+two values (`dflash_jax.pairing`); and inside the loop no draft id outside the target's vocabulary is accepted,
+even when the check is bypassed. Every compatible pair returns the target's greedy tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dflash_jax import IncompatiblePairError, check_pair, greedy_generate, load_drafter, speculative_generate
+from dflash_jax import generate as generate_module
+from dflash_jax._qwen3_testing import random_qwen3
+from dflash_jax.nnx import DFlashDrafter
+from dflash_jax.testing import preset_dict, random_drafter, write_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # hypothesis printing the target
+
+PROMPT = [1, 2, 3]
+MAX_NEW = 12
+FAMILIES = ("tiny-dflash", "tiny-dflash2", "tiny-dspark")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_qwen3("tiny-qwen3", seed=0, dtype=jnp.float32)  # vocab 128, hidden 64, 6 layers
+
+
+@pytest.fixture(scope="module")
+def greedy(target):
+    return greedy_generate(target, PROMPT, MAX_NEW).tokens
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Fail if the loop gets as far as its first compiled program."""
+
+    def compiled(*args, **kwargs):
+        raise AssertionError("the pair was not refused before compiling")
+
+    monkeypatch.setattr(generate_module, "_spec_prefill", compiled)
+
+
+@pytest.fixture(scope="module")
+def wide_dspark(tmp_path_factory):
+    """The issue's pairing mistake: a DSpark drafter with its own 256-token embedding and head (another tokenizer)."""
+    directory = tmp_path_factory.mktemp("wide")
+    write_checkpoint(directory, {**preset_dict("tiny-dspark"), "vocab_size": 256}, own_embeddings=True)
+    return load_drafter(directory, dtype=jnp.float32)
+
+
+def test_another_vocabulary_is_refused_naming_both(target, wide_dspark, no_compile):
+    with pytest.raises(IncompatiblePairError, match=r"vocab_size is 256, the target's 128") as e:
+        speculative_generate(target, wide_dspark, PROMPT, max_new_tokens=MAX_NEW)
+    assert "DSparkDraftModel" in str(e.value) and "Qwen3Target" in str(e.value)
+
+
+def test_an_nnx_module_is_checked_too(target, wide_dspark, no_compile):
+    module = DFlashDrafter.from_drafter(wide_dspark)
+    with pytest.raises(IncompatiblePairError, match=r"vocab_size is 256, the target's 128"):
+        speculative_generate(target, module, PROMPT, max_new_tokens=MAX_NEW)
+
+
+def test_out_of_vocabulary_drafts_are_never_accepted(target, wide_dspark, greedy, monkeypatch):
+    """With the check bypassed, the 256-token drafter proposes ids the target cannot embed: before the loop's own
+    guard they were embedded as NaN and the output became `[13, 0, 0, ...]`."""
+    monkeypatch.setattr(generate_module, "check_pair", lambda target, drafter: None)
+    assert speculative_generate(target, wide_dspark, PROMPT, max_new_tokens=MAX_NEW).tokens == greedy
+
+
+def _changed(preset: str, **changes):
+    return random_drafter({**preset_dict(preset), **changes}, seed=0, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    (dict(hidden_size=96, num_attention_heads=4, head_dim=24), "hidden_size is 96, the target's 64"),
+    (dict(num_target_layers=8), "trained on a 8-layer target"),
+    (dict(num_target_layers=None, dflash_config={"mask_token_id": 127, "target_layer_ids": [1, 7]}),
+     r"name layers \[7\] outside \[-1, 5\]"),
+])
+def test_other_shapes_are_refused(target, no_compile, changes, words):
+    with pytest.raises(IncompatiblePairError, match=words):
+        speculative_generate(target, _changed("tiny-dflash", **changes), PROMPT, max_new_tokens=MAX_NEW)
+
+
+def test_an_own_head_of_another_size_is_refused(target, no_compile):
+    drafter = _changed("tiny-dspark")
+    own = {"lm_head": {"weight": jnp.zeros((200, 64), jnp.float32)}}
+    drafter = dataclasses.replace(drafter, params={**drafter.params, **own})
+    with pytest.raises(IncompatiblePairError, match="own lm_head has 200 rows, the target's vocabulary 128"):
+        speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW)
+
+
+def test_a_target_that_cannot_roll_back_is_refused(target):
+    @dataclasses.dataclass
+    class NoCommit:  # a Target of the old protocol: no way to undo a verify's rejected rows
+        vocab_size: int = 128
+        hidden_size: int = 64
+        num_layers: int = 6
+
+    with pytest.raises(IncompatiblePairError, match="missing commit.*recurrent state"):
+        check_pair(NoCommit(), _changed("tiny-dflash"))
+    with pytest.raises(IncompatiblePairError, match="no commit"):
+        greedy_generate(NoCommit(), PROMPT, MAX_NEW)  # type: ignore[arg-type]
+
+
+# --- every pairing: incompatible ones refused before compiling, compatible ones lossless ------------------------
+
+_TARGET = {"vocab_size": 128, "hidden_size": 64, "num_target_layers": 6}
+_MISMATCH = st.one_of(  # top-level fields every family reads (the presets' mask token, 127, is in each vocabulary)
+    st.sampled_from([130, 256, 4096]).map(lambda v: {"vocab_size": v}),
+    st.sampled_from([(32, 8), (96, 24), (128, 32)]).map(lambda h: {"hidden_size": h[0], "head_dim": h[1]}),
+    st.sampled_from([4, 5, 7, 36]).map(lambda n: {"num_target_layers": n}),
+)
+_LAYER_IDS = st.sampled_from([[6], [1, 6], [0, 9], [-1, 30]])  # stated in dflash_config: tiny-dflash's block
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(FAMILIES), mismatch=_MISMATCH, layer_ids=st.none() | _LAYER_IDS)
+def test_every_incompatible_pair_is_refused_before_compiling(target, no_compile, family, mismatch, layer_ids):
+    raw = {**preset_dict(family), **mismatch}
+    if layer_ids is not None:  # a second mismatch, or the only one with `mismatch` cleared
+        raw = {**preset_dict("tiny-dflash"), "num_target_layers": None,
+               "dflash_config": {"mask_token_id": 127, "target_layer_ids": layer_ids}}
+    drafter = random_drafter(raw, seed=0, dtype=jnp.float32)
+    with pytest.raises(IncompatiblePairError, match="cannot be paired"):
+        speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(family=st.sampled_from(FAMILIES), seed=st.integers(0, 2**16))
+def test_every_compatible_pair_is_lossless(target, greedy, family, seed):
+    drafter = random_drafter({**preset_dict(family), **_TARGET}, seed=seed, dtype=jnp.float32)
+    check_pair(target, drafter)
+    assert speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW).tokens == greedy
