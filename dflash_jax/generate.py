@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +54,7 @@ from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
 CACHE_BUCKET = 128  # cache capacities are rounded up to a multiple of this
+BUDGET_BUCKET = 64  # output buffers hold a multiple of this many tokens: budgets within one share compilations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +192,10 @@ class _State:
     context: ContextCache  # the drafter's context K/V
     anchor: jax.Array  # [batch] the last committed token, not yet run through the target
     proposal: Proposal  # drafts for the next verify
-    out: jax.Array  # [batch, max_new] new tokens
+    out: jax.Array  # [batch, capacity] new tokens (capacity: the budget rounded up to BUDGET_BUCKET)
     n_out: jax.Array  # [batch] tokens in `out`
-    accept: jax.Array  # [batch, max_new] acceptance length of each verify step (0: done, or a plain step)
+    budget: jax.Array  # [] int32 max_new_tokens: a value, so that budgets of one bucket share the program
+    accept: jax.Array  # [batch, capacity] acceptance length of each verify step (0: done, or a plain step)
     plain: jax.Array  # [batch] tokens made by plain steps
     done: jax.Array  # [batch] bool
     key: jax.Array
@@ -249,12 +252,12 @@ def _acceptance(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "prefill_chunk"),
+    jax.jit, static_argnames=("capacity", "sampling", "attention", "prefill_chunk"),
     donate_argnames=("target_cache", "context"),
 )
 def _spec_prefill(
     target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, temperature,
-    threshold, key, *, max_new_tokens: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
+    threshold, key, budget, *, capacity: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
 ) -> _State:
     """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
 
@@ -275,11 +278,12 @@ def _spec_prefill(
         context=context,
         anchor=first,
         proposal=proposal,
-        out=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
+        out=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(first),
         n_out=jnp.ones((batch,), jnp.int32),
-        accept=jnp.zeros((batch, max_new_tokens), jnp.int32),
+        budget=budget,
+        accept=jnp.zeros((batch, capacity), jnp.int32),
         plain=jnp.zeros((batch,), jnp.int32),
-        done=(first[:, None] == stop).any(-1) | (max_new_tokens <= 1),
+        done=(first[:, None] == stop).any(-1) | (budget <= 1),
         key=key,
         mean_tokens=jnp.float32(drafter.config.num_draft_tokens + 1),
         plain_run=jnp.zeros((), jnp.int32),
@@ -287,9 +291,8 @@ def _spec_prefill(
     )
 
 
-def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, max_new_tokens: int, sampling: bool,
-               attention: AttentionOptions, backoff: Backoff | None, s: _State,
-               progress: Callable[[Any], None] | None = None) -> _State:
+def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, call, sampling: bool,
+               attention: AttentionOptions, backoff: Backoff | None, report: bool, s: _State) -> _State:
     """One verify + commit + draft step for every sequence still running (under `backoff`, some steps are plain:
     one target token, no drafts)."""
     batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
@@ -322,12 +325,12 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
     made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1]
     is_stop = (made[..., None] == stop).any(-1) & (jnp.arange(K + 1) <= accepted[:, None])  # [batch, K + 1]
     keep = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1) + 1, accepted + 1)
-    keep = jnp.where(live, jnp.minimum(keep, max_new_tokens - s.n_out), 0)  # [batch]
+    keep = jnp.where(live, jnp.minimum(keep, s.budget - s.n_out), 0)  # [batch]
     rows = jnp.arange(batch)[:, None]
     kept = jnp.arange(K + 1) < keep[:, None]  # [batch, K + 1]
-    slots = jnp.where(kept, s.n_out[:, None] + jnp.arange(K + 1), max_new_tokens)  # past the end: dropped
+    slots = jnp.where(kept, s.n_out[:, None] + jnp.arange(K + 1), s.out.shape[1])  # past the end: dropped
     n_out = s.n_out + keep
-    done = s.done | (is_stop & kept).any(1) | (n_out >= max_new_tokens)
+    done = s.done | (is_stop & kept).any(1) | (n_out >= s.budget)
     committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
 
     mean_tokens, plain_run, plain_left = _backoff_schedule(backoff, s, committed, live)
@@ -343,8 +346,8 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
         proposal, context = draft(s.context)
     else:
         proposal, context = jax.lax.cond(plain_left == 0, draft, keep_up, s.context)
-    if progress is not None:
-        jax.debug.callback(progress, n_out)
+    if report:
+        jax.debug.callback(_report, call, n_out)
     return _State(
         step=s.step + 1,
         target_cache=target_cache,
@@ -354,6 +357,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, m
         proposal=proposal,
         out=s.out.at[rows, slots].set(made, mode="drop"),
         n_out=n_out,
+        budget=s.budget,
         accept=s.accept.at[:, s.step].set(jnp.where(verifies, committed, 0)),
         plain=s.plain + jnp.where(verifies, 0, committed),
         done=done,
@@ -378,16 +382,28 @@ def _backoff_schedule(backoff: Backoff | None, s: _State, committed: jax.Array, 
 
 
 @functools.partial(
-    jax.jit, static_argnames=("max_new_tokens", "sampling", "attention", "backoff", "progress"),
-    donate_argnames=("state",),
+    jax.jit, static_argnames=("sampling", "attention", "backoff", "report"), donate_argnames=("state",),
 )
-def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, *,
-                 max_new_tokens: int, sampling: bool, attention: AttentionOptions, backoff: Backoff | None = None,
-                 progress: Callable[[Any], None] | None = None) -> _State:
-    """Steps until every sequence is done, as one `lax.while_loop`."""
-    step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, max_new_tokens, sampling,
-                             attention, backoff, progress=progress)
-    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < max_new_tokens), step, state)
+def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, call, *,
+                 sampling: bool, attention: AttentionOptions, backoff: Backoff | None = None,
+                 report: bool = False) -> _State:
+    """Steps until every sequence is done, as one `lax.while_loop`. `report`: call the progress callback
+    registered under `call` after every step (`_report`)."""
+    step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, call, sampling, attention,
+                             backoff, report)
+    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < s.budget), step, state)
+
+
+_PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
+_CALLS = itertools.count()
+
+
+def _report(call: np.ndarray, n_out: np.ndarray) -> None:
+    """The host side of the loop's progress callback: the callback is looked up by a traced call id, so that it is
+    no part of the compiled program (another callback, or none, reuses it)."""
+    callback = _PROGRESS.get(int(call))
+    if callback is not None:
+        callback(n_out)
 
 
 def speculative_generate(
@@ -438,7 +454,7 @@ def speculative_generate(
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
-    capacity = _round_up(tokens.shape[1] + max_new_tokens + K + 1, CACHE_BUCKET)
+    capacity = _round_up(tokens.shape[1] + _round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
@@ -447,14 +463,20 @@ def speculative_generate(
     caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
                                                                    attention=attention)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
-                          max_new_tokens=max_new_tokens, sampling=sampling, attention=attention,
-                          prefill_chunk=prefill_chunk)
+                          jnp.int32(max_new_tokens), capacity=_round_up(max_new_tokens, BUDGET_BUCKET),
+                          sampling=sampling, attention=attention, prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    state = _spec_decode(target, drafter, state, stop, temp, threshold, max_new_tokens=max_new_tokens,
-                         sampling=sampling, attention=attention, backoff=backoff, progress=progress)
-    out, n_out, accept, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
+    call = next(_CALLS)
+    if progress is not None:
+        _PROGRESS[call] = progress
+    try:
+        state = _spec_decode(target, drafter, state, stop, temp, threshold, jnp.int32(call), sampling=sampling,
+                             attention=attention, backoff=backoff, report=progress is not None)
+        out, n_out, accept, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
+    finally:
+        _PROGRESS.pop(call, None)
     decode = time.perf_counter() - start
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
@@ -503,13 +525,14 @@ class _GreedyState:
     cache: Any  # the target's KV cache
     lengths: jax.Array  # [batch] positions in the cache
     last: jax.Array  # [batch] the last new token, not yet run through the target
-    out: jax.Array  # [batch, max_new] new tokens
+    out: jax.Array  # [batch, capacity] new tokens
     n_out: jax.Array  # [batch] tokens in `out`
+    budget: jax.Array  # [] int32 max_new_tokens
     done: jax.Array  # [batch] bool
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens", "prefill_chunk"), donate_argnames=("cache",))
-def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("capacity", "prefill_chunk"), donate_argnames=("cache",))
+def _greedy_prefill(target: Target, cache, tokens, lengths, stop, budget, *, capacity: int,
                     prefill_chunk: int) -> _GreedyState:
     """Run the prompts, take the first token."""
     batch = tokens.shape[0]
@@ -519,20 +542,21 @@ def _greedy_prefill(target: Target, cache, tokens, lengths, stop, *, max_new_tok
         cache=out.cache,
         lengths=lengths,
         last=first,
-        out=jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first),
+        out=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(first),
         n_out=jnp.ones((batch,), jnp.int32),
-        done=(first[:, None] == stop).any(-1) | (max_new_tokens <= 1),
+        budget=budget,
+        done=(first[:, None] == stop).any(-1) | (budget <= 1),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("state",))
-def _greedy_decode(target: Target, state: _GreedyState, stop, *, max_new_tokens: int) -> _GreedyState:
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _greedy_decode(target: Target, state: _GreedyState, stop) -> _GreedyState:
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
 
     def step(s: _GreedyState) -> _GreedyState:
         o = target(s.last[:, None], s.cache, s.lengths, layer_ids=())  # `last` enters the cache at position `lengths`
         nxt = _pick(None, o.logits[:, 0], None)  # [batch]
-        slots = jnp.where(s.done, max_new_tokens, s.n_out)  # past the end: dropped
+        slots = jnp.where(s.done, s.out.shape[1], s.n_out)  # past the end: dropped
         live = ~s.done
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         n_out = s.n_out + advance
@@ -542,7 +566,8 @@ def _greedy_decode(target: Target, state: _GreedyState, stop, *, max_new_tokens:
             last=jnp.where(live, nxt, s.last),
             out=s.out.at[jnp.arange(s.out.shape[0]), slots].set(nxt, mode="drop"),
             n_out=n_out,
-            done=s.done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= max_new_tokens),
+            budget=s.budget,
+            done=s.done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= s.budget),
         )
 
     return jax.lax.while_loop(lambda s: ~s.done.all(), step, state)
@@ -571,16 +596,17 @@ def greedy_generate(
         check_token_ids("greedy_generate", "prompt_ids", p, target.vocab_size)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
-    capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)
+    out_capacity = _round_up(max_new_tokens, BUDGET_BUCKET)
+    capacity = _round_up(tokens.shape[1] + out_capacity, CACHE_BUCKET)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()
     state = jax.block_until_ready(
         _greedy_prefill(target, target.init_cache(len(prompts), capacity), tokens, lengths, stop,
-                        max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk)
+                        jnp.int32(max_new_tokens), capacity=out_capacity, prefill_chunk=prefill_chunk)
     )
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    state = _greedy_decode(target, state, stop, max_new_tokens=max_new_tokens)
+    state = _greedy_decode(target, state, stop)
     new, n_out = jax.device_get((state.out, state.n_out))
     decode = time.perf_counter() - start
     lists = _to_lists(new, n_out)

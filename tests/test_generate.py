@@ -133,12 +133,12 @@ def _stepper(target, drafter):
         tokens, lengths = _pad_prompts(prompts)
         caches = target.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
         return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), max_new_tokens=MAX_NEW, sampling=False, attention=AttentionOptions(),
-                             prefill_chunk=PREFILL_CHUNK)
+                             jax.random.key(0), jnp.int32(MAX_NEW), capacity=MAX_NEW, sampling=False,
+                             attention=AttentionOptions(), prefill_chunk=PREFILL_CHUNK)
 
-    step = jax.jit(_spec_step, static_argnums=(5, 6, 7, 8))
-    return prefill, lambda state, backoff: step(target, drafter, stop, temperature, threshold, MAX_NEW, False,
-                                                AttentionOptions(), backoff, state)
+    step = jax.jit(_spec_step, static_argnums=(6, 7, 8, 9))
+    return prefill, lambda state, backoff: step(target, drafter, stop, temperature, threshold, 0, False,
+                                                AttentionOptions(), backoff, False, state)
 
 
 def _assert_as_if_prefilled(prefill, state, prompts):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import AttentionOptions, load_drafter
+from dflash_jax import generate as generate_module
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.target.dense import Qwen3Target
@@ -46,6 +47,14 @@ def test_progress_callback_sees_every_step(checkpoints):
     assert len(seen) == max(len(steps) for steps in result.acceptance_lengths)
     counts = np.stack(seen)  # [steps, batch]: tokens made so far
     assert (np.diff(counts, axis=0) >= 0).all() and counts[-1].tolist() == [len(t) for t in result.tokens]
+
+    # Another budget of the same bucket and another callback run the programs already compiled.
+    programs = generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()
+    other: list[np.ndarray] = []
+    shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append)
+    assert (generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()) == programs
+    assert [len(t) for t in shorter.tokens] == [7, 7] and shorter.tokens == [t[:7] for t in result.tokens]
+    assert other and len(seen) == max(len(steps) for steps in result.acceptance_lengths)  # the old one not called
 
 
 def test_generate_verb_reports_bad_checkpoints(checkpoints, tmp_path, capsys):
