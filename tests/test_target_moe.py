@@ -45,11 +45,12 @@ def io() -> dict[str, np.ndarray]:
     return load_file(os.path.join(BLOCK, "io.safetensors"))
 
 
-def load_blocks(directory: str, c: MoeDims, layers: int = 1, shardings=None) -> list:
+def load_blocks(directory: str, c: MoeDims, layers: int = 1, shardings=None, prefix: str = PREFIX) -> list:
     """The MoE blocks of a checkpoint as the loader reads them: plan from the spec, check, place, nest."""
-    plan = [planned(s, s.name, root="model.") for s in expand(moe_parameter_spec(c, PREFIX), layers)]
+    root = prefix.partition("layers.")[0]
+    plan = [planned(s, s.name, root=root) for s in expand(moe_parameter_spec(c, prefix), layers)]
     with Checkpoint(directory) as base:
-        checkpoint = ExpertStacks(base, [PREFIX.format(i=i) for i in range(layers)], c)
+        checkpoint = ExpertStacks(base, [prefix.format(i=i) for i in range(layers)], c)
         check_tensors(plan, checkpoint, directory)
         leaves = place_all(plan, checkpoint, set(), mesh=None, dtype=jnp.float32, progress=False,
                            shardings=None if shardings is None else [shardings(t) for t in plan])
@@ -172,6 +173,18 @@ def test_per_expert_layout_loads_the_same_stacks(block, dims, per_expert_dir):
     with Checkpoint(per_expert_dir) as base:
         names = set(ExpertStacks(base, [PREFIX.format(i=0)], dims))
     assert "model.layers.0.mlp.experts.up_proj" in names and "model.layers.0.mlp.experts.3.up_proj.weight" not in names
+
+
+def test_released_model_layout_loads(dims):
+    """The tiny whole model (BF16, `model.language_model.` prefix, fused experts, as released): every layer's
+    block loads, cast to float32 exactly."""
+    directory = os.path.join(DATA, "qwen3_5_moe", "model")
+    blocks = load_blocks(directory, dims, layers=4, prefix="model.language_model.layers.{i}.mlp.")
+    fused = load_file(os.path.join(directory, "model.safetensors"))
+    for i, p in enumerate(blocks):
+        gate_up = fused[f"model.language_model.layers.{i}.mlp.experts.gate_up_proj"].astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(p["experts"]["up_proj"]), gate_up[:, dims.moe_intermediate_size:])
+        assert p["experts"]["gate_proj"].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("axis", [EXPERTS, EXPERT_MLP])
