@@ -102,8 +102,8 @@ def moe_parameter_spec(c: MoeConfig, prefix: str = "model.layers.{i}.mlp.") -> l
     (gate/up by output, down by input), as a dense MLP; the expert stacks over `EXPERTS` (dim 0) and each expert's
     width `EXPERT_MLP`. A layout maps at most one of those two onto a mesh axis: `target.layout.Layout` splits
     `EXPERT_MLP` over the tensor axis (every device a slice of every expert: a step's reads are balanced whatever
-    the routing, and GSPMD partitions the grouped matmuls with one all-reduce after `down_proj`, as a dense MLP's)
-    and keeps `EXPERTS` whole.
+    the routing) and keeps `EXPERTS` whole. Measured on 8 CPU devices (where `ragged_dot` lowers to JAX's dense
+    expansion): GSPMD gathers no weights and all-reduces after the down projections, as for a dense MLP.
     """
     H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     shared = prefix + "shared_expert."
