@@ -24,6 +24,9 @@ from .config import DflashConfig
 
 # Logical axes (jax-llm-examples' style): what a dimension IS; a target's `Layout` maps them to mesh axes.
 VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
+# A mixture-of-experts layer's stacked expert weights `[E, ...]`: the expert index, and each expert's own SwiGLU
+# width (distinct from `MLP`, so that a layout may split either one over a mesh axis, never both onto one).
+EXPERTS, EXPERT_MLP = "experts", "expert_mlp"
 
 # Kinds: how a tensor may be stored and is loaded.
 LINEAR = "linear"  # a matrix applied as `x @ w.T`: float, or NVFP4-packed (U8 + scales)

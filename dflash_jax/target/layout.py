@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import ConfigError
 from ..placement import auto_mesh
-from ..spec import BATCH, HEADS, KV_HEADS, MLP, VOCAB
+from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
 from .config import DecoderConfig
 
 
@@ -18,7 +18,8 @@ from .config import DecoderConfig
 class Layout:
     """A target's placement on a mesh: logical axes -> mesh axes (hashable: static metadata of the target).
 
-    `tensor_axis` (None when the mesh has no such axis) splits heads, the MLP width and the vocabulary; KV heads
+    `tensor_axis` (None when the mesh has no such axis) splits heads, the MLP width (each MoE expert's too: every
+    device holds a slice of every expert, `target.moe`) and the vocabulary; KV heads
     only when it has at most `num_key_value_heads` devices (`split_kv`), else every device keeps all KV heads
     and each query shard attends with its own group's. The other mesh axes (`batch_axes`) split the batch where
     it divides (else it is replicated). The mesh has Auto axis types (`placement.auto_mesh`).
@@ -36,7 +37,7 @@ class Layout:
     def spec(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> PartitionSpec:
         """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
         rules: dict[str | None, str | tuple[str, ...] | None] = {
-            VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis,
+            VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis, EXPERT_MLP: self.tensor_axis,
             KV_HEADS: self.tensor_axis if self.split_kv else None}
         batch = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None and batch_size % batch == 0 \

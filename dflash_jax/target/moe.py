@@ -1,0 +1,176 @@
+"""The sparse mixture-of-experts block of Qwen3.5 / Qwen3.6 MoE (transformers `qwen3_5_moe`): pure model code.
+
+    probs = softmax(x @ gate.T)                          router, float32, over all E experts
+    w, e = top_k(probs, k);  w /= sum(w)                 the k experts of each token, renormalised
+    y = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))    routed experts (SwiGLU each)
+      + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
+
+as transformers 5.24.0 `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5MoeSparseMoeBlock`) computes it.
+Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen3_5_moe` configs have no
+`norm_topk_prob` (its modular file deletes the field), so a Qwen3.5 config passes `norm_topk_prob=True`.
+
+The routed experts run as grouped matmuls: the `tokens * k` (token, expert) pairs are sorted by expert and each
+expert's weights multiply its contiguous run of rows (`jax.lax.ragged_dot_general`), so a step reads only the
+experts its tokens route to and computes `tokens * k` rows, not `tokens * E`. Every shape is static.
+
+Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
+
+    gate.weight                  [E, H]       the router
+    experts.gate_proj            [E, I, H]    stacked per-expert weights, HF `[out, in]` orientation per expert
+    experts.up_proj              [E, I, H]
+    experts.down_proj            [E, H, I]
+    shared_expert.gate_proj.weight  [Is, H]
+    shared_expert.up_proj.weight    [Is, H]
+    shared_expert.down_proj.weight  [H, Is]
+    shared_expert_gate.weight    [1, H]
+
+(E `num_experts`, I `moe_intermediate_size`, Is `shared_expert_intermediate_size`.) Released checkpoints store
+`experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj`; others one tensor per expert.
+`target.experts.ExpertStacks` reads either as this tree's stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from ..errors import ConfigError
+from ..model import dot, linear
+from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
+
+Params = dict[str, Any]
+
+
+class MoeConfig(Protocol):
+    """The config fields the block reads; any config object that has them serves (`MoeDims`, a family's config)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+
+
+MOE_FIELDS = ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size")
+
+
+def check_moe_config(c: MoeConfig, source: str) -> None:
+    """Refuse sizes the block cannot run: a `ConfigError` naming `source` and the field."""
+    for field in MOE_FIELDS:
+        value = getattr(c, field)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{source}: {field}={value!r}; expected a positive integer")
+    if c.num_experts_per_tok > c.num_experts:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok={c.num_experts_per_tok} exceeds num_experts={c.num_experts}; expected "
+            "each token to route to at most every expert"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeDims:
+    """The sizes of one MoE block (hashable: static under `jax.jit`), checked on construction (`ConfigError`).
+
+    Defaults: Qwen3.5-35B-A3B's (transformers 5.24.0 `Qwen3_5MoeTextConfig`)."""
+
+    hidden_size: int = 2048
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        check_moe_config(self, type(self).__name__)
+
+
+def moe_parameter_spec(c: MoeConfig, prefix: str = "model.layers.{i}.mlp.") -> list[ParamSpec]:
+    """The tensors of one MoE block under `prefix` (`{i}`: the layer), as the tree holds them (module docstring).
+
+    Logical axes: the router and the shared-expert gate replicated; the shared expert Megatron-style over `MLP`
+    (gate/up by output, down by input), as a dense MLP; the expert stacks over `EXPERTS` (dim 0) and each expert's
+    width `EXPERT_MLP`. A layout maps at most one of those two onto a mesh axis: `target.layout.Layout` splits
+    `EXPERT_MLP` over the tensor axis (every device a slice of every expert: a step's reads are balanced whatever
+    the routing) and keeps `EXPERTS` whole. Measured on 8 CPU devices (where `ragged_dot` lowers to JAX's dense
+    expansion): GSPMD gathers no weights and all-reduces after the down projections, as for a dense MLP.
+    """
+    H, E, I, Is = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    shared = prefix + "shared_expert."
+    return [
+        ParamSpec(prefix + "gate.weight", (E, H), axes=(None, EMBED)),
+        ParamSpec(prefix + "experts.gate_proj", (E, I, H), axes=(EXPERTS, EXPERT_MLP, EMBED)),
+        ParamSpec(prefix + "experts.up_proj", (E, I, H), axes=(EXPERTS, EXPERT_MLP, EMBED)),
+        ParamSpec(prefix + "experts.down_proj", (E, H, I), axes=(EXPERTS, EMBED, EXPERT_MLP)),
+        ParamSpec(shared + "gate_proj.weight", (Is, H), axes=(MLP, EMBED)),
+        ParamSpec(shared + "up_proj.weight", (Is, H), axes=(MLP, EMBED)),
+        ParamSpec(shared + "down_proj.weight", (H, Is), axes=(EMBED, MLP)),
+        ParamSpec(prefix + "shared_expert_gate.weight", (1, H), axes=(None, EMBED)),
+    ]
+
+
+def route(p: Params, c: MoeConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The router over tokens `x [T, H]`: `(weights [T, k] float32, experts [T, k] int32)`, by descending weight.
+
+    Logits and softmax in float32 (transformers computes the logits in the weights' dtype, then the softmax in
+    float32); top-k of the probabilities, renormalised to sum to 1 when `norm_topk_prob`.
+    """
+    logits = dot("th,eh->te", x, p["gate"]["weight"])  # [T, E] float32
+    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), c.num_experts_per_tok)  # [T, k]
+    if c.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
+    """The experts each token of `x [batch, S, H]` routes to: `[batch, S, k]` int32, by descending weight."""
+    batch, S, H = x.shape
+    return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
+
+
+def _grouped(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
+    """`rows [M, in] @ stack[e].T` for each expert e's run of `sizes[e]` consecutive rows: `[M, out]`, rows' dtype.
+
+    `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights)."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    full = jnp.float32 in (rows.dtype, stack.dtype)
+    return jax.lax.ragged_dot_general(
+        rows, stack, sizes, dims, precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT,
+        preferred_element_type=rows.dtype)
+
+
+def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32."""
+    T, k = experts.shape
+    flat = experts.reshape(T * k)  # pair t * k + j: token t's j-th expert
+    order = jnp.argsort(flat, stable=True)  # [T * k] the pairs grouped by expert
+    sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)  # [E] rows per expert
+    rows = jnp.take(x, order // k, axis=0)  # [T * k, H]
+    e = p["experts"]
+    h = jax.nn.silu(_grouped(rows, e["gate_proj"], sizes)) * _grouped(rows, e["up_proj"], sizes)  # [T * k, I]
+    out = _grouped(h, e["down_proj"], sizes)  # [T * k, H], sorted by expert
+    out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
+    return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
+
+
+def moe_block(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
+    """The sparse MoE block over `x [batch, S, H]`: `[batch, S, H]` in x's dtype (module docstring)."""
+    batch, S, H = x.shape
+    xt = x.reshape(batch * S, H)  # [T, H]
+    weights, experts = route(p, c, xt)  # [T, k]
+    routed = _routed(p, c, xt, weights, experts)  # [T, H] float32
+    s = p["shared_expert"]
+    shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
+    shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    return (routed + shared_gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(batch, S, H)
