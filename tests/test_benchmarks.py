@@ -1,4 +1,4 @@
-"""The long-context benchmark's `--small` mode runs end to end on a CPU (so the script cannot rot)."""
+"""The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot)."""
 
 import json
 import os
@@ -24,3 +24,15 @@ def test_long_context_small(tmp_path):
     assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
     assert zero["mean_acceptance"] == 1  # the other never is
     assert full["plain_tokens"] == 0 < zero["plain_tokens"]  # `Backoff()`: never on a drafter that is always right
+
+
+def test_moe_block_small(tmp_path):
+    """Every variant runs and agrees with the package's `ragged_dot` path (bf16: the sums' order differs)."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "moe_block.py"), "--small",
+                    "--tokens", "1", "17", "--iters", "2", "--json", str(out)], check=True, timeout=300,
+                   capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["tokens"], r["variant"]) for r in rows} == {(t, v) for t in (1, 17) for v in ("ragged_dot", "gather")}
+    assert all(r["us"] > 0 and r["floor_us"] > 0 and r["max_diff"] < 0.05 for r in rows)  # measured: 7.8e-3
+    assert all(1 <= r["distinct_experts"] <= 16 for r in rows)
