@@ -27,12 +27,14 @@ def test_long_context_small(tmp_path):
 
 
 def test_moe_block_small(tmp_path):
-    """Every variant runs and agrees with the package's `ragged_dot` path (bf16: the sums' order differs)."""
+    """Every impl runs and agrees with XLA's `ragged_dot` (bf16: the sums' order differs)."""
     out = tmp_path / "out.json"
     subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "moe_block.py"), "--small",
-                    "--tokens", "1", "17", "--iters", "2", "--json", str(out)], check=True, timeout=300,
-                   capture_output=True)
+                    "--tokens", "1", "17", "--iters", "2", "--layers", "2", "--json", str(out)],
+                   check=True, timeout=300, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["tokens"], r["variant"]) for r in rows} == {(t, v) for t in (1, 17) for v in ("ragged_dot", "gather")}
-    assert all(r["us"] > 0 and r["floor_us"] > 0 and r["max_diff"] < 0.05 for r in rows)  # measured: 7.8e-3
+    impls = ("ragged_dot", "gather", "grouped")
+    assert {(r["tokens"], r["variant"]) for r in rows} == {(t, v) for t in (1, 17) for v in impls}
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
+    assert all(r["max_diff"] < 2e-2 for r in rows), rows  # measured 1.5e-2: bf16 rounding of the grouped path's h
     assert all(1 <= r["distinct_experts"] <= 16 for r in rows)

@@ -78,12 +78,14 @@ def dense_block(p, c: MoeDims, x: jax.Array) -> jax.Array:
     return (routed + jax.nn.sigmoid(linear(xt, p["shared_expert_gate"])) * shared).reshape(batch, S, H)
 
 
-_block = jax.jit(moe_block, static_argnums=1)
+_block = jax.jit(moe_block, static_argnums=(1, 3))
+IMPLS = ("gather", "grouped", "ragged_dot")  # how the routed experts run (`moe._routed`); "auto" picks by rows
 
 
-def test_matches_transformers(block, dims, io):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_transformers(block, dims, io, impl):
     """Float32 against transformers' block: measured max error 6.0e-7 on outputs up to 3.2 (2 ulp; 1.7x margin)."""
-    y = np.asarray(_block(block, dims, jnp.asarray(io["x"])))
+    y = np.asarray(_block(block, dims, jnp.asarray(io["x"]), impl))
     assert np.abs(y - io["y"]).max() < 1e-6
 
 
@@ -96,7 +98,8 @@ def test_router_choices_equal_transformers(block, dims, io):
     assert np.asarray(routed_experts(block, dims, x)).dtype == np.int32
 
 
-def test_grouped_matmuls_equal_the_dense_form(block, dims):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_grouped_matmuls_equal_the_dense_form(block, dims, impl):
     """Uneven groups: one token repeated 10 times (its two experts get 10+ rows each), 3 others, so that some
     experts get none. Measured max error 3.6e-7 on values up to 1.6."""
     rng = np.random.default_rng(5)
@@ -105,8 +108,25 @@ def test_grouped_matmuls_equal_the_dense_form(block, dims):
     x = jnp.asarray(rows.astype(np.float32).reshape(1, 13, dims.hidden_size))
     counts = np.bincount(np.asarray(routed_experts(block, dims, x)).ravel(), minlength=dims.num_experts)
     assert counts.min() == 0 and counts.max() >= 10
-    np.testing.assert_allclose(np.asarray(_block(block, dims, x)), np.asarray(dense_block(block, dims, x)),
+    np.testing.assert_allclose(np.asarray(_block(block, dims, x, impl)), np.asarray(dense_block(block, dims, x)),
                                rtol=0, atol=1e-6)
+
+
+def test_auto_gathers_few_rows_and_groups_many(block, dims, monkeypatch):
+    """`GATHER_MAX_ROWS` decides; a typo in impl is refused."""
+    import dflash_jax.target.moe as moe
+
+    calls = []
+    for name in ("_gathered", "_grouped"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
+    moe.moe_block(block, dims, x)
+    monkeypatch.setattr(moe, "GATHER_MAX_ROWS", 5)
+    moe.moe_block(block, dims, x)
+    assert calls == ["_gathered", "_grouped"]
+    with pytest.raises(ValueError, match="moe impl"):
+        moe.moe_block(block, dims, x, "ragged")
 
 
 def test_jit_with_two_lengths(block, dims, io):

@@ -9,9 +9,10 @@ as transformers 5.24.0 `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5Moe
 Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen3_5_moe` configs have no
 `norm_topk_prob` (its modular file deletes the field), so a Qwen3.5 config passes `norm_topk_prob=True`.
 
-The routed experts run as grouped matmuls: the `tokens * k` (token, expert) pairs are sorted by expert and each
-expert's weights multiply its contiguous run of rows (`jax.lax.ragged_dot_general`), so a step reads only the
-experts its tokens route to and computes `tokens * k` rows, not `tokens * E`. Every shape is static.
+The routed experts run one of two ways (`_routed`), both reading only the experts the tokens route to and
+computing `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's experts'
+weights are gathered; for more, the pairs are sorted by expert and each expert's weights multiply its run of
+rows (a grouped matmul). Every shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -32,7 +33,7 @@ Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -138,10 +139,35 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
     return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
 
 
-def _grouped(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
+# The routed experts, two ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
+# XLA's `ragged_dot` reads every expert's weights (55x the routed experts' bytes for one token); gathering each
+# token's experts is the fastest for the rows of decode and verify steps; for more rows JAX's Mosaic GPU grouped
+# matmul is. `GATHER_MAX_ROWS`: up to this many (token, expert) pairs, gather.
+GATHER_MAX_ROWS = 256
+
+
+def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """Each token's k experts' weights gathered (`[T, k, out, in]`, a copy of only the routed slices) and applied
+    as batched matrix-vector products: `[T, H]` float32. No sort, no pass over unrouted experts."""
+    e = p["experts"]
+    gate, up, down = (jnp.take(e[name], experts, axis=0) for name in ("gate_proj", "up_proj", "down_proj"))
+    h = jax.nn.silu(dot("th,tkih->tki", x, gate)) * dot("th,tkih->tki", x, up)  # [T, k, I] float32
+    out = dot("tki,tkhi->tkh", h.astype(x.dtype), down)  # [T, k, H] float32
+    return jnp.einsum("tkh,tk->th", out, weights)
+
+
+def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel: bool) -> jax.Array:
     """`rows [M, in] @ stack[e].T` for each expert e's run of `sizes[e]` consecutive rows: `[M, out]`, rows' dtype.
 
-    `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights)."""
+    `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights). `kernel`, on a
+    GPU with bf16 operands of tileable sizes: JAX's Mosaic GPU grouped matmul; else `jax.lax.ragged_dot_general`."""
+    E, out, inner = stack.shape
+    if (kernel and jax.default_backend() == "gpu" and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0
+            and out % 128 == 0):
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        return ragged_dot_mgpu.ragged_dot(rows, stack, group_sizes=sizes, block_m=64, block_n=128, block_k=64,
+                                          max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     full = jnp.float32 in (rows.dtype, stack.dtype)
@@ -150,26 +176,45 @@ def _grouped(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
         preferred_element_type=rows.dtype)
 
 
-def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32."""
+def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
+             kernel: bool = True) -> jax.Array:
+    """The (token, expert) pairs sorted by expert, each expert's weights applied to its run of rows: `[T, H]`
+    float32. Reads each routed expert once however many tokens chose it; computes `T * k` rows, not `T * E`."""
     T, k = experts.shape
     flat = experts.reshape(T * k)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [T * k] the pairs grouped by expert
     sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)  # [E] rows per expert
     rows = jnp.take(x, order // k, axis=0)  # [T * k, H]
     e = p["experts"]
-    h = jax.nn.silu(_grouped(rows, e["gate_proj"], sizes)) * _grouped(rows, e["up_proj"], sizes)  # [T * k, I]
-    out = _grouped(h, e["down_proj"], sizes)  # [T * k, H], sorted by expert
+    gate, up = (_grouped_matmul(rows, e[name], sizes, kernel) for name in ("gate_proj", "up_proj"))  # [T * k, I]
+    out = _grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), e["down_proj"], sizes, kernel)  # [T * k, H]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
 
 
-def moe_block(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
-    """The sparse MoE block over `x [batch, S, H]`: `[batch, S, H]` in x's dtype (module docstring)."""
+Impl = Literal["auto", "gather", "grouped", "ragged_dot"]
+IMPLS: tuple[Impl, ...] = ("auto", "gather", "grouped", "ragged_dot")
+
+
+def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
+            impl: Impl = "auto") -> jax.Array:
+    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
+    most `GATHER_MAX_ROWS` pairs, grouped beyond; "grouped": the Mosaic GPU kernel where it runs, XLA's
+    `ragged_dot` elsewhere; "ragged_dot": XLA's always (the measured baseline)."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    if impl == "gather" or (impl == "auto" and experts.size <= GATHER_MAX_ROWS):
+        return _gathered(p, x, weights, experts)
+    return _grouped(p, c, x, weights, experts, kernel=impl != "ragged_dot")
+
+
+def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax.Array:
+    """The sparse MoE block over `x [batch, S, H]`: `[batch, S, H]` in x's dtype (module docstring; `impl`: how the
+    routed experts run, `_routed`)."""
     batch, S, H = x.shape
     xt = x.reshape(batch * S, H)  # [T, H]
     weights, experts = route(p, c, xt)  # [T, k]
-    routed = _routed(p, c, xt, weights, experts)  # [T, H] float32
+    routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
     s = p["shared_expert"]
     shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
     shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
