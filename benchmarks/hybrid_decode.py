@@ -1,0 +1,217 @@
+"""Speculative decoding with a Qwen3.5/3.6 hybrid target (Gated DeltaNet + gated attention, dense or MoE) on one GPU.
+
+Targets, random bf16 weights at the real shapes, rebuilt by `successor_qwen3_5` so that their greedy next token
+follows a fixed map of the last token (every layer still runs at full size):
+
+- `35B-A3B`: Qwen3.5/3.6-35B-A3B (40 layers, 30 Gated DeltaNet + 10 gated attention, hidden 2048, 256 experts,
+  8 per token, a gated shared expert; about 70 GB), with z-lab Qwen3.6-35B-A3B-DFlash (tf5) drafter shapes;
+- `27B`: the dense hybrid Qwen3.5/3.6-27B (64 layers, hidden 5120; about 54 GB), with RadixArk Qwen3.8-27B-DSpark
+  drafter shapes.
+
+Runs: `greedy` (the target alone), `full acceptance` (a DSpark drafter of the pairing's backbone whose Markov
+head walks the target's map: every draft accepted) and `zero acceptance` (walking another map: none). Reported:
+prefill seconds, decode tokens/s, the speedup over greedy, peak device memory; every speculative output is
+checked against greedy's. Floors, from the bytes a greedy step must read at the read rate of a `jnp.sum` over
+4 GiB measured in the same run: the non-expert weights, the routed experts (distinct experts of the batch's
+tokens under uniform routing, which random router weights give: `E (1 - (1 - k/E)^batch)` a layer), the KV rows
+of the full-attention layers and the delta-net states (read and written, float32). Part `step` times, at
+batch 1 and the shortest prompt, a greedy step, a 17-row verify, and `commit` alone: rollback against verify.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/hybrid_decode.py --targets 35B-A3B --json out.json
+    python benchmarks/hybrid_decode.py --small      # tiny shapes, a CPU check of the script (tests run it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop and the rates
+
+from timing import call_seconds  # noqa: E402
+
+from dflash_jax.config import parse_config  # noqa: E402
+from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.testing import (  # noqa: E402
+    preset_dict,
+    random_drafter,
+    random_qwen3_5,
+    successor_drafter,
+    successor_qwen3_5,
+)
+
+_HYBRID = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 248320,
+           "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_num_key_heads": 16, "full_attention_interval": 4, "max_position_embeddings": 262144,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attn_output_gate": True,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [11, 11, 10], "mrope_interleaved": True}}
+TARGETS = {
+    "35B-A3B": ({**_HYBRID, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                 "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                 "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512},
+                "zlab-qwen3.6-35b-a3b-dflash-tf5"),
+    "27B": ({**_HYBRID, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+             "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48},
+            "radixark-qwen3.8-27b-dspark"),
+}
+SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+         "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128, "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+         "max_position_embeddings": 4096}
+
+
+def read_rate(gib: float) -> float:
+    """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read)."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    return x.nbytes / min(call_seconds(lambda: f(x), 5))
+
+
+def peak_gb() -> float:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use", 0) / 1e9
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def target_config(name: str, small: bool) -> dict:
+    raw = copy.deepcopy(TARGETS[name][0])
+    if small:
+        raw |= {k: v for k, v in SMALL.items() if "expert" not in k or "num_experts" in raw}  # MoE sizes: MoE only
+    return raw
+
+
+def drafters(name: str, raw_target: dict, target, successor, other, small: bool) -> dict:
+    """The pairing's drafter backbone as a DSpark drafter (rank-256 Markov head) walking the target's map, and
+    walking another map."""
+    raw = copy.deepcopy(preset_dict(TARGETS[name][1]))
+    raw |= {k: raw_target[k] for k in ("vocab_size", "hidden_size")}
+    raw["num_target_layers"] = raw_target["num_hidden_layers"]
+    if small:
+        raw |= dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    num_hidden_layers=2, layer_types=None, sliding_window=None, use_sliding_window=False)
+    ids = [1, raw_target["num_hidden_layers"] - 2]
+    for block in ("dflash_config", "dspark_config"):
+        if raw.get(block):
+            raw[block] = {**raw[block], "mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
+    raw |= {"mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
+    raw |= {"architectures": ["DSparkDraftModel"], "markov_rank": 256, "markov_head_type": "vanilla"}
+    dspark = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
+    return {"full acceptance": successor_drafter(dspark, successor),
+            "zero acceptance": successor_drafter(dspark, other)}
+
+
+def greedy_floor(target, batch: int, context: int, rate: float) -> float:
+    """Seconds a greedy step of `batch` sequences must take: the bytes it reads at `rate`."""
+    c = target.config
+    weights = nbytes(target.params) - c.vocab_size * c.hidden_size * 2  # the embedding is a gather
+    layers = target.params["layers"]
+    experts = sum(nbytes(layer["mlp"]["experts"]) for layer in layers if "experts" in layer.get("mlp", {}))
+    E, k = getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
+    routed = experts * (1 - (1 - k / E) ** batch) if E else 0.0
+    full = sum(t == "full_attention" for t in c.layer_types)
+    kv = full * 2 * c.num_key_value_heads * c.head_dim * 2 * context * batch
+    states = (len(c.layer_types) - full) * c.linear_num_value_heads * c.linear_key_head_dim \
+        * c.linear_value_head_dim * 4 * 2 * batch
+    return (weights - experts + routed + kv + states) / rate
+
+
+def step_rows(target, P: int, iters: int) -> dict:
+    """Milliseconds of a greedy step, a 17-row verify and `commit` at batch 1 after a `P`-token prefill."""
+    layer_ids = (1, target.config.num_hidden_layers - 2)
+    cache = target.init_cache(1, P + 64)
+    lengths = jnp.array([P], jnp.int32)
+    cache = target.prefill(jnp.ones((1, P), jnp.int32), cache, lengths, layer_ids=layer_ids).cache
+    one, block = jnp.ones((1, 1), jnp.int32), jnp.ones((1, 17), jnp.int32)
+    kept = jnp.array([9], jnp.int32)
+    step = jax.jit(lambda t, c, x: t.commit(t(x, c, lengths, layer_ids=layer_ids).cache, kept))
+    pending = target(block, cache, lengths, layer_ids=layer_ids).cache
+    commit = jax.jit(lambda t, p: t.commit(p, kept))
+    ms = {name: statistics.median(call_seconds(run, iters)) * 1e3 for name, run in (
+        ("greedy step", lambda: step(target, cache, one)), ("verify 17 + commit", lambda: step(target, cache, block)),
+        ("commit", lambda: commit(target, pending)))}
+    return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--prompts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch > 1 at the shortest prompt")
+    parser.add_argument("--max-new", type=int, default=256)
+    parser.add_argument("--runs", nargs="+", default=["full acceptance", "zero acceptance"])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.small:
+        args.prompts, args.batch, args.max_new, args.chunk, args.iters = [100], [1, 2], 8, 32, 2
+    start = time.perf_counter()
+    rate = read_rate(0.0625 if args.small else 4)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)",
+          flush=True)
+    rows = []
+    for name in args.targets:
+        raw = target_config(name, args.small)
+        V = raw["vocab_size"]
+        rng = np.random.default_rng(0)
+        successor, other = rng.permutation(V), rng.permutation(V)
+        target = successor_qwen3_5(random_qwen3_5(raw, seed=0), successor, layer_scale=0.2)
+        runs = drafters(name, raw, target, successor, other, args.small)
+        jax.block_until_ready((target, runs))
+        print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
+              flush=True)
+        steps = step_rows(target, min(args.prompts), args.iters)
+        rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
+        print(f"batch 1, {min(args.prompts)} cached: " + ", ".join(f"{k} {v:.3f} ms" for k, v in steps.items())
+              + f"; commit / verify {steps['commit'] / steps['verify 17 + commit']:.1%}", flush=True)
+        print("| target | prompt | batch | run | prefill s | tokens/s | x greedy | greedy floor tok/s | acceptance "
+              "| same as greedy | peak GB |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|", flush=True)
+        for P in args.prompts:
+            for batch in args.batch:
+                if batch > 1 and P > min(args.prompts):
+                    continue
+                prompts = rng.integers(0, V, (batch, P)).tolist()
+                greedy = None
+                for run in ["greedy", *args.runs]:
+                    go = (lambda: greedy_generate(target, prompts, args.max_new, prefill_chunk=args.chunk)) \
+                        if run == "greedy" else (lambda d=runs[run]: speculative_generate(  # noqa: B023
+                            target, d, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk))
+                    if not args.small:
+                        go()  # compile
+                    result = go()
+                    greedy = result if run == "greedy" else greedy
+                    floor = batch / greedy_floor(target, batch, P + args.max_new // 2, rate)
+                    row = dict(part="decode", target=name, prompt=P, batch=batch, run=run,
+                               prefill_s=result.prefill_seconds, tokens_per_s=result.decode_tokens_per_second,
+                               speedup=result.decode_tokens_per_second / greedy.decode_tokens_per_second,
+                               greedy_floor_tps=floor, mean_acceptance=result.mean_acceptance_length,
+                               same_as_greedy=result.tokens == greedy.tokens, peak_gb=peak_gb())
+                    rows.append(row)
+                    print(f"| {name} | {P} | {batch} | {run} | {row['prefill_s']:.2f} | {row['tokens_per_s']:.1f} | "
+                          f"{row['speedup']:.2f} | {floor:.1f} | {row['mean_acceptance']:.2f} | "
+                          f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
+        del target, runs
+    print(f"total {time.perf_counter() - start:.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args),
+                           read_rate=rate, rows=rows, time=time.strftime("%Y-%m-%d %H:%M")), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
