@@ -75,7 +75,8 @@ def test_paths_are_not_ids(tmp_path, monkeypatch):
         assert is_repo_id(text)
     for text in ("/abs/dir", "./rel", "a/b/c", "../x", "x", "a/../b", "a--b/c", "dir/"):
         assert not is_repo_id(text)
-    assert resolve("/no/such/dir") == "/no/such/dir"  # the reader then says "no such file"
+    with pytest.raises(ConfigError, match="^no such file or directory: /no/such/dir$"):
+        resolve("/no/such/dir")
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing")
     # a local directory wins over a repo id of the same name, as in transformers
