@@ -46,7 +46,7 @@ import jaxlib.version
 import jaxlib.xla_client as xc
 import numpy as np
 
-from . import _private
+from ._private import absolute, cache_home, private_directory, user_key, warn_once
 
 CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
 MAGIC = b"dflash_jax exe 2\n"  # 17 bytes; a new layout of the file gets a new magic
@@ -82,8 +82,8 @@ def cache_dir() -> Path | None:
     names no absolute path, or there is no home directory for the default."""
     configured = os.environ.get(CACHE_ENV)
     if configured is not None:
-        return _private.absolute(configured, CACHE_ENV) if configured else None
-    home = _private.cache_home()
+        return absolute(configured, CACHE_ENV) if configured else None
+    home = cache_home()
     return home / "dflash_jax" if home else None
 
 
@@ -186,8 +186,8 @@ def _trusted_cache() -> tuple[Path, bytes] | None:
     """The cache directory, created private if absent, and its key; None (warned once) when off or not
     trustworthy."""
     directory = cache_dir()
-    directory = _private.private_directory(directory, _WHAT, CACHE_ENV) if directory else None
-    key = _private.user_key(directory, _WHAT, CACHE_ENV) if directory else None
+    directory = private_directory(directory, _WHAT, CACHE_ENV) if directory else None
+    key = user_key(directory, _WHAT, CACHE_ENV) if directory else None
     return (directory, key) if directory and key else None
 
 
@@ -250,7 +250,7 @@ def _write_entry(path: Path, key: bytes, description: bytes, payload: bytes) -> 
             os.unlink(temporary)
             raise
     except OSError as e:
-        _private.warn_once(str(path.parent), f"dflash_jax: cannot write compiled conversions to {path} "
+        warn_once(str(path.parent), f"dflash_jax: cannot write compiled conversions to {path} "
                            f"({e.strerror or e}); loads will compile them in every process. Set {CACHE_ENV} to a "
                            "writable directory, or to '' to turn this cache off.")
 

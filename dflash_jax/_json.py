@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from typing import Any
 
 # UTF-32 LE first: its byte-order mark begins with UTF-16 LE's
 _BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
@@ -14,7 +15,7 @@ class NotUTF8(ValueError):
     """The bytes are not UTF-8 text without a byte-order mark, which JSON files must be (RFC 8259, 8.1)."""
 
 
-def loads(raw: str | bytes) -> object:
+def loads(raw: str | bytes) -> Any:
     """`raw` decoded as UTF-8 JSON with duplicate keys refused. Raises `NotUTF8` saying which encoding the bytes
     look like (UTF-16, a byte-order mark, Latin-1), else `ValueError` (JSONDecodeError, duplicates, the int
     digits limit) or `RecursionError`. json.loads itself would guess UTF-16 and UTF-32 from bytes; UTF-16 text

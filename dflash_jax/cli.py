@@ -46,16 +46,16 @@ def use_compilation_cache() -> str | None:
     and entries are keyed by the program, the backend and the jax/jaxlib versions (JAX's documentation,
     "Persistent compilation cache").
     """
-    from . import _private
+    from ._private import absolute, cache_home, private_directory
 
     variable = "JAX_COMPILATION_CACHE_DIR"
     if variable in os.environ:  # JAX read it when imported: overridden below when it is not trusted
         configured = os.environ[variable]
-        directory = _private.absolute(configured, variable) if configured else None
+        directory = absolute(configured, variable) if configured else None
     else:
-        home = _private.cache_home()
+        home = cache_home()
         directory = home / "dflash_jax" / "jax-compilation-cache" if home else None
-    trusted = _private.private_directory(directory, "JAX's compilation cache", variable) if directory else None
+    trusted = private_directory(directory, "JAX's compilation cache", variable) if directory else None
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(trusted) if trusted else None)

@@ -334,8 +334,9 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
             try:  # UTF-8 only; duplicate keys refused
                 raw = json_loads(raw)
             except NotUTF8 as e:
-                raise ConfigError(f"{source}: not UTF-8 JSON ({e}); save the config as UTF-8") from None
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digits limit, duplicates
+                raise ConfigError(f"{source}: not valid JSON: the file is not UTF-8 JSON ({e}); save it as UTF-8 "
+                                  "without a byte-order mark") from None
+            except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
                 raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")

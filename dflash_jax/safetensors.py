@@ -151,7 +151,8 @@ def _decode_json(path: str, raw: bytes, what: str) -> object:
     except RecursionError:
         raise CheckpointError(f"{path}: {what} is not usable JSON (nested too deeply)") from None
     except NotUTF8 as e:
-        raise CheckpointError(f"{path}: {what} is not UTF-8 JSON ({e}); save it as UTF-8") from None
+        raise CheckpointError(f"{path}: {what} is not valid UTF-8 JSON: the file is not UTF-8 ({e}); save it as "
+                              "UTF-8 without a byte-order mark") from None
     except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
         raise CheckpointError(f"{path}: {what} is not valid UTF-8 JSON ({e})") from None
 

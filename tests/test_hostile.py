@@ -412,7 +412,7 @@ CASES = [
         b'{"num_hidden_layers": 2, ' + json.dumps(TINY)[1:].encode()), ConfigError,
          ("config.json", "duplicate key 'num_hidden_layers'")),
     Case("config.json in UTF-16", config_text(json.dumps(TINY).encode("utf-16")), ConfigError,
-         ("config.json", "not valid JSON", "utf-8")),
+         ("config.json", "not valid JSON", "not UTF-8 JSON", "byte-order mark of UTF-16")),
     Case("config.json in UTF-32", config_text(json.dumps(TINY).encode("utf-32-le")), ConfigError,
          ("config.json", "not valid JSON")),
     Case("rope_theta 1e-300", config(lambda c: c.update(rope_theta=1e-300)), ConfigError,
