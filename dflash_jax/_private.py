@@ -117,11 +117,12 @@ def user_key(directory: Path, what: str, variable: str) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link fails, a FIFO does not block
         try:
             status = os.fstat(fd)
-            key = os.read(fd, KEY_BYTES + 1)
+            good = (stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid()
+                    and stat.S_IMODE(status.st_mode) == 0o600)
+            key = os.read(fd, KEY_BYTES + 1) if good else b""
         finally:
             os.close(fd)
-        good = (stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid()
-                and stat.S_IMODE(status.st_mode) == 0o600 and len(key) == KEY_BYTES)
+        good = good and len(key) == KEY_BYTES
         problem = None if good else (f"its key file {path} is not a regular 0600 file of this user holding "
                                      f"{KEY_BYTES} bytes; remove it to make a new one")
     except OSError as e:
