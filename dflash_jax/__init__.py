@@ -9,9 +9,10 @@
 Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
 and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
-the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
-`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`: `load_target`), `generate` (the draft/verify loop), `testing` (random
-checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
+the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the
+target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`:
+`load_target`), `generate` (the draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub
+ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from .config import DflashConfig, parse_config
