@@ -57,8 +57,10 @@ class HubOptions(TypedDict, total=False):
 
 
 def is_repo_id(text: str) -> bool:
-    """Whether `text` reads as a hub repo id `owner/name` (not a path such as `/x`, `./x`, `a/b/c` or `../x`)."""
-    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text
+    """Whether `text` reads as a hub repo id `owner/name` (not a path such as `/x`, `./x`, `a/b/c`, `../x` or a
+    file name such as `configs/x.json`)."""
+    return (bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text
+            and not text.endswith((".json", ".safetensors")))
 
 
 def resolve(
@@ -78,7 +80,7 @@ def resolve(
     path = os.fspath(path_or_id)
     if os.path.exists(path):
         return path
-    if not is_repo_id(path) or path.endswith((".json", ".safetensors")):
+    if not is_repo_id(path):
         raise ConfigError(f"no such file or directory: {path}")
     check_revision(revision)
     try:
