@@ -175,7 +175,7 @@ def _missing(snapshot: str) -> list[str]:
     """The patterns of the weight files a load reads that `snapshot` lacks (none: it holds them all): the shards
     its index names, else model.safetensors, unless it holds some top-level safetensors file."""
     index = os.path.join(snapshot, INDEX_FILE)
-    if os.path.isfile(index):
+    if os.path.lexists(index):  # read only if a regular file: a FIFO or a directory there is refused
         weight_map = read_json(index, "the index")
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         shards = sorted({s for s in weight_map.values() if isinstance(s, str)}) if isinstance(weight_map, dict) else []

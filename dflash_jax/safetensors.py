@@ -237,7 +237,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
             raise CheckpointError(f"{self.path}: no such file or directory")
         self.directory = self.path
         index = os.path.join(self.path, INDEX_FILE)
-        if os.path.isfile(index):
+        if os.path.lexists(index):  # read only if a regular file: a FIFO or a directory there is refused
             return _read_sharded(self.path, index, self._header)
         tensors: dict[str, TensorInfo] = {}
         metadata: dict[str, str] = {}

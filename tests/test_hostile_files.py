@@ -452,3 +452,15 @@ def test_an_hf_quant_config_not_in_utf8_says_so(tmp_path, nvfp4_checkpoint):
     config = load_config(nvfp4_checkpoint)
     with pytest.raises(CheckpointError, match=f"{file}: .*not UTF-8 .*byte-order mark of UTF-16"):
         check_quant_config(str(tmp_path), config, frozenset())
+
+
+@pytest.mark.parametrize("swap", ["a FIFO", "a directory"])
+@pytest.mark.parametrize("which", ["index", "hf_quant_config.json"])
+def test_an_index_or_quant_config_that_is_no_regular_file_is_refused_not_skipped(tmp_path, swap, which):
+    """Skipped, the index would let the stray model.safetensors load instead; the quant config, its checks."""
+    write_checkpoint(tmp_path / "d", "tiny-dflash", nvfp4=True)
+    file = tmp_path / "d" / ("model.safetensors.index.json" if which == "index" else "hf_quant_config.json")
+    file.unlink(missing_ok=True)
+    os.mkfifo(file) if swap == "a FIFO" else file.mkdir()
+    with deadline(10), pytest.raises(CheckpointError, match=re.escape(f"{file}: not a regular file")):
+        load_drafter(tmp_path / "d")
