@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from dflash_jax import CheckpointError, ConfigError, load_drafter
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 from dflash_jax.validate import scan_checkpoint
 
+from ._io import deadline
 from .hostile import forge
 
 HERE = Path(__file__).parent / "hostile"
@@ -434,20 +434,6 @@ CASES = [
         d / ST, forge.read_tensors(d / SHARD_1)), CheckpointError, (ST, "index.json maps to", SHARD_1, "ambiguous"),
          shards=2),
 ]
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Turn a hang into a test failure (SIGALRM; the suite runs on Linux)."""
-    def fail(*_):
-        raise TimeoutError(f"no answer within {seconds} s: a hang")
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

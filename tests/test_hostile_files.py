@@ -11,10 +11,8 @@ import json
 import os
 import pwd
 import re
-import signal
 import stat
 import warnings
-from contextlib import contextmanager
 
 import jax
 import jax.numpy as jnp
@@ -28,28 +26,14 @@ from dflash_jax.hub import check_revision, resolve
 from dflash_jax.nvfp4 import quantize
 from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint
 
-from ._hub import add_to_cache, directory_files, repo_folder  # first: sets HF_HUB_OFFLINE=1
+from ._hub import add_to_cache, directory_files, repo_folder  # sets HF_HUB_OFFLINE=1; the hub is faked anyway
+from ._io import deadline
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 DEVICE = jax.local_devices()[0]
 INPUTS = (((64, 16), np.dtype(np.uint8)), ((64, 2), np.dtype(ml_dtypes.float8_e4m3fn)), ((), np.dtype(np.float32)))
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-@contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging: a read that blocks (a FIFO) is interrupted."""
-    def expire(*_):
-        raise TimeoutError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
