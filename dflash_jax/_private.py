@@ -37,11 +37,14 @@ def cache_home() -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):
         return Path(xdg)
-    home = os.path.expanduser("~")  # "~" itself when HOME is unset and the uid has no passwd entry
+    variable = os.environ.get("HOME")  # set but empty or relative: unusable (expanduser would make "" into "/")
+    # unset: the passwd entry's, else "~" itself (a uid without an entry)
+    home = os.path.expanduser("~") if variable is None or os.path.isabs(variable) else ""
     if not os.path.isabs(home):
-        warn_once("home", "dflash_jax: no home directory (HOME is unset or empty and this uid has no passwd "
-                          "entry), so nothing is cached on disk; set XDG_CACHE_HOME or DFLASH_JAX_CACHE_DIR to a "
-                          "private directory to cache compiled programs")
+        warn_once("home", "dflash_jax: no home directory (HOME unset and no passwd entry for this uid, or HOME "
+                          "empty or not an absolute path), so compiled programs are not cached on disk; set "
+                          "XDG_CACHE_HOME to a private directory (or DFLASH_JAX_CACHE_DIR, JAX_COMPILATION_CACHE_DIR "
+                          "for one cache)")
         return None
     return Path(home) / ".cache"
 

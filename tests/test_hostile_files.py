@@ -196,13 +196,15 @@ def test_a_bad_key_file_turns_the_cache_off_with_one_warning(tmp_path, monkeypat
 
 # --- files outside their place: no home, no cache, no `~` directory --------------------------------------------
 
-def no_home(monkeypatch, tmp_path):
-    """`docker --user 12345`: HOME unset and no passwd entry for the uid."""
+def no_home(monkeypatch, tmp_path, home=None):
+    """`docker --user 12345`: HOME unset (or `home`) and no passwd entry for the uid."""
     def no_entry(uid):
         raise KeyError(f"getpwuid(): uid not found: {uid}")
 
     for variable in ("HOME", "XDG_CACHE_HOME", _executables.CACHE_ENV, "JAX_COMPILATION_CACHE_DIR"):
         monkeypatch.delenv(variable, raising=False)
+    if home is not None:
+        monkeypatch.setenv("HOME", home)
     monkeypatch.setattr(pwd, "getpwuid", no_entry)
     monkeypatch.chdir(tmp_path)
 
@@ -224,8 +226,9 @@ def test_an_nvfp4_load_without_a_home_works_uncached(tmp_path, monkeypatch, fres
     assert list(work.iterdir()) == []  # never ./~/.cache/...
 
 
-def test_the_cli_without_a_home_has_no_compilation_cache(tmp_path, monkeypatch, fresh):
-    no_home(monkeypatch, tmp_path)
+@pytest.mark.parametrize("home", [None, "", "relative"])
+def test_the_cli_without_a_home_has_no_compilation_cache(tmp_path, monkeypatch, fresh, home):
+    no_home(monkeypatch, tmp_path, home)
     before = jax.config.jax_compilation_cache_dir
     try:
         with pytest.warns(RuntimeWarning, match="no home directory"):
