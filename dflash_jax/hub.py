@@ -164,6 +164,8 @@ def _check_inside(storage: str, snapshot: str, blame: str) -> None:
 
     if os.path.dirname(os.path.realpath(snapshot)) != os.path.join(root, "snapshots"):
         raise refuse(snapshot)
+    if not os.path.isdir(snapshot):
+        raise ConfigError(f"{blame}: {snapshot} is not a directory; expected a hub cache snapshot (remove the entry)")
     for top, directories, files in os.walk(snapshot):
         for name in directories + files:  # a linked directory is listed, not entered
             entry = os.path.join(top, name)

@@ -307,7 +307,7 @@ def elsewhere(tmp_path, drafter_files):
 
 
 @pytest.mark.parametrize("attack", ["ref with ..", "absolute ref", "ref is a FIFO", "snapshot links out",
-                                    "config.json links out", "ref of a tag with .."])
+                                    "config.json links out", "ref of a tag with ..", "snapshot is a file"])
 def test_a_hub_cache_that_points_elsewhere_is_refused(tmp_path, drafter_files, no_network, attack):
     cache = tmp_path / "hub"
     add_to_cache(cache, "org/drafter", drafter_files, commit=COMMIT)
@@ -323,6 +323,10 @@ def test_a_hub_cache_that_points_elsewhere_is_refused(tmp_path, drafter_files, n
     elif attack == "ref is a FIFO":
         ref.unlink()
         os.mkfifo(ref)
+    elif attack == "snapshot is a file":  # it would be read as config.json
+        snapshot = folder / "snapshots" / COMMIT
+        snapshot.rename(tmp_path / "moved")
+        snapshot.write_bytes((other / "config.json").read_bytes())
     elif attack == "snapshot links out":
         snapshot = folder / "snapshots" / COMMIT
         snapshot.rename(tmp_path / "moved")
