@@ -123,7 +123,8 @@ def compile_dequantizers(path: str, device, backend: str) -> list:
 def run_child(method: str, path: str, devices: int) -> dict:
     """One measurement in a fresh process; its executable cache is empty unless the method is `ours+cache`."""
     with tempfile.TemporaryDirectory() as empty:
-        cache = os.path.join(os.path.dirname(path), "executable_cache") if method == "ours+cache" else empty
+        kept = os.path.join(os.path.dirname(os.path.abspath(path)), "executable_cache")  # absolute, or no cache
+        cache = kept if method == "ours+cache" else empty
         out = subprocess.run([sys.executable, __file__, "--child", method, path, str(devices)],
                              capture_output=True, text=True, check=True, env={**os.environ, CACHE_ENV: cache})
     return json.loads(out.stdout.strip().splitlines()[-1])

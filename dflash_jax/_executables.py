@@ -15,25 +15,28 @@ below minus the checks: "the compilation cache is considered trusted"
 On disk (threat model: docs/errors.md, "The compiled-program cache"): one file per executable in
 `cache_dir()`, named by a hash of its description (the conversion and its input signature; device kind, id
 and platform version; jax and jaxlib versions, XLA_FLAGS; the source of the code that builds it). A file is
-`MAGIC`, the SHA-256 of the description and the payload, then the payload: the XLA executable as the PJRT
-client serializes it. Nothing is unpickled: the callable around the executable (`Program`) is rebuilt from
-the known signature. An executable is machine code, so an entry is used only when the directory and the file
-are this user's and nobody else can write them (as ssh and JAX's own cache expect), the file is at most
-`MAX_ENTRY_BYTES`, its digest matches before anything is deserialised (a damaged or renamed entry is
-recompiled and replaced, never run), and the deserialised program has the parameters and the result the
-signature implies. `DFLASH_JAX_CACHE_DIR` moves the directory (default `$XDG_CACHE_HOME/dflash_jax`, else
-`~/.cache/dflash_jax`); an empty value turns the disk cache off.
+`MAGIC`, the HMAC-SHA256 of the description and the payload under this user's key (`_private.user_key`, a
+random file in the directory), then the payload: the XLA executable as the PJRT client serializes it.
+Nothing is unpickled: the callable around the executable (`Program`) is rebuilt from the known signature.
+An executable is machine code, so an entry is used only when the directory and the file are this user's
+and nobody else can write them (as ssh and JAX's own cache expect), the file is at most `MAX_ENTRY_BYTES`,
+its digest matches before anything is deserialised (a damaged or renamed entry, or one this user's package
+did not write, is recompiled and replaced, never run), and the deserialised program has the parameters and
+the result the signature implies. `DFLASH_JAX_CACHE_DIR` moves the directory (default
+`$XDG_CACHE_HOME/dflash_jax`, else `~/.cache/dflash_jax`; no cache without a home directory); an empty value
+turns the disk cache off. The directory rules and the key are `_private`'s, shared with the CLI's use of
+JAX's compilation cache.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import os
 import stat
 import tempfile
 import threading
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,8 +46,10 @@ import jaxlib.version
 import jaxlib.xla_client as xc
 import numpy as np
 
+from ._private import absolute, cache_home, private_directory, user_key, warn_once
+
 CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
-MAGIC = b"dflash_jax exe 1\n"  # 17 bytes; a new layout of the file gets a new magic
+MAGIC = b"dflash_jax exe 2\n"  # 17 bytes; a new layout of the file gets a new magic
 MAX_ENTRY_BYTES = 64 * 1024 * 1024  # a dequantizer's executable is ~10-200 KB
 _DIGEST_BYTES = 32
 _SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_pallas.py", "nvfp4/_reference.py")
@@ -54,7 +59,7 @@ _SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_pallas.py", "nvfp4/_
 _COMPILED: dict[tuple, Future] = {}
 _LOCK = threading.RLock()  # re-entered when a future fails before its done-callback is added
 _POOL = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dflash_jax-compile")
-_WARNED: set[str] = set()  # cache directories already warned about (untrusted, unwritable)
+_WHAT = "compiled conversions"  # for `_private`'s warnings
 
 
 class Program:
@@ -73,12 +78,13 @@ class Program:
 
 
 def cache_dir() -> Path | None:
-    """The on-disk executable cache directory, or None when `DFLASH_JAX_CACHE_DIR` is set empty."""
+    """The on-disk executable cache directory; None when `DFLASH_JAX_CACHE_DIR` is set empty, or (warned once)
+    names no absolute path, or there is no home directory for the default."""
     configured = os.environ.get(CACHE_ENV)
     if configured is not None:
-        return Path(configured).expanduser() if configured else None
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash_jax"
+        return absolute(configured, CACHE_ENV) if configured else None
+    home = cache_home()
+    return home / "dflash_jax" if home else None
 
 
 def compiled(kind: str, inputs: tuple, dtype: jnp.dtype, device: jax.Device) -> Future:
@@ -106,10 +112,11 @@ def _load_or_compile(key: tuple) -> Program:
     kind, inputs, dtype, device = key
     output = _output(kind, inputs, dtype)
     description = _describe(key)
-    directory = _trusted_cache_dir()
-    path = directory / f"{kind}-{hashlib.sha256(description).hexdigest()[:32]}.jaxexec" if directory else None
-    if path is not None:
-        executable = _load(path, description, device, inputs, output)
+    cache = _trusted_cache()
+    if cache:
+        directory, secret = cache
+        path = directory / f"{kind}-{hashlib.sha256(description).hexdigest()[:32]}.jaxexec"
+        executable = _load(path, secret, description, device, inputs, output)
         if executable is not None:
             return Program(executable)
     specs = tuple(jax.ShapeDtypeStruct(shape, d, sharding=jax.sharding.SingleDeviceSharding(device))
@@ -118,8 +125,8 @@ def _load_or_compile(key: tuple) -> Program:
     problem = _signature_problem(executable, inputs, output)
     if problem:  # what `_output` or the jitted function says disagrees: a bug here, never stored
         raise AssertionError(f"compiled {kind} conversion of {inputs}: {problem}")
-    if path is not None:
-        _write_entry(path, description, device.client.serialize_executable(executable))
+    if cache:
+        _write_entry(path, secret, description, device.client.serialize_executable(executable))
     return Program(executable)
 
 
@@ -168,57 +175,26 @@ def _environment() -> tuple:
     return jax.__version__, jaxlib.version.__version__, os.environ.get("XLA_FLAGS", ""), bool(x64), source
 
 
-def _digest(description: bytes, payload: bytes) -> bytes:
-    """Binds the payload to its description: an entry renamed to another signature's name does not match."""
-    return hashlib.sha256(len(description).to_bytes(8, "little") + description + payload).digest()
+def _digest(key: bytes, description: bytes, payload: bytes) -> bytes:
+    """Binds the payload to its description (an entry renamed to another signature's name does not match) and to
+    this user's key (an entry this user's package did not write does not match)."""
+    message = len(description).to_bytes(8, "little") + description + payload
+    return hmac.new(key, message, hashlib.sha256).digest()
 
 
-def _trusted_cache_dir() -> Path | None:
-    """The cache directory, created private if absent; None (warned once) when off or not trustworthy."""
+def _trusted_cache() -> tuple[Path, bytes] | None:
+    """The cache directory, created private if absent, and its key; None (warned once) when off or not
+    trustworthy."""
     directory = cache_dir()
-    if directory is None:
-        return None
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        problem = _untrusted(directory)
-    except OSError as e:
-        problem = f"cannot use it ({e.strerror or e})"
-    if problem is None:
-        return directory
-    _warn_once(directory, f"dflash_jax: not using {directory} for compiled conversions: {problem}. Loads "
-                          f"will compile them in every process. Set {CACHE_ENV} to a private directory (yours, "
-                          "mode 0700), or to '' to turn this cache off.")
-    return None
+    directory = private_directory(directory, _WHAT, CACHE_ENV) if directory else None
+    key = user_key(directory, _WHAT, CACHE_ENV) if directory else None
+    return (directory, key) if directory and key else None
 
 
-def _untrusted(directory: Path) -> str | None:
-    """Why another user could plant or swap entries in `directory`, or None.
-
-    The directory must be this user's and writable by no one else; every directory above it must belong to
-    this user or root and be writable by no one else unless sticky (like /tmp), so that nobody can replace it.
-    """
-    uid = os.getuid()
-    resolved = directory.resolve()
-    status = os.stat(resolved)
-    if not stat.S_ISDIR(status.st_mode):
-        return "not a directory"
-    if status.st_uid != uid:
-        return f"it is owned by uid {status.st_uid}, not by this user (uid {uid})"
-    if status.st_mode & 0o022:
-        return f"it is writable by group or others (mode {stat.S_IMODE(status.st_mode):04o})"
-    for parent in resolved.parents:
-        status = os.stat(parent)
-        open_to_others = status.st_mode & 0o022 and not status.st_mode & stat.S_ISVTX
-        if status.st_uid not in (uid, 0) or open_to_others:
-            return (f"its parent {parent} (uid {status.st_uid}, mode {stat.S_IMODE(status.st_mode):04o}) lets "
-                    "another user replace it")
-    return None
-
-
-def _load(path: Path, description: bytes, device: jax.Device, inputs: tuple, output: tuple
+def _load(path: Path, key: bytes, description: bytes, device: jax.Device, inputs: tuple, output: tuple
           ) -> xc.LoadedExecutable | None:
     """The stored executable, when the entry is trusted, intact and of this signature; else None."""
-    payload = _read_entry(path, description)
+    payload = _read_entry(path, key, description)
     if payload is None:
         return None
     try:
@@ -228,7 +204,7 @@ def _load(path: Path, description: bytes, device: jax.Device, inputs: tuple, out
         return None
 
 
-def _read_entry(path: Path, description: bytes) -> bytes | None:
+def _read_entry(path: Path, key: bytes, description: bytes) -> bytes | None:
     """The payload of the entry at `path` if it is a regular file of this user that no one else can write,
     at most `MAX_ENTRY_BYTES`, with the right magic and digest; else None (it is recompiled and replaced)."""
     try:
@@ -253,14 +229,15 @@ def _read_entry(path: Path, description: bytes) -> bytes | None:
     blob = b"".join(chunks)
     head = len(MAGIC) + _DIGEST_BYTES
     payload = blob[head:]
-    if blob[: len(MAGIC)] != MAGIC or blob[len(MAGIC) : head] != _digest(description, payload):
+    digest = blob[len(MAGIC) : head]
+    if blob[: len(MAGIC)] != MAGIC or not hmac.compare_digest(digest, _digest(key, description, payload)):
         return None
     return payload
 
 
-def _write_entry(path: Path, description: bytes, payload: bytes) -> None:
+def _write_entry(path: Path, key: bytes, description: bytes, payload: bytes) -> None:
     """Writes atomically (a private temporary file, then rename); warns once if it cannot."""
-    blob = MAGIC + _digest(description, payload) + payload
+    blob = MAGIC + _digest(key, description, payload) + payload
     if len(blob) > MAX_ENTRY_BYTES:  # would be refused when read
         return
     try:
@@ -273,14 +250,7 @@ def _write_entry(path: Path, description: bytes, payload: bytes) -> None:
             os.unlink(temporary)
             raise
     except OSError as e:
-        _warn_once(path.parent, f"dflash_jax: cannot write compiled conversions to {path} ({e.strerror or e}); "
-                                f"loads will compile them in every process. Set {CACHE_ENV} to a writable "
-                                "directory, or to '' to turn this cache off.")
+        warn_once(str(path.parent), f"dflash_jax: cannot write compiled conversions to {path} "
+                           f"({e.strerror or e}); loads will compile them in every process. Set {CACHE_ENV} to a "
+                           "writable directory, or to '' to turn this cache off.")
 
-
-def _warn_once(directory: Path, message: str) -> None:
-    with _LOCK:
-        if str(directory) in _WARNED:
-            return
-        _WARNED.add(str(directory))
-    warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -38,20 +38,28 @@ def run() -> NoReturn:
 def use_compilation_cache() -> str | None:
     """Turn on JAX's persistent compilation cache for this process; return its directory (None: off).
 
-    `JAX_COMPILATION_CACHE_DIR`, when set, decides (JAX reads it itself; set to the empty string it turns the
-    cache off); otherwise the cache is `$XDG_CACHE_HOME/dflash_jax/jax-compilation-cache` (default
-    `~/.cache/...`). JAX's own rules apply: programs that compile in under a second are not stored, entries
-    are keyed by the program, the backend and the jax/jaxlib versions, and the directory is trusted like
-    any cache of the user's (JAX's documentation, "Persistent compilation cache").
+    `JAX_COMPILATION_CACHE_DIR`, when set, names it (the empty string turns it off); otherwise the cache is
+    `$XDG_CACHE_HOME/dflash_jax/jax-compilation-cache` (default `~/.cache/...`). Its entries are programs the
+    process runs, so the directory must pass the package's own rules for caches of code (`_private`: this
+    user's, writable by nobody else, created 0700); one that does not, or no home directory, turns the cache
+    off with one warning. JAX's own rules apply too: programs that compile in under a second are not stored,
+    and entries are keyed by the program, the backend and the jax/jaxlib versions (JAX's documentation,
+    "Persistent compilation cache").
     """
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return os.environ["JAX_COMPILATION_CACHE_DIR"] or None
+    from ._private import absolute, cache_home, private_directory
+
+    variable = "JAX_COMPILATION_CACHE_DIR"
+    if variable in os.environ:  # JAX read it when imported: overridden below when it is not trusted
+        configured = os.environ[variable]
+        directory = absolute(configured, variable) if configured else None
+    else:
+        home = cache_home()
+        directory = home / "dflash_jax" / "jax-compilation-cache" if home else None
+    trusted = private_directory(directory, "JAX's compilation cache", variable) if directory else None
     import jax
 
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    directory = os.path.join(home, "dflash_jax", "jax-compilation-cache")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    return directory
+    jax.config.update("jax_compilation_cache_dir", str(trusted) if trusted else None)
+    return str(trusted) if trusted else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,14 +12,14 @@ target's.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from typing import Annotated, Any, Literal, NoReturn, Protocol, runtime_checkable
 
 import msgspec
 
-from ._json import refuse_duplicate_keys
+from ._json import NotUTF8
+from ._json import loads as json_loads
 from .errors import ConfigError
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
@@ -331,10 +331,12 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
     """
     try:
         if isinstance(raw, (str, bytes, bytearray)):
-            try:  # UTF-8 only (json.loads would detect UTF-16 and UTF-32 in bytes); duplicate keys refused
-                text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
-                raw = json.loads(text, object_pairs_hook=refuse_duplicate_keys)
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the int digits limit, duplicates
+            try:  # UTF-8 only; duplicate keys refused
+                raw = json_loads(raw)
+            except NotUTF8 as e:
+                raise ConfigError(f"{source}: not valid JSON: the file is not UTF-8 JSON ({e}); save it as UTF-8 "
+                                  "without a byte-order mark") from None
+            except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
                 raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")

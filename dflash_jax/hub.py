@@ -13,10 +13,19 @@ consolidated exports or training states): first config.json, hf_quant_config.jso
 model.safetensors.index.json, then exactly the shards the index names, or model.safetensors when there is no
 index (any top-level `*.safetensors` when there is neither, which is what `Checkpoint` reads then). The
 second step is pinned to the commit the first one resolved, so a branch that moves between them cannot mix
-two revisions.
+two revisions, and is skipped when the cache already holds those files.
+
+A revision whose snapshot in the cache holds every file a load reads is used from the cache without asking
+the hub (no wait on a network that is down; a branch stays where it was last fetched: pass a commit, or
+delete the repo's cache entry, to move on). Whatever the cache says is checked first, so that a cache
+another tool or user tampered with cannot point a load elsewhere: a ref must hold a commit hash, read as a
+small regular file (a FIFO would block), and the snapshot and every file in it must lie inside the repo's
+cache entry (its files are links into `../../blobs`); anything else is a `ConfigError` naming the file.
 
 Every failure is a `ConfigError` naming the id: not on the hub, no such revision, gated or private without a
-token, or (offline, or the hub unreachable) not in the cache.
+token, or (offline, or the hub unreachable) not in the cache. A path-looking argument that does not exist
+(a path separator that is not `owner/name`, or a name ending in `.json` or `.safetensors`) is "no such file
+or directory", never a hub error; a revision that is no valid git ref name is a `ValueError` naming it.
 """
 
 from __future__ import annotations
@@ -26,12 +35,15 @@ import os
 import re
 from typing import Any, TypedDict
 
-from .errors import ConfigError
-from .safetensors import INDEX_FILE, SINGLE_FILE, read_json
+from .errors import CheckpointError, ConfigError
+from .safetensors import INDEX_FILE, SINGLE_FILE, read_json, read_small
 
 METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
 # `owner/name`, as the hub spells repo ids (names of 1-96 characters of letters, digits, `-`, `_`, `.`).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # the hub's commit hashes (SHA-1)
+# what git's `check-ref-format` refuses in a ref name, besides "@" alone and a trailing "."
+_BAD_REF = re.compile(r"^$|^/|/$|//|\.\.|@\{|(^|/)\.|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]")
 
 
 class HubOptions(TypedDict, total=False):
@@ -45,8 +57,10 @@ class HubOptions(TypedDict, total=False):
 
 
 def is_repo_id(text: str) -> bool:
-    """Whether `text` reads as a hub repo id `owner/name` (not a path such as `/x`, `./x`, `a/b/c` or `../x`)."""
-    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text
+    """Whether `text` reads as a hub repo id `owner/name` (not a path such as `/x`, `./x`, `a/b/c`, `../x` or a
+    file name such as `configs/x.json`)."""
+    return (bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text
+            and not text.endswith((".json", ".safetensors")))
 
 
 def resolve(
@@ -57,37 +71,120 @@ def resolve(
     local_files_only: bool = False,
     token: str | bool | None = None,
 ) -> str:
-    """A local path for `path_or_id`: the path itself when it exists (or is no repo id), else the snapshot
-    directory of the repo in the hub cache, holding the files a load reads (downloaded unless cached).
+    """A local path for `path_or_id`: the path itself when it exists, else the snapshot directory of the repo in
+    the hub cache, holding the files a load reads (downloaded unless cached).
 
-    The keywords are transformers' and apply only to repo ids. Raises `ConfigError` naming the id when it
-    cannot be had, and when huggingface_hub is not installed.
+    The keywords are transformers' and apply only to repo ids. Raises `ConfigError` naming the path or the id
+    when it cannot be had, and when huggingface_hub is not installed; `ValueError` for a malformed revision.
     """
     path = os.fspath(path_or_id)
-    if os.path.exists(path) or not is_repo_id(path):
-        return path  # the caller's own reader says what is wrong with a path that is neither
+    if os.path.exists(path):
+        return path
+    if not is_repo_id(path):
+        raise ConfigError(f"no such file or directory: {path}")
+    check_revision(revision)
     try:
         import huggingface_hub
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
     except ImportError:
         raise ConfigError(
             f"{path}: no such file or directory; to load it as a Hugging Face hub id install huggingface_hub "
             "(pip install 'dflash_jax[hub]')"
         ) from None
+    storage = os.path.join(os.fspath(cache_dir or constants.HF_HUB_CACHE),
+                           repo_folder_name(repo_id=path, repo_type="model"))
+    snapshot = _cached_snapshot(storage, path, revision)
+    if snapshot is not None and os.path.exists(os.path.join(snapshot, "config.json")) and not _missing(snapshot):
+        return snapshot  # complete: nothing to ask the hub
     options: dict[str, Any] = dict(cache_dir=cache_dir, local_files_only=local_files_only, token=token)
     snapshot = _snapshot(huggingface_hub, path, list(METADATA_FILES), revision=revision, **options)
+    _check_inside(storage, snapshot, _ref_file(storage, revision) or snapshot)
     commit = os.path.basename(snapshot)  # snapshots/<commit hash>: pin the second step to it
+    missing = _missing(snapshot)
+    if missing:
+        _snapshot(huggingface_hub, path, missing, revision=commit, **options)
+        if _missing(snapshot) == [SINGLE_FILE]:  # no index, no model.safetensors: any top-level one
+            _snapshot(huggingface_hub, path, ["*.safetensors"], ignore=["*/*"], revision=commit, **options)
+    _check_inside(storage, snapshot, _ref_file(storage, revision) or snapshot)
+    return snapshot
+
+
+def check_revision(revision: str | None) -> None:
+    """Refuse a revision that no branch, tag or commit can be named (git's ref-name rules, `git check-ref-format`):
+    empty, `..`, an empty or dot-led component, a control character, space or one of `~^:?*[\\`."""
+    if revision is None:
+        return
+    if not isinstance(revision, str):
+        raise TypeError(f"revision: expected a branch, tag or commit name (a str), got {type(revision).__name__}")
+    if revision == "@" or revision.endswith(".") or _BAD_REF.search(revision):
+        raise ValueError(f"revision {revision!r}: not a valid branch, tag or commit name (git's rules: not empty, "
+                         "no '..', no empty or dot-led path component, no spaces or control characters, none of "
+                         "~^:?*[\\)")
+
+
+def _ref_file(storage: str, revision: str | None) -> str | None:
+    """The cache's ref file of a branch or tag (None for a commit, which needs none)."""
+    revision = revision or "main"
+    return None if _COMMIT.fullmatch(revision) else os.path.join(storage, "refs", revision)
+
+
+def _cached_snapshot(storage: str, repo_id: str, revision: str | None) -> str | None:
+    """The snapshot directory the cache holds for `revision`, checked (`_check_inside`); None when it has none."""
+    ref = _ref_file(storage, revision)
+    if ref is None:
+        commit = revision or ""
+    elif not os.path.lexists(ref):
+        return None
+    else:
+        try:
+            text = read_small(ref, "a hub ref (a commit hash)", 256)
+        except CheckpointError as e:
+            raise ConfigError(f"{e}; remove it (huggingface_hub writes it again online)") from None
+        commit = text.decode("ascii", "replace")
+        if not _COMMIT.fullmatch(commit):
+            raise ConfigError(f"{ref}: this hub cache ref of {repo_id} holds {commit[:100]!r}, not a commit hash, "
+                              "so it could point the load outside the cache; remove it (huggingface_hub writes it "
+                              "again online)")
+    snapshot = os.path.join(storage, "snapshots", commit)
+    if not os.path.lexists(snapshot):
+        return None
+    _check_inside(storage, snapshot, ref or snapshot)
+    return snapshot
+
+
+def _check_inside(storage: str, snapshot: str, blame: str) -> None:
+    """Refuse (naming `blame`, the ref file or the snapshot) a snapshot that is not a directory of the repo's
+    `snapshots/`, or that holds an entry leading outside the repo's cache entry (files link into its blobs)."""
+    root = os.path.realpath(storage)
+
+    def refuse(entry: str) -> ConfigError:
+        return ConfigError(f"{blame}: this hub cache entry leads outside {storage}: {entry} is "
+                           f"{os.path.realpath(entry)}; refusing to load from elsewhere (remove the cache entry)")
+
+    if os.path.dirname(os.path.realpath(snapshot)) != os.path.join(root, "snapshots"):
+        raise refuse(snapshot)
+    if not os.path.isdir(snapshot):
+        raise ConfigError(f"{blame}: {snapshot} is not a directory; expected a hub cache snapshot (remove the entry)")
+    for top, directories, files in os.walk(snapshot):
+        for name in directories + files:  # a linked directory is listed, not entered
+            entry = os.path.join(top, name)
+            if not os.path.realpath(entry).startswith(root + os.sep):
+                raise refuse(entry)
+
+
+def _missing(snapshot: str) -> list[str]:
+    """The patterns of the weight files a load reads that `snapshot` lacks (none: it holds them all): the shards
+    its index names, else model.safetensors, unless it holds some top-level safetensors file."""
     index = os.path.join(snapshot, INDEX_FILE)
-    if os.path.isfile(index):
+    if os.path.lexists(index):  # read only if a regular file: a FIFO or a directory there is refused
         weight_map = read_json(index, "the index")
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         shards = sorted({s for s in weight_map.values() if isinstance(s, str)}) if isinstance(weight_map, dict) else []
-        if shards:  # a malformed index fetches nothing more: `Checkpoint` then says what is wrong with it
-            _snapshot(huggingface_hub, path, [glob.escape(s) for s in shards], revision=commit, **options)
-        return snapshot
-    _snapshot(huggingface_hub, path, [SINGLE_FILE], revision=commit, **options)
-    if not os.path.exists(os.path.join(snapshot, SINGLE_FILE)):  # no index, no model.safetensors: any top-level one
-        _snapshot(huggingface_hub, path, ["*.safetensors"], ignore=["*/*"], revision=commit, **options)
-    return snapshot
+        # a malformed index fetches nothing more: `Checkpoint` then says what is wrong with it
+        absent = [glob.escape(s) for s in shards if not os.path.exists(os.path.join(snapshot, s))]
+        return absent
+    return [] if glob.glob(os.path.join(glob.escape(snapshot), "*.safetensors")) else [SINGLE_FILE]
 
 
 def _snapshot(hub, repo_id: str, patterns: list[str], *, ignore: list[str] | None = None, **options) -> str:

@@ -23,10 +23,11 @@ import jax.numpy as jnp
 
 from .config import MAX_CONFIG_BYTES, DflashConfig, parse_config
 from .drafter import Drafter
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .hub import HubOptions, resolve
 from .placement import place_all
 from .plan import build_tree, open_checked, unexpected_tensors
+from .safetensors import read_small
 from .validate import check_values
 
 log = logging.getLogger("dflash_jax")
@@ -37,18 +38,15 @@ def load_config(path: str | os.PathLike[str], **hub: Unpack[HubOptions]) -> Dfla
     the keywords as transformers spells them, `dflash_jax.hub.resolve`)."""
     path = resolve(path, **hub)
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):  # also refuses a FIFO or a device, whose read could block forever
-        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
-        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
     if file.endswith(".safetensors"):
         raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory holding it and config.json")
-    try:
-        if os.path.getsize(file) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a drafter config.json")
-        with open(file, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"{file}: cannot read ({e.strerror or e})") from None
+    if not os.path.lexists(file):
+        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
+        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
+    try:  # a regular file of bounded size: a FIFO, a device or a directory is refused, never read
+        raw = read_small(file, "a drafter config.json", MAX_CONFIG_BYTES)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     return parse_config(raw, source=file)
 
 

@@ -25,7 +25,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from ._json import refuse_duplicate_keys
+from ._json import NotUTF8
+from ._json import loads as json_loads
 from .errors import CheckpointError
 
 DTYPES: dict[str, np.dtype] = {
@@ -123,26 +124,36 @@ def _read_header(f, path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return tensors, metadata
 
 
-def read_json(path: str, what: str, limit: int = MAX_INDEX_BYTES) -> object:
-    """A small JSON file of a checkpoint (the index, hf_quant_config.json): a regular file of at most `limit`
-    bytes, UTF-8, duplicate keys refused; every failure a `CheckpointError` naming the file."""
+def read_small(path: str, what: str, limit: int) -> bytes:
+    """The bytes of a small file of a checkpoint or a cache (a config, an index, a hub ref): a regular file of
+    at most `limit` bytes (a FIFO or a device, whose read could block or never end, is refused); every failure
+    a `CheckpointError` naming the file."""
     with open_regular(path, what) as f:
         try:
             raw = f.read(limit + 1)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e})") from None
     if len(raw) > limit:
-        raise CheckpointError(f"{path}: larger than {limit} bytes; expected {what}, a small JSON file")
-    return _decode_json(path, raw, what)
+        raise CheckpointError(f"{path}: larger than {limit} bytes; expected {what}, a small file")
+    return raw
+
+
+def read_json(path: str, what: str, limit: int = MAX_INDEX_BYTES) -> object:
+    """A small JSON file of a checkpoint (the index, hf_quant_config.json, config.json): `read_small`, then UTF-8
+    JSON with duplicate keys refused; every failure a `CheckpointError` naming the file."""
+    return _decode_json(path, read_small(path, what, limit), what)
 
 
 def _decode_json(path: str, raw: bytes, what: str) -> object:
     """UTF-8 JSON with duplicate keys refused; every failure (nesting too deep included) a CheckpointError."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=refuse_duplicate_keys)
+        return json_loads(raw)
     except RecursionError:
         raise CheckpointError(f"{path}: {what} is not usable JSON (nested too deeply)") from None
-    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, the int digits limit, duplicates
+    except NotUTF8 as e:
+        raise CheckpointError(f"{path}: {what} is not valid UTF-8 JSON: the file is not UTF-8 ({e}); save it as "
+                              "UTF-8 without a byte-order mark") from None
+    except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
         raise CheckpointError(f"{path}: {what} is not valid UTF-8 JSON ({e})") from None
 
 
@@ -226,7 +237,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
             raise CheckpointError(f"{self.path}: no such file or directory")
         self.directory = self.path
         index = os.path.join(self.path, INDEX_FILE)
-        if os.path.isfile(index):
+        if os.path.lexists(index):  # read only if a regular file: a FIFO or a directory there is refused
             return _read_sharded(self.path, index, self._header)
         tensors: dict[str, TensorInfo] = {}
         metadata: dict[str, str] = {}

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dflash_jax import _executables, load_drafter
+from dflash_jax import _executables, _private, load_drafter
 from dflash_jax.nvfp4 import dequantize, quantize
 from dflash_jax.testing import write_checkpoint
 
@@ -37,6 +37,11 @@ def forget_process_cache(monkeypatch):
     monkeypatch.setattr(_executables, "_COMPILED", {})
 
 
+def entries(directory):
+    """The stored executables of `directory` (besides them it holds the key, `_private.KEY_FILE`)."""
+    return sorted(p for p in directory.iterdir() if p.name.endswith(".jaxexec"))
+
+
 def nvfp4_arguments(inputs=INPUTS):
     (n, half_k), _ = inputs[0]
     packed, scale, scale_2 = quantize(np.random.default_rng(0).normal(size=(n, 2 * half_k)).astype(np.float32))
@@ -51,7 +56,7 @@ def test_a_later_process_loads_the_stored_executable_instead_of_compiling(cache,
     directory, calls = cache
     first = run()
     assert calls == ["nvfp4"]
-    (path,) = directory.iterdir()
+    (path,) = entries(directory)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
     forget_process_cache(monkeypatch)
     second = run()
@@ -75,14 +80,14 @@ def test_each_signature_has_its_own_entry(cache):
     run(dtype=jnp.float16)
     run(inputs=(((64, 16), np.dtype(np.uint8)), ((64, 2), np.dtype(np.uint8)), ((), np.dtype(np.float32))))
     run(inputs=(((32, 16), np.dtype(np.uint8)), ((32, 2), np.dtype(np.uint8)), ((), np.dtype(np.float32))))
-    assert calls == ["nvfp4"] * 4 and len(list(directory.iterdir())) == 4
+    assert calls == ["nvfp4"] * 4 and len(entries(directory)) == 4
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "truncated"])
 def test_a_damaged_entry_is_recompiled_and_replaced(cache, monkeypatch, damage):
     directory, calls = cache
     run()
-    (path,) = directory.iterdir()
+    (path,) = entries(directory)
     good = path.read_bytes()
     path.write_bytes({"garbage": b"\x80\x04not a pickle", "empty": b"", "truncated": good[: len(good) // 2]}[damage])
     forget_process_cache(monkeypatch)
@@ -95,7 +100,7 @@ def test_a_damaged_entry_is_recompiled_and_replaced(cache, monkeypatch, damage):
 def test_entries_others_could_have_written_are_ignored(cache, monkeypatch, tmp_path, unsafe):
     directory, calls = cache
     run()
-    (path,) = directory.iterdir()
+    (path,) = entries(directory)
     if unsafe == "writable by others":
         path.chmod(0o666)
     elif unsafe == "a symlink":
@@ -124,11 +129,11 @@ def test_an_unwritable_directory_warns_once_and_loads_anyway(cache, monkeypatch,
     blocker = tmp_path / "a file"
     blocker.write_text("not a directory")
     monkeypatch.setenv(_executables.CACHE_ENV, str(blocker / "cache"))
-    monkeypatch.setattr(_executables, "_WARNED", set())
+    monkeypatch.setattr(_private, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="not using .*Not a directory"):
         run()
     run(dtype=jnp.float16)  # the same directory again: no second warning
-    assert calls == ["nvfp4", "nvfp4"] and len(_executables._WARNED) == 1
+    assert calls == ["nvfp4", "nvfp4"] and len(_private._WARNED) == 1
 
 
 def test_default_directory_follows_xdg(monkeypatch, tmp_path):
@@ -141,7 +146,7 @@ def test_an_nvfp4_load_in_a_later_process_compiles_nothing(cache, monkeypatch, t
     directory, calls = cache
     write_checkpoint(tmp_path / "ckpt", "tiny-dflash", nvfp4=True)
     first = load_drafter(tmp_path / "ckpt", dtype=jnp.float32)  # dequantizers and bf16 -> f32 casts
-    assert calls and len(list(directory.iterdir())) == len(calls)
+    assert calls and len(entries(directory)) == len(calls)
     forget_process_cache(monkeypatch)
     compiled_before = len(calls)
     second = load_drafter(tmp_path / "ckpt", dtype=jnp.float32)
@@ -152,7 +157,7 @@ def test_an_nvfp4_load_in_a_later_process_compiles_nothing(cache, monkeypatch, t
 # --- issue 13: the cache trusts only what this user wrote, intact, for this signature ---------------
 
 def entry_of(directory):
-    (path,) = [p for p in directory.iterdir() if p.name.endswith(".jaxexec")]
+    (path,) = entries(directory)
     return path
 
 
@@ -200,9 +205,9 @@ def test_an_entry_renamed_to_another_signature_is_recompiled(cache, monkeypatch)
     """A float16 entry moved to the bfloat16 entry's name: the bfloat16 load stays bfloat16."""
     directory, calls = cache
     run(dtype=jnp.bfloat16)
-    (bf16,) = directory.iterdir()
+    (bf16,) = entries(directory)
     run(dtype=jnp.float16)
-    (f16,) = set(directory.iterdir()) - {bf16}
+    (f16,) = set(entries(directory)) - {bf16}
     f16.replace(bf16)
     forget_process_cache(monkeypatch)
     assert run(dtype=jnp.bfloat16).dtype == jnp.bfloat16
@@ -213,15 +218,16 @@ def test_an_intact_entry_of_another_program_is_refused_by_its_signature(cache, m
     """Belt and braces behind the digest: the loaded program's parameters and result are checked."""
     directory, calls = cache
     run(dtype=jnp.float16)
-    (f16,) = directory.iterdir()
+    (f16,) = entries(directory)
     key = ("nvfp4", INPUTS, jnp.dtype(jnp.bfloat16), DEVICE)
     description = _executables._describe(key)
     payload = f16.read_bytes()[len(_executables.MAGIC) + 32:]
     target = directory / "bf16.jaxexec"
-    _executables._write_entry(target, description, payload)  # digest right, program wrong
+    secret = _private.user_key(directory, "test", "-")
+    _executables._write_entry(target, secret, description, payload)  # digest right, program wrong
     output = _executables._output("nvfp4", INPUTS, jnp.bfloat16)
-    assert _executables._load(target, description, DEVICE, INPUTS, output) is None
-    good = _executables._load(f16, _executables._describe((*key[:2], jnp.dtype(jnp.float16), DEVICE)), DEVICE,
+    assert _executables._load(target, secret, description, DEVICE, INPUTS, output) is None
+    good = _executables._load(f16, secret, _executables._describe((*key[:2], jnp.dtype(jnp.float16), DEVICE)), DEVICE,
                               INPUTS, _executables._output("nvfp4", INPUTS, jnp.float16))
     assert good is not None
 
@@ -234,7 +240,7 @@ def test_entries_above_the_size_cap_are_neither_read_nor_written(cache, monkeypa
     forget_process_cache(monkeypatch)
     entry_of(directory).unlink()
     run()
-    assert calls == ["nvfp4", "nvfp4"] and not list(directory.iterdir())
+    assert calls == ["nvfp4", "nvfp4"] and not entries(directory)
 
 
 def test_an_entry_of_another_user_is_ignored(cache, monkeypatch):
@@ -269,7 +275,7 @@ def test_a_directory_others_could_write_is_not_used(cache, monkeypatch, tmp_path
     else:
         directory.chmod(0o777 if unsafe == "writable by others" else 0o770)
     forget_process_cache(monkeypatch)
-    monkeypatch.setattr(_executables, "_WARNED", set())
+    monkeypatch.setattr(_private, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="not using"):
         run()
     assert calls == ["nvfp4", "nvfp4"]  # the entry there was not used
@@ -297,7 +303,7 @@ def test_a_directory_at_an_entry_path_warns_and_loads(cache, monkeypatch):
     (path / "inside").write_bytes(b"")
     for _ in range(2):  # every later load still works
         forget_process_cache(monkeypatch)
-        monkeypatch.setattr(_executables, "_WARNED", set())
+        monkeypatch.setattr(_private, "_WARNED", set())
         with pytest.warns(RuntimeWarning, match="cannot write compiled conversions"):
             expected = dequantize(*nvfp4_arguments(), backend="xla")
             np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import sys
 import tracemalloc
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from dflash_jax import CheckpointError, ConfigError, load_drafter
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 from dflash_jax.validate import scan_checkpoint
 
+from ._io import deadline
 from .hostile import forge
 
 HERE = Path(__file__).parent / "hostile"
@@ -412,7 +412,7 @@ CASES = [
         b'{"num_hidden_layers": 2, ' + json.dumps(TINY)[1:].encode()), ConfigError,
          ("config.json", "duplicate key 'num_hidden_layers'")),
     Case("config.json in UTF-16", config_text(json.dumps(TINY).encode("utf-16")), ConfigError,
-         ("config.json", "not valid JSON", "utf-8")),
+         ("config.json", "not valid JSON", "not UTF-8 JSON", "byte-order mark of UTF-16")),
     Case("config.json in UTF-32", config_text(json.dumps(TINY).encode("utf-32-le")), ConfigError,
          ("config.json", "not valid JSON")),
     Case("rope_theta 1e-300", config(lambda c: c.update(rope_theta=1e-300)), ConfigError,
@@ -434,20 +434,6 @@ CASES = [
         d / ST, forge.read_tensors(d / SHARD_1)), CheckpointError, (ST, "index.json maps to", SHARD_1, "ambiguous"),
          shards=2),
 ]
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-    """Turn a hang into a test failure (SIGALRM; the suite runs on Linux)."""
-    def fail(*_):
-        raise TimeoutError(f"no answer within {seconds} s: a hang")
-    previous = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

@@ -73,9 +73,10 @@ def test_not_cached_offline_is_a_clear_error(cache):
 def test_paths_are_not_ids(tmp_path, monkeypatch):
     for text in ("z-lab/Qwen3-8B-DFlash-b16", "Qwen/Qwen3-8B", "a.b/c_d-e"):
         assert is_repo_id(text)
-    for text in ("/abs/dir", "./rel", "a/b/c", "../x", "x", "a/../b", "a--b/c", "dir/"):
+    for text in ("/abs/dir", "./rel", "a/b/c", "../x", "x", "a/../b", "a--b/c", "dir/", "configs/x.json"):
         assert not is_repo_id(text)
-    assert resolve("/no/such/dir") == "/no/such/dir"  # the reader then says "no such file"
+    with pytest.raises(ConfigError, match="^no such file or directory: /no/such/dir$"):
+        resolve("/no/such/dir")
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing")
     # a local directory wins over a repo id of the same name, as in transformers

@@ -69,7 +69,7 @@ def check_quant_config(directory: str, config: DflashConfig, packed: Set[str]) -
     """Check that what the export declares (hf_quant_config.json, quantization_config) fits the tensors."""
     declared: list[tuple[str, QuantizationConfig]] = []
     file = os.path.join(directory, QUANT_CONFIG_FILE)
-    if os.path.isfile(file):
+    if os.path.lexists(file):  # read only if a regular file: a FIFO or a directory there is refused
         exported = read_json(file, "the quantization config")
         block = exported.get("quantization", {}) if isinstance(exported, dict) else None
         if not isinstance(block, dict):

@@ -1,0 +1,163 @@
+"""Private directories for caches of code (compiled conversions, JAX's compilation cache) and the per-user key.
+
+A cache of executables is code the next process runs, so every cache the package or its CLI uses follows one
+policy, the one ssh applies to `~/.ssh` (docs/errors.md, "The compiled-program cache"): the directory is this
+user's and writable by nobody else, and every directory above it belongs to this user or root and is writable
+by nobody else unless sticky (like /tmp). A directory that fails is not used at all, with one warning that
+names the reason (and the chmod that fixes a directory of this user's). Directories the package creates get
+mode 0700 whatever the umask, so that they pass these rules.
+
+A cache with no usable home (HOME unset, a uid without a passwd entry, `~nosuchuser`) is off, with one
+warning: a relative path would put it under the working directory (a directory named `~`).
+
+The key authenticates entries (HMAC-SHA256): a random `KEY_BYTES`-byte file, created 0600 in the cache
+directory, so that only entries this user's package wrote verify; a cache copied from elsewhere (a "warm
+cache" tarball) or forged over a known digest is never deserialised.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+KEY_FILE = "hmac.key"
+KEY_BYTES = 32
+_WARNED: set[str] = set()  # what was already warned about (a directory, a setting)
+_LOCK = threading.Lock()
+
+
+def cache_home() -> Path | None:
+    """`$XDG_CACHE_HOME` when absolute (the XDG spec ignores a relative one), else `~/.cache`; None (warned once)
+    when there is no home directory."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg)
+    variable = os.environ.get("HOME")  # set but empty or relative: unusable (expanduser would make "" into "/")
+    # unset: the passwd entry's, else "~" itself (a uid without an entry)
+    home = os.path.expanduser("~") if variable is None or os.path.isabs(variable) else ""
+    if not os.path.isabs(home):
+        warn_once("home", "dflash_jax: no home directory (HOME unset and no passwd entry for this uid, or HOME "
+                          "empty or not an absolute path), so compiled programs are not cached on disk; set "
+                          "XDG_CACHE_HOME to a private directory (or DFLASH_JAX_CACHE_DIR, JAX_COMPILATION_CACHE_DIR "
+                          "for one cache)")
+        return None
+    return Path(home) / ".cache"
+
+
+def absolute(configured: str, variable: str) -> Path | None:
+    """The directory a setting names, `~` expanded; None (warned once) when that is not an absolute path."""
+    expanded = os.path.expanduser(configured)
+    if os.path.isabs(expanded):
+        return Path(expanded)
+    warn_once(variable, f"dflash_jax: {variable}={configured!r} is not an absolute path (an unknown user or no home "
+                        "directory for '~'?), so that cache is off; set it to an absolute private directory")
+    return None
+
+
+def private_directory(directory: Path, what: str, variable: str) -> Path | None:
+    """`directory`, created 0700 where missing; None (warned once) when another user could plant files in it.
+
+    `what` names the cache and `variable` the setting that moves it, for the warning.
+    """
+    try:
+        _make_private(directory)
+        problem = untrusted(directory)
+    except OSError as e:
+        problem = f"cannot use it ({e.strerror or e})"
+    if problem is None:
+        return directory
+    warn_once(str(directory), f"dflash_jax: not using {directory} for {what}: {problem}. Without it programs are "
+                              f"compiled in every process. Set {variable} to a private directory (yours, mode "
+                              "0700), or to '' to turn this cache off.")
+    return None
+
+
+def _make_private(directory: Path) -> None:
+    """Create the missing directories of `directory`, top first, each 0700 whatever the umask."""
+    missing = [p for p in (directory, *directory.parents) if not os.path.lexists(p)]
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # made by another process meanwhile: judged by `untrusted`
+            continue
+        os.chmod(path, 0o700)  # the umask may have taken bits off 0700; it can never have added any
+
+
+def untrusted(directory: Path) -> str | None:
+    """Why another user could plant or swap files in `directory`, or None (the policy of the module docstring)."""
+    uid = os.getuid()
+    resolved = directory.resolve()
+    status = os.stat(resolved)
+    if not stat.S_ISDIR(status.st_mode):
+        return "not a directory"
+    if status.st_uid != uid:
+        return f"it is owned by uid {status.st_uid}, not by this user (uid {uid})"
+    if status.st_mode & 0o022:
+        return (f"it is writable by group or others (mode {stat.S_IMODE(status.st_mode):04o}); "
+                f"`chmod go-w {resolved}` makes it private")
+    for parent in resolved.parents:
+        status = os.stat(parent)
+        open_to_others = status.st_mode & 0o022 and not status.st_mode & stat.S_ISVTX
+        if status.st_uid not in (uid, 0) or open_to_others:
+            fix = f"; `chmod go-w {parent}` fixes it" if status.st_uid == uid else ""
+            return (f"its parent {parent} (uid {status.st_uid}, mode {stat.S_IMODE(status.st_mode):04o}) lets "
+                    f"another user replace it{fix}")
+    return None
+
+
+def user_key(directory: Path, what: str, variable: str) -> bytes | None:
+    """The HMAC key of the private `directory`, created on first use; None (warned once) when the key file there
+    is not a regular 0600 file of this user holding `KEY_BYTES` bytes."""
+    path = directory / KEY_FILE
+    try:
+        if not os.path.lexists(path):
+            _create_key(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a link fails, a FIFO does not block
+        try:
+            status = os.fstat(fd)
+            good = (stat.S_ISREG(status.st_mode) and status.st_uid == os.getuid()
+                    and stat.S_IMODE(status.st_mode) == 0o600)
+            key = os.read(fd, KEY_BYTES + 1) if good else b""
+        finally:
+            os.close(fd)
+        good = good and len(key) == KEY_BYTES
+        problem = None if good else (f"its key file {path} is not a regular 0600 file of this user holding "
+                                     f"{KEY_BYTES} bytes; remove it to make a new one")
+    except OSError as e:
+        problem = f"cannot use its key file {path} ({e.strerror or e})"
+    if problem is None:
+        return key
+    warn_once(str(path), f"dflash_jax: not using {directory} for {what}: {problem}. Without it programs are "
+                         f"compiled in every process. Set {variable} to another private directory, or to '' to "
+                         "turn this cache off.")
+    return None
+
+
+def _create_key(path: Path) -> None:
+    """Write a new random key to `path`: a 0600 temporary file (O_EXCL), then linked into place, which never
+    follows or replaces what is there, so that concurrent processes agree on one complete key."""
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".key-")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+        try:
+            os.link(temporary, path)
+        except FileExistsError:  # another process made it first: that one is used
+            pass
+    finally:
+        os.unlink(temporary)
+
+
+def warn_once(topic: str, message: str) -> None:
+    """A RuntimeWarning the first time `topic` comes up in this process."""
+    with _LOCK:
+        if topic in _WARNED:
+            return
+        _WARNED.add(topic)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
