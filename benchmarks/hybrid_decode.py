@@ -146,6 +146,41 @@ def step_rows(target, P: int, iters: int) -> dict:
     return ms
 
 
+def decode_rows(name: str, target, runs: dict, rng, rate: float, args) -> list[dict]:
+    """Greedy and each speculative run at each prompt length (batch > 1 at the shortest only)."""
+    print("| target | prompt | batch | run | prefill s | tokens/s | x greedy | greedy floor tok/s | acceptance "
+          "| same as greedy | peak GB |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|", flush=True)
+    rows = []
+    for P in args.prompts:
+        for batch in args.batch:
+            if batch > 1 and P > min(args.prompts):
+                continue
+            prompts = rng.integers(0, target.vocab_size, (batch, P)).tolist()
+            greedy = None
+            for run in ["greedy", *args.runs]:
+                def go(run=run, prompts=prompts):
+                    if run == "greedy":
+                        return greedy_generate(target, prompts, args.max_new, prefill_chunk=args.chunk)
+                    return speculative_generate(target, runs[run], prompts, max_new_tokens=args.max_new,
+                                                prefill_chunk=args.chunk)
+
+                if not args.small:
+                    go()  # compile
+                result = go()
+                greedy = result if greedy is None else greedy
+                floor = batch / greedy_floor(target, batch, P + args.max_new // 2, rate)
+                row = dict(part="decode", target=name, prompt=P, batch=batch, run=run,
+                           prefill_s=result.prefill_seconds, tokens_per_s=result.decode_tokens_per_second,
+                           speedup=result.decode_tokens_per_second / greedy.decode_tokens_per_second,
+                           greedy_floor_tps=floor, mean_acceptance=result.mean_acceptance_length,
+                           same_as_greedy=result.tokens == greedy.tokens, peak_gb=peak_gb())
+                rows.append(row)
+                print(f"| {name} | {P} | {batch} | {run} | {row['prefill_s']:.2f} | {row['tokens_per_s']:.1f} | "
+                      f"{row['speedup']:.2f} | {floor:.1f} | {row['mean_acceptance']:.2f} | "
+                      f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
@@ -179,33 +214,7 @@ def main() -> None:
         rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
         print(f"batch 1, {min(args.prompts)} cached: " + ", ".join(f"{k} {v:.3f} ms" for k, v in steps.items())
               + f"; commit / verify {steps['commit'] / steps['verify 17 + commit']:.1%}", flush=True)
-        print("| target | prompt | batch | run | prefill s | tokens/s | x greedy | greedy floor tok/s | acceptance "
-              "| same as greedy | peak GB |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|", flush=True)
-        for P in args.prompts:
-            for batch in args.batch:
-                if batch > 1 and P > min(args.prompts):
-                    continue
-                prompts = rng.integers(0, V, (batch, P)).tolist()
-                greedy = None
-                for run in ["greedy", *args.runs]:
-                    go = (lambda: greedy_generate(target, prompts, args.max_new, prefill_chunk=args.chunk)) \
-                        if run == "greedy" else (lambda d=runs[run]: speculative_generate(  # noqa: B023
-                            target, d, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk))
-                    if not args.small:
-                        go()  # compile
-                    result = go()
-                    greedy = result if run == "greedy" else greedy
-                    floor = batch / greedy_floor(target, batch, P + args.max_new // 2, rate)
-                    row = dict(part="decode", target=name, prompt=P, batch=batch, run=run,
-                               prefill_s=result.prefill_seconds, tokens_per_s=result.decode_tokens_per_second,
-                               speedup=result.decode_tokens_per_second / greedy.decode_tokens_per_second,
-                               greedy_floor_tps=floor, mean_acceptance=result.mean_acceptance_length,
-                               same_as_greedy=result.tokens == greedy.tokens, peak_gb=peak_gb())
-                    rows.append(row)
-                    print(f"| {name} | {P} | {batch} | {run} | {row['prefill_s']:.2f} | {row['tokens_per_s']:.1f} | "
-                          f"{row['speedup']:.2f} | {floor:.1f} | {row['mean_acceptance']:.2f} | "
-                          f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
-        del target, runs
+        rows += decode_rows(name, target, runs, rng, rate, args)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
