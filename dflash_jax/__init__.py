@@ -6,12 +6,13 @@
     proposal, cache = dflash_jax.propose(drafter, cache, target_hidden, num_new, anchor_ids)
     result = dflash_jax.speculative_generate(target, drafter, prompt_ids, max_new_tokens=64)
 
-Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
-Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
-and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
-the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
-`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.loading`: `load_target`), `generate` (the draft/verify loop), `testing` (random
-checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
+Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its Pallas
+kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned and
+checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`, the type
+of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
+`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the Qwen3.5 hybrid;
+`target.loading`: `load_target`), `generate` (the draft/verify loop), `testing` (random checkpoints), `hub` (Hugging
+Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from .config import DflashConfig, parse_config
@@ -25,6 +26,7 @@ from .model import AttentionOptions, draft_hidden, draft_logits
 from .target import Target
 from .target.dense import DecoderTarget, Qwen3Target
 from .target.loading import load_target
+from .target.qwen3_5 import Qwen3_5Target
 
 __version__ = "0.1.0"
 
@@ -42,6 +44,7 @@ __all__ = [
     "GenerationResult",
     "Proposal",
     "Qwen3Target",
+    "Qwen3_5Target",
     "Target",
     "append_context",
     "draft_hidden",

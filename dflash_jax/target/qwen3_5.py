@@ -264,13 +264,13 @@ class Qwen3_5Target:
         log.info("%s: qwen3_5 target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
                  path, config.num_hidden_layers, config.layer_types.count(FULL_ATTENTION), config.hidden_size,
                  config.vocab_size, 1 if layout is None else layout.tensor_size)
-        return cls(params=_tree(plan, leaves), config=config, layout=layout)
+        return cls(params=params_tree(plan, leaves), config=config, layout=layout)
 
     def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> Qwen3_5Target:
         """This target moved onto `mesh` with the layout `from_pretrained` gives (for targets built in memory)."""
         layout = make_layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
         plan = plan_qwen3_5(self.config)
-        where = _tree(plan, [layout.sharding(t.axes) for t in plan])
+        where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
     @property
@@ -345,7 +345,7 @@ class Qwen3_5Target:
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
 
 
-def _tree(plan: list[TensorPlan], leaves: list[Any]) -> Params:
+def params_tree(plan: list[TensorPlan], leaves: list[Any]) -> Params:
     params = build_tree(plan, leaves)
     params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
     return params

@@ -106,7 +106,8 @@ class Qwen3_5Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 def _refuse_moe(raw: dict[str, Any], source: str) -> None:
     text = raw.get("text_config")
     types = {raw.get("model_type"), text.get("model_type") if isinstance(text, dict) else None}
-    names = raw.get("architectures") if isinstance(raw.get("architectures"), list) else []
+    stated = raw.get("architectures")
+    names = stated if isinstance(stated, list) else []
     if types & set(_MOE_MODEL_TYPES) or set(names) & set(MOE_ARCHITECTURES):
         raise ConfigError(
             f"{source}: a Qwen3.5 MoE config (model_type {raw.get('model_type')!r}, architectures {names}): the MoE "
