@@ -445,7 +445,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, size: int):
     decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [.., i, j], j <= i
     k_beta = k * beta[..., None]
     # (I + strictly lower part of beta_i k_i.k_j decay_ij) [u | w] = [beta v | beta k exp(cum)]
-    system = dot("...ik,...jk->...ij", k_beta, k) * decay * ~jnp.eye(size, dtype=bool)
+    system = jnp.where(jnp.eye(size, dtype=bool), 0.0, dot("...ik,...jk->...ij", k_beta, k) * decay)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
     solved = jax.lax.linalg.triangular_solve(jnp.eye(size) + system, rhs, left_side=True, lower=True,
                                              unit_diagonal=True)
