@@ -176,10 +176,22 @@ def test_multimodal_checkpoint_loads_the_text_model(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, vl.params, text.params)
 
 
-def test_random_target_runs():
-    target = random_qwen3_5("tiny-qwen3_5-tied", dtype=jnp.float32)
+def test_random_bf16_target_verifies_and_commits():
+    """A random bf16 target (tied embeddings), the production dtype: a ragged prefill, a verify block of S = 3
+    and a commit; the pending cache holds S + 1 states and K - 1 + S conv rows, the committed one the shapes of
+    an empty cache (whatever S: a while_loop carry)."""
+    target = random_qwen3_5("tiny-qwen3_5-tied", dtype=jnp.bfloat16)
     assert target.lm_head is target.embed and target.num_layers == 6 and target.hidden_size == 64
     assert target.config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    empty = target.init_cache(2, 16)
+    out = target.prefill(jnp.array([[3, 4, 5, 6], [7, 8, 0, 0]]), empty, jnp.array([4, 2]), layer_ids=(1, 3))
+    block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(1, 3))
+    assert block.logits.shape == (2, 3, 128) and block.features.shape == (2, 3, 128)
+    assert block.cache.state[0].shape == (2, 4, 4, 16, 16) and block.cache.conv[0].shape == (2, 6, 128)
+    committed = target.commit(block.cache, jnp.array([3, 1]))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), committed) == jax.tree.map(lambda a: (a.shape, a.dtype), empty)
+    assert committed.state[0].dtype == jnp.float32 and committed.conv[0].dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(block.logits)).all()
 
 
 @pytest.mark.parametrize("change, field", [

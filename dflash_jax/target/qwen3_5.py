@@ -52,13 +52,14 @@ import numpy as np
 
 from ..attention import span_capacity
 from ..hub import HubOptions, resolve
-from ..model import Rope, apply_rope, dot, linear, lm_logits, rms_norm, rope_tables
+from ..model import Rope, apply_rope, linear, lm_logits, rms_norm, rope_tables
 from ..placement import place_all
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
 from . import PREFILL_CHUNK, TargetOutput
 from .config import read_config_json
+from .delta_rule import chunked_delta_rule, l2_normed, recurrent_delta_rule
 from .dense import _attention, _check_layer_ids, prefill_chunks
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .qwen3_5_config import FULL_ATTENTION, Qwen3_5Config, parse_qwen3_5_config
@@ -387,11 +388,6 @@ def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope
     return linear(out, p["o_proj"]), past_k, past_v
 
 
-def _l2_normed(x: jax.Array) -> jax.Array:
-    """`x / sqrt(|x|^2 + 1e-6)` over the last axis, float32 (flash-linear-attention's and transformers' l2norm)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
 def _delta_inputs(c: Qwen3_5Config, p: Params, xn: jax.Array, conv_state: jax.Array):
     """The delta rule's inputs for `xn [batch, S, H]` after the conv state `[batch, K - 1, conv_dim]`:
     `(q, k [batch, S, n_v, d_k], v [batch, S, n_v, d_v], g, beta [batch, S, n_v], z [batch, S, n_v, d_v],
@@ -406,64 +402,13 @@ def _delta_inputs(c: Qwen3_5Config, p: Params, xn: jax.Array, conv_state: jax.Ar
     mixed = jax.nn.silu(mixed).astype(xn.dtype).astype(jnp.float32)  # transformers rounds the conv's output
     q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
     group = n_v // n_k  # each key head serves `group` consecutive value heads
-    q = jnp.repeat(_l2_normed(q.reshape(batch, S, n_k, d_k)), group, axis=2) * d_k**-0.5
-    k = jnp.repeat(_l2_normed(k.reshape(batch, S, n_k, d_k)), group, axis=2)
+    q = jnp.repeat(l2_normed(q.reshape(batch, S, n_k, d_k)), group, axis=2) * d_k**-0.5
+    k = jnp.repeat(l2_normed(k.reshape(batch, S, n_k, d_k)), group, axis=2)
     beta = jax.nn.sigmoid(linear(xn, p["in_proj_b"]).astype(jnp.float32))
     a = linear(xn, p["in_proj_a"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)  # log decay, <= 0
     z = linear(xn, p["in_proj_z"]).reshape(batch, S, n_v, d_v)
     return q, k, v.reshape(batch, S, n_v, d_v), g, beta, z, window
-
-
-def recurrent_delta_rule(q, k, v, g, beta, state):
-    """The gated delta rule row by row: `(out [batch, S, n_v, d_v], states [batch, S, n_v, d_k, d_v])`, the
-    state after each row, from `state [batch, n_v, d_k, d_v]` (all float32)."""
-
-    def step(s, row):
-        q_t, k_t, v_t, g_t, b_t = row  # [batch, n_v, d] / [batch, n_v]
-        s = s * jnp.exp(g_t)[..., None, None]
-        delta = (v_t - dot("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]  # [batch, n_v, d_v]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, (dot("bhkv,bhk->bhv", s, q_t), s)
-
-    _, (out, states) = jax.lax.scan(step, state, tuple(x.swapaxes(0, 1) for x in (q, k, v, g, beta)))
-    return out.swapaxes(0, 1), states.swapaxes(0, 1)
-
-
-def chunked_delta_rule(q, k, v, g, beta, state, size: int):
-    """The gated delta rule `size` rows at a time (transformers' `torch_chunk_gated_delta_rule`, the UT transform
-    of the DeltaNet papers): `(out [batch, S, n_v, d_v], final state [batch, n_v, d_k, d_v])`. Rows with
-    beta = 0 and g = 0 (padding) leave the state as it is."""
-    batch, S, h, d_k = k.shape
-    n = -(-S // size)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * size - S)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    # [n, batch, h, size, ...]: chunk-major for the scan
-    q, k, v, g, beta = (jnp.moveaxis(pad(x).reshape(batch, n, size, h, *x.shape[3:]), (1, 3), (0, 2))
-                        for x in (q, k, v, g, beta))
-    cum = jnp.cumsum(g, axis=-1)  # [n, batch, h, size] log decay from the chunk's start
-    causal = jnp.tril(jnp.ones((size, size), bool))
-    decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [.., i, j], j <= i
-    k_beta = k * beta[..., None]
-    # (I + strictly lower part of beta_i k_i.k_j decay_ij) [u | w] = [beta v | beta k exp(cum)]
-    system = jnp.where(jnp.eye(size, dtype=bool), 0.0, dot("...ik,...jk->...ij", k_beta, k) * decay)
-    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(jnp.eye(size) + system, rhs, left_side=True, lower=True,
-                                             unit_diagonal=True)
-    u, w = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
-    intra = dot("...ik,...jk->...ij", q, k) * decay  # [.., size, size]
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_decayed = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-
-    def step(s, chunk):
-        u_c, w_c, q_c, k_c, intra_c, last = chunk
-        v_new = u_c - dot("...ik,...kv->...iv", w_c, s)  # [batch, h, size, d_v]
-        out = dot("...ik,...kv->...iv", q_c, s) + dot("...ij,...jv->...iv", intra_c, v_new)
-        s = s * jnp.exp(last)[..., None, None] + dot("...ik,...iv->...kv", k_c, v_new)
-        return s, out
-
-    state, out = jax.lax.scan(step, state, (u, w, q_decayed, k_decayed, intra, cum[..., -1]))
-    out = jnp.moveaxis(out, (0, 2), (1, 3)).reshape(batch, n * size, h, -1)[:, :S]
-    return out, state
 
 
 def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.Array, state: jax.Array,
