@@ -23,13 +23,15 @@ state after the first `kept[b]` new tokens.
 
 Pending cache (the choice): per delta-net layer the recurrent state before the block and after each of its S
 rows, `[batch, S + 1, n_v, d_k, d_v]` float32, and the conv window `[batch, K - 1 + S, conv_dim]`; commit picks
-row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state; for Qwen3.5-27B (48 delta-net layers,
-48 value heads of 128 x 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in all, so a 16-token
-verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives: snapshot + replay (keep the
-state before the block and the block's k, v, g, beta, `S x (2 d_k + d_v)` per head, 1/85 of that here, and rerun
-`kept` recurrent steps in `commit`: S small steps per layer more per verify), or a tape of the per-row deltas
-(as large as the states for d_k = d_v). The states are kept because `commit` then costs nothing and is exact by
-construction (the very arrays the verify produced); replay is the way out when batch x S makes them too large.
+row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state. At Qwen3.5-27B's shapes (48 delta-net
+layers; 48 value heads, d_k = d_v = 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in all, so
+a 16-token verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives, both keeping only
+the state before the block plus per row `S x (d_k + d_v + 2)` numbers per head (1/64 of the states here):
+snapshot + replay (the rows' k, v, g, beta; `commit` reruns the first `kept` recurrent steps: S more steps per
+layer per verify), or a tape (each row's rank-1 update `k_t delta_t^T` and decay; `commit` sums the kept ones,
+`S_k = exp(G_k) S_0 + sum_{t<k} exp(G_k - G_t) k_t delta_t^T`, one masked `[d_k, S] x [S, d_v]` product per head).
+The states are kept because `commit` is then a gather of the very arrays the verify produced; the tape is the
+way out when batch x S makes them too large.
 
 Tensor parallelism: attention heads, the MLP and the vocabulary split over the tensor axis as the dense target's
 `Layout` says. The delta-net layers are replicated on it (weights and states; the batch still splits over the
