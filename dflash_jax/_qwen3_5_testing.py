@@ -40,7 +40,7 @@ _TINY_TEXT = {
 QWEN3_5_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3_5": _TINY_TEXT,
     "tiny-qwen3_5-tied": {**_TINY_TEXT, "tie_word_embeddings": True},
-    # tensor-parallel tests: 8 heads and 2 KV heads, so 2 devices split the KV heads and 4 replicate them
+    # tensor-parallel tests: 8 heads, 2 KV heads (split by 2 devices, replicated by 4), 4 delta-net value heads
     "tiny-qwen3_5-tp": {**_TINY_TEXT, "num_attention_heads": 8, "head_dim": 8},
     "tiny-qwen3_5-vl": {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,

@@ -137,8 +137,8 @@ def test_ragged_batch(ref):
 
 
 def test_sharded_equals_unsharded(tmp_path):
-    """On a (2, 4) mesh of ("data", "model") (8 heads over 4 devices, the 2 KV heads replicated, the delta-net
-    layers replicated) `load_target` gives the single-device prefill, verify logits and committed states."""
+    """On a (2, 4) mesh of ("data", "model") (8 heads over 4 devices, the 2 KV heads replicated, the delta-net's
+    4 value heads split) `load_target` gives the single-device prefill, verify logits and committed states."""
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-tp", seed=3, dtype="float32")
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     prompts, lengths = jnp.array([[5, 17, 99, 3, 8, 1, 4], [120, 4, 9, 0, 0, 0, 0]]), jnp.array([7, 3])
@@ -150,18 +150,27 @@ def test_sharded_equals_unsharded(tmp_path):
             out = target.prefill(prompts, target.init_cache(2, 16), lengths, layer_ids=(1, 3), chunk=4)
             block = target(jnp.array([[7, 8, 9], [10, 11, 12]]), out.cache, lengths, layer_ids=(1, 3))
             committed = target.commit(block.cache, jnp.array([2, 0]))
-        if where is not None:  # attention heads split over "model", the delta-net layers replicated on it
+        if where is not None:  # heads split over "model" (the delta-net's value heads too), the batch over "data"
             layers = target.params["layers"]
             assert layers[3]["self_attn"]["q_proj"]["weight"].sharding.spec == P("model", None)
-            assert layers[0]["linear_attn"]["in_proj_qkv"]["weight"].sharding.spec == P(None, None)
-            state = committed.state[0]
-            assert state.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), state.ndim)
+            assert layers[0]["linear_attn"]["in_proj_z"]["weight"].sharding.spec == P("model", None)
+            assert layers[0]["linear_attn"]["out_proj"]["weight"].sharding.spec == P(None, "model")
+            assert layers[0]["linear_attn"]["in_proj_qkv"]["weight"].sharding.spec == P(None, None)  # packed q|k|v
+            for state in committed.state + block.cache.state[:1]:  # the committed states, a verify's pending ones
+                split = P("data", "model") if state.ndim == 4 else P("data", None, "model")
+                assert state.sharding.is_equivalent_to(NamedSharding(mesh, split), state.ndim)
         results.append([out.logits, out.features, block.logits, block.features, *committed.state, *committed.conv])
     assert results[1][0].sharding.mesh.shape == mesh.shape  # computed on the mesh
     # The tensor-parallel sums (o_proj, down_proj) add in another order: 1e-6 after layer 0, growing through the
     # layers to 4.2e-5 measured (|values| <= 5); a data-only mesh (8, 1) is bit for bit.
     for a, b in zip(*results):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
+
+
+def test_a_tensor_axis_not_dividing_the_value_heads_is_refused():
+    target = random_qwen3_5("tiny-qwen3_5-tp", dtype=jnp.float32)  # 8 attention heads, 4 delta-net value heads
+    with pytest.raises(ConfigError, match="does not divide linear_num_value_heads=4"):
+        target.shard(jax.make_mesh((1, 8), ("data", "model")))
 
 
 def test_multimodal_checkpoint_loads_the_text_model(tmp_path):

@@ -34,10 +34,14 @@ The states are kept because `commit` is then a gather of the very arrays the ver
 way out when batch x S makes them too large.
 
 Tensor parallelism: attention heads, the MLP and the vocabulary split over the tensor axis as the dense target's
-`Layout` says. The delta-net layers are replicated on it (weights and states; the batch still splits over the
-other axes): `in_proj_qkv` and `conv1d` pack the q, k, v channels of all heads one after the other, so a
-contiguous split of their rows does not give a device whole heads, and the plan/placement machinery reads one
-contiguous shard per tensor (splitting them would need re-packing three row ranges per device at load).
+`Layout` says (the other mesh axes split the batch). In the delta-net layers the value heads split too:
+`in_proj_z` / `in_proj_b` / `in_proj_a` / `dt_bias` / `A_log` by output, `out_proj` by input (an all-reduce
+after it, as after `o_proj`), the recurrence and its state (and a verify's pending states) by head, so
+`linear_num_value_heads` must divide by the tensor axis. `in_proj_qkv` and `conv1d` (and the conv state) stay
+replicated: they pack the q, k, v channels of all heads one block after the other, so a contiguous split of
+their rows does not give a device whole heads, and the plan/placement machinery reads one contiguous shard per
+tensor (splitting them would need re-packing three row ranges per device at load); each device computes the
+full projection and convolution and keeps its heads' part.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..attention import span_capacity
+from ..errors import ConfigError
 from ..hub import HubOptions, resolve
 from ..model import Rope, apply_rope, linear, lm_logits, rms_norm, rope_tables
 from ..placement import place_all
@@ -72,7 +77,8 @@ Params = dict[str, Any]
 DELTA_CHUNK = 64  # rows of the chunked gated delta rule (transformers' and flash-linear-attention's default)
 MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
 CONV_AXES = (BATCH, None, None)  # [batch, K - 1, conv_dim]: replicated on the tensor axis
-STATE_AXES = (BATCH, None, None, None)  # [batch, n_v, d_k, d_v]
+STATE_AXES = (BATCH, HEADS, None, None)  # [batch, n_v, d_k, d_v]: split by value head
+HEAD_ROWS = (BATCH, None, HEADS, None)  # [batch, S, n_v, d]: the delta rule's inputs, split by value head
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -107,7 +113,8 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
     ones exist on full-attention layers only, `linear_attn.` ones on delta-net layers only, `plan_qwen3_5`).
 
     Axes as the dense target's: q (with its gate) / k / v and gate / up split by output, o and down by input,
-    embedding and LM head by the vocabulary; the delta-net tensors and the norms replicated (module docstring).
+    embedding and LM head by the vocabulary; the delta-net's per-value-head tensors split by head, its packed
+    q/k/v projection and conv replicated, and the norms replicated (module docstring).
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim, n_v = c.num_attention_heads * d_h, c.num_key_value_heads * d_h, c.linear_num_value_heads
@@ -136,17 +143,16 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
                   ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
                   ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
                   ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), init=Bias())]
-    replicated = (None, None)
     return specs + [
-        ParamSpec(delta + "in_proj_qkv.weight", (c.conv_dim, H), axes=replicated),
-        ParamSpec(delta + "in_proj_z.weight", (c.value_dim, H), axes=replicated),
-        ParamSpec(delta + "in_proj_b.weight", (n_v, H), axes=replicated),
-        ParamSpec(delta + "in_proj_a.weight", (n_v, H), axes=replicated),
+        ParamSpec(delta + "in_proj_qkv.weight", (c.conv_dim, H), axes=(None, EMBED)),  # [q | k | v], all heads
+        ParamSpec(delta + "in_proj_z.weight", (c.value_dim, H), axes=(HEADS, EMBED)),
+        ParamSpec(delta + "in_proj_b.weight", (n_v, H), axes=(HEADS, EMBED)),
+        ParamSpec(delta + "in_proj_a.weight", (n_v, H), axes=(HEADS, EMBED)),
         ParamSpec(delta + "conv1d.weight", (c.conv_dim, 1, c.linear_conv_kernel_dim), axes=(None, None, None)),
-        ParamSpec(delta + "dt_bias", (n_v,), axes=(None,), init=Gain()),
-        ParamSpec(delta + "A_log", (n_v,), axes=(None,), init=LogUniform()),
+        ParamSpec(delta + "dt_bias", (n_v,), axes=(HEADS,), init=Gain()),
+        ParamSpec(delta + "A_log", (n_v,), axes=(HEADS,), init=LogUniform()),
         ParamSpec(delta + "norm.weight", (c.linear_value_head_dim,), NORM, (None,), Gain()),  # plain w * x_hat
-        ParamSpec(delta + "out_proj.weight", (H, c.value_dim), axes=replicated),
+        ParamSpec(delta + "out_proj.weight", (H, c.value_dim), axes=(EMBED, HEADS)),
     ]
 
 
@@ -256,7 +262,7 @@ class Qwen3_5Target:
         path = resolve(path, **hub)
         file, raw = read_config_json(path)
         config = parse_qwen3_5_config(raw, source=file)
-        layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
+        layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
             prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in checkpoint else "model."
             plan = plan_qwen3_5(config, prefix)
@@ -271,7 +277,7 @@ class Qwen3_5Target:
 
     def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> Qwen3_5Target:
         """This target moved onto `mesh` with the layout `from_pretrained` gives (for targets built in memory)."""
-        layout = make_layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
+        layout = _layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
         plan = plan_qwen3_5(self.config)
         where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
@@ -346,6 +352,18 @@ class Qwen3_5Target:
         `[batch, V]` float32, and the committed cache after each prompt's real tokens.
         """
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
+
+
+def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
+    """`layout.make_layout`, plus the delta-net's value heads, which split over the tensor axis too."""
+    layout = make_layout(config, mesh, tensor_axis, source)
+    if config.linear_num_value_heads % layout.tensor_size:
+        raise ConfigError(
+            f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
+            f"linear_num_value_heads={config.linear_num_value_heads}; expected a tensor-parallel size dividing the "
+            "delta-net value heads too"
+        )
+    return layout
 
 
 def params_tree(plan: list[TensorPlan], leaves: list[Any]) -> Params:
@@ -425,13 +443,21 @@ def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.
     c = target.config
     batch, S, _ = xn.shape
     q, k, v, g, beta, z, window = _delta_inputs(c, p, xn, conv_state)
+    layout = target.layout
+    if layout is not None:  # each device runs its value heads (taken from the replicated q/k/v projection)
+        q, k, v, z = (layout.constrain(x, HEAD_ROWS) for x in (q, k, v, z))
+        g, beta = (layout.constrain(x, HEAD_ROWS[:3]) for x in (g, beta))
     if valid is None:
         out, states = recurrent_delta_rule(q, k, v, g, beta, state)
         conv, state = window, jnp.concatenate([state[:, None], states], axis=1)
+        if layout is not None:
+            state = layout.constrain(state, (BATCH, None, *STATE_AXES[1:]))  # [batch, S + 1, n_v, d_k, d_v]
     else:
         g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
         out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
         conv = _conv_state(window, jnp.sum(valid, axis=1, dtype=jnp.int32), c.linear_conv_kernel_dim)
+        if layout is not None:
+            state = layout.constrain(state, STATE_AXES)
     out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated RMSNorm: w * x_hat * silu(z)
     out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
     return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state
