@@ -1,9 +1,10 @@
 """Qwen3.5 hybrid targets for tests, examples and benchmarks: random checkpoints and random in-memory targets.
 
 - `write_qwen3_5_checkpoint(directory, "tiny-qwen3_5")`: a random Hugging Face directory (config.json +
-  safetensors) that `Qwen3_5Target.from_pretrained` and transformers' `Qwen3_5ForCausalLM` load;
-  "tiny-qwen3_5-vl" writes it as a multimodal `Qwen3_5ForConditionalGeneration` checkpoint does (the text model
-  under `model.language_model.`, a `text_config`, plus a vision and an MTP tensor a text target skips). The tiny
+  safetensors) that `Qwen3_5Target.from_pretrained` and transformers' `Qwen3_5ForCausalLM` load (checked by hand:
+  float32 logits within 1.6e-5); "tiny-qwen3_5-vl" lays it out as a multimodal `Qwen3_5ForConditionalGeneration`
+  checkpoint does (the text model under `model.language_model.`, a `text_config`, plus a vision and an MTP tensor
+  a text target skips; not a loadable vision model). The tiny
   presets have hidden 64, vocab 128 and 6 layers (linear, linear, linear, full, linear, linear), so the tiny
   drafters' `target_layer_ids` [1, 3] are valid.
 - `random_qwen3_5(config)`: random weights drawn on the device, each as its spec's initialiser draws it.
