@@ -10,10 +10,11 @@ Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp
 Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
 and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
 the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the
-target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.moe`: the Qwen3.5
-MoE block, `target.experts` its expert stacks from either disk layout; `target.loading`: `load_target`),
-`pairing` (is a drafter compatible with a target), `generate` (the draft/verify loop), `testing` (random
-checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
+target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the
+Qwen3.5/3.6 hybrids; `target.moe`: their MoE block, `target.experts` its expert stacks from either disk layout;
+`target.loading`: `load_target`), `pairing` (is a drafter compatible with a target), `generate` (the
+draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax
+modules), `cli`.
 """
 
 from .config import DflashConfig, parse_config
@@ -28,6 +29,7 @@ from .pairing import check_pair
 from .target import Target
 from .target.dense import DecoderTarget, Qwen3Target
 from .target.loading import load_target
+from .target.qwen3_5 import Qwen3_5Target
 
 __version__ = "0.1.0"
 
@@ -46,6 +48,7 @@ __all__ = [
     "IncompatiblePairError",
     "Proposal",
     "Qwen3Target",
+    "Qwen3_5Target",
     "Target",
     "append_context",
     "check_pair",

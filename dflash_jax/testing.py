@@ -7,7 +7,8 @@ one of the released drafters in `configs/` (real shapes) or one of the tiny conf
 `random_drafter(config)` draws the same tensors on the device without a checkpoint. Qwen3 and Llama targets to
 pair with them: `write_qwen3_checkpoint` (presets tiny-qwen3*, tiny-llama*), `random_qwen3`, and
 `successor_target` / `successor_drafter` (a target and a drafter that agree, for the accept path), from
-`dflash_jax._qwen3_testing`.
+`dflash_jax._qwen3_testing`; Qwen3.5 hybrid targets: `write_qwen3_5_checkpoint` (presets tiny-qwen3_5*),
+`random_qwen3_5`, from `dflash_jax._qwen3_5_testing`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ._qwen3_5_testing import (  # noqa: F401  (the Qwen3.5 hybrid target helpers, re-exported)
+    QWEN3_5_TINY_CONFIGS,
+    random_qwen3_5,
+    write_qwen3_5_checkpoint,
+)
 from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-exported)
     QWEN3_TINY_CONFIGS,
     random_qwen3,

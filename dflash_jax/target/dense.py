@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any, ClassVar, Unpack
 
 import jax
@@ -284,7 +285,7 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
             raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
 
 
-def _attention(target: DecoderTarget, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
+def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
                past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: bool):
     """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
     K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[batch, n_kv, T, d_h]`.
@@ -296,9 +297,8 @@ def _attention(target: DecoderTarget, q: jax.Array, k: jax.Array, v: jax.Array, 
     communication between heads, and the kernels it may use (the Pallas span kernel, cuDNN) are custom calls
     GSPMD cannot partition (it would gather their operands onto every device). Where the KV heads are
     replicated (a tensor axis larger than `num_key_value_heads`) a device's query heads all belong to one KV
-    head, which it slices out of its full copy.
+    head, which it slices out of its full copy. `num_heads`: the target's query heads (all devices together).
     """
-    layout, c = target.layout, target.config
 
     def local(q, k, v, past_k, past_v, positions, start):
         batch, n_kv, S, _ = k.shape
@@ -307,7 +307,7 @@ def _attention(target: DecoderTarget, q: jax.Array, k: jax.Array, v: jax.Array, 
         new_k = past_k.at[seq, heads, slots].set(k.astype(past_k.dtype), mode="drop")  # past the end: dropped
         new_v = past_v.at[seq, heads, slots].set(v.astype(past_v.dtype), mode="drop")
         if layout is not None and layout.tensor_axis and not layout.split_kv:
-            group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (c.num_attention_heads // n_kv)
+            group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
             k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
         if fused:
             return causal_self_attention(q, k, v), new_k, new_v
@@ -346,7 +346,8 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
         def attention(attn, xn, i=i):
             q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
             k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
-            out, new_k, new_v = _attention(target, q, k, v, keys[i], values[i], positions, start, fused)
+            out, new_k, new_v = _attention(layout, c.num_attention_heads, q, k, v, keys[i], values[i], positions,
+                                            start, fused)
             return out.reshape(batch, S, -1), (new_k, new_v)
 
         x, (keys[i], values[i]) = decoder_layer(p, c, x, attention)
@@ -383,6 +384,22 @@ def _prefill(
         hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [batch, H]
         return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
+    hidden_size = target.config.hidden_size
+    last_hidden, features, cache = prefill_chunks(
+        lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens, cache, lengths, chunk,
+        jnp.zeros((batch, hidden_size), target.embed.dtype))
+    return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
+
+
+def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, jax.Array, Any]], tokens: jax.Array,
+                   cache: Any, lengths: jax.Array, chunk: int, last_hidden: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, Any]:
+    """Right-padded prompts `tokens [batch, P]` run `chunk` rows at a time through `run(piece [batch, chunk],
+    cache, start [batch]) -> (hidden [batch, chunk, H], features [batch, chunk, F], cache)` (a `lax.scan`; the
+    last chunk padded): `(hidden of each prompt's last real row [batch, H], features [batch, P, F], cache)`.
+    `last_hidden`: zeros of the hidden states' shape and dtype. Shared by the targets' chunked prefills."""
+    batch, P = tokens.shape
+    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
     chunk = min(P, chunk)
     n_chunks = -(-P // chunk)
     pieces = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - P))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
@@ -390,15 +407,13 @@ def _prefill(
     def step(carry, inputs):
         cache, last_hidden = carry
         c, piece = inputs  # piece: [batch, chunk]
-        hidden, features, cache = _layers(target, piece, cache, jnp.full((batch,), c * chunk, jnp.int32), layer_ids)
+        hidden, features, cache = run(piece, cache, jnp.full((batch,), c * chunk, jnp.int32))
         row = jnp.clip(last - c * chunk, 0, chunk - 1)
         here = ((last >= c * chunk) & (last < (c + 1) * chunk))[:, None]
         last_hidden = jnp.where(here, jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0], last_hidden)
         return (cache, last_hidden), features
 
-    H = target.config.hidden_size
     (cache, last_hidden), features = jax.lax.scan(
-        step, (cache, jnp.zeros((batch, H), target.embed.dtype)), (jnp.arange(n_chunks), pieces)
+        step, (cache, last_hidden), (jnp.arange(n_chunks), pieces)
     )  # features: [n_chunks, batch, chunk, Lf * H]
-    features = features.swapaxes(0, 1).reshape(batch, n_chunks * chunk, -1)[:, :P]
-    return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
+    return last_hidden, features.swapaxes(0, 1).reshape(batch, n_chunks * chunk, -1)[:, :P], cache

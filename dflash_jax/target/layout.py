@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -11,7 +12,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..errors import ConfigError
 from ..placement import auto_mesh
 from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
-from .config import DecoderConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,20 @@ class Layout:
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape[0]))
 
 
-def make_layout(config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
+class Splits(Protocol):
+    """The sizes a layout splits over the tensor axis (`DecoderConfig`, `Qwen3_5Config`)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+
+
+def make_layout(config: Splits, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
     """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
     mesh = auto_mesh(mesh)
     axis = tensor_axis if tensor_axis in mesh.axis_names else None

@@ -8,8 +8,13 @@ from typing import Unpack
 import jax
 import jax.numpy as jnp
 
-from ..hub import HubOptions
+from ..errors import ConfigError
+from ..hub import HubOptions, resolve
+from .config import ARCHITECTURES, read_config_json
 from .dense import DecoderTarget
+from .qwen3_5 import Qwen3_5Target
+from .qwen3_5_config import ARCHITECTURES as QWEN3_5_ARCHITECTURES
+from .qwen3_5_config import MOE_ARCHITECTURES
 
 
 def load_target(
@@ -20,10 +25,21 @@ def load_target(
     tensor_axis: str = "model",
     progress: bool | None = None,
     **hub: Unpack[HubOptions],
-) -> DecoderTarget:
-    """Load the target config.json's `architectures` names (`ARCHITECTURES`: Qwen3ForCausalLM, LlamaForCausalLM)
-    from a directory or a hub id, sharded over `mesh`, as `DecoderTarget.from_pretrained` says; another
-    architecture is a `ConfigError`."""
-    return DecoderTarget.from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis,
-                                         **hub)
-
+) -> DecoderTarget | Qwen3_5Target:
+    """Load the target config.json's `architectures` names from a directory or a hub id, sharded over `mesh`, as
+    the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM, `Qwen3_5Target`
+    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration; another architecture (the Qwen3.5 MoE ones
+    included, for now) is a `ConfigError`."""
+    path = resolve(path, **hub)
+    file, raw = read_config_json(path)
+    names = raw.get("architectures")
+    names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+    kinds: list[type[DecoderTarget] | type[Qwen3_5Target]] = [
+        Qwen3_5Target if a in QWEN3_5_ARCHITECTURES + MOE_ARCHITECTURES else DecoderTarget
+        for a in names if a in (*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES)]
+    if not kinds:
+        raise ConfigError(
+            f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
+            f"{', '.join((*ARCHITECTURES, *QWEN3_5_ARCHITECTURES))}"
+        )
+    return kinds[0].from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)

@@ -1,0 +1,524 @@
+"""The Qwen3.5 / 3.6 hybrid text target: Gated DeltaNet linear attention on most layers, gated full attention on
+every `full_attention_interval`-th, a dense SwiGLU MLP on all (transformers 5.24.0 `models/qwen3_5/
+modeling_qwen3_5.py`; the config in `target.qwen3_5_config`). The MoE variant is refused by name.
+
+Per layer, pre-norm (`x += mixer(norm(x))`, `x += mlp(norm(x))`); every RMSNorm but the delta-net's output norm is
+zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
+
+- Gated attention: `q_proj` gives per head `[query | gate]` (2 d_h); per-head (1 + w) q/k norms; RoPE on the first
+  `partial_rotary_factor * d_h` dimensions of each head only; GQA over the KV cache as the dense target
+  (`dense._attention`); the output times `sigmoid(gate)`, then `o_proj`.
+- Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks", arXiv:2412.06464): `in_proj_qkv` then a
+  depthwise causal conv1d of `linear_conv_kernel_dim` taps (state: the last K - 1 inputs) and SiLU, split into
+  q, k (l2-normed, q scaled by d_k^-1/2; each key head serves n_v / n_k value heads) and v;
+  `beta = sigmoid(in_proj_b x)`, decay `g = -exp(A_log) softplus(in_proj_a x + dt_bias)`; per value head a float32
+  state `S [d_k, d_v]`: `S <- exp(g) S; S += k (beta (v - k^T S))^T; o = q^T S`; then the gated RMSNorm
+  `w * x_hat * silu(z)` (z = `in_proj_z x`) and `out_proj`. Prefill runs the chunked form (the WY / UT transform
+  within `delta_chunk` rows, the state carried across), a verify block the recurrent form row by row.
+
+Cache (`HybridCache`): full-attention layers a KV cache as the dense target's (slot t = position t, the loop's
+`lengths` say what is committed); delta-net layers the conv state and the recurrent state, which have no
+position and so must be committed explicitly: `__call__` returns a `PendingCache`, `commit(pending, kept)` the
+state after the first `kept[b]` new tokens.
+
+Pending cache (the choice): per delta-net layer the recurrent state before the block and after each of its S
+rows, `[batch, S + 1, n_v, d_k, d_v]` float32, and the conv window `[batch, K - 1 + S, conv_dim]`; commit picks
+row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state. At Qwen3.5-27B's shapes (48 delta-net
+layers; 48 value heads, d_k = d_v = 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in all, so
+a 16-token verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives, both keeping only
+the state before the block plus per row `S x (d_k + d_v + 2)` numbers per head (1/64 of the states here):
+snapshot + replay (the rows' k, v, g, beta; `commit` reruns the first `kept` recurrent steps: S more steps per
+layer per verify), or a tape (each row's rank-1 update `k_t delta_t^T` and decay; `commit` sums the kept ones,
+`S_k = exp(G_k) S_0 + sum_{t<k} exp(G_k - G_t) k_t delta_t^T`, one masked `[d_k, S] x [S, d_v]` product per head).
+The states are kept because `commit` is then a gather of the very arrays the verify produced; the tape is the
+way out when batch x S makes them too large.
+
+Tensor parallelism: attention heads, the MLP and the vocabulary split over the tensor axis as the dense target's
+`Layout` says (the other mesh axes split the batch). In the delta-net layers the value heads split too:
+`in_proj_z` / `in_proj_b` / `in_proj_a` / `dt_bias` / `A_log` by output, `out_proj` by input (an all-reduce
+after it, as after `o_proj`), the recurrence and its state (and a verify's pending states) by head, so
+`linear_num_value_heads` must divide by the tensor axis. `in_proj_qkv` and `conv1d` (and the conv state) stay
+replicated: they pack the q, k, v channels of all heads one block after the other, so a contiguous split of
+their rows does not give a device whole heads, and the plan/placement machinery reads one contiguous shard per
+tensor (splitting them would need re-packing three row ranges per device at load); each device computes the
+full projection and convolution and keeps its heads' part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any, Unpack
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention import span_capacity
+from ..errors import ConfigError
+from ..hub import HubOptions, resolve
+from ..model import Rope, apply_rope, linear, lm_logits, rms_norm, rope_tables
+from ..placement import place_all
+from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..safetensors import Checkpoint
+from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
+from . import PREFILL_CHUNK, TargetOutput
+from .config import read_config_json
+from .delta_rule import chunked_delta_rule, l2_normed, recurrent_delta_rule
+from .dense import _attention, _check_layer_ids, prefill_chunks
+from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
+from .qwen3_5_config import FULL_ATTENTION, Qwen3_5Config, parse_qwen3_5_config
+
+log = logging.getLogger("dflash_jax")
+
+Params = dict[str, Any]
+DELTA_CHUNK = 64  # rows of the chunked gated delta rule (transformers' and flash-linear-attention's default)
+MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
+CONV_AXES = (BATCH, None, None)  # [batch, K - 1, conv_dim]: replicated on the tensor axis
+STATE_AXES = (BATCH, HEADS, None, None)  # [batch, n_v, d_k, d_v]: split by value head
+HEAD_ROWS = (BATCH, None, HEADS, None)  # [batch, S, n_v, d]: the delta rule's inputs, split by value head
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The parameters, declared once
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Offset:
+    """N(0, 0.1^2): the offsets `w` of a zero-centred RMSNorm `(1 + w) * x_hat`."""
+
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return 0.1 * jax.random.normal(key, shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogUniform:
+    """`A_log = log(U(0.01, 16))`, transformers' initialisation of the delta-net decay rates."""
+
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        return np.log(rng.uniform(0.01, 16, shape)).astype(np.float32)
+
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jnp.log(jax.random.uniform(key, shape, dtype, 0.01, 16))
+
+
+def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
+    """The tensors of a `qwen3_5_text` checkpoint of `c` (HF names, `model.` root; `{i}`: a layer; `self_attn.`
+    ones exist on full-attention layers only, `linear_attn.` ones on delta-net layers only, `plan_qwen3_5`).
+
+    Axes as the dense target's: q (with its gate) / k / v and gate / up split by output, o and down by input,
+    embedding and LM head by the vocabulary; the delta-net's per-value-head tensors split by head, its packed
+    q/k/v projection and conv replicated, and the norms replicated (module docstring).
+    """
+    H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim, n_v = c.num_attention_heads * d_h, c.num_key_value_heads * d_h, c.linear_num_value_heads
+    offset = Offset()
+    layer, attn, delta, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.linear_attn.", \
+        "model.layers.{i}.mlp."
+    specs = [ParamSpec("model.embed_tokens.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)),
+             ParamSpec("model.norm.weight", (H,), NORM, (EMBED,), offset)]
+    if not c.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)))
+    specs += [
+        ParamSpec(layer + "input_layernorm.weight", (H,), NORM, (EMBED,), offset),
+        ParamSpec(layer + "post_attention_layernorm.weight", (H,), NORM, (EMBED,), offset),
+        ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
+        ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP)),
+        ParamSpec(attn + "q_proj.weight", (2 * q_dim, H), axes=(HEADS, EMBED)),  # per head [query | gate]
+        ParamSpec(attn + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
+        ParamSpec(attn + "o_proj.weight", (H, q_dim), axes=(EMBED, HEADS)),
+        ParamSpec(attn + "q_norm.weight", (d_h,), NORM, (None,), offset),
+        ParamSpec(attn + "k_norm.weight", (d_h,), NORM, (None,), offset),
+    ]
+    if c.attention_bias:
+        specs += [ParamSpec(attn + "q_proj.bias", (2 * q_dim,), axes=(HEADS,), init=Bias()),
+                  ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
+                  ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
+                  ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), init=Bias())]
+    return specs + [
+        ParamSpec(delta + "in_proj_qkv.weight", (c.conv_dim, H), axes=(None, EMBED)),  # [q | k | v], all heads
+        ParamSpec(delta + "in_proj_z.weight", (c.value_dim, H), axes=(HEADS, EMBED)),
+        ParamSpec(delta + "in_proj_b.weight", (n_v, H), axes=(HEADS, EMBED)),
+        ParamSpec(delta + "in_proj_a.weight", (n_v, H), axes=(HEADS, EMBED)),
+        ParamSpec(delta + "conv1d.weight", (c.conv_dim, 1, c.linear_conv_kernel_dim), axes=(None, None, None)),
+        ParamSpec(delta + "dt_bias", (n_v,), axes=(HEADS,), init=Gain()),
+        ParamSpec(delta + "A_log", (n_v,), axes=(HEADS,), init=LogUniform()),
+        ParamSpec(delta + "norm.weight", (c.linear_value_head_dim,), NORM, (None,), Gain()),  # plain w * x_hat
+        ParamSpec(delta + "out_proj.weight", (H, c.value_dim), axes=(EMBED, HEADS)),
+    ]
+
+
+def plan_qwen3_5(config: Qwen3_5Config, prefix: str = "model.") -> list[TensorPlan]:
+    """Every tensor a checkpoint of `config` holds, layer by layer, each layer's mixer as its type says; stored
+    under `prefix` instead of `model.` (`MULTIMODAL_PREFIX` in a multimodal checkpoint), tree paths `model.`-less."""
+    specs, plan = parameter_spec(config), []
+    for s in specs:
+        if "{i}" not in s.name:
+            plan.append(planned(s, _stored(s.name, prefix), root="model."))
+    for i, kind in enumerate(config.layer_types):
+        skip = ".linear_attn." if kind == FULL_ATTENTION else ".self_attn."
+        for s in specs:
+            if "{i}" in s.name and skip not in s.name:
+                s = s._replace(name=s.name.format(i=i))
+                plan.append(planned(s, _stored(s.name, prefix), root="model."))
+    return plan
+
+
+def _stored(name: str, prefix: str) -> str:
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Caches
+# --------------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """The committed cache: per full-attention layer `k`, `v` `[batch, n_kv, T, d_h]` (slot t = position t); per
+    delta-net layer `conv` `[batch, K - 1, conv_dim]` (the conv's last K - 1 inputs, params dtype) and `state`
+    `[batch, n_v, d_k, d_v]` float32. Layers in model order within each tuple."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    state: tuple[jax.Array, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingCache:
+    """A cache after `__call__` over S new tokens, before `commit`: `k`, `v` with all S rows written; per
+    delta-net layer `conv` `[batch, K - 1 + S, conv_dim]` (the committed conv state, then the S rows' inputs)
+    and `state` `[batch, S + 1, n_v, d_k, d_v]` (the committed state, then the state after each new row)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+    state: tuple[jax.Array, ...]
+
+
+def _conv_state(window: jax.Array, kept: jax.Array, taps: int) -> jax.Array:
+    """The conv state after the first `kept[b]` rows of `window [batch, K - 1 + S, C]`: rows kept .. kept + K - 2."""
+    rows = kept[:, None] + jnp.arange(taps - 1)  # [batch, K - 1]
+    return jnp.take_along_axis(window, rows[:, :, None], axis=1)
+
+
+@jax.jit
+def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
+    """The committed cache after keeping the first `kept [batch]` (0..S) of a `__call__`'s S new tokens: each
+    delta-net layer's conv state and recurrent state after exactly those rows (0: the state before the call);
+    the K/V are passed through (the loop's lengths trim them). Shapes do not depend on S."""
+    kept = kept.astype(jnp.int32)
+    conv = tuple(_conv_state(w, kept, w.shape[1] - s.shape[1] + 2) for w, s in zip(pending.conv, pending.state))
+    state = tuple(jnp.take_along_axis(s, kept[:, None, None, None, None], axis=1)[:, 0] for s in pending.state)
+    return HybridCache(pending.k, pending.v, conv, state)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Target:
+    """A Qwen3.5 / 3.6 dense hybrid text model (module docstring). A pytree (params as leaves; config and layout
+    static). Implements `Target`, with the delta-net state committed by `commit`.
+
+    `params`: HF names with `model.` (or `model.language_model.`) stripped; `params["layers"][i]` holds
+    `self_attn` (full attention) or `linear_attn` (Gated DeltaNet), `mlp` and the two norms.
+    """
+
+    params: Params
+    config: Qwen3_5Config = dataclasses.field(metadata=dict(static=True))
+    layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        dtype: jnp.dtype = jnp.bfloat16,
+        progress: bool | None = None,
+        tensor_axis: str = "model",
+        **hub: Unpack[HubOptions],
+    ) -> Qwen3_5Target:
+        """Load a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration` directory (or hub id) as
+        `DecoderTarget.from_pretrained` loads a dense one: the text model only (`model.language_model.*` in a
+        multimodal checkpoint; `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and
+        shape checked before anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded
+        over `mesh` as the module docstring says."""
+        path = resolve(path, **hub)
+        file, raw = read_config_json(path)
+        config = parse_qwen3_5_config(raw, source=file)
+        layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
+        with Checkpoint(path) as checkpoint:
+            prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in checkpoint else "model."
+            plan = plan_qwen3_5(config, prefix)
+            check_tensors(plan, checkpoint, path)
+            shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
+            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
+                               shardings=shardings)
+        log.info("%s: qwen3_5 target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
+                 path, config.num_hidden_layers, config.layer_types.count(FULL_ATTENTION), config.hidden_size,
+                 config.vocab_size, 1 if layout is None else layout.tensor_size)
+        return cls(params=params_tree(plan, leaves), config=config, layout=layout)
+
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> Qwen3_5Target:
+        """This target moved onto `mesh` with the layout `from_pretrained` gives (for targets built in memory)."""
+        layout = _layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
+        plan = plan_qwen3_5(self.config)
+        where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
+        return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def embed(self) -> jax.Array:
+        """The input embedding `[V, H]` (HF layout), for `drafter.attach`."""
+        return self.params["embed_tokens"]["weight"]
+
+    @property
+    def lm_head(self) -> jax.Array:
+        """The LM head `[V, H]` (the embedding when tied)."""
+        own = self.params.get("lm_head")
+        return self.embed if own is None else own["weight"]
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def init_cache(self, batch_size: int, max_length: int) -> HybridCache:
+        """An empty cache for `batch_size` sequences of up to `max_length` positions: K/V as the dense target's
+        (`attention.span_capacity` slots, params dtype), conv states in the params' dtype, float32 states (zero:
+        transformers' initial state); on a mesh split as the module docstring says."""
+        c, dtype = self.config, self.embed.dtype
+        kinds = c.layer_types
+        n_full = kinds.count(FULL_ATTENTION)
+        n_delta = len(kinds) - n_full
+
+        def zeros(shape, dtype, axes, n):
+            where = None if self.layout is None else self.layout.sharding(axes, batch_size)
+            return tuple(jnp.zeros(shape, dtype, device=where) for _ in range(n))
+
+        kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        conv = (batch_size, c.linear_conv_kernel_dim - 1, c.conv_dim)
+        state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        return HybridCache(zeros(kv, dtype, CACHE_AXES, n_full), zeros(kv, dtype, CACHE_AXES, n_full),
+                           zeros(conv, dtype, CONV_AXES, n_delta), zeros(state, jnp.float32, STATE_AXES, n_delta))
+
+    def __call__(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *,
+                 layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """Run `tokens [batch, S]` at positions `lengths .. lengths + S - 1` after the committed `cache`.
+
+        Returns float32 logits `[batch, S, V]`, the features at `layer_ids` `[batch, S, Lf * H]` and a
+        `PendingCache` (K/V written for all S rows; per delta-net layer the state after each row), to be
+        committed with `commit(pending, kept)` before the next call. `lengths + S <= T`.
+        """
+        return _forward(self, tokens, cache, lengths, tuple(layer_ids))
+
+    def commit(self, pending: PendingCache, kept: jax.Array) -> HybridCache:
+        """The committed cache after keeping the first `kept [batch]` (0..S) new tokens of the last `__call__`:
+        exactly the cache of running only those tokens (`commit`)."""
+        return commit(pending, kept)
+
+    def prefill(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
+                chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK) -> TargetOutput:
+        """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
+        tokens at a time through every layer (attention chunked as the dense target's; the delta rule chunked
+        by `delta_chunk` rows within, its state carried across; padding rows leave the states untouched).
+        Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
+        `[batch, V]` float32, and the committed cache after each prompt's real tokens.
+        """
+        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
+
+
+def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
+    """`layout.make_layout`, plus the delta-net's value heads, which split over the tensor axis too."""
+    layout = make_layout(config, mesh, tensor_axis, source)
+    if config.linear_num_value_heads % layout.tensor_size:
+        raise ConfigError(
+            f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
+            f"linear_num_value_heads={config.linear_num_value_heads}; expected a tensor-parallel size dividing the "
+            "delta-net value heads too"
+        )
+    return layout
+
+
+def params_tree(plan: list[TensorPlan], leaves: list[Any]) -> Params:
+    params = build_tree(plan, leaves)
+    params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
+    return params
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The forward's pieces
+# --------------------------------------------------------------------------------------------------------------
+
+
+def centred_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3.5's RMSNorm: `(1 + w) * x_hat`, normalised and scaled in float32, then cast to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _partial_rope(x: jax.Array, rope: Rope) -> jax.Array:
+    """RoPE on the first rotary dimensions of each head of `x [batch, S, heads, d_h]`; the rest pass through."""
+    rot = rope.cos.shape[-1]
+    return jnp.concatenate([apply_rope(x[..., :rot], rope), x[..., rot:]], axis=-1)
+
+
+def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope, past_k: jax.Array,
+                     past_v: jax.Array, positions: jax.Array, start: jax.Array):
+    """One full-attention layer's mixer over `xn [batch, S, H]`: `(out [batch, S, H], past_k, past_v)` with the
+    new rows' K/V written at `positions` (`dense._attention`: the cache's `[0, start)` and causal new rows)."""
+    c = target.config
+    batch, S, _ = xn.shape
+    n_h, n_kv, d_h, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+    q, gate = jnp.split(linear(xn, p["q_proj"]).reshape(batch, S, n_h, 2 * d_h), 2, axis=-1)  # [batch, S, n_h, d_h]
+    q = _partial_rope(centred_norm(q, p["q_norm"]["weight"], eps), rope)
+    k = _partial_rope(centred_norm(linear(xn, p["k_proj"]).reshape(batch, S, n_kv, d_h), p["k_norm"]["weight"], eps),
+                      rope)
+    v = linear(xn, p["v_proj"]).reshape(batch, S, n_kv, d_h)
+    out, past_k, past_v = _attention(target.layout, n_h, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                                     past_k, past_v, positions, start, False)
+    out = out.reshape(batch, S, n_h * d_h) * jax.nn.sigmoid(gate.reshape(batch, S, n_h * d_h))
+    return linear(out, p["o_proj"]), past_k, past_v
+
+
+def _delta_inputs(c: Qwen3_5Config, p: Params, xn: jax.Array, conv_state: jax.Array):
+    """The delta rule's inputs for `xn [batch, S, H]` after the conv state `[batch, K - 1, conv_dim]`:
+    `(q, k [batch, S, n_v, d_k], v [batch, S, n_v, d_v], g, beta [batch, S, n_v], z [batch, S, n_v, d_v],
+    window [batch, K - 1 + S, conv_dim])`, all float32 but z and window (xn's dtype)."""
+    batch, S, _ = xn.shape
+    n_k, n_v, d_k, d_v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
+        c.linear_value_head_dim
+    window = jnp.concatenate([conv_state.astype(xn.dtype), linear(xn, p["in_proj_qkv"])], axis=1)
+    w = p["conv1d"]["weight"][:, 0].astype(jnp.float32)  # [conv_dim, K]; tap K - 1 multiplies the row itself
+    taps = w.shape[-1]
+    mixed = sum(window[:, j:j + S].astype(jnp.float32) * w[:, j] for j in range(taps))  # [batch, S, conv_dim]
+    mixed = jax.nn.silu(mixed).astype(xn.dtype).astype(jnp.float32)  # transformers rounds the conv's output
+    q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
+    group = n_v // n_k  # each key head serves `group` consecutive value heads
+    q = jnp.repeat(l2_normed(q.reshape(batch, S, n_k, d_k)), group, axis=2) * d_k**-0.5
+    k = jnp.repeat(l2_normed(k.reshape(batch, S, n_k, d_k)), group, axis=2)
+    beta = jax.nn.sigmoid(linear(xn, p["in_proj_b"]).astype(jnp.float32))
+    a = linear(xn, p["in_proj_a"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)  # log decay, <= 0
+    z = linear(xn, p["in_proj_z"]).reshape(batch, S, n_v, d_v)
+    return q, k, v.reshape(batch, S, n_v, d_v), g, beta, z, window
+
+
+def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.Array, state: jax.Array,
+               valid: jax.Array | None, delta_chunk: int):
+    """One delta-net layer's mixer over `xn [batch, S, H]`: `(out [batch, S, H], conv, state)`.
+
+    `valid` None (a verify block): the recurrent form; returns the pending window `[batch, K - 1 + S, conv_dim]`
+    and the states before and after each row `[batch, S + 1, n_v, d_k, d_v]`. Else (prefill, `valid
+    [batch, S]` the real rows, a prefix of each sequence's): the chunked form with padding rows masked
+    (beta = 0, decay 1); returns the committed conv state after the real rows and the final state.
+    """
+    c = target.config
+    batch, S, _ = xn.shape
+    q, k, v, g, beta, z, window = _delta_inputs(c, p, xn, conv_state)
+    layout = target.layout
+    if layout is not None:  # each device runs its value heads (taken from the replicated q/k/v projection)
+        q, k, v, z = (layout.constrain(x, HEAD_ROWS) for x in (q, k, v, z))
+        g, beta = (layout.constrain(x, HEAD_ROWS[:3]) for x in (g, beta))
+    if valid is None:
+        out, states = recurrent_delta_rule(q, k, v, g, beta, state)
+        conv, state = window, jnp.concatenate([state[:, None], states], axis=1)
+        if layout is not None:
+            state = layout.constrain(state, (BATCH, None, *STATE_AXES[1:]))  # [batch, S + 1, n_v, d_k, d_v]
+    else:
+        g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+        out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
+        conv = _conv_state(window, jnp.sum(valid, axis=1, dtype=jnp.int32), c.linear_conv_kernel_dim)
+        if layout is not None:
+            state = layout.constrain(state, STATE_AXES)
+    out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated RMSNorm: w * x_hat * silu(z)
+    out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
+    return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state
+
+
+def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start: jax.Array,
+            layer_ids: tuple[int, ...], valid: jax.Array | None, delta_chunk: int = DELTA_CHUNK):
+    """All layers over `tokens [batch, S]` at positions `start[b] ..`: `(hidden [batch, S, H], features, cache)`,
+    the cache pending (`valid` None) or committed (prefill; `valid [batch, S]` the real rows), `_delta_net`."""
+    params, c, layout = target.params, target.config, target.layout
+    N, eps = c.num_hidden_layers, c.rms_norm_eps
+    batch, S = tokens.shape
+    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
+    rope = rope_tables(c.rotary, positions)  # cos/sin [batch, S, rotary dims]
+    x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
+    keys, values, convs, states = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
+    by_id: dict[int, jax.Array] = {}
+    a = d = 0  # the next attention / delta-net layer's cache entry
+    for i, p in enumerate(params["layers"]):
+        xn = centred_norm(x, p["input_layernorm"]["weight"], eps)
+        if "self_attn" in p:
+            out, keys[a], values[a] = _gated_attention(target, p["self_attn"], xn, rope, keys[a], values[a],
+                                                       positions, start)
+            a += 1
+        else:
+            out, convs[d], states[d] = _delta_net(target, p["linear_attn"], xn, convs[d], states[d], valid,
+                                                  delta_chunk)
+            d += 1
+        x = x + out
+        h, mlp = centred_norm(x, p["post_attention_layernorm"]["weight"], eps), p["mlp"]
+        x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+        if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
+            x = layout.constrain(x, ROWS_AXES)
+        if i in layer_ids and i < N - 1:
+            by_id[i] = x
+    hidden = centred_norm(x, params["norm"]["weight"], eps)
+    by_id |= {-1: x0, N - 1: hidden}
+    features = jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0),
+                                                                                                     x0.dtype)
+    kind = HybridCache if valid is not None else PendingCache
+    return hidden, features, kind(tuple(keys), tuple(values), tuple(convs), tuple(states))
+
+
+@functools.partial(jax.jit, static_argnames=("layer_ids",))
+def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
+             layer_ids: tuple[int, ...]) -> TargetOutput:
+    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None)
+    return TargetOutput(lm_logits(hidden, target.lm_head), features, pending)
+
+
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"))
+def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
+             layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
+    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    lengths = lengths.astype(jnp.int32)
+
+    def run(piece, cache, start):
+        valid = start[:, None] + jnp.arange(piece.shape[1]) < lengths[:, None]  # [batch, chunk]
+        return _layers(target, piece, cache, start, layer_ids, valid, delta_chunk)
+
+    zeros = jnp.zeros((tokens.shape[0], target.config.hidden_size), target.embed.dtype)
+    last_hidden, features, cache = prefill_chunks(run, tokens, cache, lengths, chunk, zeros)
+    return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)

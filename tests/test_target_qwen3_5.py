@@ -1,0 +1,240 @@
+"""The Qwen3.5 hybrid target (`target.qwen3_5`): parity with transformers, chunked prefill, verify + commit.
+
+Reference: `tests/data/qwen3_5/` (made by `make_reference.py` with transformers 5.24.0, float32, eager attention):
+a tiny random `Qwen3_5ForCausalLM` (3 Gated DeltaNet layers + 1 gated attention layer) and, for 48 tokens, its
+logits and hidden states of one uncached forward. Everything here runs in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import msgspec
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax import CheckpointError, ConfigError, load_target
+from dflash_jax.safetensors import Checkpoint, write_tensors
+from dflash_jax.target.qwen3_5 import HybridCache, Qwen3_5Target
+from dflash_jax.target.qwen3_5_config import parse_qwen3_5_config
+from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5, write_qwen3_5_checkpoint
+
+from .conftest import DATA
+
+REFERENCE = f"{DATA}/qwen3_5"
+PROMPT = 40  # prompt rows of the reference's 48 tokens
+CHUNK, DELTA_CHUNK = 16, 8  # prefill chunks of 16 rows (40 = 16 + 16 + 8), the delta rule's of 8 within
+LAYER_IDS = (-1, 0, 2, 3)  # the embedding, two delta-net layers' outputs, the last layer after the final norm
+MORE = [7, 99, 3, 64, 12]  # tokens after the reference's 48, for the verify blocks
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with Checkpoint(f"{REFERENCE}/reference.safetensors") as c:
+        arrays = {name: c.array(name) for name in c}
+    tokens = np.concatenate([arrays["tokens"][0], MORE]).astype(np.int32)
+    target = Qwen3_5Target.from_pretrained(REFERENCE, dtype=jnp.float32)
+    return target, tokens, arrays
+
+
+@pytest.fixture(scope="module")
+def decoded(ref):
+    """The prompt prefilled in chunks, then every further token decoded alone (`__call__` + `commit(kept=1)`):
+    per step its logits `[V]` and the committed cache before it."""
+    target, tokens, _ = ref
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(jnp.asarray(tokens[None, :PROMPT]), target.init_cache(1, 64), jnp.array([PROMPT]),
+                             layer_ids=LAYER_IDS, chunk=CHUNK, delta_chunk=DELTA_CHUNK)
+        caches, logits = [out.cache], []
+        for t in range(PROMPT, len(tokens)):
+            step = target(jnp.asarray(tokens[None, t:t + 1]), caches[-1], jnp.array([t]))
+            logits.append(np.asarray(step.logits[0, 0]))
+            caches.append(target.commit(step.cache, jnp.array([1])))
+    return out, caches, np.stack(logits)
+
+
+def test_parity_with_transformers(ref):
+    """One prefill chunk over all 48 tokens: features at LAYER_IDS and the last logits, against transformers."""
+    target, tokens, arrays = ref
+    n = len(arrays["tokens"][0])
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(jnp.asarray(tokens[None, :n]), target.init_cache(1, 64), jnp.array([n]),
+                             layer_ids=LAYER_IDS, chunk=64, delta_chunk=DELTA_CHUNK)
+    features = np.asarray(out.features).reshape(1, n, len(LAYER_IDS), -1)
+    for j, layer in enumerate(LAYER_IDS):
+        # measured: 0 (embedding), 8.6e-6, 8.4e-5, 6.4e-5 (|hidden| <= 5; errors grow through the layers). The
+        # delta rule in chunks of 8 rows; in one chunk of 48 the deepest error is 4.4e-4 (`target.delta_rule`)
+        np.testing.assert_allclose(features[:, :, j], arrays["hidden_states"][layer + 1], atol=2e-4, rtol=0)
+    # measured 3.3e-6 (|logits| <= 3.6)
+    np.testing.assert_allclose(np.asarray(out.logits), arrays["logits"][:, n - 1], atol=2e-5, rtol=0)
+
+
+def test_chunked_prefill_then_decode_equals_one_forward(ref, decoded):
+    """The prompt in chunks of 16 (40 = 16 + 16 + 8), then token by token: the logits of transformers' one
+    forward over all 48, and its hidden states for the prompt rows."""
+    _, _, arrays = ref
+    out, _, logits = decoded
+    n = len(arrays["tokens"][0])
+    # measured 1.8e-5 (prefill), 3.6e-5 (decode; transformers' own decode against its forward: 3.2e-5)
+    np.testing.assert_allclose(np.asarray(out.logits), arrays["logits"][:, PROMPT - 1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[:n - PROMPT], arrays["logits"][0, PROMPT:], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(logits[:n - PROMPT], arrays["decode_logits"][0], atol=1e-4, rtol=0)
+    features = np.asarray(out.features).reshape(1, PROMPT, len(LAYER_IDS), -1)
+    for j, layer in enumerate(LAYER_IDS):  # measured 8.4e-5 at most
+        np.testing.assert_allclose(features[:, :, j], arrays["hidden_states"][layer + 1][:, :PROMPT], atol=2e-4,
+                                   rtol=0)
+
+
+def _assert_caches_close(a: HybridCache, b: HybridCache, length: int, atol: float) -> None:
+    """Conv and recurrent states, and the K/V of the first `length` slots, within `atol` (0: bit for bit)."""
+    pairs = list(zip(a.conv + a.state, b.conv + b.state))
+    pairs += [(x[:, :, :length], y[:, :, :length]) for x, y in zip(a.k + a.v, b.k + b.v)]
+    for x, y in pairs:
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("start", [PROMPT, 46], ids=["after-prompt", "straddling-48"])
+def test_verify_then_commit_equals_decoding_the_kept_tokens(ref, decoded, start):
+    """A block of S = 4 tokens verified at once, then `commit(kept=k)` for every k in 0..S: the cache (conv and
+    recurrent states, committed K/V) and the next token's logits are those of decoding the k tokens alone, and
+    the rejected rows leave no trace (a block with other tokens after row k commits bit for bit the same
+    cache). One block follows the chunked prompt, one straddles the prefill's chunk grid (positions 46..49)."""
+    target, tokens, _ = ref
+    _, caches, logits = decoded
+    S, i = 4, start - PROMPT  # caches[i]: committed before position `start`
+    with jax.default_matmul_precision("float32"):
+        block = target(jnp.asarray(tokens[None, start:start + S]), caches[i], jnp.array([start]))
+        # The block's rows are the decoded ones up to rounding: a [1, 4, H] product sums in another order than a
+        # [1, 1, H] one, and the layers carry it (measured: 2.8e-5 on the block's logits, 1.1e-5 on the next
+        # token's, 3.1e-5 on the committed caches (layer 3's keys); 0 between the two blocks).
+        np.testing.assert_allclose(np.asarray(block.logits[0]), logits[i:i + S], atol=1e-4, rtol=0)
+        for kept in range(S + 1):
+            committed = target.commit(block.cache, jnp.array([kept]))
+            _assert_caches_close(committed, caches[i + kept], start + kept, atol=1e-4)
+            other = np.where(np.arange(S) < kept, tokens[start:start + S], (tokens[start:start + S] + 1) % 128)
+            rejected = target(jnp.asarray(other[None]), caches[i], jnp.array([start]))
+            _assert_caches_close(target.commit(rejected.cache, jnp.array([kept])), committed, start + kept, atol=0)
+            nxt = target(jnp.asarray(tokens[None, start + kept:start + kept + 1]), committed, jnp.array([start + kept]))
+            np.testing.assert_allclose(np.asarray(nxt.logits[0, 0]), logits[i + kept], atol=1e-4, rtol=0)
+
+
+def test_ragged_batch(ref):
+    """Two prompts of 40 and 27 tokens, right-padded (with token 0) in one batch: each prompt's last logits and
+    the next decoded token's are transformers' (the padding rows never touch the delta-net states)."""
+    target, tokens, arrays = ref
+    lengths = np.array([PROMPT, 27])
+    prompts = np.stack([tokens[:PROMPT], np.where(np.arange(PROMPT) < 27, tokens[:PROMPT], 0)])
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(jnp.asarray(prompts), target.init_cache(2, 64), jnp.asarray(lengths), chunk=CHUNK,
+                             delta_chunk=DELTA_CHUNK)
+        step = target(jnp.asarray(tokens[lengths][:, None]), out.cache, jnp.asarray(lengths))
+    expected = arrays["logits"][0]
+    # measured 3.6e-5
+    np.testing.assert_allclose(np.asarray(out.logits), expected[lengths - 1], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(step.logits[:, 0]), expected[lengths], atol=1e-4, rtol=0)
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    """On a (2, 4) mesh of ("data", "model") (8 heads over 4 devices, the 2 KV heads replicated, the delta-net's
+    4 value heads split) `load_target` gives the single-device prefill, verify logits and committed states."""
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-tp", seed=3, dtype="float32")
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    prompts, lengths = jnp.array([[5, 17, 99, 3, 8, 1, 4], [120, 4, 9, 0, 0, 0, 0]]), jnp.array([7, 3])
+    results = []
+    for where in (None, mesh):
+        target = load_target(tmp_path, mesh=where, dtype=jnp.float32)
+        assert isinstance(target, Qwen3_5Target)
+        with jax.default_matmul_precision("float32"):
+            out = target.prefill(prompts, target.init_cache(2, 16), lengths, layer_ids=(1, 3), chunk=4)
+            block = target(jnp.array([[7, 8, 9], [10, 11, 12]]), out.cache, lengths, layer_ids=(1, 3))
+            committed = target.commit(block.cache, jnp.array([2, 0]))
+        if where is not None:  # heads split over "model" (the delta-net's value heads too), the batch over "data"
+            layers = target.params["layers"]
+            assert layers[3]["self_attn"]["q_proj"]["weight"].sharding.spec == P("model", None)
+            assert layers[0]["linear_attn"]["in_proj_z"]["weight"].sharding.spec == P("model", None)
+            assert layers[0]["linear_attn"]["out_proj"]["weight"].sharding.spec == P(None, "model")
+            assert layers[0]["linear_attn"]["in_proj_qkv"]["weight"].sharding.spec == P(None, None)  # packed q|k|v
+            for state in committed.state + block.cache.state[:1]:  # the committed states, a verify's pending ones
+                split = P("data", "model") if state.ndim == 4 else P("data", None, "model")
+                assert state.sharding.is_equivalent_to(NamedSharding(mesh, split), state.ndim)
+        results.append([out.logits, out.features, block.logits, block.features, *committed.state, *committed.conv])
+    assert results[1][0].sharding.mesh.shape == mesh.shape  # computed on the mesh
+    # The tensor-parallel sums (o_proj, down_proj) add in another order: 1e-6 after layer 0, growing through the
+    # layers to 4.2e-5 measured (|values| <= 5); a data-only mesh (8, 1) is bit for bit.
+    for a, b in zip(*results):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
+
+
+def test_a_tensor_axis_not_dividing_the_value_heads_is_refused():
+    target = random_qwen3_5("tiny-qwen3_5-tp", dtype=jnp.float32)  # 8 attention heads, 4 delta-net value heads
+    with pytest.raises(ConfigError, match="does not divide linear_num_value_heads=4"):
+        target.shard(jax.make_mesh((1, 8), ("data", "model")))
+
+
+def test_multimodal_checkpoint_loads_the_text_model(tmp_path):
+    """A `Qwen3_5ForConditionalGeneration` checkpoint: its `model.language_model.*` tensors are the text
+    model's (the same draws as the text checkpoint), `model.visual.*` and `mtp.*` are skipped."""
+    write_qwen3_5_checkpoint(tmp_path / "vl", "tiny-qwen3_5-vl", seed=1, dtype="float32")
+    write_qwen3_5_checkpoint(tmp_path / "text", "tiny-qwen3_5", seed=1, dtype="float32")
+    with Checkpoint(tmp_path / "vl") as c:
+        assert {"model.visual.patch_embed.proj.weight", "mtp.fc.weight"} <= set(c)
+    vl, text = load_target(tmp_path / "vl", dtype=jnp.float32), load_target(tmp_path / "text", dtype=jnp.float32)
+    assert msgspec.structs.replace(vl.config, architectures=text.config.architectures) == text.config
+    jax.tree.map(np.testing.assert_array_equal, vl.params, text.params)
+
+
+def test_random_bf16_target_verifies_and_commits():
+    """A random bf16 target (tied embeddings), the production dtype: a ragged prefill, a verify block of S = 3
+    and a commit; the pending cache holds S + 1 states and K - 1 + S conv rows, the committed one the shapes of
+    an empty cache (whatever S: a while_loop carry)."""
+    target = random_qwen3_5("tiny-qwen3_5-tied", dtype=jnp.bfloat16)
+    assert target.lm_head is target.embed and target.num_layers == 6 and target.hidden_size == 64
+    assert target.config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    empty = target.init_cache(2, 16)
+    out = target.prefill(jnp.array([[3, 4, 5, 6], [7, 8, 0, 0]]), empty, jnp.array([4, 2]), layer_ids=(1, 3))
+    block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(1, 3))
+    assert block.logits.shape == (2, 3, 128) and block.features.shape == (2, 3, 128)
+    assert block.cache.state[0].shape == (2, 4, 4, 16, 16) and block.cache.conv[0].shape == (2, 6, 128)
+    committed = target.commit(block.cache, jnp.array([3, 1]))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), committed) == jax.tree.map(lambda a: (a.shape, a.dtype), empty)
+    assert committed.state[0].dtype == jnp.float32 and committed.conv[0].dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(block.logits)).all()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"layer_types": ["linear_attention", "sliding_attention"] * 3}, r"layer_types\[1\] is 'sliding_attention'"),
+    ({"layer_types": ["full_attention"] * 5}, "layer_types has 5 entries for num_hidden_layers=6"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"linear_num_key_heads": 3}, "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3"),
+    ({"attn_output_gate": False}, "attn_output_gate"),
+    ({"model_type": "qwen3_5_moe_text", "num_experts": 8}, "MoE"),
+    ({"architectures": ["Qwen3_5MoeForCausalLM"]}, "MoE"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope type 'yarn'"),
+    ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor \(0.5\) disagrees"),
+    ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.1}}, "gives 1 rotary dimensions"),
+])
+def test_bad_configs_are_refused_by_field(change, field):
+    with pytest.raises(ConfigError, match=field):
+        parse_qwen3_5_config({**QWEN3_5_TINY_CONFIGS["tiny-qwen3_5"], **change}, source="cfg")
+
+
+def test_multimodal_moe_and_missing_text_config_are_refused():
+    vl = QWEN3_5_TINY_CONFIGS["tiny-qwen3_5-vl"]
+    with pytest.raises(ConfigError, match="MoE"):
+        parse_qwen3_5_config({**vl, "model_type": "qwen3_5_moe"})
+    with pytest.raises(ConfigError, match="text_config"):
+        parse_qwen3_5_config({k: v for k, v in vl.items() if k != "text_config"})
+
+
+def test_a_missing_delta_net_tensor_is_refused_by_name(tmp_path):
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", dtype="float32")
+    missing = "model.layers.4.linear_attn.A_log"
+    with Checkpoint(tmp_path) as c:
+        arrays = {name: np.array(c.array(name)) for name in c if name != missing}
+    (tmp_path / "model.safetensors").unlink()
+    write_tensors(tmp_path, arrays)
+    with pytest.raises(CheckpointError, match=f"missing tensor '{missing}'"):
+        Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
