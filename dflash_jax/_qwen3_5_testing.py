@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ._qwen3_testing import scaled_outputs, successor_heads
 from .safetensors import write_tensors
 from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, params_tree, plan_qwen3_5
 from .target.qwen3_5_config import Qwen3_5Config, parse_qwen3_5_config
@@ -96,3 +98,19 @@ def random_qwen3_5(config: Qwen3_5Config | dict[str, Any] | str = "tiny-qwen3_5"
     keys = jax.random.split(jax.random.key(seed), len(plan))
     return Qwen3_5Target(params=params_tree(plan, [t.init.device(k, t.shape, dtype) for k, t in zip(keys, plan)]),
                          config=config)
+
+
+def successor_qwen3_5(target: Qwen3_5Target, successor: np.ndarray, *, margin: float = 10.0,
+                      layer_scale: float = 0.5, seed: int = 0) -> Qwen3_5Target:
+    """The hybrid target rebuilt as `_qwen3_testing.successor_target` rebuilds a dense one: its greedy next token
+    is (nearly always) `successor[last token]`, every mixer's and MLP's output scaled by `layer_scale`. The final
+    norm is zero-centred here (`(1 + w) * x_hat`): a zero weight is its unit gain."""
+    c, dtype = target.config, target.embed.dtype
+    embed, lm_head = successor_heads(c.vocab_size, c.hidden_size, successor, margin, seed, dtype)
+    params = {
+        "embed_tokens": {"weight": embed},
+        "lm_head": {"weight": lm_head},
+        "norm": {"weight": jnp.zeros((c.hidden_size,), dtype)},
+        "layers": scaled_outputs(target.params["layers"], layer_scale),
+    }
+    return dataclasses.replace(target, params=params)  # an untied head: the `lm_head` leaf is read when present

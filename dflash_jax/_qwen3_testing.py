@@ -111,6 +111,29 @@ def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0,
     return (Qwen3Target if isinstance(config, Qwen3Config) else DecoderTarget)(params=params, config=config)
 
 
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "down_proj")  # what writes a mixer's or an MLP's output into the stream
+
+
+def scaled_outputs(layers: Any, scale: float) -> Any:
+    """The layers with every output projection (attention `o_proj`, delta-net `out_proj`, MLP and expert
+    `down_proj`) times `scale`: each layer adds `scale` times what it added before."""
+
+    def scaled(path, leaf):
+        names = {getattr(k, "key", None) for k in path}
+        return leaf * scale if names & set(OUTPUT_PROJECTIONS) else leaf
+
+    return jax.tree_util.tree_map_with_path(scaled, layers)
+
+
+def successor_heads(vocab: int, hidden: int, successor: np.ndarray, margin: float, seed: int, dtype):
+    """`(embed, lm_head)` `[V, H]` making `successor[t]` the LM head's choice for a residual stream `embed[t]`:
+    unit-RMS random embedding rows, LM-head row v `margin / H * embed[successor^-1[v]]` (`successor_target`)."""
+    embed = jax.random.normal(jax.random.key(seed), (vocab, hidden), jnp.float32)
+    embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
+    predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
+    return embed.astype(dtype), (embed[predecessor] * (margin / hidden)).astype(dtype)
+
+
 def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: float = 10.0,
                      layer_scale: float = 0.5, seed: int = 0) -> DecoderTarget:
     """The target rebuilt so that its greedy next token is (nearly always) `successor[last token]`.
@@ -121,22 +144,12 @@ def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: fl
     scaled by `layer_scale`: the earlier tokens still move the logits a little, and sometimes the winner.
     """
     c, dtype = target.config, target.embed.dtype
-    V, H = c.vocab_size, c.hidden_size
-    embed = jax.random.normal(jax.random.key(seed), (V, H), jnp.float32)
-    embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
-    predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
-
-    def scaled(layer: dict) -> dict:
-        attn, mlp = layer["self_attn"], layer["mlp"]
-        return {**layer, "self_attn": {**attn, "o_proj": {"weight": attn["o_proj"]["weight"] * layer_scale}},
-                "mlp": {**mlp, "down_proj": {"weight": mlp["down_proj"]["weight"] * layer_scale}}}
-
-    layers = tuple(map(scaled, target.params["layers"]))
+    embed, lm_head = successor_heads(c.vocab_size, c.hidden_size, successor, margin, seed, dtype)
     params = {
-        "embed_tokens": {"weight": embed.astype(dtype)},
-        "lm_head": {"weight": (embed[predecessor] * (margin / H)).astype(dtype)},
-        "norm": {"weight": jnp.ones((H,), dtype)},
-        "layers": layers,
+        "embed_tokens": {"weight": embed},
+        "lm_head": {"weight": lm_head},
+        "norm": {"weight": jnp.ones((c.hidden_size,), dtype)},
+        "layers": scaled_outputs(target.params["layers"], layer_scale),
     }
     return dataclasses.replace(target, params=params)
 

@@ -8,7 +8,7 @@ one of the released drafters in `configs/` (real shapes) or one of the tiny conf
 pair with them: `write_qwen3_checkpoint` (presets tiny-qwen3*, tiny-llama*), `random_qwen3`, and
 `successor_target` / `successor_drafter` (a target and a drafter that agree, for the accept path), from
 `dflash_jax._qwen3_testing`; Qwen3.5 hybrid targets: `write_qwen3_5_checkpoint` (presets tiny-qwen3_5*),
-`random_qwen3_5`, from `dflash_jax._qwen3_5_testing`.
+`random_qwen3_5`, `successor_qwen3_5`, from `dflash_jax._qwen3_5_testing`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 from ._qwen3_5_testing import (  # noqa: F401  (the Qwen3.5 hybrid target helpers, re-exported)
     QWEN3_5_TINY_CONFIGS,
     random_qwen3_5,
+    successor_qwen3_5,
     write_qwen3_5_checkpoint,
 )
 from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-exported)
