@@ -44,12 +44,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import fp8, nvfp4
 from ._arguments import check_block_inputs
 from ._precision import precision
 from .attention import KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
+from .fp8 import Fp8
+from .fp8 import matmul as fp8_matmul
+from .nvfp4 import Packed
+from .nvfp4 import matmul as nvfp4_matmul
 
 Params = dict[str, Any]
 
@@ -74,12 +77,13 @@ def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> 
     """
     if isinstance(b, QUANTIZED):
         _check_weight_spec(spec)
-        matmul = nvfp4.matmul if isinstance(b, nvfp4.Packed) else fp8.matmul
-        return matmul(a, b, out_dtype=out_dtype)
+        if isinstance(b, Packed):
+            return nvfp4_matmul(a, b, out_dtype=out_dtype)
+        return fp8_matmul(a, b, out_dtype=out_dtype)
     return jnp.einsum(spec, a, b, precision=precision(a, b), preferred_element_type=out_dtype)
 
 
-QUANTIZED = (nvfp4.Packed, fp8.Fp8)  # the weight leaves `load_drafter(weights="packed")` places
+QUANTIZED = (Packed, Fp8)  # the weight leaves `load_drafter(weights="packed")` places
 
 
 def is_quantized(x: Any) -> bool:

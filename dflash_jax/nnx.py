@@ -8,7 +8,8 @@
 The state mirrors the loader's tree (README "Parameter tree"): `module.params["layers"][0]["mlp"]["up_proj"]
 ["weight"]` is an `nnx.Param` holding the very array `load_drafter` placed, with its sharding (nothing is
 copied); a weight kept quantized (`weights="packed"`: `nvfp4.Packed`, `fp8.Fp8`) is one `nnx.Param` holding
-the whole leaf, so that `nnx.split` / `nnx.merge` hand it back packed. The target's embedding and LM head, when attached (`from_drafter` of an attached drafter), are
+the whole leaf, so that `nnx.split` / `nnx.merge` hand it back packed. The target's embedding and LM head,
+when attached (`from_drafter` of an attached drafter), are
 `TargetWeight` variables, not `nnx.Param`s: they belong to the target, so filtering `nnx.Param` gives the
 drafter's own weights (what a fine-tune would train).
 

@@ -28,10 +28,12 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from . import fp8, nvfp4
 from ._executables import compiled
 from .errors import CheckpointError
+from .fp8 import Fp8
+from .fp8 import dequantize as fp8_dequantize
 from .fp8.checkpoint import fp8_companions
+from .nvfp4 import Packed
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
 from .safetensors import Checkpoint
@@ -131,7 +133,12 @@ def place_all(
         if keep and len(names) > 1:  # a quantized weight kept as it is stored: one leaf of its arrays
             (piece,), (arrays,) = leaf_parts, on_device  # replicated: one piece
             replicas = [_replicate(a, piece, sharding) for a in arrays]
-            leaf: Any = (nvfp4.Packed if len(replicas) == 3 else fp8.Fp8)(*replicas, dtype=dtype)
+            if len(replicas) == 3:
+                codes, scale, scale_2 = replicas
+                leaf: Any = Packed(codes, scale, scale_2, dtype=dtype)
+            else:
+                weight, weight_scale = replicas
+                leaf = Fp8(weight, weight_scale, dtype=dtype)
         else:
             copies = []
             for piece, arrays in zip(leaf_parts, on_device):
@@ -261,7 +268,7 @@ class _Converters:
 
     def __call__(self, t: TensorPlan, piece: Piece, arrays: list[jax.Array]) -> jax.Array:
         if len(arrays) == 2:  # FP8: small, and not an `_executables` kind; compiled once per shape per process
-            return fp8.dequantize(*arrays, dtype=self._dtype)
+            return fp8_dequantize(*arrays, dtype=self._dtype)
         future = self._futures.get((t.name, piece.key()))
         return arrays[0] if future is None else future.result()(*arrays)
 

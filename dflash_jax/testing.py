@@ -130,9 +130,9 @@ def write_checkpoint(
 
     `prefix` is `""` (z-lab layout) or `"model."`; `num_shards > 1` writes shards plus
     `model.safetensors.index.json`; `nvfp4` stores every linear weight ModelOpt-style (packed U8 + F8
-    block scales + F32 global scale, with hf_quant_config.json); `fp8` stores them as ModelOpt's FP8 per-tensor
-    export does (F8_E4M3 weight + F32 scale + input_scale, `quant_algo: "FP8"`); `own_embeddings` adds `embed_tokens` and
-    `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
+    block scales + F32 global scale, with hf_quant_config.json); `fp8` stores them as ModelOpt's FP8
+    per-tensor export does (F8_E4M3 weight + F32 scale + input_scale, `quant_algo: "FP8"`); `own_embeddings`
+    adds `embed_tokens` and `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
     """
     if nvfp4 and fp8:
         raise ValueError("write_checkpoint: nvfp4=True and fp8=True; choose one format")

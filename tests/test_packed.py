@@ -8,7 +8,6 @@ export: E4M3 = sign, 4 exponent bits of bias 7, 3 mantissa bits, no Inf, S.1111.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 
@@ -21,7 +20,13 @@ from flax import nnx
 
 import dflash_jax.loader
 from dflash_jax import (
-    CheckpointError, draft_hidden, fp8, greedy_generate, load_drafter, nvfp4, speculative_generate,
+    CheckpointError,
+    draft_hidden,
+    fp8,
+    greedy_generate,
+    load_drafter,
+    nvfp4,
+    speculative_generate,
 )
 from dflash_jax._qwen3_testing import random_qwen3
 from dflash_jax.linen import DrafterModule
@@ -201,7 +206,7 @@ def test_orbax_round_trip_keeps_packed_leaves(checkpoints, tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(params)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
         assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8))
+        np.testing.assert_array_equal(np.ravel(a).view(np.uint8), np.ravel(b).view(np.uint8))
 
 
 def test_fp8_checkpoints_load_in_both_modes(checkpoints):

@@ -47,8 +47,8 @@ def check_fp8(checkpoint: Checkpoint, name: str, expected_shape: tuple[int, ...]
             f"{scale.file}: tensor {scale_name!r} has shape {list(scale.shape)}; expected a per-tensor scale [] "
             "or [1] (ModelOpt FP8)")
     if tuple(info.shape) != tuple(expected_shape):
-        raise CheckpointError(
-            f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected {list(expected_shape)} from the config")
+        raise CheckpointError(f"{info.file}: tensor {name!r} has shape {list(info.shape)}, expected "
+                              f"{list(expected_shape)} from the config")
 
 
 def check_fp8_scale(checkpoint: Checkpoint, name: str, dtype: Any) -> None:
@@ -87,7 +87,7 @@ def fp8_tensors(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
 
 def declare_fp8(directory: Path, raw_config: dict[str, Any]) -> None:
     """Write hf_quant_config.json and the config's `quantization_config` as ModelOpt's FP8 export does."""
-    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": []}
+    quant: dict[str, Any] = {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": []}
     (directory / "hf_quant_config.json").write_text(
         json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}, indent=2))
     raw_config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": []}
