@@ -358,3 +358,11 @@ def test_weights_argument(checkpoints, caplog, placements):
     assert len(said) == 1 and "no NVFP4 or FP8 weights; loaded as stored" in said[0]
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(drafter.params))
     assert drafter.param_bytes == load_drafter(checkpoints / "bf16").param_bytes
+
+
+def test_cli_load_packed_reports_parameter_bytes(checkpoints, capsys):
+    from dflash_jax.cli import main
+
+    assert main(["load", str(checkpoints / "dflash"), "--weights", "packed", "--devices", "2"]) == 0
+    expected = load_drafter(checkpoints / "dflash", weights="packed").param_bytes
+    assert f"{expected / 1e6:.1f} MB of parameters per device" in capsys.readouterr().out
