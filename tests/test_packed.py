@@ -280,6 +280,10 @@ def test_bad_quantized_leaves_and_products():
         dot("bk,kn->bn", jnp.zeros((2, 128)), packed)  # a weight is [out, in]: never the `kn` operand
     with pytest.raises(TypeError, match="must be an nvfp4.Packed"):
         nvfp4.matmul(jnp.zeros((2, 128)), jnp.zeros((64, 128)))
+    with pytest.raises(ValueError, match="dtype must be a float dtype to compute in, got int8"):
+        nvfp4.Packed(*_leaf_arrays(), dtype=jnp.int8)
+    assert repr(packed) == "nvfp4.Packed([64, 128], bfloat16)"  # a drafter's repr stays readable
+    assert repr(fp8.Fp8(jnp.zeros((4, 32), jnp.float8_e4m3fn), jnp.float32(1))) == "fp8.Fp8([4, 32], bfloat16)"
 
 
 @pytest.fixture

@@ -85,6 +85,8 @@ class Fp8:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(f"fp8.Fp8: dtype must be a float dtype to compute in, got {self.dtype.name}")
         w, s = self.weight, self.scale
         if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (w, s)):
             return  # a placeholder some tree operations unflatten with, not arrays
@@ -94,6 +96,11 @@ class Fp8:
         if s.dtype != jnp.float32 or tuple(s.shape) != ():
             raise ValueError(f"fp8.Fp8: scale must be a float32 scalar [], got {jnp.dtype(s.dtype).name}"
                              f"{list(s.shape)}")
+
+    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
+        if hasattr(self.weight, "shape"):
+            return f"fp8.Fp8({list(self.shape)}, {self.dtype.name})"
+        return f"fp8.Fp8({self.weight!r}, {self.scale!r}, {self.dtype.name})"
 
     @property
     def shape(self) -> tuple[int, int]:

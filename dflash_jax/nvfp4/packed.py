@@ -50,8 +50,14 @@ class Packed:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(f"nvfp4.Packed: dtype must be a float dtype to compute in, got {self.dtype.name}")
         if all(map(_is_array_like, (self.codes, self.scale, self.scale_2))):
             check_packed(self.codes, self.scale, self.scale_2)
+
+    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
+        return f"nvfp4.Packed({list(self.shape)}, {self.dtype.name})" if _is_array_like(self.codes) else (
+            f"nvfp4.Packed({self.codes!r}, {self.scale!r}, {self.scale_2!r}, {self.dtype.name})")
 
     @property
     def shape(self) -> tuple[int, int]:
