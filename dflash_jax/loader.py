@@ -67,16 +67,16 @@ def load_drafter(
 
     Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
     stays integer (int32). `weights="packed"` keeps NVFP4 and FP8 linear weights as stored instead, as
-    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (README "Packed weights"); a checkpoint without
-    quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is replicated over it
-    (`NamedSharding(mesh, P())`);
-    without, it lands on the default device. Under a multi-process runtime each process reads and places
-    only its own devices' copies. `progress`: a progress bar (None: only on a terminal).
+    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (README "Packed weights and FP8 drafters"); a
+    checkpoint without quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is
+    replicated over it (`NamedSharding(mesh, P())`); without, it lands on the default device. Under a
+    multi-process runtime each process reads and places only its own devices' copies. `progress`: a progress
+    bar (None: only on a terminal).
 
     Raises `ValueError` naming the argument for a `dtype` that is not bfloat16, float16 or float32 (float64
     with x64 enabled), a `weights` that is not "dequantized" or "packed", or a `mesh` that is not a non-empty
-    `Mesh`, and `CheckpointError` / `ConfigError` for
-    bad files, including a checkpoint larger than a device's free memory; then nothing has been placed.
+    `Mesh`, and `CheckpointError` / `ConfigError` for bad files, including a checkpoint larger than a device's
+    free memory; then nothing has been placed.
     """
     dtype = check_load_arguments(dtype, mesh)
     if weights not in WEIGHTS:

@@ -2,11 +2,11 @@
 
 For each tensor (each part of a sharded one, `pieces`), the memory-mapped bytes are copied once to the first
 local device holding it, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
-executables from `_executables`; FP8-dequantized), then copied device-to-device to the other local devices, and the
-per-device copies are assembled with `jax.make_array_from_single_device_arrays`. With `weights="packed"` the
-quantized weights are not converted: their arrays are assembled likewise and wrapped in a `nvfp4.Packed` or an
-`fp8.Fp8` leaf. Under a multi-process
-runtime each process does this for its own devices only, so no process ever holds or sends another's data.
+executables from `_executables`; FP8-dequantized), then copied device-to-device to the other local devices, and
+the per-device copies are assembled with `jax.make_array_from_single_device_arrays`. With `weights="packed"`
+quantized weights are not converted: each of their arrays is assembled likewise, and the arrays are wrapped in
+an `nvfp4.Packed` or `fp8.Fp8` leaf. Under a multi-process runtime each process does this for its own devices
+only, so no process ever holds or sends another's data.
 
 Host memory stays bounded: copies are asynchronous, at most `inflight_bytes` of them are outstanding, and
 once a tensor's copy is done its pages are dropped from this process (MADV_DONTNEED: the data stays in
@@ -153,7 +153,7 @@ def place_all(
     total = sum(_read_bytes(checkpoint, t, names, p) for t, names, p in zip(plan, sources, parts))
     with _Progress(len(plan), total, progress) as bar:
         for t, names, sharding, leaf_parts in zip(plan, sources, shardings, parts):
-            whole = len(names) > 1  # NVFP4 sources (replicated): each read whole
+            whole = len(names) > 1  # quantized sources (replicated): each read whole
             on_device = [jax.device_put([_host_array(checkpoint, n, t.kind, None if whole else piece.index)
                                          for n in names] if not (keep and whole) else _stored(checkpoint, names),
                                         piece.devices[0]) for piece in leaf_parts]
@@ -267,7 +267,7 @@ class _Converters:
                                                   device)
 
     def __call__(self, t: TensorPlan, piece: Piece, arrays: list[jax.Array]) -> jax.Array:
-        if len(arrays) == 2:  # FP8: small, and not an `_executables` kind; compiled once per shape per process
+        if len(arrays) == 2:  # FP8: not an `_executables` kind; jitted, compiled once per shape and process
             return fp8_dequantize(*arrays, dtype=self._dtype)
         future = self._futures.get((t.name, piece.key()))
         return arrays[0] if future is None else future.result()(*arrays)
