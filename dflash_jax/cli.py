@@ -99,6 +99,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--devices", type=positive_int, default=None,
                    help="replicate over the first N local devices (default: all)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    v.add_argument("--weights", default="dequantized", choices=["dequantized", "packed"],
+                   help="NVFP4 / FP8 linear weights dequantized to --dtype (default) or kept packed")
     hub_options(v)
     v.set_defaults(run=load)
 
@@ -292,14 +294,15 @@ def load(args: argparse.Namespace) -> int:
     with Checkpoint(path) as ckpt:
         nbytes = sum(ckpt[n].nbytes for n in ckpt)
     start = time.perf_counter()
-    drafter = load_drafter(path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None)
+    drafter = load_drafter(path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None, weights=args.weights)
     jax.block_until_ready(drafter.params)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     leaves = jax.tree.leaves(drafter.params)
     print(shown(f"{args.path}: {drafter.config.family}, {len(leaves)} tensors, {nbytes / 1e6:.1f} MB on disk"))
     print(f"loaded onto {len(devices)} x {devices[0].platform} in {seconds:.3f} s "
-          f"({nbytes / seconds / 1e9:.2f} GB/s), peak host RSS {peak_mb:.0f} MB")
+          f"({nbytes / seconds / 1e9:.2f} GB/s), peak host RSS {peak_mb:.0f} MB, "
+          f"{drafter.param_bytes / 1e6:.1f} MB of parameters per device")
     return 0
 
 

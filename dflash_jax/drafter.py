@@ -43,6 +43,13 @@ class Drafter:
         )
 
     @property
+    def param_bytes(self) -> int:
+        """Bytes of the drafter's own parameters (`params`; an attached target embedding / LM head not counted),
+        quantized weights at their stored size (`weights="packed"`): what one device holds of a replicated
+        drafter (`nbytes` of each array, so a sharded one counts whole)."""
+        return sum(int(x.nbytes) for x in jax.tree.leaves(self.params))
+
+    @property
     def embedding(self) -> jax.Array:
         """The embedding the block is embedded with [V, H]: the drafter's own, else the attached target's."""
         return self._own_or_attached("embed_tokens", self.embed, "embed")

@@ -25,7 +25,7 @@ from .config import MAX_CONFIG_BYTES, DflashConfig, parse_config
 from .drafter import Drafter
 from .errors import CheckpointError, ConfigError
 from .hub import HubOptions, resolve
-from .placement import place_all
+from .placement import WEIGHTS, place_all
 from .plan import build_tree, open_checked, unexpected_tensors
 from .safetensors import read_small
 from .validate import check_values
@@ -56,6 +56,7 @@ def load_drafter(
     mesh: jax.sharding.Mesh | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
     progress: bool | None = None,
+    weights: str = "dequantized",
     **hub: Unpack[HubOptions],
 ) -> Drafter:
     """Load a DFlash / DFlash2 / DSpark drafter checkpoint directory, or a Hugging Face hub id (`hub`:
@@ -63,15 +64,21 @@ def load_drafter(
     what a load reads is downloaded).
 
     Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
-    stays integer (int32). With `mesh`, each leaf is replicated over it (`NamedSharding(mesh, P())`);
-    without, it lands on the default device. Under a multi-process runtime each process reads and places
-    only its own devices' copies. `progress`: a progress bar (None: only on a terminal).
+    stays integer (int32). `weights="packed"` keeps NVFP4 and FP8 linear weights as stored instead, as
+    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (README "Packed weights and FP8 drafters"); a
+    checkpoint without quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is
+    replicated over it (`NamedSharding(mesh, P())`); without, it lands on the default device. Under a
+    multi-process runtime each process reads and places only its own devices' copies. `progress`: a progress
+    bar (None: only on a terminal).
 
     Raises `ValueError` naming the argument for a `dtype` that is not bfloat16, float16 or float32 (float64
-    with x64 enabled) or a `mesh` that is not a non-empty `Mesh`, and `CheckpointError` / `ConfigError` for
-    bad files, including a checkpoint larger than a device's free memory; then nothing has been placed.
+    with x64 enabled), a `weights` that is not "dequantized" or "packed", or a `mesh` that is not a non-empty
+    `Mesh`, and `CheckpointError` / `ConfigError` for bad files, including a checkpoint larger than a device's
+    free memory; then nothing has been placed.
     """
     dtype = check_load_arguments(dtype, mesh)
+    if weights not in WEIGHTS:
+        raise ValueError(f"load_drafter: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
     path = resolve(path, **hub)
     with open_checked(path, load_config(path)) as checked:
         checkpoint, config, plan, packed = checked
@@ -79,9 +86,11 @@ def load_drafter(
         extra = unexpected_tensors(plan, checkpoint)
         if extra:
             warnings.warn(f"{path}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=2)
-        leaves = place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress)
+        if weights == "packed" and not packed:
+            log.info("%s: weights='packed' but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path)
+        leaves = place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress, weights=weights)
     params = build_tree(plan, leaves)
-    log.info("%s", summary(config, params, packed, checkpoint_path=path))
+    log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=weights))
     return Drafter(params=params, config=config)
 
 
@@ -105,7 +114,8 @@ def check_load_arguments(dtype: Any, mesh: Any) -> jnp.dtype:
     return resolved
 
 
-def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str) -> str:
+def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str,
+            weights: str = "dequantized") -> str:
     """The one-line load summary: layers, hidden, vocab, block size, target layers, family, heads."""
     heads: list[str] = [
         h for h in ("candidate_selector", "markov_head", "confidence_head", "embed_tokens", "lm_head", "d2t")
@@ -117,5 +127,6 @@ def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str]
         f"hidden={config.hidden_size}, vocab={config.vocab_size}, block={config.effective_block_size} "
         f"({config.num_draft_tokens} drafts/step), target_layers={list(config.checked_target_layer_ids)}, "
         f"heads=[{', '.join(heads) or 'none'}]"
-        + (f", {len(packed)} NVFP4 tensors dequantized (input_scale ignored)" if packed else "")
+        + (f", {len(packed)} quantized tensors {'kept packed' if weights == 'packed' else 'dequantized'} "
+           "(input_scale ignored)" if packed else "")
     )

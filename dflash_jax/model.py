@@ -45,9 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_block_inputs
+from ._precision import precision
 from .attention import KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
+from .fp8 import Fp8
+from .fp8 import matmul as fp8_matmul
+from .nvfp4 import Packed
+from .nvfp4 import matmul as nvfp4_matmul
 
 Params = dict[str, Any]
 
@@ -60,19 +65,44 @@ _QWEN3_DEFAULT_MAX_POSITIONS = 32768
 # --------------------------------------------------------------------------------------------------------------
 
 
-def dot(spec: str, a: jax.Array, b: jax.Array, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """`einsum` accumulating in float32, result in `out_dtype`; full-precision products when an operand is float32.
 
     A bf16 x bf16 product written as bf16 still accumulates in float32 (XLA's GEMMs use a float32 compute type)
     and rounds once, in the GEMM's epilogue, instead of writing float32 and converting in another kernel.
+
+    `b` may be a weight kept quantized (`load_drafter(weights="packed")`: `nvfp4.Packed`, `fp8.Fp8`): this is
+    the one place a drafter's linear weights meet their GEMM, so each goes to its weight-only GEMM
+    (`nvfp4.matmul`, `fp8.matmul`). Every product with a weight is `x @ W.T` (`spec` "...i,oi->...o").
     """
-    full = jnp.float32 in (a.dtype, b.dtype)
-    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=out_dtype)
+    if isinstance(b, QUANTIZED):
+        _check_weight_spec(spec)
+        if isinstance(b, Packed):
+            return nvfp4_matmul(a, b, out_dtype=out_dtype)
+        return fp8_matmul(a, b, out_dtype=out_dtype)
+    return jnp.einsum(spec, a, b, precision=precision(a, b), preferred_element_type=out_dtype)
+
+
+QUANTIZED = (Packed, Fp8)  # the weight leaves `load_drafter(weights="packed")` places
+
+
+def is_quantized(x: Any) -> bool:
+    """Whether `x` is a quantized weight (`QUANTIZED`): `jax.tree.map(f, params, is_leaf=is_quantized)` then takes
+    each weight whole, as the NNX module wraps them, instead of its arrays."""
+    return isinstance(x, QUANTIZED)
+
+
+def _check_weight_spec(spec: str) -> None:
+    """A quantized weight `[out, in]` is only ever the right operand of `x @ W.T`: `"<x>i,oi-><x>o"`."""
+    operands, _, out = spec.replace(" ", "").partition("->")
+    lhs, _, rhs = operands.partition(",")
+    if len(rhs) != 2 or not lhs.endswith(rhs[1]) or out != lhs[:-1] + rhs[0]:
+        raise ValueError(f"dot: a quantized weight multiplies as x @ W.T ('...i,oi->...o'), not {spec!r}")
 
 
 def linear(x: jax.Array, p: Params) -> jax.Array:
-    """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}`; returns x's dtype."""
+    """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}` (a float or quantized weight, `dot`);
+    returns x's dtype."""
     y = dot("...i,oi->...o", x, p["weight"], out_dtype=x.dtype)  # [..., out]
     return y + p["bias"].astype(y.dtype) if "bias" in p else y
 

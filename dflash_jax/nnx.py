@@ -7,7 +7,9 @@
 
 The state mirrors the loader's tree (README "Parameter tree"): `module.params["layers"][0]["mlp"]["up_proj"]
 ["weight"]` is an `nnx.Param` holding the very array `load_drafter` placed, with its sharding (nothing is
-copied). The target's embedding and LM head, when attached (`from_drafter` of an attached drafter), are
+copied); a weight kept quantized (`weights="packed"`: `nvfp4.Packed`, `fp8.Fp8`) is one `nnx.Param` holding
+the whole leaf, so that `nnx.split` / `nnx.merge` hand it back packed. The target's embedding and LM head,
+when attached (`from_drafter` of an attached drafter), are
 `TargetWeight` variables, not `nnx.Param`s: they belong to the target, so filtering `nnx.Param` gives the
 drafter's own weights (what a fine-tune would train).
 
@@ -33,7 +35,7 @@ from .drafter import Drafter
 from .drafting import ContextCache, Proposal
 from .linen import init_params
 from .loader import load_drafter
-from .model import AttentionOptions, draft_logits
+from .model import AttentionOptions, draft_logits, is_quantized
 
 
 class TargetWeight(nnx.Variable):
@@ -53,7 +55,7 @@ class DFlashDrafter(nnx.Module):
     ):
         """Wrap a parameter tree in the loader's layout (`Drafter.params`) as `nnx.Param`s, without copying."""
         self.config = config
-        self.params = nnx.data(jax.tree.map(nnx.Param, params))
+        self.params = nnx.data(jax.tree.map(nnx.Param, params, is_leaf=is_quantized))
         self.embed = nnx.data(None if embed is None else TargetWeight(embed))
         self.lm_head = nnx.data(None if lm_head is None else TargetWeight(lm_head))
 

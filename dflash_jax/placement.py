@@ -2,9 +2,11 @@
 
 For each tensor (each part of a sharded one, `pieces`), the memory-mapped bytes are copied once to the first
 local device holding it, converted there once they have arrived (cast to the load dtype, or NVFP4-dequantized, by
-executables from `_executables`), then copied device-to-device to the other local devices, and the
-per-device copies are assembled with `jax.make_array_from_single_device_arrays`. Under a multi-process
-runtime each process does this for its own devices only, so no process ever holds or sends another's data.
+executables from `_executables`; FP8-dequantized), then copied device-to-device to the other local devices, and
+the per-device copies are assembled with `jax.make_array_from_single_device_arrays`. With `weights="packed"`
+quantized weights are not converted: each of their arrays is assembled likewise, and the arrays are wrapped in
+an `nvfp4.Packed` or `fp8.Fp8` leaf. Under a multi-process runtime each process does this for its own devices
+only, so no process ever holds or sends another's data.
 
 Host memory stays bounded: copies are asynchronous, at most `inflight_bytes` of them are outstanding, and
 once a tensor's copy is done its pages are dropped from this process (MADV_DONTNEED: the data stays in
@@ -18,19 +20,26 @@ import dataclasses
 import math
 import sys
 from collections.abc import Sequence, Set
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._executables import compiled
 from .errors import CheckpointError
+from .fp8 import Fp8
+from .fp8 import dequantize as fp8_dequantize
+from .fp8.checkpoint import fp8_companions
+from .nvfp4 import Packed
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
 from .safetensors import Checkpoint
 
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
+WEIGHTS = ("dequantized", "packed")  # how quantized linear weights are placed (`load_drafter(weights=...)`)
 
 
 def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -85,52 +94,69 @@ def place_all(
     progress: bool | None,
     inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     shardings: Sequence[jax.sharding.Sharding] | None = None,
-) -> list[jax.Array]:
+    weights: str = "dequantized",
+) -> list[Any]:
     """Place every planned tensor (in plan order) on its sharding: `shardings[i]` for leaf i, or (None) every
     leaf replicated on `mesh` (`target_sharding`).
 
     A sharded leaf is read part by part (`pieces`): each distinct part this process's devices hold is read from
     the map once, only its own byte ranges, put on the first device holding it and copied to that part's
-    other holders; no process reads or sends another's parts. NVFP4-packed tensors are placed replicated only.
-    Raises `CheckpointError` before the first copy when the leaves cannot fit in a device's free memory.
+    other holders; no process reads or sends another's parts. Quantized (NVFP4, FP8) tensors are placed
+    replicated only: dequantized to `dtype` (`weights="dequantized"`), or as `nvfp4.Packed` / `fp8.Fp8` leaves
+    computed in `dtype` (`weights="packed"`). Raises `CheckpointError` before the first copy when the leaves
+    cannot fit in a device's free memory.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"place_all: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
+    keep = weights == "packed"
     if shardings is None:
         shardings = [target_sharding(mesh)] * len(plan)
-    sources = [_sources(t, packed) for t in plan]
+    sources = [_sources(t, packed, checkpoint) for t in plan]
     distinct = {id(sh): sh for sh in shardings}.values()
     devices = sorted({d for sh in distinct for d in sh.addressable_devices},
                      key=lambda d: d.id)  # type: ignore[attr-defined]  # jax.Device: unresolved in jax's stubs
     check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype),
-               [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)])
+               [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)], packed=keep)
     parts = [pieces(sh, t.shape) for t, sh in zip(plan, shardings)]
     for t, names, leaf_parts in zip(plan, sources, parts):
         if len(names) > 1 and leaf_parts[0].shape() != t.shape:
-            raise ValueError(f"{t.name}: an NVFP4-packed tensor can only be placed replicated, not sharded")
-    converters = _Converters(checkpoint, plan, sources, parts, dtype)
+            raise ValueError(f"{t.name}: a quantized tensor can only be placed replicated, not sharded")
+    converters = _Converters(checkpoint, plan, sources, parts, dtype, keep)
     # (plan, sharding, pieces, per piece its arrays on its first device, source names, bytes read)
     arriving: collections.deque[tuple] = collections.deque()
-    placed: collections.deque[tuple[jax.Array, list[str], int]] = collections.deque()  # host pages still mapped
+    placed: collections.deque[tuple[Any, list[str], int]] = collections.deque()  # host pages still mapped
     pending = 0  # bytes put and not yet retired
     leaves = []
 
     def convert_and_place(t: TensorPlan, sharding, leaf_parts: list[Piece], on_device: list[list[jax.Array]],
                           names: list[str], size: int) -> None:
-        copies = []
-        for piece, arrays in zip(leaf_parts, on_device):
-            first = converters(t, piece, arrays)
-            copies += [first] + [jax.device_put(first, d) for d in piece.devices[1:]]
-        leaf = copies[0] if isinstance(sharding, SingleDeviceSharding) else (
-            jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
-        )
+        if keep and len(names) > 1:  # a quantized weight kept as it is stored: one leaf of its arrays
+            (piece,), (arrays,) = leaf_parts, on_device  # replicated: one piece
+            replicas = [_replicate(a, piece, sharding) for a in arrays]
+            if len(replicas) == 3:
+                codes, scale, scale_2 = replicas
+                leaf: Any = Packed(codes, scale, scale_2, dtype=dtype)
+            else:
+                weight, weight_scale = replicas
+                leaf = Fp8(weight, weight_scale, dtype=dtype)
+        else:
+            copies = []
+            for piece, arrays in zip(leaf_parts, on_device):
+                first = converters(t, piece, arrays)
+                copies += [first] + [jax.device_put(first, d) for d in piece.devices[1:]]
+            leaf = copies[0] if isinstance(sharding, SingleDeviceSharding) else (
+                jax.make_array_from_single_device_arrays(t.shape, sharding, copies)
+            )
         leaves.append(leaf)
         placed.append((leaf, names, size))
 
     total = sum(_read_bytes(checkpoint, t, names, p) for t, names, p in zip(plan, sources, parts))
     with _Progress(len(plan), total, progress) as bar:
         for t, names, sharding, leaf_parts in zip(plan, sources, shardings, parts):
-            whole = len(names) > 1  # NVFP4 sources (replicated): each read whole
+            whole = len(names) > 1  # quantized sources (replicated): each read whole
             on_device = [jax.device_put([_host_array(checkpoint, n, t.kind, None if whole else piece.index)
-                                         for n in names], piece.devices[0]) for piece in leaf_parts]
+                                         for n in names] if not (keep and whole) else _stored(checkpoint, names),
+                                        piece.devices[0]) for piece in leaf_parts]
             size = _read_bytes(checkpoint, t, names, leaf_parts)
             arriving.append((t, sharding, leaf_parts, on_device, names, size))
             pending += size
@@ -157,16 +183,18 @@ def _read_bytes(checkpoint: Checkpoint, t: TensorPlan, names: list[str], leaf_pa
 
 
 def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
-               dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None) -> None:
-    """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole), plus the inputs of its
-    largest conversion, exceed a device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`; devices
-    that report none, like CPUs, are not checked): a clear error before anything is placed instead of
-    RESOURCE_EXHAUSTED halfway through."""
+               dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None, *, packed: bool = False) -> None:
+    """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole; `packed`: quantized
+    weights at their stored size), plus the inputs of its largest conversion, exceed a device's free memory
+    (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs, are not checked): a
+    clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
     shapes = shards if shards is not None else [t.shape for t in plan]
-    leaves = sum(math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
-                 for t, shape in zip(plan, shapes))
+    leaves = sum(sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
+                 else math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
+                 for t, shape, names in zip(plan, shapes, sources))
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
-                 if len(names) > 1 or (t.kind != "int" and checkpoint[t.name].np_dtype != dtype)]
+                 if (len(names) > 1 and not packed) or (len(names) == 1 and t.kind != "int"
+                                                        and checkpoint[t.name].np_dtype != dtype)]
     needed = leaves + max(converted, default=0)
     for device in devices:
         stats = device.memory_stats() or {}
@@ -188,11 +216,29 @@ def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice
     return array.astype(np.int32) if kind == "int" else array
 
 
-def _sources(t: TensorPlan, packed: Set[str]) -> list[str]:
-    """The checkpoint tensors one leaf is made from: itself, or a packed weight and its two scales."""
+def _sources(t: TensorPlan, packed: Set[str], checkpoint: Checkpoint) -> list[str]:
+    """The checkpoint tensors one leaf is made from: itself, or a quantized weight and its scales (NVFP4: U8
+    codes and two scales; FP8: the weight and one scale)."""
     if t.name not in packed:
         return [t.name]
-    return [t.name, *nvfp4_companions(t.name)]
+    return [t.name, *(nvfp4_companions(t.name) if checkpoint[t.name].dtype == "U8" else fp8_companions(t.name))]
+
+
+def _stored(checkpoint: Checkpoint, names: list[str]) -> list[np.ndarray]:
+    """A quantized weight's arrays as its leaf holds them: the data as stored, block scales as float8_e4m3fn
+    (some exports store their bits as U8), the per-tensor scale as a float32 [] (some store [1], bf16, f16)."""
+    data, *scales = (checkpoint.read(n, None) for n in names)
+    *block, last = scales
+    block = [b.view(ml_dtypes.float8_e4m3fn) for b in block]  # NVFP4 only
+    return [data, *block, np.asarray(last, np.float32).reshape(())]
+
+
+def _replicate(array: jax.Array, piece: Piece, sharding: jax.sharding.Sharding) -> jax.Array:
+    """`array` (on `piece`'s first device) copied to the piece's other devices and assembled on `sharding`."""
+    copies = [array] + [jax.device_put(array, d) for d in piece.devices[1:]]
+    if isinstance(sharding, SingleDeviceSharding):
+        return array
+    return jax.make_array_from_single_device_arrays(array.shape, sharding, copies)
 
 
 class _Converters:
@@ -204,12 +250,15 @@ class _Converters:
     """
 
     def __init__(self, checkpoint: Checkpoint, plan: list[TensorPlan], sources: list[list[str]],
-                 parts: list[list[Piece]], dtype):
+                 parts: list[list[Piece]], dtype, packed: bool = False):
         dtype = jnp.dtype(dtype)
+        self._dtype = dtype
         self._futures = {}
         for t, names, leaf_parts in zip(plan, sources, parts):
             for piece in leaf_parts:
                 device, key = piece.devices[0], (t.name, piece.key())
+                if len(names) == 2 or (len(names) > 1 and packed):
+                    continue  # FP8 (dequantized by `fp8.dequantize`, jitted) or kept packed: nothing to compile
                 if len(names) > 1:
                     inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
                     self._futures[key] = compiled("nvfp4", inputs, dtype, device)
@@ -218,13 +267,15 @@ class _Converters:
                                                   device)
 
     def __call__(self, t: TensorPlan, piece: Piece, arrays: list[jax.Array]) -> jax.Array:
+        if len(arrays) == 2:  # FP8: not an `_executables` kind; jitted, compiled once per shape and process
+            return fp8_dequantize(*arrays, dtype=self._dtype)
         future = self._futures.get((t.name, piece.key()))
         return arrays[0] if future is None else future.result()(*arrays)
 
 
-def _retire(checkpoint: Checkpoint, leaf: jax.Array, names: list[str], size: int) -> int:
+def _retire(checkpoint: Checkpoint, leaf: Any, names: list[str], size: int) -> int:
     """Wait for a tensor's copies, then drop its host pages; returns the bytes released (`size`: those read)."""
-    leaf.block_until_ready()
+    jax.block_until_ready(leaf)  # an array, or a quantized leaf's arrays
     for name in names:
         checkpoint.release(name)
     return size

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 
 from .config import DflashConfig, replace
 from .errors import CheckpointError
-from .nvfp4.checkpoint import check_packed, check_quant_config, nvfp4_companions
+from .fp8.checkpoint import check_declared, check_fp8
+from .nvfp4.checkpoint import check_packed, check_quant_config, declared_quantization, nvfp4_companions
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
 from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
 
@@ -186,18 +187,22 @@ def read_head_flags(config: DflashConfig, checkpoint: Checkpoint, prefix: str) -
 
 
 def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
-    """Check one planned tensor's presence, dtype and shape; return True when it is NVFP4-packed."""
+    """Check one planned tensor's presence, dtype and shape; return True when it is quantized (NVFP4-packed U8,
+    or FP8 F8_E4M3 with a per-tensor scale)."""
     if t.name not in checkpoint:
         raise CheckpointError(f"{where}: missing tensor {t.name!r} (expected shape {list(t.shape)})")
     info = checkpoint[t.name]
     if t.kind == LINEAR and info.dtype == "U8":
         check_packed(checkpoint, t.name, t.shape)
         return True
+    if t.kind == LINEAR and info.dtype == "F8_E4M3":
+        check_fp8(checkpoint, t.name, t.shape)
+        return True
     allowed = INT_DTYPES if t.kind == INT else WEIGHT_DTYPES
     if info.dtype not in allowed:
         raise CheckpointError(
             f"{info.file}: tensor {t.name!r} has dtype {info.dtype}, expected one of {', '.join(allowed)}"
-            + (" (or U8 NVFP4-packed)" if t.kind == LINEAR else "")
+            + (" (or U8 NVFP4-packed, or F8_E4M3 FP8)" if t.kind == LINEAR else "")
         )
     if info.shape != t.shape:
         raise CheckpointError(
@@ -208,7 +213,7 @@ def check_tensor(t: TensorPlan, checkpoint: Checkpoint, where: str) -> bool:
 
 def check_tensors(plan: list[TensorPlan], checkpoint: Checkpoint, where: str,
                   problems: list[tuple[str, CheckpointError]] | None = None) -> frozenset[str]:
-    """`check_tensor` on every planned tensor; returns the names of the NVFP4-packed ones. With `problems` (a
+    """`check_tensor` on every planned tensor; returns the names of the quantized (NVFP4, FP8) ones. With `problems` (a
     list), each failure is appended as `(tensor name, error)` instead of raised, so that all are reported."""
     packed = set()
     for t in plan:
@@ -243,7 +248,7 @@ class CheckedPlan(NamedTuple):
     checkpoint: Checkpoint  # open: tensors are read from it
     config: DflashConfig  # the config with `confidence_head_with_markov` read off the head (`read_head_flags`)
     plan: list[TensorPlan]
-    packed: frozenset[str]  # the NVFP4-packed weights among the planned tensors
+    packed: frozenset[str]  # the quantized weights among the planned tensors: NVFP4 (U8) or FP8 (F8_E4M3)
 
 
 @contextlib.contextmanager
@@ -264,5 +269,8 @@ def open_checked(
         plan = plan_tensors(config, checkpoint.__contains__, prefix, path)
         packed = check_tensors(plan, checkpoint, path, problems)
         if packed:
-            check_quant_config(path, config, packed)
+            nvfp4 = {n for n in packed if checkpoint[n].dtype == "U8"}
+            check_declared(declared_quantization(path, config), bool(nvfp4), len(nvfp4) < len(packed))
+            if nvfp4:
+                check_quant_config(path, config, nvfp4)
         yield CheckedPlan(checkpoint, config, plan, packed)

@@ -2,7 +2,7 @@
 
 `write_checkpoint(directory, config)` writes config.json and safetensors holding exactly the tensors a
 released checkpoint of that config holds (every family, bare or `model.`-prefixed, single file or sharded
-with an index, BF16 or NVFP4). `config` is a `DflashConfig`, a raw config dict, or the name of a preset:
+with an index, BF16, NVFP4 or FP8). `config` is a `DflashConfig`, a raw config dict, or the name of a preset:
 one of the released drafters in `configs/` (real shapes) or one of the tiny configs below (fast tests).
 `random_drafter(config)` draws the same tensors on the device without a checkpoint. Qwen3 and Llama targets to
 pair with them: `write_qwen3_checkpoint` (presets tiny-qwen3*, tiny-llama*), `random_qwen3`, and
@@ -40,6 +40,7 @@ from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-expor
 )
 from .config import DflashConfig, parse_config
 from .drafter import Drafter
+from .fp8.checkpoint import declare_fp8, fp8_tensors
 from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
 from .plan import build_tree, full_plan
 from .safetensors import write_tensors
@@ -130,14 +131,18 @@ def write_checkpoint(
     num_shards: int = 1,
     nvfp4: bool = False,
     own_embeddings: bool = False,
+    fp8: bool = False,
 ) -> DflashConfig:
     """Write a random drafter checkpoint of `config` (a struct, raw dict or preset name) to `directory`.
 
     `prefix` is `""` (z-lab layout) or `"model."`; `num_shards > 1` writes shards plus
     `model.safetensors.index.json`; `nvfp4` stores every linear weight ModelOpt-style (packed U8 + F8
-    block scales + F32 global scale, with hf_quant_config.json); `own_embeddings` adds `embed_tokens` and
-    `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
+    block scales + F32 global scale, with hf_quant_config.json); `fp8` stores them as ModelOpt's FP8
+    per-tensor export does (F8_E4M3 weight + F32 scale + input_scale, `quant_algo: "FP8"`); `own_embeddings`
+    adds `embed_tokens` and `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
     """
+    if nvfp4 and fp8:
+        raise ValueError("write_checkpoint: nvfp4=True and fp8=True; choose one format")
     config, raw = resolve_config(config)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,10 +152,14 @@ def write_checkpoint(
         value = t.init.host(rng, t.shape)  # float32, or int64 for d2t
         if nvfp4 and t.kind == LINEAR:
             tensors.update(nvfp4_tensors(t.name, value))
+        elif fp8 and t.kind == LINEAR:
+            tensors.update(fp8_tensors(t.name, value))
         else:
             tensors[t.name] = value if t.kind == INT else value.astype(ml_dtypes.bfloat16)
     if nvfp4:
         declare_nvfp4(directory, raw, excluded=[])
+    if fp8:
+        declare_fp8(directory, raw)
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     write_tensors(directory, tensors, num_shards)
     return config

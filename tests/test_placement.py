@@ -28,7 +28,7 @@ def test_host_pages_in_flight_stay_within_the_budget(tmp_path, monkeypatch, nvfp
     """Every tensor read counts until its pages are released; never more than the budget plus one tensor."""
     write_checkpoint(tmp_path, "tiny-dflash", nvfp4=nvfp4)
     plan, checkpoint, packed = planned(tmp_path)
-    sizes = [sum(checkpoint[n].nbytes for n in placement._sources(t, packed)) for t in plan]
+    sizes = [sum(checkpoint[n].nbytes for n in placement._sources(t, packed, checkpoint)) for t in plan]
     held, peak = {}, [0]
     read, release = placement._host_array, checkpoint.release
 

@@ -15,7 +15,8 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
            "dflash_jax.target", "dflash_jax.target.moe")
 IO = ("dflash_jax.safetensors", "dflash_jax.loader", "dflash_jax.placement", "dflash_jax.validate",
-      "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert")
+      "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert",
+      "dflash_jax.fp8.checkpoint")
 
 
 def modules() -> dict[str, str]:

@@ -12,6 +12,8 @@ except that code 8 (-0) may come out as +0 or -0.
   quantize(w)                                            -> (packed, scale, scale_2), NumPy, ModelOpt's algorithm
   check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
   check_scales(name, scale, scale_2, dtype)                  NaN, negative, zero or overflowing scales
+  Packed(codes, scale, scale_2, dtype)                       a weight kept packed on the device (`packed`)
+  matmul(x, packed)                                          -> x @ W.T, the packed weight-only GEMM
 
 Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tensor would no longer have the
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1
@@ -30,8 +32,9 @@ from jax import lax
 
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
+from .packed import Packed, matmul
 
-__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales"]
+__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Packed", "matmul"]
 
 Backend = Literal["auto", "pallas", "xla"]
 

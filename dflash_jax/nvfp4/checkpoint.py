@@ -67,6 +67,24 @@ def check_packed_scales(checkpoint: Checkpoint, name: str, dtype) -> None:
 
 def check_quant_config(directory: str, config: DflashConfig, packed: Set[str]) -> None:
     """Check that what the export declares (hf_quant_config.json, quantization_config) fits the tensors."""
+    for source, quant in declared_quantization(directory, config):
+        if quant.quant_algo is not None and quant.quant_algo not in SUPPORTED_ALGOS:
+            raise CheckpointError(
+                f"{source}: quant_algo {quant.quant_algo!r} but tensors are U8-packed; "
+                f"expected one of {SUPPORTED_ALGOS}"
+            )
+        if quant.group_size is not None and quant.group_size != 16:
+            raise CheckpointError(f"{source}: group_size {quant.group_size}; NVFP4 uses blocks of 16")
+        excluded = exclusion_matcher(quant.ignore)
+        for name in sorted(packed):
+            module = name.removesuffix(".weight")
+            if excluded(module) or excluded(name):
+                raise CheckpointError(f"{source}: {module!r} is excluded from quantization but stored packed")
+
+
+def declared_quantization(directory: str, config: DflashConfig) -> list[tuple[str, QuantizationConfig]]:
+    """What the export declares, as (source file, block) pairs: hf_quant_config.json's `quantization`, then
+    config.json's `quantization_config`."""
     declared: list[tuple[str, QuantizationConfig]] = []
     file = os.path.join(directory, QUANT_CONFIG_FILE)
     if os.path.lexists(file):  # read only if a regular file: a FIFO or a directory there is refused
@@ -80,19 +98,7 @@ def check_quant_config(directory: str, config: DflashConfig, packed: Set[str]) -
             raise CheckpointError(f"{file}: cannot read the quantization block ({e})") from None
     if config.quantization_config is not None:
         declared.append((os.path.join(directory, "config.json"), config.quantization_config))
-    for source, quant in declared:
-        if quant.quant_algo is not None and quant.quant_algo not in SUPPORTED_ALGOS:
-            raise CheckpointError(
-                f"{source}: quant_algo {quant.quant_algo!r} but tensors are U8-packed; "
-                f"expected one of {SUPPORTED_ALGOS}"
-            )
-        if quant.group_size is not None and quant.group_size != 16:
-            raise CheckpointError(f"{source}: group_size {quant.group_size}; NVFP4 uses blocks of 16")
-        excluded = exclusion_matcher(quant.ignore)
-        for name in sorted(packed):
-            module = name.removesuffix(".weight")
-            if excluded(module) or excluded(name):
-                raise CheckpointError(f"{source}: {module!r} is excluded from quantization but stored packed")
+    return declared
 
 
 def exclusion_matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:

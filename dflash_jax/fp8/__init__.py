@@ -1,0 +1,141 @@
+"""FP8 per-tensor weights (NVIDIA ModelOpt `quant_algo: "FP8"`): the `Fp8` leaf, dequantization, the GEMM.
+
+A ModelOpt FP8 Linear stores
+  `<m>.weight`        float8_e4m3fn [N, K]
+  `<m>.weight_scale`  f32 [] (or [1]; bf16/f16 accepted)    amax / 448 of the whole weight
+  `<m>.input_scale`   f32 []                                 the activations' scale: ignored (weight-only)
+and  value[n, k] = f32(weight[n, k]) * weight_scale, in float32, rounded once to the load dtype.
+
+  dequantize(weight, scale, *, dtype)   -> jax.Array [N, K]
+  quantize(w)                           -> (weight, scale), NumPy: amax / 448, round to nearest E4M3
+  Fp8(weight, scale, dtype)             a weight kept in FP8 on the device (`load_drafter(weights="packed")`)
+  matmul(x, fp8)                        -> x @ W.T, its weight-only GEMM (the XLA path: dequantize, then dot)
+  check_scale(name, scale, dtype)       zero, negative, NaN, Inf, subnormal or overflowing scales
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from .._precision import weight_dot
+from ..errors import CheckpointError
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MatmulBackend = Literal["auto", "xla"]
+
+__all__ = ["Fp8", "check_scale", "dequantize", "matmul", "quantize"]
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def dequantize(weight: jax.Array, scale: jax.Array, *, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """`f32(weight) * f32(scale)` rounded once to `dtype`: weight float8_e4m3fn [..., K], scale one float."""
+    return (weight.astype(jnp.float32) * scale.astype(jnp.float32).reshape(())).astype(dtype)
+
+
+def quantize(w: Any) -> tuple[np.ndarray, np.float32]:
+    """Per-tensor FP8 as ModelOpt quantizes a weight: scale = amax / 448 (1 for an all-zero weight), weight =
+    w / scale rounded to the nearest float8_e4m3fn. Returns (weight [..., K] float8_e4m3fn, scale f32)."""
+    w = np.asarray(w).astype(np.float32)
+    if not np.isfinite(w).all():
+        raise ValueError("fp8.quantize: the weight holds NaN or Inf")
+    amax = np.abs(w).max(initial=np.float32(0))
+    scale = np.float32(amax / np.float32(FP8_MAX)) if amax > 0 else np.float32(1.0)
+    return np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def check_scale(name: str, scale: Any, dtype: Any = None) -> None:
+    """Raise `CheckpointError` naming `name` (the scale tensor) unless it is one normal float32 > 0.
+
+    Zero or negative zeroes or negates every weight, NaN/Inf poisons them, and a subnormal one (below
+    float32's normal range, ~1.2e-38) is no amax / 448 of a real weight. With `dtype` (the load dtype), the
+    largest weight the scale allows, 448 x scale, must be finite in it.
+    """
+    value = float(np.asarray(scale).astype(np.float32).reshape(-1)[0])
+    if not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{name}: {value} is not a finite number > 0")
+    if value < np.finfo(np.float32).tiny:
+        raise CheckpointError(f"{name}: {value:.3g} is subnormal (below float32's normal range, "
+                              f"{np.finfo(np.float32).tiny:.3g}); expected amax / 448 of the weight")
+    if dtype is not None:
+        limit = float(min(ml_dtypes.finfo(dtype).max, np.finfo(np.float32).max))  # dequantized in float32
+        if FP8_MAX * value > limit:
+            raise CheckpointError(f"{name}: {value} allows weights up to {FP8_MAX * value:.3g}, beyond "
+                                  f"{np.dtype(dtype).name}'s range ({limit:.3g}); the scale is corrupt")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """One FP8 per-tensor linear weight `[N, K]`: `weight` float8_e4m3fn [N, K], `scale` float32 [], and
+    (static) `dtype`, what it dequantizes to and is multiplied in. A registered dataclass that answers
+    `.shape`, `.dtype`, `.ndim`, `.sharding`, `.nbytes` as an array would (see `nvfp4.Packed`). Constructed
+    from arrays, the dtypes and shapes are checked (ValueError)."""
+
+    weight: jax.Array
+    scale: jax.Array
+    dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(f"fp8.Fp8: dtype must be a float dtype to compute in, got {self.dtype.name}")
+        w, s = self.weight, self.scale
+        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (w, s)):
+            return  # a placeholder some tree operations unflatten with, not arrays
+        if w.dtype != jnp.float8_e4m3fn or len(w.shape) != 2:
+            raise ValueError(f"fp8.Fp8: weight must be float8_e4m3fn [N, K], got {jnp.dtype(w.dtype).name}"
+                             f"{list(w.shape)}")
+        if s.dtype != jnp.float32 or tuple(s.shape) != ():
+            raise ValueError(f"fp8.Fp8: scale must be a float32 scalar [], got {jnp.dtype(s.dtype).name}"
+                             f"{list(s.shape)}")
+
+    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
+        if hasattr(self.weight, "shape"):
+            return f"fp8.Fp8({list(self.shape)}, {self.dtype.name})"
+        return f"fp8.Fp8({self.weight!r}, {self.scale!r}, {self.dtype.name})"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.weight.shape
+        return n, k
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        return self.weight.sharding
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both arrays: 1 per weight plus 4."""
+        return int(self.weight.nbytes) + int(self.scale.nbytes)
+
+    def dequantize(self) -> jax.Array:
+        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
+        return dequantize(self.weight, self.scale, dtype=self.dtype)
+
+
+def matmul(x: jax.Array, w: Fp8, *, out_dtype: Any = None, backend: MatmulBackend = "auto") -> jax.Array:
+    """`x [..., K] @ W.T -> [..., N]` for an FP8 weight `W [N, K]`, in `out_dtype` (default x's).
+
+    "xla" dequantizes to `w.dtype` and multiplies: the reference, and what "auto" runs everywhere today. The
+    seam for XLA's FP8 GEMM or a kernel on Hopper is "auto", here, with the same signature.
+    """
+    if not isinstance(w, Fp8):
+        raise TypeError(f"fp8.matmul: w must be an fp8.Fp8, got {type(w).__name__}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"fp8.matmul: x has {x.shape[-1]} features, the weight [{w.shape[0]}, {w.shape[1]}] "
+                         f"expects {w.shape[1]}")
+    if backend not in ("auto", "xla"):
+        raise ValueError(f"fp8.matmul: backend must be 'auto' or 'xla', got {backend!r}")
+    return weight_dot(x, w.dequantize(), x.dtype if out_dtype is None else out_dtype)

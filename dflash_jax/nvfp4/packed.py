@@ -1,0 +1,120 @@
+"""NVFP4 weights kept packed on the device: the `Packed` leaf and its weight-only GEMM `matmul`.
+
+`load_drafter(..., weights="packed")` leaves every NVFP4 linear weight as a `Packed`: the checkpoint's codes,
+block scales and global scale, 0.5625 bytes per weight instead of bf16's 2. The forward's projections reach it
+through `dflash_jax.model.dot`, which sends a `Packed` operand to `matmul`.
+
+`Packed` is a registered dataclass (a pytree node of three arrays, the compute dtype static), so `jax.jit`,
+`jax.tree`, `jax.device_put`, the NNX and linen modules and orbax carry it whole; it answers `.shape` (the
+unpacked `[N, K]`), `.dtype` (what it dequantizes to), `.ndim`, `.sharding` and `.nbytes` as an array would, so
+that code reading a weight's shape or dtype (`init_cache`, `attach`, pairing checks) needs no special case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from .._precision import weight_dot
+from ._reference import BLOCK, dequantize_xla
+
+MatmulBackend = Literal["auto", "xla"]
+
+
+def _is_array_like(x: Any) -> bool:
+    """Arrays, tracers and `ShapeDtypeStruct`s (not the placeholders some tree operations unflatten with)."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """One NVFP4 linear weight `[N, K]` as ModelOpt stores it (README "NVFP4 drafters").
+
+    codes   uint8 [N, K/2]            two E2M1 codes per byte, element 2j in the low nibble
+    scale   float8_e4m3fn [N, K/16]   one scale per 16 consecutive values of a row
+    scale_2 float32 []                the global scale
+    dtype   (static) the dtype it is computed in: `dequantize()` gives it, `matmul` multiplies in it
+
+    Constructed from arrays, the shapes and dtypes are checked (ValueError); K must be a multiple of 32, as
+    the loader requires of NVFP4 weights.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    scale_2: jax.Array
+    dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if not jnp.issubdtype(self.dtype, jnp.floating):
+            raise ValueError(f"nvfp4.Packed: dtype must be a float dtype to compute in, got {self.dtype.name}")
+        if all(map(_is_array_like, (self.codes, self.scale, self.scale_2))):
+            check_packed(self.codes, self.scale, self.scale_2)
+
+    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
+        return f"nvfp4.Packed({list(self.shape)}, {self.dtype.name})" if _is_array_like(self.codes) else (
+            f"nvfp4.Packed({self.codes!r}, {self.scale!r}, {self.scale_2!r}, {self.dtype.name})")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The unpacked weight's `(N, K)`."""
+        n, half_k = self.codes.shape
+        return n, 2 * half_k
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """Where the codes live (the scales live there too: the loader places all three replicated)."""
+        return self.codes.sharding
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the three arrays: 0.5625 per weight plus 4."""
+        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.scale_2))
+
+    def dequantize(self) -> jax.Array:
+        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
+        return dequantize_xla(self.codes, self.scale, self.scale_2, self.dtype)
+
+
+def check_packed(codes: Any, scale: Any, scale_2: Any) -> None:
+    """Raise ValueError for three arrays that do not make a `Packed` (see its docstring for the layout)."""
+    if codes.dtype != jnp.uint8 or len(codes.shape) != 2:
+        raise ValueError(f"nvfp4.Packed: codes must be uint8 [N, K/2], got {jnp.dtype(codes.dtype).name}"
+                         f"{list(codes.shape)}")
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    if k % 32:
+        raise ValueError(f"nvfp4.Packed: K = {k} (2 x {codes.shape[1]} bytes) is not a multiple of 32")
+    if scale.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"nvfp4.Packed: scale must be float8_e4m3fn, got {jnp.dtype(scale.dtype).name}")
+    if tuple(scale.shape) != (n, k // BLOCK):
+        raise ValueError(f"nvfp4.Packed: scale has shape {list(scale.shape)}, expected [{n}, {k // BLOCK}] "
+                         f"for codes {list(codes.shape)} (one scale per {BLOCK} values)")
+    if scale_2.dtype != jnp.float32 or tuple(scale_2.shape) != ():
+        raise ValueError(f"nvfp4.Packed: scale_2 must be a float32 scalar [], got "
+                         f"{jnp.dtype(scale_2.dtype).name}{list(scale_2.shape)}")
+
+
+def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBackend = "auto") -> jax.Array:
+    """`x [..., K] @ W.T -> [..., N]` for a packed NVFP4 weight `W [N, K]`, in `out_dtype` (default x's).
+
+    The weight-only GEMM of packed drafters. Backends: "xla" dequantizes to `w.dtype` and multiplies (the
+    reference, and what every platform runs today); "auto" picks the best one for the platform. This is the
+    seam for a GPU kernel that dequantizes in registers (a Pallas Mosaic GPU kernel on Hopper): it goes behind
+    "auto" here, with the same signature and "xla" as its reference. Jit-compatible.
+    """
+    if not isinstance(w, Packed):
+        raise TypeError(f"nvfp4.matmul: w must be an nvfp4.Packed, got {type(w).__name__}")
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"nvfp4.matmul: x has {x.shape[-1]} features, the weight [{w.shape[0]}, {w.shape[1]}] "
+                         f"expects {w.shape[1]}")
+    if backend not in ("auto", "xla"):
+        raise ValueError(f"nvfp4.matmul: backend must be 'auto' or 'xla', got {backend!r}")
+    return weight_dot(x, w.dequantize(), x.dtype if out_dtype is None else out_dtype)

@@ -1,0 +1,372 @@
+"""Quantized drafters kept quantized (`load_drafter(weights="packed")`): the packed GEMMs against NumPy, packed and
+dequantized drafters compute the same, greedy speculative decoding, NNX / mesh / orbax keep the leaves packed,
+FP8 checkpoints in both modes, parameter bytes, and bad input.
+
+The NumPy references decode the formats from their specifications (README "NVFP4 drafters", ModelOpt's FP8
+export: E4M3 = sign, 4 exponent bits of bias 7, 3 mantissa bits, no Inf, S.1111.111 NaN), not from the package.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import dflash_jax.loader
+from dflash_jax import (
+    CheckpointError,
+    draft_hidden,
+    fp8,
+    greedy_generate,
+    load_drafter,
+    nvfp4,
+    speculative_generate,
+)
+from dflash_jax._qwen3_testing import random_qwen3
+from dflash_jax.linen import DrafterModule
+from dflash_jax.model import dot, is_quantized
+from dflash_jax.nnx import DFlashDrafter
+from dflash_jax.testing import write_checkpoint
+
+from ._drafters import features
+from ._io import rewrite_tensors
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
+RNG = np.random.default_rng(24)
+
+
+def e4m3(bits: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bits -> float64, from the bit layout."""
+    bits = np.asarray(bits).view(np.uint8).astype(np.int64)
+    sign = np.where(bits & 0x80, -1.0, 1.0)
+    exponent, mantissa = (bits >> 3) & 0xF, bits & 7
+    value = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    return np.where((bits & 0x7F) == 0x7F, np.nan, sign * value)
+
+
+def nvfp4_reference(codes, scale, scale_2, dtype) -> np.ndarray:
+    """[N, K] in `dtype` (as float64): e2m1(code) * f32(f32(scale) * scale_2), rounded once to `dtype`."""
+    codes = np.asarray(codes)
+    nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)  # [N, K], low nibble first
+    values = np.where(nibbles & 8, -1.0, 1.0) * E2M1[nibbles & 7]
+    block = (e4m3(scale) * float(np.float32(scale_2))).astype(np.float32).astype(np.float64)  # f32 product
+    return (values * np.repeat(block, 16, axis=1)).astype(np.float32).astype(dtype).astype(np.float64)
+
+
+def fp8_reference(weight, scale, dtype) -> np.ndarray:
+    """[N, K] in `dtype` (as float64): e4m3(weight) * scale in float32, rounded once to `dtype`."""
+    return (e4m3(weight) * float(np.float32(scale))).astype(np.float32).astype(dtype).astype(np.float64)
+
+
+def random_packed(n: int, k: int, dtype=jnp.bfloat16) -> nvfp4.Packed:
+    """Random codes (every one of the 16), block scales of a trained weight's range, a small global scale."""
+    codes = RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = RNG.uniform(2.0, 448.0, (n, k // 16)).astype(ml_dtypes.float8_e4m3fn)
+    return nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.float32(RNG.uniform(1e-5, 1e-4)), dtype)
+
+
+def random_fp8(n: int, k: int, dtype=jnp.bfloat16) -> fp8.Fp8:
+    weight = np.clip(RNG.standard_normal((n, k)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return fp8.Fp8(jnp.asarray(weight), jnp.float32(RNG.uniform(1e-4, 1e-3)), dtype)
+
+
+# Qwen3-8B-DFlash-b16's projections at 1/16 of its widths (H 4096 -> 256, I 12288 -> 768, KV 1024 -> 64, fc 5 H).
+SHAPES = {"fc": (256, 1280), "q/o": (256, 256), "k/v": (64, 256), "gate/up": (768, 256), "down": (256, 768)}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_packed_gemm_against_numpy(fmt):
+    """x @ W.T with W quantized, against float64 NumPy of the dequantized weight (rounded to bf16 as the leaf's
+    dtype says), at M = 16, 32, 128, output float32. The weight then matches exactly; what remains is float32
+    accumulation: |error| <= K * 2^-24 * (|x| @ |W|.T) (a forward-error bound for a length-K sum). Measured:
+    at most 0.015x that bound on CPU. The bf16 output rounds once more (<= 2^-8 relative)."""
+    worst = 0.0
+    for name, (n, k) in SHAPES.items():
+        w = random_packed(n, k) if fmt == "nvfp4" else random_fp8(n, k)
+        ref_w = (nvfp4_reference(w.codes, w.scale, w.scale_2, ml_dtypes.bfloat16) if fmt == "nvfp4"
+                 else fp8_reference(w.weight, w.scale, ml_dtypes.bfloat16))
+        matmul = nvfp4.matmul if fmt == "nvfp4" else fp8.matmul
+        for m in (16, 32, 128):
+            x = RNG.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+            got = np.asarray(jax.jit(matmul, static_argnames="out_dtype")(x, w, out_dtype=jnp.float32))
+            x64 = x.astype(np.float64)
+            ref, bound = x64 @ ref_w.T, k * 2.0**-24 * (np.abs(x64) @ np.abs(ref_w).T)
+            assert got.shape == (m, n) and got.dtype == np.float32
+            worst = max(worst, float(np.max(np.abs(got - ref) / bound)))
+            assert np.all(np.abs(got - ref) <= bound), (name, m)
+        bf16 = np.asarray(matmul(x[None], w)).astype(np.float64)  # [1, 128, n] in x's dtype
+        np.testing.assert_allclose(bf16[0], ref, rtol=2.0**-8, atol=1e-6 * np.abs(ref).max())
+    assert worst < 0.1  # the margin: measured <= 0.015 (XLA:CPU sums in float32 blocks)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """NVFP4 and FP8 twins of tiny drafters, written once."""
+    root = tmp_path_factory.mktemp("packed")
+    write_checkpoint(root / "nvfp4", "tiny-dspark", nvfp4=True, seed=3, own_embeddings=True)
+    write_checkpoint(root / "fp8", "tiny-dflash2", fp8=True, seed=3)
+    write_checkpoint(root / "dflash", "tiny-dflash", nvfp4=True, seed=5)
+    write_checkpoint(root / "bf16", "tiny-dflash", seed=5)
+    return root
+
+
+@pytest.mark.parametrize("fmt,kind", [("nvfp4", nvfp4.Packed), ("fp8", fp8.Fp8)])
+def test_packed_drafter_hidden_states_equal_the_dequantized_ones(checkpoints, fmt, kind):
+    """float32, same inputs: packed and dequantized drafters give the same hidden states. Both multiply the same
+    float32 weight values with the same product (`_precision.weight_dot`), so the bound is 0 and is held
+    exactly (XLA:CPU, measured: bit-identical). Every linear weight (fc, projections, DFlash2's kernel
+    projections, DSpark's Markov factor and confidence head, its own LM head) is a packed leaf."""
+    packed = load_drafter(checkpoints / fmt, dtype=jnp.float32, weights="packed")
+    plain = load_drafter(checkpoints / fmt, dtype=jnp.float32)
+    leaves = jax.tree_util.tree_flatten_with_path(packed.params, is_leaf=is_quantized)[0]
+    quantized = [(path, w) for path, w in leaves if is_quantized(w)]
+    assert len(quantized) > 1 + 7 * packed.config.num_hidden_layers  # fc, 7 per layer, and the heads'
+    assert not any(is_quantized(x) for x in jax.tree.leaves(plain.params, is_leaf=is_quantized))
+    for path, w in quantized:
+        assert isinstance(w, kind) and w.dtype == jnp.float32
+        dequantized = _at(plain.params, path)
+        assert w.shape == dequantized.shape  # [N, K], answered as an array would
+        np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(dequantized))
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.standard_normal((128, 64)), jnp.float32)
+    B = packed.config.effective_block_size
+    args = (jnp.asarray(features(plain, 2, 5)), jnp.asarray(rng.integers(0, 127, (2, B)), jnp.int32))
+    positions = dict(context_positions=jnp.tile(jnp.arange(5), (2, 1)), block_positions=jnp.tile(5 + jnp.arange(B),
+                                                                                                  (2, 1)))
+    got = draft_hidden(packed, *args, embed=embed, **positions)
+    np.testing.assert_array_equal(got, draft_hidden(plain, *args, embed=embed, **positions))
+
+
+def _at(params, path):
+    node = params
+    for key in path:
+        node = node[key.idx if hasattr(key, "idx") else key.key]
+    return node
+
+
+def test_greedy_speculative_decoding_with_packed_drafters(checkpoints):
+    """Lossless: a packed drafter's greedy speculative decoding is the target's greedy decoding, token for token;
+    and its drafts are the dequantized twin's (same acceptance, step for step). DSpark NVFP4 with its own LM head,
+    Markov head and confidence head: every kind of product with a packed weight in the loop (FP8 leaves take the
+    same `dot`; their forward is compared above)."""
+    target = random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32)
+    prompts = [RNG.integers(0, 127, n).tolist() for n in (3, 9)]
+    greedy = greedy_generate(target, prompts, 12)
+    packed = load_drafter(checkpoints / "nvfp4", dtype=jnp.float32, weights="packed")
+    assert isinstance(packed.params["lm_head"]["weight"], nvfp4.Packed)
+    result = speculative_generate(target, packed, prompts, max_new_tokens=12)
+    assert result.tokens == greedy.tokens
+    plain = speculative_generate(target, load_drafter(checkpoints / "nvfp4", dtype=jnp.float32), prompts,
+                                 max_new_tokens=12)
+    assert result.acceptance_lengths == plain.acceptance_lengths
+
+
+def test_modules_mesh_and_jit_keep_packed_leaves_packed(checkpoints, cpu_mesh):
+    """Replicated over the 8 simulated devices, every array of every packed leaf is on all of them; jax.jit,
+    nnx.split/merge and linen's apply take the leaves whole and give them back packed."""
+    drafter = load_drafter(checkpoints / "dflash", weights="packed", mesh=cpu_mesh)
+    fc = drafter.params["fc"]["weight"]
+    assert isinstance(fc, nvfp4.Packed) and fc.codes.dtype == jnp.uint8 and fc.scale.dtype == jnp.float8_e4m3fn
+    for array in jax.tree.leaves(drafter.params):
+        assert array.sharding.is_fully_replicated and len(array.addressable_shards) == len(jax.devices())
+    assert fc.sharding == fc.codes.sharding
+    again = jax.jit(lambda d: d)(drafter)
+    assert isinstance(again.params["fc"]["weight"], nvfp4.Packed)
+    module = DFlashDrafter.from_drafter(drafter)
+    assert isinstance(module.params["fc"]["weight"], nnx.Param)  # one Param per weight, holding the whole leaf
+    graph, state = nnx.split(module)
+    merged = nnx.merge(graph, state).drafter.params
+    assert jax.tree.structure(merged) == jax.tree.structure(drafter.params)
+    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(drafter.params)):
+        assert a is b  # nothing copied or dequantized
+    target = random_qwen3("tiny-qwen3", seed=1)
+    B = drafter.config.effective_block_size
+    inputs = (jnp.zeros((1, 3, 2 * 64), jnp.bfloat16), jnp.zeros((1, B), jnp.int32))
+    positions = dict(context_positions=jnp.arange(3)[None], block_positions=3 + jnp.arange(B)[None])
+    linen = DrafterModule(drafter.config).apply({"params": drafter.params}, *inputs, embed=target.embed,
+                                                lm_head=target.lm_head, **positions)
+    assert linen.shape == (1, B, 128) and bool(jnp.isfinite(linen).all())
+
+
+def test_orbax_round_trip_keeps_packed_leaves(checkpoints, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint", reason="orbax is not a dependency")
+    params = load_drafter(checkpoints / "dflash", weights="packed").params
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", params)
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+        restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    assert isinstance(restored["layers"][1]["mlp"]["down_proj"]["weight"], nvfp4.Packed)
+    assert jax.tree.structure(restored) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.ravel(a).view(np.uint8), np.ravel(b).view(np.uint8))
+
+
+def test_fp8_checkpoints_load_in_both_modes(checkpoints):
+    """Dequantized: e4m3(weight) * scale rounded to bf16 (NumPy reference). Packed: the stored bytes."""
+    from ._io import load_file
+
+    tensors = load_file(checkpoints / "fp8" / "model.safetensors")
+    plain, packed = load_drafter(checkpoints / "fp8"), load_drafter(checkpoints / "fp8", weights="packed")
+    for name in ("fc.weight", "layers.1.mlp.down_proj.weight", "layers.0.mlp_conv.kernel_projection.weight",
+                 "candidate_selector.hidden_projection.weight"):
+        path = [int(k) if k.isdigit() else k for k in name.split(".")]
+        weight, scale = tensors[name], tensors[name.removesuffix("weight") + "weight_scale"]
+        assert weight.dtype == ml_dtypes.float8_e4m3fn and scale.shape == ()
+        got = np.asarray(_at_keys(plain.params, path)).astype(np.float64)
+        np.testing.assert_array_equal(got, fp8_reference(weight, scale, ml_dtypes.bfloat16))
+        leaf = _at_keys(packed.params, path)
+        assert isinstance(leaf, fp8.Fp8) and leaf.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(leaf.weight).view(np.uint8), weight.view(np.uint8))
+        assert float(leaf.scale) == float(scale)
+    for drafter in (plain, packed):  # not a linear: BF16 as stored, in both modes
+        assert drafter.params["candidate_selector"]["successor_codebook"].dtype == jnp.bfloat16
+
+
+def _at_keys(params, keys):
+    for key in keys:
+        params = params[key]
+    return params
+
+
+def test_parameter_bytes(checkpoints):
+    """`Drafter.param_bytes`: NVFP4 linears at 0.5625 bytes per weight plus 4, everything else at the dtype."""
+    packed = load_drafter(checkpoints / "dflash", weights="packed")
+    plain = load_drafter(checkpoints / "dflash")
+    shapes = [x.shape for x in jax.tree.leaves(packed.params, is_leaf=is_quantized) if is_quantized(x)]
+    linear = sum(math.prod(s) for s in shapes)
+    others = sum(x.size for x in jax.tree.leaves(plain.params)) - linear
+    assert plain.param_bytes == 2 * (linear + others)
+    assert packed.param_bytes == linear // 2 + linear // 16 + 4 * len(shapes) + 2 * others
+    assert packed.param_bytes < 0.3 * plain.param_bytes
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+
+def _leaf_arrays(n=64, k=128):
+    codes = jnp.zeros((n, k // 2), jnp.uint8)
+    return codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), jnp.float32(1.0)
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda c, s, g: (c, s[:, :-1], g), r"scale has shape \[64, 7\], expected \[64, 8\]"),
+    (lambda c, s, g: (c, s.astype(jnp.float32), g), "scale must be float8_e4m3fn, got float32"),
+    (lambda c, s, g: (c.astype(jnp.int8), s, g), "codes must be uint8"),
+    (lambda c, s, g: (c[:, :8], s[:, :2], g), "K = 16"),
+    (lambda c, s, g: (c, s, g.reshape(1)), r"scale_2 must be a float32 scalar \[\], got float32\[1\]"),
+    (lambda c, s, g: (c, s, g.astype(jnp.bfloat16)), "scale_2 must be a float32 scalar"),
+])
+def test_inconsistent_packed_leaves_are_refused(change, says):
+    with pytest.raises(ValueError, match=says):
+        nvfp4.Packed(*change(*_leaf_arrays()))
+
+
+def test_bad_quantized_leaves_and_products():
+    with pytest.raises(ValueError, match="weight must be float8_e4m3fn"):
+        fp8.Fp8(jnp.zeros((4, 32), jnp.bfloat16), jnp.float32(1))
+    with pytest.raises(ValueError, match="scale must be a float32 scalar"):
+        fp8.Fp8(jnp.zeros((4, 32), jnp.float8_e4m3fn), jnp.ones(4, jnp.float32))
+    packed = nvfp4.Packed(*_leaf_arrays())
+    with pytest.raises(ValueError, match="x has 64 features"):
+        nvfp4.matmul(jnp.zeros((2, 64)), packed)
+    with pytest.raises(ValueError, match="x @ W.T"):
+        dot("bk,kn->bn", jnp.zeros((2, 128)), packed)  # a weight is [out, in]: never the `kn` operand
+    with pytest.raises(TypeError, match="must be an nvfp4.Packed"):
+        nvfp4.matmul(jnp.zeros((2, 128)), jnp.zeros((64, 128)))
+    with pytest.raises(ValueError, match="dtype must be a float dtype to compute in, got int8"):
+        nvfp4.Packed(*_leaf_arrays(), dtype=jnp.int8)
+    assert repr(packed) == "nvfp4.Packed([64, 128], bfloat16)"  # a drafter's repr stays readable
+    assert repr(fp8.Fp8(jnp.zeros((4, 32), jnp.float8_e4m3fn), jnp.float32(1))) == "fp8.Fp8([4, 32], bfloat16)"
+
+
+@pytest.fixture
+def placements(monkeypatch):
+    """Calls of `place_all` from the loader: a refused checkpoint must never reach device placement."""
+    calls = []
+    real = dflash_jax.loader.place_all
+    monkeypatch.setattr(dflash_jax.loader, "place_all", lambda plan, *a, **k: calls.append(plan) or real(plan, *a, **k))
+    return calls
+
+
+SCALE = "layers.0.self_attn.k_proj.weight_scale"
+
+
+@pytest.mark.parametrize("value,says", [
+    (0.0, "0.0 is not a finite number > 0"), (-0.5, "-0.5 is not a finite number > 0"),
+    (np.nan, "nan is not"), (np.inf, "inf is not"), (1e-39, "1e-39 is subnormal"),
+])
+@pytest.mark.parametrize("weights", ["dequantized", "packed"])
+def test_bad_fp8_scales_are_refused_before_placing(tmp_path, placements, value, says, weights):
+    write_checkpoint(tmp_path, "tiny-dflash", fp8=True)
+    rewrite_tensors(tmp_path, lambda t: t.update({SCALE: np.asarray(value, np.float32)}))
+    with pytest.raises(CheckpointError, match=f"model.safetensors: {SCALE}: {says}"):
+        load_drafter(tmp_path, weights=weights)
+    assert not placements
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda t: t.pop(SCALE), f"its scale '{SCALE}' is missing"),
+    (lambda t: t.update({SCALE: np.ones((32, 1), np.float32)}), r"has shape \[32, 1\]; expected a per-tensor"),
+    (lambda t: t.update({SCALE: np.ones((32, 2), np.uint8)}), "E8M0 block scales of an MXFP8"),
+    (lambda t: t.update({SCALE: np.ones((), np.int32)}), "has dtype I32, expected F32"),
+])
+def test_bad_fp8_tensors_are_refused(tmp_path, placements, change, says):
+    write_checkpoint(tmp_path, "tiny-dflash", fp8=True)
+    rewrite_tensors(tmp_path, change)
+    with pytest.raises(CheckpointError, match=says):
+        load_drafter(tmp_path, weights="packed")
+    assert not placements
+
+
+def test_fp8_scale_beyond_the_load_dtype_and_declared_algorithms(tmp_path, placements):
+    """448 x scale must fit the load dtype (float16: 65504); MXFP8 declared is refused by name; an FP8 checkpoint
+    declared NVFP4 disagrees with its tensors."""
+    write_checkpoint(tmp_path, "tiny-dflash", fp8=True)
+    rewrite_tensors(tmp_path, lambda t: t.update({SCALE: np.asarray(200.0, np.float32)}))
+    with pytest.raises(CheckpointError, match="beyond float16's range"):
+        load_drafter(tmp_path, dtype=jnp.float16)
+    load_drafter(tmp_path, dtype=jnp.float32)  # 89600 fits float32
+    quant = tmp_path / "hf_quant_config.json"
+    for algo, says in (("MXFP8", "quant_algo 'MXFP8' is MXFP8 .E8M0 scales"), ("NVFP4", "quant_algo 'NVFP4' but")):
+        quant.write_text(quant.read_text().replace('"FP8"', f'"{algo}"').replace('"MXFP8"', f'"{algo}"')
+                         .replace('"NVFP4"', f'"{algo}"'))
+        with pytest.raises(CheckpointError, match=f"hf_quant_config.json: {says}"):
+            load_drafter(tmp_path, weights="packed")
+    assert len(placements) == 1  # the float32 load only
+
+
+def test_packed_nvfp4_with_bad_companions_is_refused(tmp_path, placements):
+    write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
+    rewrite_tensors(tmp_path, lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"][:, :4]}))
+    with pytest.raises(CheckpointError, match="fc.weight_scale: shape"):
+        load_drafter(tmp_path, weights="packed")
+    assert not placements
+
+
+def test_weights_argument(checkpoints, caplog, placements):
+    """An unknown value is a ValueError naming the argument, before anything is read; "packed" for a BF16
+    checkpoint loads it as it is, said in one info line."""
+    with pytest.raises(ValueError, match="load_drafter: weights='bf16'; expected one of 'dequantized', 'packed'"):
+        load_drafter(checkpoints / "bf16", weights="bf16")
+    assert not placements
+    with caplog.at_level(logging.INFO, logger="dflash_jax"):
+        drafter = load_drafter(checkpoints / "bf16", weights="packed")
+    said = [r.getMessage() for r in caplog.records if "weights='packed'" in r.getMessage()]
+    assert len(said) == 1 and "no NVFP4 or FP8 weights; loaded as stored" in said[0]
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(drafter.params))
+    assert drafter.param_bytes == load_drafter(checkpoints / "bf16").param_bytes
+
+
+def test_cli_load_packed_reports_parameter_bytes(checkpoints, capsys):
+    from dflash_jax.cli import main
+
+    assert main(["load", str(checkpoints / "dflash"), "--weights", "packed", "--devices", "2"]) == 0
+    expected = load_drafter(checkpoints / "dflash", weights="packed").param_bytes
+    assert f"{expected / 1e6:.1f} MB of parameters per device" in capsys.readouterr().out
