@@ -194,7 +194,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.small:
-        args.prompts, args.batch, args.max_new, args.chunk, args.iters = [100], [1, 2], 8, 32, 2
+        args.prompts, args.batch, args.max_new, args.chunk, args.iters = [100], [1], 8, 32, 2
     start = time.perf_counter()
     rate = read_rate(0.0625 if args.small else 4)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)",

@@ -38,3 +38,18 @@ def test_moe_block_small(tmp_path):
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
     assert all(r["max_diff"] < 2e-2 for r in rows), rows  # measured 1.5e-2: bf16 rounding of the grouped path's h
     assert all(1 <= r["distinct_experts"] <= 16 for r in rows)
+
+
+def test_hybrid_decode_small(tmp_path):
+    """The hybrid target's script: the step timings and every run, lossless, the oracle drafter fully accepted."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "hybrid_decode.py"), "--small",
+                    "--targets", "27B", "--json", str(out)], check=True, timeout=600, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    step = next(r for r in rows if r["part"] == "step")
+    assert 0 < step["commit"] and 0 < step["greedy step"]
+    decode = {r["run"]: r for r in rows if r["part"] == "decode"}
+    assert set(decode) == {"greedy", "full acceptance", "zero acceptance"}
+    assert all(r["same_as_greedy"] and r["greedy_floor_tps"] > 0 for r in decode.values())
+    assert decode["full acceptance"]["mean_acceptance"] == 8  # a 7-draft DSpark block, every draft accepted
+    assert decode["zero acceptance"]["mean_acceptance"] == 1
