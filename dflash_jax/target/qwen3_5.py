@@ -14,7 +14,7 @@ zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
   `beta = sigmoid(in_proj_b x)`, decay `g = -exp(A_log) softplus(in_proj_a x + dt_bias)`; per value head a float32
   state `S [d_k, d_v]`: `S <- exp(g) S; S += k (beta (v - k^T S))^T; o = q^T S`; then the gated RMSNorm
   `w * x_hat * silu(z)` (z = `in_proj_z x`) and `out_proj`. Prefill runs the chunked form (the WY / UT transform
-  within `delta_chunk` rows, the state carried across), a verify block the recurrent form row by row.
+  within `delta_chunk` rows, the state carried across), a verify block as one chunk keeping each row's state.
 
 Cache (`HybridCache`): full-attention layers a KV cache as the dense target's (slot t = position t, the loop's
 `lengths` say what is committed); delta-net layers the conv state and the recurrent state, which have no
@@ -66,7 +66,7 @@ from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
 from . import PREFILL_CHUNK, TargetOutput
 from .config import read_config_json
-from .delta_rule import chunked_delta_rule, l2_normed, recurrent_delta_rule
+from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
 from .dense import _attention, _check_layer_ids, prefill_chunks
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .qwen3_5_config import FULL_ATTENTION, Qwen3_5Config, parse_qwen3_5_config
@@ -435,8 +435,9 @@ def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.
                valid: jax.Array | None, delta_chunk: int):
     """One delta-net layer's mixer over `xn [batch, S, H]`: `(out [batch, S, H], conv, state)`.
 
-    `valid` None (a verify block): the recurrent form; returns the pending window `[batch, K - 1 + S, conv_dim]`
-    and the states before and after each row `[batch, S + 1, n_v, d_k, d_v]`. Else (prefill, `valid
+    `valid` None (a verify block): one chunk keeping every row's state (`block_delta_rule`); returns the pending
+    window `[batch, K - 1 + S, conv_dim]` and the states before and after each row `[batch, S + 1, n_v, d_k,
+    d_v]`. Else (prefill, `valid
     [batch, S]` the real rows, a prefix of each sequence's): the chunked form with padding rows masked
     (beta = 0, decay 1); returns the committed conv state after the real rows and the final state.
     """
@@ -448,7 +449,7 @@ def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.
         q, k, v, z = (layout.constrain(x, HEAD_ROWS) for x in (q, k, v, z))
         g, beta = (layout.constrain(x, HEAD_ROWS[:3]) for x in (g, beta))
     if valid is None:
-        out, states = recurrent_delta_rule(q, k, v, g, beta, state)
+        out, states = block_delta_rule(q, k, v, g, beta, state)
         conv, state = window, jnp.concatenate([state[:, None], states], axis=1)
         if layout is not None:
             state = layout.constrain(state, (BATCH, None, *STATE_AXES[1:]))  # [batch, S + 1, n_v, d_k, d_v]
