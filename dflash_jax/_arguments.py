@@ -18,6 +18,8 @@ at trace time); values are checked only where the host can see them (concrete ar
   check_sampling(where, key, temperature)
   check_token_ids(where, name, ids, vocab_size)
   refuse_traced(where, *trees)                             a host-side driver called under jit
+  check_generate(where, target, prompt_ids, ...)           the arguments of speculative_generate / greedy_generate
+  check_cache_fits(where, target, drafter, batch, capacity) the decode caches against the devices' memory
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._memory import free_bytes
 from .config import DflashConfig
 from .spec import drafter_spec, expand
 
@@ -264,3 +267,52 @@ def check_params(config: DflashConfig, params: Any, where: str) -> None:
         if tuple(np.shape(node)) != spec.shape:
             raise ValueError(f"{where}: parameter {spec.name!r} has shape {list(np.shape(node))}, expected "
                              f"{list(spec.shape)} from the config; a tree of another config?")
+
+
+def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: Any, prefill_chunk: Any,
+                   stop_token_ids: Any, drafter: Any = None, temperature: Any = 0.0, seed: Any = 0,
+                   confidence_threshold: Any = 0.0) -> tuple[list[list[int]], bool, int]:
+    """The arguments of `speculative_generate` / `greedy_generate`: `(prompts, single, seed)` once each is of
+    the right type and in range (`check_prompt_ids`, `check_seed`, ints >= 1 for `max_new_tokens` and
+    `prefill_chunk`, stop ids as non-negative int32s, numbers for the temperature and the threshold). Called under
+    `jax.jit` it refuses at once (`refuse_traced`)."""
+    refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, temperature, seed, confidence_threshold)
+    check_integer(where, "max_new_tokens", max_new_tokens, 1)
+    check_integer(where, "prefill_chunk", prefill_chunk, 1)
+    prompts, single = check_prompt_ids(where, prompt_ids, target.vocab_size)
+    if stop_token_ids is not None:
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray)):
+            raise TypeError(f"{where}: stop_token_ids is a {type(stop_token_ids).__name__}; expected a list of int "
+                            "token ids or None")
+        for i, t in enumerate(stop_token_ids):
+            if _token(t) is None:
+                raise TypeError(f"{where}: stop_token_ids[{i}] = {t!r} is a {type(t).__name__}; expected an int")
+            check_integer(where, f"stop_token_ids[{i}]", _token(t))  # past the vocabulary: never matches
+    check_sampling(where, seed, check_number(where, "temperature", temperature))
+    threshold = check_number(where, "confidence_threshold", confidence_threshold)
+    if not np.isfinite(threshold):
+        raise ValueError(f"{where}: confidence_threshold={threshold} must be finite (0 verifies every draft)")
+    return prompts, single, check_seed(where, seed)
+
+
+def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity: int) -> None:
+    """Refuse, before anything is allocated, decode caches of `capacity` positions per sequence that cannot
+    exist: positions past int32, or more bytes than the target's devices have free (`_memory.free_bytes`:
+    what they report, the host's available memory for CPUs). The target's cache is measured abstractly
+    (`jax.eval_shape` of its `init_cache`), the drafter's bounded by every layer keeping every position."""
+    if capacity > INT32_MAX:
+        raise ValueError(f"{where}: the caches would need {capacity} positions per sequence, past int32 positions "
+                         f"({INT32_MAX}); lower max_new_tokens")
+    shapes = jax.eval_shape(lambda: target.init_cache(batch, capacity))
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    if drafter is not None:
+        c = drafter.config
+        itemsize = np.dtype(drafter.params["fc"]["weight"].dtype).itemsize
+        needed += (2 * c.num_hidden_layers * batch * c.num_key_value_heads * (capacity + c.effective_block_size)
+                   * c.head_dim * itemsize)
+    devices = target.embed.devices() if hasattr(target.embed, "devices") else jax.local_devices()[:1]
+    free, what = free_bytes(devices)
+    if free is not None and needed > free:
+        raise ValueError(f"{where}: the KV caches for {batch} sequence(s) of {capacity} positions need "
+                         f"{needed / 2**30:,.2f} GiB, but the target's {what} have {free / 2**30:,.2f} GiB free; "
+                         "lower max_new_tokens, the prompt length or the batch")

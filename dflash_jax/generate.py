@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._arguments import check_sampling, check_token_ids
+from ._arguments import check_cache_fits, check_generate
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .model import AttentionOptions
@@ -98,16 +98,6 @@ class GenerationResult:
 # --------------------------------------------------------------------------------------------------------------
 # Shared pieces: prompts, the first token, stop tokens
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _as_batch(prompt_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[list[int]], bool]:
-    """`(prompts, single)`: a batch of non-empty prompts, and whether one bare prompt was given."""
-    given: list[Any] = list(prompt_ids)  # the tokens of one bare prompt, or the prompts
-    single = not given or not isinstance(given[0], (Sequence, np.ndarray))
-    prompts = [[int(t) for t in p] for p in ([given] if single else given)]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    return prompts, single
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -405,19 +395,18 @@ def speculative_generate(
     (ValueError) unless `beyond_max_positions`. `backoff` (`Backoff`): run plain target steps while drafts are
     rarely accepted (`GenerationResult.plain_tokens` counts their tokens); None: every step verifies drafts.
     """
+    prompts, single, seed = check_generate(
+        "speculative_generate", target, prompt_ids, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+        stop_token_ids=stop_token_ids, drafter=drafter, temperature=temperature, seed=seed,
+        confidence_threshold=confidence_threshold)  # the key is made from `seed`
     if backoff is not None and not isinstance(backoff, Backoff):
         raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts, single = _as_batch(prompt_ids)
-    for p in prompts:
-        check_token_ids("speculative_generate", "prompt_ids", p, target.vocab_size)
-    check_sampling("speculative_generate", seed, temperature)  # the key is made from `seed`
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
     capacity = _round_up(tokens.shape[1] + max_new_tokens + K + 1, CACHE_BUCKET)
+    check_cache_fits("speculative_generate", target, drafter, len(prompts), capacity)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
@@ -540,14 +529,12 @@ def greedy_generate(
 
     Same prompt handling, stop rule, position check and result as `speculative_generate` (no acceptance lengths).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompts, single = _as_batch(prompt_ids)
-    for p in prompts:
-        check_token_ids("greedy_generate", "prompt_ids", p, target.vocab_size)
+    prompts, single, _ = check_generate("greedy_generate", target, prompt_ids, max_new_tokens=max_new_tokens,
+                                        prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     capacity = _round_up(tokens.shape[1] + max_new_tokens, CACHE_BUCKET)
+    check_cache_fits("greedy_generate", target, None, len(prompts), capacity)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()
     state = jax.block_until_ready(

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._executables import compiled
+from ._memory import device_free_bytes, host_available_bytes
 from .errors import CheckpointError
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
@@ -159,20 +160,29 @@ def _read_bytes(checkpoint: Checkpoint, t: TensorPlan, names: list[str], leaf_pa
 def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
                dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None) -> None:
     """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole), plus the inputs of its
-    largest conversion, exceed a device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`; devices
-    that report none, like CPUs, are not checked): a clear error before anything is placed instead of
-    RESOURCE_EXHAUSTED halfway through."""
+    largest conversion, exceed a device's free memory (`bytes_limit - bytes_in_use` of `memory_stats()`), or,
+    for devices that report none (CPUs, which share the host's memory), exceed the host's available memory
+    once per such device (`_memory`): a clear error before anything is placed instead of RESOURCE_EXHAUSTED (or
+    the kernel's OOM killer) halfway through."""
     shapes = shards if shards is not None else [t.shape for t in plan]
     leaves = sum(math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
                  for t, shape in zip(plan, shapes))
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
                  if len(names) > 1 or (t.kind != "int" and checkpoint[t.name].np_dtype != dtype)]
     needed = leaves + max(converted, default=0)
+    on_host = [d for d in devices if device_free_bytes(d) is None]
+    host = host_available_bytes() if on_host else None
+    if host is not None and needed * len(on_host) > host:
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB as {dtype.name} on each of "
+            f"{len(on_host)} host-memory device(s) ({on_host[0]}, ...), {needed * len(on_host) / 2**20:,.0f} MiB in "
+            f"all, but the host has {host / 2**20:,.0f} MiB available; expected a host with more free memory (or a "
+            "narrower dtype, or fewer devices)"
+        )
     for device in devices:
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
+        free = device_free_bytes(device)
+        if free is None:
             continue
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         if needed > free:
             raise CheckpointError(
                 f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "
