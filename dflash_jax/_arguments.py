@@ -20,6 +20,8 @@ at trace time); values are checked only where the host can see them (concrete ar
   refuse_traced(where, *trees)                             a host-side driver called under jit
   check_generate(where, target, prompt_ids, ...)           the arguments of speculative_generate / greedy_generate
   check_cache_fits(where, target, drafter, batch, capacity) the decode caches against the devices' memory
+  as_ids(where, name, x)                                   a list or array of integer ids, as an array
+  call_donating(where, cache, fn, *args, **kwargs)         fn, with a reused donated cache named as such
 """
 
 from __future__ import annotations
@@ -227,18 +229,20 @@ def check_mesh(where: str, mesh: Any) -> None:
 
 
 def check_heads(config: DflashConfig, where: str, embed: Any = None, lm_head: Any = None) -> None:
-    """The target's embedding `[vocab_size, H]` and LM head `[draft vocabulary, H]` (HF layout), when given: an
-    array of another width would fail deep inside a matmul, another vocabulary clamp ids silently."""
-    H, draft_vocab = config.hidden_size, config.draft_vocab_size or config.vocab_size
-    for name, value, rows in (("embed", embed, config.vocab_size), ("lm_head", lm_head, draft_vocab)):
+    """The target's embedding `[vocab_size, H]` and an LM head `[vocab_size or draft_vocab_size, H]` (HF layout),
+    when given: an array of another width would fail deep inside a matmul, another vocabulary clamp ids
+    silently. (The target's `[vocab_size, H]` head may be attached to a drafter that ships its own reduced one.)"""
+    H, V = config.hidden_size, config.vocab_size
+    heads = {V, config.draft_vocab_size or V}
+    for name, value, rows in (("embed", embed, {V}), ("lm_head", lm_head, heads)):
+        expected = " or ".join(f"[{n}, {H}]" for n in sorted(rows))
         if value is None:
             continue
         if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-            raise TypeError(f"{where}: {name} is a {type(value).__name__}; expected an array [{rows}, {H}]")
-        if tuple(value.shape) != (rows, H):
-            raise ValueError(f"{where}: {name} has shape {list(value.shape)}, expected [{rows}, {H}] "
-                             f"(the {'vocabulary' if name == 'embed' else 'draft vocabulary'} x hidden_size of the "
-                             "drafter's config)")
+            raise TypeError(f"{where}: {name} is a {type(value).__name__}; expected an array {expected}")
+        if len(value.shape) != 2 or value.shape[1] != H or value.shape[0] not in rows:
+            raise ValueError(f"{where}: {name} has shape {list(value.shape)}, expected {expected} (vocabulary x "
+                             "hidden_size of the drafter's config)")
 
 
 def check_params(config: DflashConfig, params: Any, where: str) -> None:
@@ -316,3 +320,28 @@ def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity
         raise ValueError(f"{where}: the KV caches for {batch} sequence(s) of {capacity} positions need "
                          f"{needed / 2**30:,.2f} GiB, but the target's {what} have {free / 2**30:,.2f} GiB free; "
                          "lower max_new_tokens, the prompt length or the batch")
+
+
+def as_ids(where: str, name: str, x: Any) -> Any:
+    """An integer array argument (`num_new`, `anchor_ids`): an array as it is, a list or a number as a NumPy
+    array (a Python list under `jit` would be a pytree of scalars); floats and bools are a `TypeError`."""
+    if not hasattr(x, "dtype"):
+        if isinstance(x, (str, bytes)):
+            raise TypeError(f"{where}: {name} is a {type(x).__name__}; expected an integer array")
+        x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"{where}: {name} has dtype {x.dtype}; expected integers")
+    return x
+
+
+def call_donating(where: str, cache: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, a jitted function that donates `cache`: when it fails because a buffer was donated
+    or deleted and the cache is, the error says so (JAX's names only a buffer). Nothing is checked on success."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+        if not any(x.is_deleted() for x in leaves):
+            raise
+        raise ValueError(f"{where}: this cache was donated to an earlier call (its buffers are deleted); use the "
+                         "cache that call returned") from e
