@@ -51,7 +51,11 @@ def _shape(x) -> tuple[int, ...]:
 
 def check_token_ids(where: str, name: str, ids, vocab_size: int) -> None:
     """Every id in `ids` (when concrete) must be an integer in `[0, vocab_size)`: an id past the embedding
-    would be clamped by the gather and silently embed another token."""
+    would be clamped by the gather and silently embed another token. The dtype is checked on tracers too: a
+    float or bool id array would be truncated or taken for 0/1."""
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{where}: {name} has dtype {dtype}, expected integer token ids")
     values = _concrete(ids)
     if values is None or values.size == 0:
         return
@@ -190,7 +194,8 @@ def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list
         for i, t in enumerate(row):
             token = _token(t)
             if token is None:
-                raise TypeError(f"{where}: {name}[{i}] = {t!r} is a {type(t).__name__}; expected an int token id")
+                shown = t.item() if isinstance(t, np.generic) else t  # 1.5, not np.float64(1.5)
+                raise TypeError(f"{where}: {name}[{i}] = {shown!r} is a {type(t).__name__}; expected an int token id")
             if not 0 <= token < vocab_size:
                 raise ValueError(f"{where}: {name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
             prompt.append(token)

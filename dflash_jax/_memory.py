@@ -48,6 +48,5 @@ def free_bytes(devices: Iterable[Any]) -> tuple[int | None, str]:
         if host is None:
             return (total if len(silent) < len(devices) else None), f"{len(devices)} device(s)"
         total += host
-    what = f"{len(devices)} device(s)" + (f", {len(silent)} of them sharing the host's available memory"
-                                          if silent else "")
+    what = f"{len(devices)} device(s)" + (f" ({len(silent)} on the host's available memory)" if silent else "")
     return total, what
