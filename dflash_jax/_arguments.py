@@ -329,13 +329,16 @@ def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity
 
 def as_ids(where: str, name: str, x: Any) -> Any:
     """An integer array argument (`num_new`, `anchor_ids`): an array as it is, a list or a number as a NumPy
-    array (a Python list under `jit` would be a pytree of scalars); floats and bools are a `TypeError`."""
+    array (a Python list under `jit` would be a pytree of scalars); floats and bools are a `TypeError`. Host
+    values past int32 are a `ValueError`: JAX would wrap them silently (2**40 becomes 0)."""
     if not hasattr(x, "dtype"):
         if isinstance(x, (str, bytes)):
             raise TypeError(f"{where}: {name} is a {type(x).__name__}; expected an integer array")
         x = np.asarray(x)
     if not np.issubdtype(x.dtype, np.integer):
         raise TypeError(f"{where}: {name} has dtype {x.dtype}; expected integers")
+    if isinstance(x, np.ndarray) and x.size and (x.min() < -INT32_MAX - 1 or x.max() > INT32_MAX):
+        raise ValueError(f"{where}: {name} has entries past int32 ({x.min()} .. {x.max()})")
     return x
 
 

@@ -160,11 +160,13 @@ class Backoff:
     max_plain_steps: int = 32
 
     def __post_init__(self):
-        if not (isinstance(self.min_tokens, (int, float)) and 1 <= self.min_tokens < float("inf")):
+        if isinstance(self.min_tokens, bool) or not (isinstance(self.min_tokens, (int, float))
+                                                     and 1 <= self.min_tokens < float("inf")):
             raise ValueError(f"Backoff.min_tokens must be a finite number >= 1 (a verify commits at least one "
                              f"token), got {self.min_tokens!r}")
-        if not (isinstance(self.max_plain_steps, int) and self.max_plain_steps >= 1):
-            raise ValueError(f"Backoff.max_plain_steps must be an int >= 1, got {self.max_plain_steps!r}")
+        if isinstance(self.max_plain_steps, bool) or not (isinstance(self.max_plain_steps, int)
+                                                          and 1 <= self.max_plain_steps <= 2**31 - 1):
+            raise ValueError(f"Backoff.max_plain_steps must be an int in [1, 2**31 - 1], got {self.max_plain_steps!r}")
 
 
 @jax.tree_util.register_dataclass

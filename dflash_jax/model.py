@@ -227,9 +227,9 @@ class AttentionOptions:
 
 def _integer(field: str, value: Any, minimum: int) -> int:
     """`value` as a Python int (NumPy integers too: a plain int keeps the rules' arithmetic weakly typed), at least
-    `minimum`; a bool is not an integer here."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"AttentionOptions.{field} must be an integer >= {minimum}, got {value!r}")
+    `minimum` and within int32 (positions are int32: a wider window would wrap); a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= 2**31 - 1:
+        raise ValueError(f"AttentionOptions.{field} must be an integer in [{minimum}, 2**31 - 1], got {value!r}")
     return int(value)
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 
 import dflash_jax._memory
 import dflash_jax.placement
-from dflash_jax import CheckpointError, ConfigError, cli, load_drafter, load_target
+from dflash_jax import AttentionOptions, Backoff, CheckpointError, ConfigError, cli, load_drafter, load_target
 from dflash_jax._arguments import check_seed
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.config import parse_config
@@ -285,6 +285,11 @@ def test_num_new_as_a_list_and_a_reused_donated_cache(drafter):
     (lambda d, h, n, a: init_cache(d, 2, 0), r"init_cache: max_context=0 is outside \[1, "),
     (lambda d, h, n, a: init_cache(d, True, 8), "init_cache: batch_size must be an int, got bool"),
     (lambda d, h, n, a: init_cache(d, 2, 8, dtype=jnp.float64), "init_cache: dtype=float64 cannot hold"),
+    (lambda d, h, n, a: propose(d, init_cache(d, 2, 32), h, n, [5, 2**40]),  # wrapped to 0 silently before
+     r"propose: anchor_ids has entries past int32 \(5 .. 1099511627776\)"),
+    (lambda d, h, n, a: AttentionOptions(draft_window=2**40), r"draft_window must be an integer in \[1, 2\*\*31 - 1\]"),
+    (lambda d, h, n, a: Backoff(max_plain_steps=True), "Backoff.max_plain_steps must be an int"),
+    (lambda d, h, n, a: Backoff(min_tokens=True), "Backoff.min_tokens must be a finite number"),
 ])
 def test_drafting_sizes_and_dtypes_are_checked(drafter, call, says):
     with pytest.raises((TypeError, ValueError), match=says):  # ZeroDivisionError / float32 silently before

@@ -73,7 +73,8 @@ def check_scales(name: str, scale, scale_2, dtype=None) -> None:
         raise CheckpointError(f"{name}_scale_2: {scale_2} is not a finite number > 0")
     if scale_2 < np.finfo(np.float32).tiny:  # flushed to zero by the dequantization (XLA's FTZ)
         raise CheckpointError(f"{name}_scale_2: {scale_2:.3g} is subnormal in float32, which XLA flushes to 0: every "
-                              f"dequantized weight would be 0; expected a finite number >= {np.finfo(np.float32).tiny:.3g}")
+                              "dequantized weight would be 0; expected a finite number >= "
+                              f"{np.finfo(np.float32).tiny:.3g}")
     if dtype is not None and bits.size:
         largest = _FP4_MAX * float(magnitude.max(initial=0).view(ml_dtypes.float8_e4m3fn)) * scale_2
         limit = float(min(ml_dtypes.finfo(dtype).max, np.finfo(np.float32).max))  # dequantized in float32
