@@ -490,8 +490,9 @@ def propose(
     made with (another raises ValueError); impl: the attention's
     (`dflash_jax.attention.attend`). Shapes (and the parameter tree, the embedding and LM head against the config)
     are checked when the program is traced; values are not, since the step is jitted: a `num_new` outside
-    `[0, n_new]` is clamped into the rows there are, an id past the vocabulary is clamped by the gather, a
-    temperature > 0 without a key drafts greedily and a negative one samples from the flipped distribution.
+    `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over real ones), an
+    id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a negative one,
+    drafts greedily.
     `checked=True` checks those values eagerly first (concrete inputs only: it reads `num_new`, `anchor_ids`
     and `temperature` back to the host, a sync per call, so it is for debugging, not the decode loop; the
     default path adds a Python call and no device work). A cache passed to an earlier call (donated) is a
