@@ -182,7 +182,7 @@ def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray, jax.Array)):
         raise TypeError(f"{where}: prompt_ids is a {type(prompt_ids).__name__}; expected token ids: a list of ints "
                         "(one prompt) or a list of such lists (a batch)")
-    given = list(prompt_ids)
+    given = list(np.asarray(prompt_ids)) if isinstance(prompt_ids, jax.Array) else list(prompt_ids)
     single = not given or not _is_row(given[0])
     rows = [given] if single else given
     prompts = []
@@ -190,21 +190,31 @@ def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list
         name = "prompt_ids" if single else f"prompt_ids[{b}]"
         if isinstance(row, (str, bytes)) or not _is_row(row):
             raise TypeError(f"{where}: {name} is a {type(row).__name__}; expected a list of int token ids")
-        prompt = []
-        for i, t in enumerate(row):
-            token = _token(t)
-            if token is None:
-                shown = t.item() if isinstance(t, np.generic) else t  # 1.5, not np.float64(1.5)
-                raise TypeError(f"{where}: {name}[{i}] = {shown!r} is a {type(t).__name__}; expected an int token id")
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"{where}: {name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
-            prompt.append(token)
+        if isinstance(row, (np.ndarray, jax.Array)) and np.issubdtype(row.dtype, np.integer):  # checked at once
+            check_token_ids(where, name, row, vocab_size)
+            prompt = np.asarray(row).tolist()
+        else:
+            prompt = _prompt(where, name, row, vocab_size)
         if not prompt:
             raise ValueError(f"{where}: {name} is empty; every prompt needs at least one token")
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{where}: prompt_ids is empty; every prompt needs at least one token")
     return prompts, single
+
+
+def _prompt(where: str, name: str, row: Any, vocab_size: int) -> list[int]:
+    """One prompt given as a sequence: each entry an int (not a bool, a float, a string) in the vocabulary."""
+    prompt = []
+    for i, t in enumerate(row):
+        token = _token(t)
+        if token is None:
+            shown = t.item() if isinstance(t, np.generic) else t  # 1.5, not np.float64(1.5)
+            raise TypeError(f"{where}: {name}[{i}] = {shown!r} is a {type(t).__name__}; expected an int token id")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{where}: {name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+        prompt.append(token)
+    return prompt
 
 
 def check_load_arguments(where: str, dtype: Any, mesh: Any) -> jnp.dtype:

@@ -192,6 +192,8 @@ BAD_PROMPTS = [
     (7, TypeError, "prompt_ids is a int"),
     ([2**40], ValueError, r"prompt_ids\[0\] = 1099511627776 is outside the vocabulary \[0, 128\)"),
     ([[1], []], ValueError, r"prompt_ids\[1\] is empty"),
+    (np.array([[1, 2], [3, 500]]), ValueError, r"prompt_ids\[1\]\[1\] = 500 is outside the vocabulary"),
+    (jnp.array([1, 200]), ValueError, r"prompt_ids\[1\] = 200 is outside the vocabulary"),
 ]
 
 

@@ -177,9 +177,9 @@ def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] 
     known = [ARCHITECTURES[a] for a in names if a in expected]
     drafter = any(isinstance(block, dict) and "mask_token_id" in block
                   for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
-    if drafter or (not known and (kind is None or names)):  # a target of another kind, or a drafter
+    if drafter or (kind is None and not known):  # a drafter; another target (`kind` given: its model_type says)
         what = "a DFlash-family drafter (load it with load_drafter)" if drafter else "not a target dflash_jax runs"
         raise ConfigError(f"{file}: architectures {names or 'missing'}: {what}; expected a target checkpoint "
-                          f"directory, its config.json naming {' or '.join(expected)}")
+                          f"directory, its config.json naming {'one of ' if len(expected) > 1 else ''}{', '.join(expected)}")
     return parse_decoder_config(raw, kind or known[0], source=file)
 
