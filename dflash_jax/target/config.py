@@ -179,7 +179,8 @@ def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] 
                   for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
     if drafter or (kind is None and not known):  # a drafter; another target (`kind` given: its model_type says)
         what = "a DFlash-family drafter (load it with load_drafter)" if drafter else "not a target dflash_jax runs"
+        naming = ("one of " if len(expected) > 1 else "") + ", ".join(expected)
         raise ConfigError(f"{file}: architectures {names or 'missing'}: {what}; expected a target checkpoint "
-                          f"directory, its config.json naming {'one of ' if len(expected) > 1 else ''}{', '.join(expected)}")
+                          f"directory, its config.json naming {naming}")
     return parse_decoder_config(raw, kind or known[0], source=file)
 
