@@ -1,22 +1,43 @@
-"""Checks of the arguments of the drafting entry points, for inputs that would otherwise run silently wrong.
+"""Checks of the arguments of the public entry points, for inputs that would otherwise run silently wrong or
+fail deep inside JAX.
 
-Each raises `ValueError` naming the function and the argument. Shapes are static, so the shape checks work
-on tracers too (inside `jax.jit` they run once, at trace time); values are checked only where the host can
-see them (concrete arrays, Python numbers): under `jit` a traced token id, temperature or `num_new` is not
-checked, and the callers' docstrings say so.
+Each raises `ValueError` (a value out of range) or `TypeError` (a value of the wrong kind) naming the function
+and the argument. Shapes are static, so the shape checks work on tracers too (inside `jax.jit` they run once,
+at trace time); values are checked only where the host can see them (concrete arrays, Python numbers): under
+`jit` a traced token id, temperature or `num_new` is not checked (`propose(..., checked=True)` and
+`draft_logits(..., checked=True)` check them eagerly before the jitted call), and the callers' docstrings say so.
 
+  check_integer(where, name, value, minimum, maximum)       an int (not a bool) in range
+  check_seed(where, seed)                                  a Python int of at most 64 bits -> a JAX seed
+  check_prompt_ids(where, prompt_ids, vocab_size)          one prompt or a batch of prompts of token ids
+  check_load_arguments(where, dtype, mesh)                 a floating load dtype, a mesh of devices
+  check_heads(config, where, embed, lm_head)               the target's embedding / LM head, [V, H]
+  check_params(config, params, where)                      a parameter tree of the config's layers and shapes
   check_block_inputs(config, where, target_hidden, block_ids, context_positions, block_positions)
   check_propose_inputs(config, where, cache_batch, target_hidden, num_new, anchor_ids)
   check_sampling(where, key, temperature)
   check_token_ids(where, name, ids, vocab_size)
+  refuse_traced(where, *trees)                             a host-side driver called under jit
+  check_generate(where, target, prompt_ids, ...)           the arguments of speculative_generate / greedy_generate
+  check_cache_fits(where, target, drafter, batch, capacity) the decode caches against the devices' memory
+  as_ids(where, name, x)                                   a list or array of integer ids, as an array
+  call_donating(where, cache, fn, *args, **kwargs)         fn, with a reused donated cache named as such
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from ._memory import free_bytes
 from .config import DflashConfig
+from .spec import drafter_spec, expand
+
+INT32_MAX = 2**31 - 1  # token ids, positions, sizes and chunk lengths all index int32 arrays
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -30,7 +51,11 @@ def _shape(x) -> tuple[int, ...]:
 
 def check_token_ids(where: str, name: str, ids, vocab_size: int) -> None:
     """Every id in `ids` (when concrete) must be an integer in `[0, vocab_size)`: an id past the embedding
-    would be clamped by the gather and silently embed another token."""
+    would be clamped by the gather and silently embed another token. The dtype is checked on tracers too: a
+    float or bool id array would be truncated or taken for 0/1."""
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None and not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{where}: {name} has dtype {dtype}, expected integer token ids")
     values = _concrete(ids)
     if values is None or values.size == 0:
         return
@@ -96,3 +121,245 @@ def check_sampling(where: str, key, temperature) -> None:
     if key is None and (values > 0).any():
         raise ValueError(f"{where}: temperature {values.tolist()} > 0 without a key would draft greedily; "
                          "pass key=jax.random.key(...) to sample, or temperature=0 for greedy")
+
+
+def check_integer(where: str, name: str, value: Any, minimum: int = 0, maximum: int = INT32_MAX) -> int:
+    """`value` as a Python int in `[minimum, maximum]`: a bool, a float or a string is a `TypeError`, an int out
+    of range (0 or negative chunk sizes, sizes past int32) a `ValueError`, both naming `where` and `name`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{where}: {name}={value} is outside [{minimum}, {maximum}]")
+    return int(value)
+
+
+def check_number(where: str, name: str, value: Any) -> float:
+    """A real number (a Python or NumPy scalar, not a bool) as a float: `TypeError` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_seed(where: str, seed: Any) -> int:
+    """A seed for `jax.random.key`: any int of at most 64 bits, signed or unsigned (an unsigned one past int64
+    is taken as the int64 of the same bits, as NumPy's uint64 -> int64 view would); wider ones are refused,
+    rather than silently truncated or raising OverflowError inside JAX."""
+    seed = check_integer(where, "seed", seed, -(2**63), 2**64 - 1)
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+def refuse_traced(where: str, *trees: Any) -> None:
+    """`TypeError` when any leaf is a tracer: `where` is a host-side driver (it compiles its own programs,
+    reads results back and times them), which `jax.jit` / `vmap` / `grad` cannot trace."""
+    if any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree)):
+        raise TypeError(
+            f"{where} is a host-side driver (it compiles and runs the prefill and the decode loop itself and "
+            "reads the tokens back), so it cannot run under jax.jit, vmap or grad: call it outside them. To "
+            "compile a loop of your own, jit its pieces: target.prefill, target(...), dflash_jax.propose, "
+            "dflash_jax.append_context"
+        )
+
+
+def _token(value: Any) -> int | None:
+    """A token id as a Python int, or None when `value` is not an integer (a bool, a float, a string)."""
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+        value = value.item() if np.issubdtype(value.dtype, np.integer) else None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
+def _is_row(x: Any) -> bool:
+    """Whether `x` is a sequence of tokens (a prompt), rather than a token."""
+    return isinstance(x, (Sequence, np.ndarray, jax.Array)) and not (getattr(x, "ndim", 1) == 0)
+
+
+def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """`(prompts, single)`: a batch of non-empty prompts of token ids in `[0, vocab_size)`, and whether one bare
+    prompt was given. A string (`"567"` would read as three prompts), floats (truncated), bools, nested
+    deeper than a batch or ids outside the vocabulary are refused, naming `prompt_ids` and the first bad entry."""
+    refuse_traced(where, prompt_ids)
+    if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray, jax.Array)):
+        raise TypeError(f"{where}: prompt_ids is a {type(prompt_ids).__name__}; expected token ids: a list of ints "
+                        "(one prompt) or a list of such lists (a batch)")
+    given = list(np.asarray(prompt_ids)) if isinstance(prompt_ids, jax.Array) else list(prompt_ids)
+    single = not given or not _is_row(given[0])
+    rows = [given] if single else given
+    prompts = []
+    for b, row in enumerate(rows):
+        name = "prompt_ids" if single else f"prompt_ids[{b}]"
+        if isinstance(row, (str, bytes)) or not _is_row(row):
+            raise TypeError(f"{where}: {name} is a {type(row).__name__}; expected a list of int token ids")
+        if isinstance(row, (np.ndarray, jax.Array)) and np.issubdtype(row.dtype, np.integer):  # checked at once
+            check_token_ids(where, name, row, vocab_size)
+            prompt = np.asarray(row).tolist()
+        else:
+            prompt = _prompt(where, name, row, vocab_size)
+        if not prompt:
+            raise ValueError(f"{where}: {name} is empty; every prompt needs at least one token")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"{where}: prompt_ids is empty; every prompt needs at least one token")
+    return prompts, single
+
+
+def _prompt(where: str, name: str, row: Any, vocab_size: int) -> list[int]:
+    """One prompt given as a sequence: each entry an int (not a bool, a float, a string) in the vocabulary."""
+    prompt = []
+    for i, t in enumerate(row):
+        token = _token(t)
+        if token is None:
+            shown = t.item() if isinstance(t, np.generic) else t  # 1.5, not np.float64(1.5)
+            raise TypeError(f"{where}: {name}[{i}] = {shown!r} is a {type(t).__name__}; expected an int token id")
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"{where}: {name}[{i}] = {token} is outside the vocabulary [0, {vocab_size})")
+        prompt.append(token)
+    return prompt
+
+
+def check_load_arguments(where: str, dtype: Any, mesh: Any) -> jnp.dtype:
+    """The load dtype as a `jnp.dtype`, after refusing what would load silently wrong: an integer or bool dtype
+    (all-zero weights), float8 (weights rounded to 3 mantissa bits), float64 without x64 (JAX gives float32),
+    and a mesh that is not a `jax.sharding.Mesh` or has no devices. Raises `ValueError` naming the argument."""
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
+    allowed = [jnp.bfloat16, jnp.float16, jnp.float32] + ([jnp.float64] if x64 else [])
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{where}: dtype={dtype!r} is not a dtype; expected one of {names}") from None
+    if resolved not in [jnp.dtype(d) for d in allowed]:
+        raise ValueError(f"{where}: dtype={resolved.name} cannot hold the weights; expected one of {names}"
+                         + ("" if x64 or resolved != jnp.float64 else " (float64 needs jax_enable_x64)"))
+    check_mesh(where, mesh)
+    return resolved
+
+
+def check_mesh(where: str, mesh: Any) -> None:
+    """None, or a `jax.sharding.Mesh` of at least one device (a list of devices is not one)."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        raise ValueError(f"{where}: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh or None")
+    if mesh is not None and mesh.devices.size == 0:
+        raise ValueError(f"{where}: mesh has no devices; expected a jax.sharding.Mesh of at least one device")
+
+
+def check_heads(config: DflashConfig, where: str, embed: Any = None, lm_head: Any = None) -> None:
+    """The target's embedding `[vocab_size, H]` and an LM head `[vocab_size or draft_vocab_size, H]` (HF layout),
+    when given: an array of another width would fail deep inside a matmul, another vocabulary clamp ids
+    silently. (The target's `[vocab_size, H]` head may be attached to a drafter that ships its own reduced one.)"""
+    H, V = config.hidden_size, config.vocab_size
+    heads = {V, config.draft_vocab_size or V}
+    for name, value, rows in (("embed", embed, {V}), ("lm_head", lm_head, heads)):
+        expected = " or ".join(f"[{n}, {H}]" for n in sorted(rows))
+        if value is None:
+            continue
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"{where}: {name} is a {type(value).__name__}; expected an array {expected}")
+        if len(value.shape) != 2 or value.shape[1] != H or value.shape[0] not in rows:
+            raise ValueError(f"{where}: {name} has shape {list(value.shape)}, expected {expected} (vocabulary x "
+                             "hidden_size of the drafter's config)")
+
+
+def check_params(config: DflashConfig, params: Any, where: str) -> None:
+    """The parameter tree against the config: its layer count and every tensor the config declares at its
+    shape (optional parts, when present). A tree of another config (one layer under a two-layer config, an
+    `nnx.merge` of another drafter's state) would index past the layers or fail inside an einsum."""
+    layers = params.get("layers") if isinstance(params, Mapping) else None
+    if not isinstance(layers, (list, tuple)) or len(layers) != config.num_hidden_layers:
+        found = len(layers) if isinstance(layers, (list, tuple)) else "no"
+        raise ValueError(f"{where}: the parameter tree has {found} layers but the config has "
+                         f"num_hidden_layers={config.num_hidden_layers}; expected the tree of this config")
+    for spec in expand(drafter_spec(config), config.num_hidden_layers):
+        node: Any = params
+        for part in spec.name.split("."):
+            if part.isdigit():  # a layer index: in range, the count is checked above
+                node = node[int(part)] if isinstance(node, (list, tuple)) else None
+            else:
+                node = node.get(part) if isinstance(node, Mapping) else None
+            if node is None:
+                break
+        if node is None:
+            if spec.optional is None:
+                raise ValueError(f"{where}: the parameter tree lacks {spec.name!r}, which the config declares "
+                                 f"(shape {list(spec.shape)})")
+            continue
+        if tuple(np.shape(node)) != spec.shape:
+            raise ValueError(f"{where}: parameter {spec.name!r} has shape {list(np.shape(node))}, expected "
+                             f"{list(spec.shape)} from the config; a tree of another config?")
+
+
+def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: Any, prefill_chunk: Any,
+                   stop_token_ids: Any, drafter: Any = None, temperature: Any = 0.0, seed: Any = 0,
+                   confidence_threshold: Any = 0.0) -> tuple[list[list[int]], bool, int]:
+    """The arguments of `speculative_generate` / `greedy_generate`: `(prompts, single, seed)` once each is of
+    the right type and in range (`check_prompt_ids`, `check_seed`, ints >= 1 for `max_new_tokens` and
+    `prefill_chunk`, stop ids as non-negative int32s, numbers for the temperature and the threshold). Called under
+    `jax.jit` it refuses at once (`refuse_traced`)."""
+    refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, temperature, seed, confidence_threshold)
+    check_integer(where, "max_new_tokens", max_new_tokens, 1)
+    check_integer(where, "prefill_chunk", prefill_chunk, 1)
+    prompts, single = check_prompt_ids(where, prompt_ids, target.vocab_size)
+    if stop_token_ids is not None:
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray)):
+            raise TypeError(f"{where}: stop_token_ids is a {type(stop_token_ids).__name__}; expected a list of int "
+                            "token ids or None")
+        for i, t in enumerate(stop_token_ids):
+            if _token(t) is None:
+                raise TypeError(f"{where}: stop_token_ids[{i}] = {t!r} is a {type(t).__name__}; expected an int")
+            check_integer(where, f"stop_token_ids[{i}]", _token(t))  # past the vocabulary: never matches
+    check_sampling(where, seed, check_number(where, "temperature", temperature))
+    threshold = check_number(where, "confidence_threshold", confidence_threshold)
+    if not np.isfinite(threshold):
+        raise ValueError(f"{where}: confidence_threshold={threshold} must be finite (0 verifies every draft)")
+    return prompts, single, check_seed(where, seed)
+
+
+def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity: int) -> None:
+    """Refuse, before anything is allocated, decode caches of `capacity` positions per sequence that cannot
+    exist: positions past int32, or more bytes than the target's devices have free (`_memory.free_bytes`:
+    what they report, the host's available memory for CPUs). The target's cache is measured abstractly
+    (`jax.eval_shape` of its `init_cache`), the drafter's bounded by every layer keeping every position."""
+    if capacity > INT32_MAX:
+        raise ValueError(f"{where}: the caches would need {capacity} positions per sequence, past int32 positions "
+                         f"({INT32_MAX}); lower max_new_tokens")
+    shapes = jax.eval_shape(lambda: target.init_cache(batch, capacity))
+    needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    if drafter is not None:
+        c = drafter.config
+        itemsize = np.dtype(drafter.params["fc"]["weight"].dtype).itemsize
+        needed += (2 * c.num_hidden_layers * batch * c.num_key_value_heads * (capacity + c.effective_block_size)
+                   * c.head_dim * itemsize)
+    devices = target.embed.devices() if hasattr(target.embed, "devices") else jax.local_devices()[:1]
+    free, what = free_bytes(devices)
+    if free is not None and needed > free:
+        raise ValueError(f"{where}: the KV caches for {batch} sequence(s) of {capacity} positions need "
+                         f"{needed / 2**30:,.2f} GiB, but the target's {what} have {free / 2**30:,.2f} GiB free; "
+                         "lower max_new_tokens, the prompt length or the batch")
+
+
+def as_ids(where: str, name: str, x: Any) -> Any:
+    """An integer array argument (`num_new`, `anchor_ids`): an array as it is, a list or a number as a NumPy
+    array (a Python list under `jit` would be a pytree of scalars); floats and bools are a `TypeError`. Host
+    values past int32 are a `ValueError`: JAX would wrap them silently (2**40 becomes 0)."""
+    if not hasattr(x, "dtype"):
+        if isinstance(x, (str, bytes)):
+            raise TypeError(f"{where}: {name} is a {type(x).__name__}; expected an integer array")
+        x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.integer):
+        raise TypeError(f"{where}: {name} has dtype {x.dtype}; expected integers")
+    if isinstance(x, np.ndarray) and x.size and (x.min() < -INT32_MAX - 1 or x.max() > INT32_MAX):
+        raise ValueError(f"{where}: {name} has entries past int32 ({x.min()} .. {x.max()})")
+    return x
+
+
+def call_donating(where: str, cache: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, a jitted function that donates `cache`: when it fails because a buffer was donated
+    or deleted and the cache is, the error says so (JAX's names only a buffer). Nothing is checked on success."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, RuntimeError) as e:
+        leaves = [x for x in jax.tree.leaves(cache) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+        if not any(x.is_deleted() for x in leaves):
+            raise
+        raise ValueError(f"{where}: this cache was donated to an earlier call (its buffers are deleted); use the "
+                         "cache that call returned") from e

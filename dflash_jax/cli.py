@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 # Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
 BAD_INPUT = 2
+INT32_MAX = 2**31 - 1
 
 
 def run() -> NoReturn:
@@ -111,7 +112,9 @@ def parser() -> argparse.ArgumentParser:
 
     v = verbs.add_parser("convert-nvfp4", help="quantize a BF16 drafter's linear weights to NVFP4 (ModelOpt layout)")
     v.add_argument("source", help="checkpoint directory or hub id")
-    v.add_argument("destination", help="directory to write")
+    v.add_argument("destination", help="directory to write (new or empty, unless --overwrite)")
+    v.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint files already in DESTINATION (other files stay)")
     hub_options(v)
     v.set_defaults(run=convert_nvfp4)
 
@@ -123,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
                    help="at most this many new tokens; prompt + new tokens must fit the models' "
                         "max_position_embeddings")
     v.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--seed", type=seed, default=0, help="sampling seed, any integer of at most 64 bits")
     v.add_argument("--stop-token-ids", type=token_ids, default=None,
                    help="comma-separated (default: the target's eos_token_id)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
@@ -163,14 +166,24 @@ ATTENTION_RULES: dict[str, tuple[bool | None, bool]] = {
 }
 
 
-def _integer(text: str, minimum: int, says: str) -> int:
+INT64_MAX = 2**63 - 1  # what a C long holds: a larger count or size is no one's intent and overflows JAX's ints
+
+
+def _integer(text: str, minimum: int, says: str, maximum: int = INT64_MAX) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"{value} {says}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"{value} is larger than {maximum}")
     return value
+
+
+def seed(text: str) -> int:
+    """A seed of at most 64 bits (`_arguments.check_seed`: signed or unsigned)."""
+    return _integer(text, -(2**63), "is below -2**63", 2**64 - 1)
 
 
 def positive_int(text: str) -> int:
@@ -188,7 +201,11 @@ def token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError("no token ids; expected comma-separated integers such as 1,2,3")
     if not all(t.isdigit() and t.isascii() for t in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated non-negative integers such as 1,2,3")
-    return [int(t) for t in parts]
+    ids = [int(t) for t in parts]
+    too_large = [i for i in ids if i > INT32_MAX]
+    if too_large:
+        raise argparse.ArgumentTypeError(f"token id {too_large[0]} is larger than {INT32_MAX} (ids are int32)")
+    return ids
 
 
 def backoff(text: str):
@@ -368,7 +385,7 @@ def _demo(root: str, mesh) -> None:
 def convert_nvfp4(args: argparse.Namespace) -> int:
     from .nvfp4.convert import convert_checkpoint
 
-    written = convert_checkpoint(local(args.source, args), args.destination)
+    written = convert_checkpoint(local(args.source, args), args.destination, overwrite=args.overwrite)
     print(shown(f"{args.destination}: {written} linear weights stored as NVFP4"))
     return 0
 

@@ -17,6 +17,7 @@ import warnings
 from typing import Annotated, Any, Literal, NoReturn, Protocol, runtime_checkable
 
 import msgspec
+import numpy as np
 
 from ._json import NotUTF8
 from ._json import loads as json_loads
@@ -90,6 +91,31 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     truncate: bool | None = None
     low_freq_factor: PositiveFloat | None = None  # Llama 3 (`rope_type: llama3`)
     high_freq_factor: PositiveFloat | None = None
+
+
+ROPE_SCALARS = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
+                "low_freq_factor", "high_freq_factor")  # RopeScaling's float fields
+
+
+def rope_float32_problems(config: RopeConfig) -> list[str]:
+    """The RoPE scalars (`rope_theta`, the `rope_scaling` floats) whose float32 rounding is 0, Inf or subnormal
+    though the value is not 0: the tables are computed in float32, where such a value (a Llama 3 `factor` of
+    1e-50, a `low_freq_factor` of 1e39) divides by zero or overflows and makes every logit NaN."""
+    tiny = float(np.finfo(np.float32).tiny)
+    scaling = config.rope_scaling
+    values = [("rope_theta", config.rope_theta)] + [
+        (f"rope_scaling.{f}", getattr(scaling, f)) for f in ROPE_SCALARS if scaling is not None]
+    problems = []
+    for name, value in values:
+        if value is None or value == 0 or not math.isfinite(value):
+            continue  # 0 where allowed (mscale), and NaN/Inf, are the bounds' and `_non_finite`'s to refuse
+        with np.errstate(over="ignore"):  # the overflow to Inf is what is looked for
+            rounded = abs(float(np.float32(value)))
+        if rounded == 0 or rounded < tiny or math.isinf(rounded):
+            what = "0" if rounded == 0 else "Inf" if math.isinf(rounded) else "a subnormal number"
+            problems.append(f"{name}={value:g} is {what} in float32, in which RoPE is computed; expected a value of "
+                            f"magnitude in [{tiny:.3g}, {float(np.finfo(np.float32).max):.3g}]")
+    return problems
 
 
 class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -551,6 +577,8 @@ def check(config: DflashConfig, source: str) -> None:
     factor = config.rope_scaling.factor if config.rope_scaling else None
     if config.rope_type == "yarn" and not 1 <= (factor or 0) <= MAX_ROPE_FACTOR:
         fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
+    for problem in rope_float32_problems(config):
+        fail(problem)
 
 
 def _warn_unused(config: DflashConfig, source: str) -> None:

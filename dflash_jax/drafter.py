@@ -12,6 +12,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from ._arguments import check_heads
 from .config import DflashConfig
 
 
@@ -31,11 +32,9 @@ class Drafter:
     config: DflashConfig = dataclasses.field(default=cast(DflashConfig, None), metadata=dict(static=True))
 
     def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
-        """Return a drafter that uses the target's embedding / LM head (HF layout, [V, H])."""
-        H = self.config.hidden_size
-        for what, value in (("embed", embed), ("lm_head", lm_head)):
-            if value is not None and (value.ndim != 2 or value.shape[1] != H):
-                raise ValueError(f"attach: {what} has shape {value.shape}, expected [vocab, {H}]")
+        """Return a drafter that uses the target's embedding `[vocab_size, H]` / LM head `[draft vocabulary, H]`
+        (HF layout); another shape is a `ValueError` naming it (`_arguments.check_heads`)."""
+        check_heads(self.config, "attach", embed, lm_head)
         return dataclasses.replace(
             self,
             embed=self.embed if embed is None else embed,

@@ -26,7 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._arguments import check_propose_inputs
+from ._arguments import (
+    as_ids,
+    call_donating,
+    check_heads,
+    check_integer,
+    check_load_arguments,
+    check_params,
+    check_propose_inputs,
+    check_sampling,
+)
 from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity, write_slots
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
@@ -129,8 +138,10 @@ def init_cache(
     `attention` (`AttentionOptions`) decides which layers are ring buffers: the cache records it, and `propose`
     must be given the same.
     """
-    if max_context < 1:
-        raise ValueError(f"max_context must be >= 1, got {max_context}")
+    batch_size = check_integer("init_cache", "batch_size", batch_size, 1)
+    max_context = check_integer("init_cache", "max_context", max_context, 1)
+    if dtype is not None:
+        dtype = check_load_arguments("init_cache", dtype, None)
     c = drafter.config
     fc = drafter.params["fc"]["weight"]
     dtype, sharding = dtype or fc.dtype, sharding or fc.sharding
@@ -417,7 +428,6 @@ def _check_attention(cache: ContextCache, attention: AttentionOptions, where: st
                          f"init_cache and {where} the same attention options (they decide the cache's layout)")
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "append_chunk"), donate_argnames=("cache",))
 def append_context(
     drafter: Drafter,
     cache: ContextCache,
@@ -432,17 +442,22 @@ def append_context(
     target_hidden `[batch, n_new, Lf*H]` and num_new `[batch]` as in `propose`; the rows are projected and their
     K/V written `append_chunk` at a time. The cache is donated; `attention` must be the cache's.
     """
+    num_new = as_ids("append_context", "num_new", num_new)
+    return call_donating("append_context", cache, _append_context, drafter, cache, target_hidden, num_new,
+                         attention=attention, append_chunk=append_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "append_chunk"), donate_argnames=("cache",))
+def _append_context(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array, *,
+                    attention: AttentionOptions, append_chunk: int) -> ContextCache:
+    check_integer("append_context", "append_chunk", append_chunk, 1)
+    check_params(drafter.config, drafter.params, "append_context")
     check_propose_inputs(drafter.config, "append_context", cache.lengths.shape[0], target_hidden, num_new)
     _check_attention(cache, attention, "append_context")
     return _append_chunked(drafter, cache, target_hidden, jnp.asarray(num_new, jnp.int32),
                            min(append_chunk, target_hidden.shape[1]))
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("attention", "impl", "append_chunk"),
-    donate_argnames=("cache",),
-)
 def propose(
     drafter: Drafter,
     cache: ContextCache,
@@ -458,6 +473,7 @@ def propose(
     attention: AttentionOptions = AttentionOptions(),
     impl: str = "auto",
     append_chunk: int = APPEND_CHUNK,
+    checked: bool = False,
 ) -> tuple[Proposal, ContextCache]:
     """One drafting step for a batch; returns the proposal and the cache with the new context appended.
 
@@ -472,10 +488,36 @@ def propose(
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
     drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the cache was
     made with (another raises ValueError); impl: the attention's
-    (`dflash_jax.attention.attend`). Shapes are checked when the program is traced; values (`num_new` in
-    `[0, n_new]`, ids in the vocabulary, a temperature > 0 coming with a key) are not: `propose` is jitted.
+    (`dflash_jax.attention.attend`). Shapes (and the parameter tree, the embedding and LM head against the config)
+    are checked when the program is traced; values are not, since the step is jitted: a `num_new` outside
+    `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over real ones), an
+    id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a negative one,
+    drafts greedily.
+    `checked=True` checks those values eagerly first (concrete inputs only: it reads `num_new`, `anchor_ids`
+    and `temperature` back to the host, a sync per call, so it is for debugging, not the decode loop; the
+    default path adds a Python call and no device work). A cache passed to an earlier call (donated) is a
+    `ValueError` saying so.
     """
+    num_new, anchor_ids = as_ids("propose", "num_new", num_new), as_ids("propose", "anchor_ids", anchor_ids)
+    if checked:
+        check_propose_inputs(drafter.config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
+        check_sampling("propose", key, temperature)
+    return call_donating(
+        "propose", cache, _propose, drafter, cache, target_hidden, num_new, anchor_ids, key=key,
+        temperature=temperature, confidence_threshold=confidence_threshold, embed=embed, lm_head=lm_head,
+        attention=attention, impl=impl, append_chunk=append_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "impl", "append_chunk"), donate_argnames=("cache",))
+def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
+             anchor_ids: jax.Array, *, key: jax.Array | None, temperature: float | jax.Array,
+             confidence_threshold: float | jax.Array, embed: jax.Array | None, lm_head: jax.Array | None,
+             attention: AttentionOptions, impl: str, append_chunk: int) -> tuple[Proposal, ContextCache]:
+    """`propose`'s step, jitted: its checks of shapes and static arguments run once, at trace time."""
     params, config = drafter.params, drafter.config
+    check_integer("propose", "append_chunk", append_chunk, 1)
+    check_params(config, params, "propose")
+    check_heads(config, "propose", embed, lm_head)
     check_propose_inputs(config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens

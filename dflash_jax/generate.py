@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._arguments import check_sampling, check_token_ids
+from ._arguments import check_cache_fits, check_generate
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .errors import IncompatiblePairError
@@ -102,16 +102,6 @@ class GenerationResult:
 # --------------------------------------------------------------------------------------------------------------
 # Shared pieces: prompts, the first token, stop tokens
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _as_batch(prompt_ids: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[list[int]], bool]:
-    """`(prompts, single)`: a batch of non-empty prompts, and whether one bare prompt was given."""
-    given: list[Any] = list(prompt_ids)  # the tokens of one bare prompt, or the prompts
-    single = not given or not isinstance(given[0], (Sequence, np.ndarray))
-    prompts = [[int(t) for t in p] for p in ([given] if single else given)]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    return prompts, single
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -174,11 +164,13 @@ class Backoff:
     max_plain_steps: int = 32
 
     def __post_init__(self):
-        if not (isinstance(self.min_tokens, (int, float)) and 1 <= self.min_tokens < float("inf")):
+        if isinstance(self.min_tokens, bool) or not (isinstance(self.min_tokens, (int, float))
+                                                     and 1 <= self.min_tokens < float("inf")):
             raise ValueError(f"Backoff.min_tokens must be a finite number >= 1 (a verify commits at least one "
                              f"token), got {self.min_tokens!r}")
-        if not (isinstance(self.max_plain_steps, int) and self.max_plain_steps >= 1):
-            raise ValueError(f"Backoff.max_plain_steps must be an int >= 1, got {self.max_plain_steps!r}")
+        if isinstance(self.max_plain_steps, bool) or not (isinstance(self.max_plain_steps, int)
+                                                          and 1 <= self.max_plain_steps <= 2**31 - 1):
+            raise ValueError(f"Backoff.max_plain_steps must be an int in [1, 2**31 - 1], got {self.max_plain_steps!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -439,22 +431,21 @@ def speculative_generate(
     (ValueError) unless `beyond_max_positions`. `backoff` (`Backoff`): run plain target steps while drafts are
     rarely accepted (`GenerationResult.plain_tokens` counts their tokens); None: every step verifies drafts.
     """
-    if backoff is not None and not isinstance(backoff, Backoff):
-        raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
         drafter = drafter.drafter  # an `nnx.DFlashDrafter` module: its current values
+    prompts, single, seed = check_generate(
+        "speculative_generate", target, prompt_ids, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+        stop_token_ids=stop_token_ids, drafter=drafter, temperature=temperature, seed=seed,
+        confidence_threshold=confidence_threshold)  # the key is made from `seed`
     check_pair(target, drafter)
-    prompts, single = _as_batch(prompt_ids)
-    for p in prompts:
-        check_token_ids("speculative_generate", "prompt_ids", p, target.vocab_size)
-    check_sampling("speculative_generate", seed, temperature)  # the key is made from `seed`
+    if backoff is not None and not isinstance(backoff, Backoff):
+        raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
     capacity = _round_up(tokens.shape[1] + _round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
+    check_cache_fits("speculative_generate", target, drafter, len(prompts), capacity)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
@@ -586,18 +577,16 @@ def greedy_generate(
 
     Same prompt handling, stop rule, position check and result as `speculative_generate` (no acceptance lengths).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not hasattr(target, "commit"):
         raise IncompatiblePairError(f"greedy_generate: {type(target).__name__} has no commit(pending, kept): it "
                                     "does not implement the Target protocol (dflash_jax.Target)")
-    prompts, single = _as_batch(prompt_ids)
-    for p in prompts:
-        check_token_ids("greedy_generate", "prompt_ids", p, target.vocab_size)
+    prompts, single, _ = check_generate("greedy_generate", target, prompt_ids, max_new_tokens=max_new_tokens,
+                                        prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     out_capacity = _round_up(max_new_tokens, BUDGET_BUCKET)
     capacity = _round_up(tokens.shape[1] + out_capacity, CACHE_BUCKET)
+    check_cache_fits("greedy_generate", target, None, len(prompts), capacity)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()
     state = jax.block_until_ready(

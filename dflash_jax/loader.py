@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 
+from ._arguments import check_load_arguments
 from .config import MAX_CONFIG_BYTES, DflashConfig, parse_config
 from .drafter import Drafter
 from .errors import CheckpointError, ConfigError
 from .hub import HubOptions, resolve
 from .placement import WEIGHTS, place_all
-from .plan import build_tree, open_checked, unexpected_tensors
+from .plan import build_tree, open_checked, warn_unexpected
 from .safetensors import read_small
 from .validate import check_values
 
@@ -76,42 +76,23 @@ def load_drafter(
     `Mesh`, and `CheckpointError` / `ConfigError` for bad files, including a checkpoint larger than a device's
     free memory; then nothing has been placed.
     """
-    dtype = check_load_arguments(dtype, mesh)
+    dtype = check_load_arguments("load_drafter", dtype, mesh)
     if weights not in WEIGHTS:
         raise ValueError(f"load_drafter: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
     path = resolve(path, **hub)
+    if os.path.isfile(path):  # a config.json (or another file) would be opened as a safetensors file
+        raise ConfigError(f"{path}: a file, not a directory; load_drafter expected the checkpoint directory "
+                          "holding config.json and the *.safetensors files (or a hub id)")
     with open_checked(path, load_config(path)) as checked:
         checkpoint, config, plan, packed = checked
         check_values(config, plan, checkpoint, packed, dtype)  # NaN/Inf, NVFP4 scales, d2t: before placing
-        extra = unexpected_tensors(plan, checkpoint)
-        if extra:
-            warnings.warn(f"{path}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=2)
+        warn_unexpected(path, plan, checkpoint)
         if weights == "packed" and not packed:
             log.info("%s: weights='packed' but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path)
         leaves = place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress, weights=weights)
     params = build_tree(plan, leaves)
     log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=weights))
     return Drafter(params=params, config=config)
-
-
-def check_load_arguments(dtype: Any, mesh: Any) -> jnp.dtype:
-    """The load dtype as a `jnp.dtype`, after refusing what would load silently wrong: an integer dtype
-    (all-zero weights), float8 (weights rounded to 3 mantissa bits), float64 without x64 (JAX gives float32),
-    and a mesh that is not a `jax.sharding.Mesh` or has no devices. Raises `ValueError` naming the argument."""
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
-    allowed = [jnp.bfloat16, jnp.float16, jnp.float32] + ([jnp.float64] if x64 else [])
-    names = ", ".join(jnp.dtype(d).name for d in allowed)
-    try:
-        resolved = jnp.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"load_drafter: dtype={dtype!r} is not a dtype; expected one of {names}") from None
-    if resolved not in [jnp.dtype(d) for d in allowed]:
-        raise ValueError(f"load_drafter: dtype={resolved.name} cannot hold the weights; expected one of {names}")
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        raise ValueError(f"load_drafter: mesh is a {type(mesh).__name__}; expected a jax.sharding.Mesh or None")
-    if mesh is not None and mesh.devices.size == 0:
-        raise ValueError("load_drafter: mesh has no devices; expected a jax.sharding.Mesh of at least one device")
-    return resolved
 
 
 def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str,

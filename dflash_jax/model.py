@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._arguments import check_block_inputs
+from ._arguments import check_block_inputs, check_heads, check_params
 from ._precision import precision
 from .attention import KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
@@ -257,9 +257,9 @@ class AttentionOptions:
 
 def _integer(field: str, value: Any, minimum: int) -> int:
     """`value` as a Python int (NumPy integers too: a plain int keeps the rules' arithmetic weakly typed), at least
-    `minimum`; a bool is not an integer here."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"AttentionOptions.{field} must be an integer >= {minimum}, got {value!r}")
+    `minimum` and within int32 (positions are int32: a wider window would wrap); a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not minimum <= value <= 2**31 - 1:
+        raise ValueError(f"AttentionOptions.{field} must be an integer in [{minimum}, 2**31 - 1], got {value!r}")
     return int(value)
 
 
@@ -486,6 +486,8 @@ def draft_hidden(
     under `jit` the ids' values are not (an id past the vocabulary would be clamped by the gather).
     """
     params, config = drafter.params, drafter.config
+    check_params(config, params, "draft_hidden")
+    check_heads(config, "draft_hidden", embed)
     check_block_inputs(config, "draft_hidden", target_hidden, block_ids, context_positions, block_positions)
     dtype = params["fc"]["weight"].dtype
     embed = drafter.embedding if embed is None else embed
@@ -500,17 +502,31 @@ def draft_hidden(
     return hidden
 
 
-@functools.partial(jax.jit, static_argnames=("attention",))
 def draft_logits(
     drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
     block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
-    attention: AttentionOptions = AttentionOptions(),
+    attention: AttentionOptions = AttentionOptions(), checked: bool = False,
 ) -> jax.Array:
     """Float32 logits `[batch, B, V]` for every block row: `lm_head(draft_hidden(...))`, uncached.
 
     The plain LM-head output, before any Markov bias (DSpark) or DFlash2 softcap/multiplier. lm_head: `[V, H]`
-    HF layout, None for the drafter's own or attached one. Other arguments as `draft_hidden`.
+    HF layout, None for the drafter's own or attached one. Other arguments as `draft_hidden`. The forward is
+    jitted, so the ids' values are not checked there (an id past the vocabulary is clamped by the gather);
+    `checked=True` checks them eagerly first (concrete inputs only; it reads `block_ids` back to the host).
     """
+    if checked:
+        check_block_inputs(drafter.config, "draft_logits", target_hidden, block_ids, context_positions,
+                           block_positions)
+    return _draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
+                         block_positions=block_positions, embed=embed, lm_head=lm_head, attention=attention)
+
+
+@functools.partial(jax.jit, static_argnames=("attention",))
+def _draft_logits(
+    drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
+    block_positions: jax.Array, embed: jax.Array | None, lm_head: jax.Array | None, attention: AttentionOptions,
+) -> jax.Array:
+    check_heads(drafter.config, "draft_logits", None, lm_head)
     hidden = draft_hidden(drafter, target_hidden, block_ids, context_positions=context_positions,
                           block_positions=block_positions, embed=embed, attention=attention)
     return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)

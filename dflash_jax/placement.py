@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from ._executables import compiled
+from ._memory import device_free_bytes, host_available_bytes
 from .errors import CheckpointError
 from .fp8 import Fp8
 from .fp8 import dequantize as fp8_dequantize
@@ -186,8 +187,9 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
                dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None, *, packed: bool = False) -> None:
     """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole; `packed`: quantized
     weights at their stored size), plus the inputs of its largest conversion, exceed a device's free memory
-    (`bytes_limit - bytes_in_use` of `memory_stats()`; devices that report none, like CPUs, are not checked): a
-    clear error before anything is placed instead of RESOURCE_EXHAUSTED halfway through."""
+    (`bytes_limit - bytes_in_use` of `memory_stats()`), or, for devices that report none (CPUs, which share the
+    host's memory), exceed the host's available memory once per such device (`_memory`): a clear error before
+    anything is placed instead of RESOURCE_EXHAUSTED (or the kernel's OOM killer) halfway through."""
     shapes = shards if shards is not None else [t.shape for t in plan]
     leaves = sum(sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
                  else math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
@@ -196,11 +198,19 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
                  if (len(names) > 1 and not packed) or (len(names) == 1 and t.kind != "int"
                                                         and checkpoint[t.name].np_dtype != dtype)]
     needed = leaves + max(converted, default=0)
+    on_host = [d for d in devices if device_free_bytes(d) is None]
+    host = host_available_bytes() if on_host else None
+    if host is not None and needed * len(on_host) > host:
+        raise CheckpointError(
+            f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB as {dtype.name} on each of "
+            f"{len(on_host)} host-memory device(s) ({on_host[0]}, ...), {needed * len(on_host) / 2**20:,.0f} MiB in "
+            f"all, but the host has {host / 2**20:,.0f} MiB available; expected a host with more free memory (or a "
+            "narrower dtype, or fewer devices)"
+        )
     for device in devices:
-        stats = device.memory_stats() or {}
-        if "bytes_limit" not in stats:
+        free = device_free_bytes(device)
+        if free is None:
             continue
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         if needed > free:
             raise CheckpointError(
                 f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "

@@ -227,6 +227,15 @@ def check_tensors(plan: list[TensorPlan], checkpoint: Checkpoint, where: str,
     return frozenset(packed)
 
 
+def warn_unexpected(where: str, plan: list[TensorPlan], checkpoint: Checkpoint, ignored: frozenset[str] = frozenset(),
+                    stacklevel: int = 3) -> None:
+    """Warn (once per load) about the checkpoint tensors the plan does not consume (`unexpected_tensors`, less
+    `ignored`): a checkpoint of another configuration would otherwise load its matching part silently."""
+    extra = [n for n in unexpected_tensors(plan, checkpoint) if n not in ignored]
+    if extra:
+        warnings.warn(f"{where}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=stacklevel)
+
+
 def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[str]:
     """Checkpoint tensors the plan does not consume (NVFP4 companions and known extras excluded)."""
     used = {t.name for t in plan}

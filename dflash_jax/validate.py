@@ -53,6 +53,13 @@ def check_values(
             f"vocab_size={config.vocab_size} but the checkpoint has no `d2t` (or `draft_id_to_target_id`); "
             "expected one, to map draft ids to target ids"
         )
+    check_tensor_values(plan, checkpoint, packed, dtype, config.vocab_size)
+
+
+def check_tensor_values(plan: Iterable[TensorPlan], checkpoint: Checkpoint, packed: frozenset[str], dtype,
+                        vocab_size: int) -> None:
+    """The value checks of every planned tensor, a drafter's or a target's: NVFP4 scales, `d2t`'s range (into
+    `vocab_size`), NaN/Inf in small floating tensors (norm gains, biases)."""
     for t in plan:
         if t.name in packed:
             check = check_packed_scales if checkpoint[t.name].dtype == "U8" else check_fp8_scale
@@ -60,7 +67,7 @@ def check_values(
             continue
         info = checkpoint[t.name]
         if t.kind == INT:
-            check_d2t(checkpoint, info, config.vocab_size)
+            check_d2t(checkpoint, info, vocab_size)
         elif info.dtype in FLOAT_DTYPES and math.prod(info.shape) <= SCAN_ELEMENTS:
             check_finite(checkpoint, info)
 

@@ -98,6 +98,11 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     (["generate", "t", "d", "--prompt-ids", "1", "--max-new-tokens", "0"], "0 is not a positive integer"),
     (["generate", "t", "d", "--prompt-ids", "1", "--temperature", "-1"], "expected a finite temperature >= 0"),
     (["generate", "t", "d", "--prompt-ids", "1", "--temperature", "nan"], "expected a finite temperature >= 0"),
+    # issue 26: values past int64 (or int32 token ids) were tracebacks (OverflowError) after loading both models
+    (["generate", "t", "d", "--prompt-ids", "1", "--seed", str(2**70)], f"{2**70} is larger than {2**64 - 1}"),
+    (["generate", "t", "d", "--prompt-ids", "1", "--max-new-tokens", str(2**64)], f"is larger than {2**63 - 1}"),
+    (["generate", "t", "d", "--prompt-ids", f"1,{2**40}"], f"token id {2**40} is larger than {2**31 - 1}"),
+    (["load", "x", "--devices", str(2**63)], f"{2**63} is larger than"),
 ])
 def test_bad_arguments_exit_2_with_an_error_line(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
 from dflash_jax.config import parse_config
-from dflash_jax.drafting import RING_SPANS_MIN_BATCH, init_cache, propose, sample_drafts
+from dflash_jax.drafting import RING_SPANS_MIN_BATCH, _propose, init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, attention_rules, draft_hidden
 from dflash_jax.testing import preset_dict, random_drafter
 
@@ -51,7 +51,7 @@ def test_cached_propose_matches_uncached(preset):
     rng = np.random.default_rng(3)
     exact, rewound = init_cache(drafter, 2, 32), init_cache(drafter, 2, 32)
     lengths = np.zeros(2, int)
-    programs = propose._cache_size()
+    programs = _propose._cache_size()  # the jitted step behind `propose`
     for num_new in map(np.array, STEPS):
         new = garbage.copy()  # rows past num_new are padding: never seen, never kept
         for b in range(2):
@@ -69,7 +69,7 @@ def test_cached_propose_matches_uncached(preset):
             if want.confidence is not None:
                 np.testing.assert_allclose(np.asarray(got.confidence[b]), np.asarray(want.confidence[0]), atol=1e-5)
     assert len(set(np.asarray(got.tokens).ravel().tolist())) > 2, "degenerate drafts prove little"
-    assert propose._cache_size() - programs <= 1, "every step, first and rewound ones included, is one program"
+    assert _propose._cache_size() - programs <= 1, "every step, first and rewound ones included, is one program"
 
 
 def test_dspark_markov_and_confidence_match_reference():

@@ -432,6 +432,18 @@ CASES = [
          ("config.json", "num_target_layers=1 is too few", "target_layer_ids")),
     Case("target_layer_ids empty", config(lambda c: c["dflash_config"].update(target_layer_ids=[])), ConfigError,
          ("config.json", "target_layer_ids is empty")),
+    # --- issue 26: values float32 cannot hold, a file for a directory, a d2t past the vocabulary -----------
+    Case("NVFP4 subnormal global scale", put("fc.weight_scale_2", lambda s: np.full_like(s, 1e-40)), CheckpointError,
+         (ST, "fc.weight_scale_2", "subnormal", "flushes to 0"), nvfp4=True),
+    Case("YaRN beta_fast 0 in float32", config(lambda c: c["rope_scaling"].update(beta_fast=1e-50)), ConfigError,
+         ("config.json", "rope_scaling.beta_fast=1e-50 is 0 in float32"), base="tiny-dspark"),
+    Case("YaRN beta_slow Inf in float32", config(lambda c: c["rope_scaling"].update(beta_slow=1e39)), ConfigError,
+         ("config.json", "rope_scaling.beta_slow=1e+39 is Inf in float32"), base="tiny-dspark"),
+    Case("config.json given for the directory", lambda d: None, ConfigError,
+         ("config.json", "a file, not a directory", "expected the checkpoint directory"), load="config.json"),
+    Case("d2t of 2**31 entries (sparse)", steps(tensors(lambda t: t.pop("d2t")), lambda d: forge.add_sparse(
+        d / ST, {"d2t": (2**31,)}, np.int64)), CheckpointError,
+         (ST, "'d2t'", "shape [2147483648]", "expected [64]"), base=REDUCED_VOCAB),
     Case("stale model.safetensors beside the index", lambda d: forge.write_tensors(
         d / ST, forge.read_tensors(d / SHARD_1)), CheckpointError, (ST, "index.json maps to", SHARD_1, "ambiguous"),
          shards=2),

@@ -106,12 +106,12 @@ def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
     directory = str(tmp_path)
     write_qwen3_checkpoint(directory, "tiny-qwen3-tied", seed=1, num_shards=3)
     assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
-    target = Qwen3Target.from_pretrained(directory, mesh=cpu_mesh)
+    target = Qwen3Target.from_pretrained(directory, mesh=cpu_mesh, tensor_axis=None)
     assert target.embed.dtype == jnp.bfloat16 and target.lm_head is target.embed
     assert "lm_head" not in target.params
     assert len(target.params["layers"]) == 6  # one buffer per layer's weight, as placed
     assert target.params["layers"][5]["self_attn"]["q_proj"]["weight"].shape == (64, 64)
-    for leaf in jax.tree.leaves(target.params):  # no "model" axis: every leaf replicated, on the mesh's Auto twin
+    for leaf in jax.tree.leaves(target.params):  # no tensor axis: every leaf replicated, on the mesh's Auto twin
         assert leaf.sharding.mesh == auto_mesh(cpu_mesh) and leaf.sharding.is_fully_replicated
     # merge the shards for the NumPy reader
     merged = {}

@@ -53,7 +53,8 @@ def check_scales(name: str, scale, scale_2, dtype=None) -> None:
 
     `scale`: the block scales (float8_e4m3fn or its uint8 bits), which must be non-NaN and >= 0 (ModelOpt's
     are amax / 6 of each block, rounded to E4M3; a set sign bit would negate the block). `scale_2`: finite
-    and > 0 (zero or negative zeroes or negates every weight). With `dtype` (the load dtype), the largest
+    and > 0 (zero or negative zeroes or negates every weight), and not subnormal (XLA flushes subnormals to zero,
+    so every weight would dequantize to 0). With `dtype` (the load dtype), the largest
     value the scales allow, 6 x max(scale) x scale_2 (6 is the largest E2M1 magnitude), must be finite in it:
     3e38 would make every weight Inf or NaN.
     """
@@ -70,6 +71,10 @@ def check_scales(name: str, scale, scale_2, dtype=None) -> None:
     scale_2 = float(np.asarray(scale_2).astype(np.float32).reshape(-1)[0])
     if not math.isfinite(scale_2) or scale_2 <= 0:
         raise CheckpointError(f"{name}_scale_2: {scale_2} is not a finite number > 0")
+    if scale_2 < np.finfo(np.float32).tiny:  # flushed to zero by the dequantization (XLA's FTZ)
+        raise CheckpointError(f"{name}_scale_2: {scale_2:.3g} is subnormal in float32, which XLA flushes to 0: every "
+                              "dequantized weight would be 0; expected a finite number >= "
+                              f"{np.finfo(np.float32).tiny:.3g}")
     if dtype is not None and bits.size:
         largest = _FP4_MAX * float(magnitude.max(initial=0).view(ml_dtypes.float8_e4m3fn)) * scale_2
         limit = float(min(ml_dtypes.finfo(dtype).max, np.finfo(np.float32).max))  # dequantized in float32

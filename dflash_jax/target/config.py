@@ -20,6 +20,7 @@ from ..config import (
     RopeTheta,
     declared_rope_type,
     normalise_raw,
+    rope_float32_problems,
 )
 from ..errors import CheckpointError, ConfigError
 from ..safetensors import read_json
@@ -138,6 +139,7 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<
             problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
         elif low is not None and high is not None and low >= high:  # both stated: not absent
             problems.append(f"llama3 RoPE: low_freq_factor={low} must be below high_freq_factor={high}")
+    problems += rope_float32_problems(config)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
@@ -169,15 +171,16 @@ def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> Deco
 def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
     """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
     file, raw = read_config_json(path)
-    if kind is None:
-        names = raw.get("architectures")
-        names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
-        known = [ARCHITECTURES[a] for a in names if a in ARCHITECTURES]
-        if not known:
-            raise ConfigError(
-                f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
-                f"{', '.join(ARCHITECTURES)}"
-            )
-        kind = known[0]
-    return parse_decoder_config(raw, kind, source=file)
+    names = raw.get("architectures")
+    names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+    expected = [a for a, k in ARCHITECTURES.items() if kind is None or k is kind]
+    known = [ARCHITECTURES[a] for a in names if a in expected]
+    drafter = any(isinstance(block, dict) and "mask_token_id" in block
+                  for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
+    if drafter or (kind is None and not known):  # a drafter; another target (`kind` given: its model_type says)
+        what = "a DFlash-family drafter (load it with load_drafter)" if drafter else "not a target dflash_jax runs"
+        naming = ("one of " if len(expected) > 1 else "") + ", ".join(expected)
+        raise ConfigError(f"{file}: architectures {names or 'missing'}: {what}; expected a target checkpoint "
+                          f"directory, its config.json naming {naming}")
+    return parse_decoder_config(raw, kind or known[0], source=file)
 

@@ -42,13 +42,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from .._arguments import check_integer, check_load_arguments, check_mesh
 from ..attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
 from ..hub import HubOptions, resolve
 from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from ..placement import place_all
-from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..plan import TensorPlan, build_tree, check_tensors, planned, warn_unexpected
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
+from ..validate import check_tensor_values
 from . import PREFILL_CHUNK, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
@@ -149,25 +151,34 @@ class DecoderTarget:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
-        tensor_axis: str = "model",
+        tensor_axis: str | None = "model",
         **hub: Unpack[HubOptions],
     ) -> DecoderTarget:
         """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards; or a
         hub id (`hub`: `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them,
         `dflash_jax.hub`).
 
-        Floating tensors are cast to `dtype`. Without `mesh` they land on the first local device; with it, each
-        leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis` when the mesh has it, replicated
-        otherwise), each process reading only the byte ranges of its own devices' shards. Every tensor's
-        presence, dtype and shape is checked against the config before any data is read (`CheckpointError`);
-        a tensor axis that does not divide the heads, the vocabulary or the intermediate size is a `ConfigError`.
+        Floating tensors are cast to `dtype` (bfloat16, float16 or float32; float64 with x64: another is a
+        `ValueError`, as for `load_drafter`). Without `mesh` they land on the first local device; with it, each
+        leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis`, replicated with `tensor_axis=None`;
+        an axis the mesh lacks is a `ValueError` naming the mesh's axes), each process
+        reading only the byte ranges of its own devices' shards. Every tensor's presence, dtype and shape is
+        checked against the config before any data is read, then the small tensors' values (NaN/Inf norm gains
+        and biases, as `load_drafter` does), all before anything is placed (`CheckpointError`); tensors the
+        config does not use are warned about. A tensor axis that does not divide the heads, the vocabulary or the
+        intermediate size is a `ConfigError`.
         """
+        where = f"{cls.__name__}.from_pretrained"
+        dtype = check_load_arguments(where, dtype, mesh)
         path = resolve(path, **hub)
         config = load_decoder_config(path, cls.CONFIG)
         layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as checkpoint:
             plan = plan_decoder(config)
             check_tensors(plan, checkpoint, path)
+            check_tensor_values(plan, checkpoint, frozenset(), dtype, config.vocab_size)  # NaN/Inf norms, then place
+            # transformers ignores the LM head a tied checkpoint may carry (`parameter_spec`): no warning for it
+            warn_unexpected(path, plan, checkpoint, frozenset({"lm_head.weight"} if config.tie_word_embeddings else ()))
             shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
                                shardings=shardings)
@@ -181,10 +192,11 @@ class DecoderTarget:
         )
         return cls(params=params, config=config, layout=layout)
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> DecoderTarget:
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> DecoderTarget:
         """This target moved onto `mesh` with the layout `from_pretrained` gives (each leaf `device_put` onto its
         planned sharding): for targets built in memory (`random_qwen3`, `successor_target`); a checkpoint loads
         straight onto its shards with `from_pretrained` / `load_target`."""
+        check_mesh(f"{type(self).__name__}.shard", mesh)
         layout = make_layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
         plan = plan_decoder(self.config)
         where = build_tree(plan, [layout.sharding(t.axes) for t in plan])
@@ -260,6 +272,7 @@ class DecoderTarget:
         Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
         `[batch, V]` float32, and the cache.
         """
+        chunk = check_integer("prefill", "chunk", chunk, 1)
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
 
 

@@ -18,8 +18,8 @@ from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
 class Layout:
     """A target's placement on a mesh: logical axes -> mesh axes (hashable: static metadata of the target).
 
-    `tensor_axis` (None when the mesh has no such axis) splits heads, the MLP width (each MoE expert's too: every
-    device holds a slice of every expert, `target.moe`) and the vocabulary; KV heads
+    `tensor_axis` (None: replicated, no tensor parallelism) splits heads, the MLP width (each MoE expert's too:
+    every device holds a slice of every expert, `target.moe`) and the vocabulary; KV heads
     only when it has at most `num_key_value_heads` devices (`split_kv`), else every device keeps all KV heads
     and each query shard attends with its own group's. The other mesh axes (`batch_axes`) split the batch where
     it divides (else it is replicated). The mesh has Auto axis types (`placement.auto_mesh`).
@@ -65,10 +65,19 @@ class Splits(Protocol):
     def intermediate_size(self) -> int: ...
 
 
-def make_layout(config: Splits, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
-    """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError."""
+def make_layout(config: Splits, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
+    """The layout of `config` on `mesh`; a tensor axis that does not divide a split dimension is a ConfigError.
+
+    `tensor_axis` None replicates the target on every device; an axis the mesh lacks is a `ValueError` (the
+    target would silently load a full copy per device)."""
+    if tensor_axis is not None and tensor_axis not in mesh.axis_names:
+        raise ValueError(
+            f"{source}: tensor_axis={tensor_axis!r} is not an axis of the mesh (its axes: "
+            f"{', '.join(map(repr, mesh.axis_names))}), so every device would hold a full copy of the target; "
+            "expected the name of the mesh axis to split it over, or tensor_axis=None to replicate it"
+        )
     mesh = auto_mesh(mesh)
-    axis = tensor_axis if tensor_axis in mesh.axis_names else None
+    axis = tensor_axis
     tp = mesh.shape[axis] if axis else 1
     c = config
     for field in ("num_attention_heads", "vocab_size", "intermediate_size"):

@@ -22,7 +22,7 @@ def load_target(
     *,
     mesh: jax.sharding.Mesh | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
-    tensor_axis: str = "model",
+    tensor_axis: str | None = "model",
     progress: bool | None = None,
     **hub: Unpack[HubOptions],
 ) -> DecoderTarget | Qwen3_5Target:

@@ -251,7 +251,7 @@ class Qwen3_5Target:
         mesh: jax.sharding.Mesh | None = None,
         dtype: jnp.dtype = jnp.bfloat16,
         progress: bool | None = None,
-        tensor_axis: str = "model",
+        tensor_axis: str | None = "model",
         **hub: Unpack[HubOptions],
     ) -> Qwen3_5Target:
         """Load a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration` directory (or hub id) as
@@ -275,7 +275,7 @@ class Qwen3_5Target:
                  config.vocab_size, 1 if layout is None else layout.tensor_size)
         return cls(params=params_tree(plan, leaves), config=config, layout=layout)
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> Qwen3_5Target:
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> Qwen3_5Target:
         """This target moved onto `mesh` with the layout `from_pretrained` gives (for targets built in memory)."""
         layout = _layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
         plan = plan_qwen3_5(self.config)
@@ -354,7 +354,7 @@ class Qwen3_5Target:
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
 
 
-def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str, source: str) -> Layout:
+def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
     """`layout.make_layout`, plus the delta-net's value heads, which split over the tensor axis too."""
     layout = make_layout(config, mesh, tensor_axis, source)
     if config.linear_num_value_heads % layout.tensor_size:

@@ -8,6 +8,8 @@ object (or raw header bytes) and a data section as they are, however wrong, for 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,18 @@ def layout(tensors: dict[str, np.ndarray], *, gap: int = 0) -> tuple[dict[str, A
 def write_tensors(file: Path, tensors: dict[str, np.ndarray], *, gap: int = 0) -> Path:
     header, data = layout(tensors, gap=gap)
     return write_raw(file, header, data)
+
+
+def add_sparse(file: Path, tensors: dict[str, tuple[int, ...]], dtype) -> None:
+    """Append tensors of these shapes to a (small) safetensors file as a hole: the file grows on paper only."""
+    header, data = read_raw(file)
+    end = len(data)
+    for name, shape in tensors.items():
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [end, end + size]}
+        end += size
+    write_raw(file, header, data)
+    os.truncate(file, file.stat().st_size + end - len(data))
 
 
 def read_raw(file: Path) -> tuple[dict[str, Any], bytes]:
