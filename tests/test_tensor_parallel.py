@@ -26,7 +26,7 @@ from dflash_jax.model import lm_logits
 from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
 from dflash_jax.target.dense import Qwen3Target, plan_decoder
 from dflash_jax.target.layout import CACHE_AXES, make_layout
-from dflash_jax.testing import write_checkpoint
+from dflash_jax.testing import preset_dict, write_checkpoint
 
 from . import _io
 from ._numpy_reference import numpy_decoder
@@ -43,7 +43,7 @@ def pair(tmp_path_factory):
     single-device greedy and speculative tokens."""
     root = tmp_path_factory.mktemp("tp")
     write_qwen3_checkpoint(root / "target", "tiny-qwen3-tp", seed=5, dtype="float32")
-    write_checkpoint(root / "drafter", "tiny-dflash", seed=2)
+    write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)  # its 4 layers
     target = load_target(root / "target", dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", dtype=jnp.float32)
     greedy = greedy_generate(target, PROMPTS, MAX_NEW).tokens
