@@ -175,12 +175,25 @@ def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] 
     names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
     expected = [a for a, k in ARCHITECTURES.items() if kind is None or k is kind]
     known = [ARCHITECTURES[a] for a in names if a in expected]
-    drafter = any(isinstance(block, dict) and "mask_token_id" in block
-                  for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
-    if drafter or (kind is None and not known):  # a drafter; another target (`kind` given: its model_type says)
-        what = "a DFlash-family drafter (load it with load_drafter)" if drafter else "not a target dflash_jax runs"
-        naming = ("one of " if len(expected) > 1 else "") + ", ".join(expected)
-        raise ConfigError(f"{file}: architectures {names or 'missing'}: {what}; expected a target checkpoint "
-                          f"directory, its config.json naming {naming}")
+    if is_drafter_config(raw) or (kind is None and not known):  # another target (`kind` given: its model_type says)
+        raise not_a_target(file, raw, expected)
     return parse_decoder_config(raw, kind or known[0], source=file)
+
+
+def is_drafter_config(raw: dict[str, Any]) -> bool:
+    """A DFlash-family drafter's config.json: a mask token at the top level or in its family's block."""
+    return any(isinstance(block, dict) and "mask_token_id" in block
+               for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
+
+
+def not_a_target(file: str, raw: dict[str, Any], expected: list[str]) -> ConfigError:
+    """The error for a config.json that names none of the `expected` target architectures: a drafter's is said to
+    be one."""
+    names = raw.get("architectures")
+    names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+    what = ("a DFlash-family drafter (load it with load_drafter)" if is_drafter_config(raw)
+            else "not a target dflash_jax runs")
+    naming = ("one of " if len(expected) > 1 else "") + ", ".join(expected)
+    return ConfigError(f"{file}: architectures {names or 'missing'}: {what}; expected a target checkpoint "
+                       f"directory, its config.json naming {naming}")
 

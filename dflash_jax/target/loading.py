@@ -8,9 +8,8 @@ from typing import Unpack
 import jax
 import jax.numpy as jnp
 
-from ..errors import ConfigError
 from ..hub import HubOptions, resolve
-from .config import ARCHITECTURES, read_config_json
+from .config import ARCHITECTURES, is_drafter_config, not_a_target, read_config_json
 from .dense import DecoderTarget
 from .qwen3_5 import Qwen3_5Target
 from .qwen3_5_config import ARCHITECTURES as QWEN3_5_ARCHITECTURES
@@ -37,9 +36,6 @@ def load_target(
     kinds: list[type[DecoderTarget] | type[Qwen3_5Target]] = [
         Qwen3_5Target if a in QWEN3_5_ARCHITECTURES + MOE_ARCHITECTURES else DecoderTarget
         for a in names if a in (*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES)]
-    if not kinds:
-        raise ConfigError(
-            f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
-            f"{', '.join((*ARCHITECTURES, *QWEN3_5_ARCHITECTURES))}"
-        )
+    if not kinds or is_drafter_config(raw):
+        raise not_a_target(file, raw, [*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES])
     return kinds[0].from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
