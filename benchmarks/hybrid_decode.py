@@ -153,14 +153,18 @@ def step_rows(target, P: int, iters: int) -> dict:
     return ms
 
 
-def decode_rows(name: str, target, runs: dict, rng, rate: float, args) -> list[dict]:
-    """Greedy and each speculative run at each prompt length (batch > 1 at the shortest only)."""
+def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: float) -> list[dict]:
+    """Greedy and each speculative run at each prompt length (batch > 1 at the shortest only), until
+    `args.budget_s` seconds after `start`."""
     print("| target | prompt | batch | run | prefill s | tokens/s | x greedy | greedy floor tok/s | acceptance "
           "| same as greedy | peak GB |\n|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|", flush=True)
     rows = []
     for P in args.prompts:
         for batch in args.batch:
             if batch > 1 and P > min(args.prompts):
+                continue
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                print(f"| {name} | {P} | {batch} | skipped: past the time budget | | | | | | | |", flush=True)
                 continue
             prompts = rng.integers(0, target.vocab_size, (batch, P)).tolist()
             greedy = None
@@ -197,6 +201,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["full acceptance", "zero acceptance"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no prompt length after this many seconds")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -221,7 +226,7 @@ def main() -> None:
         rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
         print(f"batch 1, {min(args.prompts)} cached: " + ", ".join(f"{k} {v:.3f} ms" for k, v in steps.items())
               + f"; commit / verify {steps['commit'] / steps['verify 17']:.1%}", flush=True)
-        rows += decode_rows(name, target, runs, rng, rate, args)
+        rows += decode_rows(name, target, runs, rng, rate, args, start)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
