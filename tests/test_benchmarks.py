@@ -47,7 +47,7 @@ def test_hybrid_decode_small(tmp_path):
                     "--targets", "27B", "--json", str(out)], check=True, timeout=600, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
     step = next(r for r in rows if r["part"] == "step")
-    assert 0 < step["commit"] and 0 < step["greedy step"]
+    assert 0 < step["commit"] and 0 < step["greedy step"] < step["verify 17 + commit"]
     decode = {r["run"]: r for r in rows if r["part"] == "decode"}
     assert set(decode) == {"greedy", "full acceptance", "zero acceptance"}
     assert all(r["same_as_greedy"] and r["greedy_floor_tps"] > 0 for r in decode.values())
