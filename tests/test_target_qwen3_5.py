@@ -209,8 +209,6 @@ def test_random_bf16_target_verifies_and_commits():
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({"linear_num_key_heads": 3}, "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3"),
     ({"attn_output_gate": False}, "attn_output_gate"),
-    ({"model_type": "qwen3_5_moe_text", "num_experts": 8}, "MoE"),
-    ({"architectures": ["Qwen3_5MoeForCausalLM"]}, "MoE"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope type 'yarn'"),
     ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor \(0.5\) disagrees"),

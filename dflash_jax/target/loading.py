@@ -28,8 +28,8 @@ def load_target(
 ) -> DecoderTarget | Qwen3_5Target:
     """Load the target config.json's `architectures` names from a directory or a hub id, sharded over `mesh`, as
     the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM, `Qwen3_5Target`
-    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration; another architecture (the Qwen3.5 MoE ones
-    included, for now) is a `ConfigError`."""
+    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
+    Qwen3_5MoeForConditionalGeneration; another architecture is a `ConfigError`."""
     path = resolve(path, **hub)
     file, raw = read_config_json(path)
     names = raw.get("architectures")
@@ -40,6 +40,6 @@ def load_target(
     if not kinds:
         raise ConfigError(
             f"{file}: architectures {names or 'missing'}: not a target dflash_jax runs; expected one of "
-            f"{', '.join((*ARCHITECTURES, *QWEN3_5_ARCHITECTURES))}"
+            f"{', '.join((*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES))}"
         )
     return kinds[0].from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
