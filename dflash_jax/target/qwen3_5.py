@@ -240,8 +240,7 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Target:
     """A Qwen3.5 / 3.6 hybrid text model, dense or MoE as its config says (module docstring). A pytree (params
-    as leaves; config and layout
-    static). Implements `Target`, with the delta-net state committed by `commit`.
+    as leaves; config and layout static). Implements `Target`, with the delta-net state committed by `commit`.
 
     `params`: HF names with `model.` (or `model.language_model.`) stripped; `params["layers"][i]` holds
     `self_attn` (full attention) or `linear_attn` (Gated DeltaNet), `mlp` (dense, or the MoE block's tree,
@@ -284,7 +283,8 @@ class Qwen3_5Target:
                                shardings=shardings)
         log.info("%s: qwen3_5%s target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
                  path, "_moe" if config.is_moe else "", config.num_hidden_layers,
-                 config.layer_types.count(FULL_ATTENTION), config.hidden_size, config.vocab_size, 1 if layout is None else layout.tensor_size)
+                 config.layer_types.count(FULL_ATTENTION), config.hidden_size, config.vocab_size,
+                 1 if layout is None else layout.tensor_size)
         return cls(params=params_tree(plan, leaves), config=config, layout=layout)
 
     def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str = "model") -> Qwen3_5Target:
