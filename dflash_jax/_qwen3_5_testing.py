@@ -6,7 +6,9 @@
   checkpoint does (the text model under `model.language_model.`, a `text_config`, plus a vision and an MTP tensor
   a text target skips; not a loadable vision model). The tiny
   presets have hidden 64, vocab 128 and 6 layers (linear, linear, linear, full, linear, linear), so the tiny
-  drafters' `target_layer_ids` [1, 3] are valid.
+  drafters' `target_layer_ids` [1, 3] are valid. "tiny-qwen3_5-moe" is the MoE variant (`qwen3_5_moe_text`,
+  `Qwen3_5MoeForCausalLM`: 8 experts, top-2, expert width 32, shared expert 32), written with the experts fused
+  as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`).
 - `random_qwen3_5(config)`: random weights drawn on the device, each as its spec's initialiser draws it.
 """
 
@@ -45,6 +47,10 @@ QWEN3_5_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3_5-tied": {**_TINY_TEXT, "tie_word_embeddings": True},
     # tensor-parallel tests: 8 heads, 2 KV heads (split by 2 devices, replicated by 4), 4 delta-net value heads
     "tiny-qwen3_5-tp": {**_TINY_TEXT, "num_attention_heads": 8, "head_dim": 8},
+    "tiny-qwen3_5-moe": {**{k: v for k, v in _TINY_TEXT.items() if k != "intermediate_size"},
+                         "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "shared_expert_intermediate_size": 32},
     "tiny-qwen3_5-vl": {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
         "text_config": {k: v for k, v in _TINY_TEXT.items() if k not in ("architectures", "tie_word_embeddings")},
@@ -81,6 +87,9 @@ def write_qwen3_5_checkpoint(
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     plan = plan_qwen3_5(parsed, MULTIMODAL_PREFIX if multimodal else "model.")
     arrays = {t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan}
+    for name in [n for n in arrays if n.endswith(".experts.gate_proj")]:  # the released layout: gate rows, then up
+        up = arrays.pop(name.removesuffix("gate_proj") + "up_proj")
+        arrays[name.removesuffix("gate_proj") + "gate_up_proj"] = np.concatenate([arrays.pop(name), up], axis=1)
     if multimodal:
         arrays |= {name: rng.standard_normal(shape).astype(out_dtype) for name, shape in _OTHER_TENSORS.items()}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

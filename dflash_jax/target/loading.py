@@ -27,8 +27,8 @@ def load_target(
 ) -> DecoderTarget | Qwen3_5Target:
     """Load the target config.json's `architectures` names from a directory or a hub id, sharded over `mesh`, as
     the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM, `Qwen3_5Target`
-    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration; another architecture (the Qwen3.5 MoE ones
-    included, for now) is a `ConfigError`."""
+    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
+    Qwen3_5MoeForConditionalGeneration; another architecture is a `ConfigError`."""
     path = resolve(path, **hub)
     file, raw = read_config_json(path)
     names = raw.get("architectures")

@@ -1,6 +1,8 @@
 """The Qwen3.5 / 3.6 hybrid text target: Gated DeltaNet linear attention on most layers, gated full attention on
 every `full_attention_interval`-th, a dense SwiGLU MLP on all (transformers 5.24.0 `models/qwen3_5/
-modeling_qwen3_5.py`; the config in `target.qwen3_5_config`). The MoE variant is refused by name.
+modeling_qwen3_5.py`; the config in `target.qwen3_5_config`), or in the MoE variant (`qwen3_5_moe`,
+`models/qwen3_5_moe/modeling_qwen3_5_moe.py`) the sparse MoE block on all (`target.moe.moe_block`; the experts
+read from either stored layout by `target.experts.ExpertStacks`).
 
 Per layer, pre-norm (`x += mixer(norm(x))`, `x += mlp(norm(x))`); every RMSNorm but the delta-net's output norm is
 zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
@@ -33,7 +35,8 @@ layer per verify), or a tape (each row's rank-1 update `k_t delta_t^T` and decay
 The states are kept because `commit` is then a gather of the very arrays the verify produced; the tape is the
 way out when batch x S makes them too large.
 
-Tensor parallelism: attention heads, the MLP and the vocabulary split over the tensor axis as the dense target's
+Tensor parallelism: attention heads, the MLP (the MoE block's shared expert as a dense MLP, each routed expert's
+width as `moe.moe_parameter_spec` says) and the vocabulary split over the tensor axis as the dense target's
 `Layout` says (the other mesh axes split the batch). In the delta-net layers the value heads split too:
 `in_proj_z` / `in_proj_b` / `in_proj_a` / `dt_bias` / `A_log` by output, `out_proj` by input (an all-reduce
 after it, as after `o_proj`), the recurrence and its state (and a verify's pending states) by head, so
@@ -68,7 +71,9 @@ from . import PREFILL_CHUNK, TargetOutput
 from .config import read_config_json
 from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
 from .dense import _attention, _check_layer_ids, prefill_chunks
+from .experts import ExpertStacks
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
+from .moe import moe_block, moe_parameter_spec
 from .qwen3_5_config import FULL_ATTENTION, Qwen3_5Config, parse_qwen3_5_config
 
 log = logging.getLogger("dflash_jax")
@@ -114,7 +119,8 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
 
     Axes as the dense target's: q (with its gate) / k / v and gate / up split by output, o and down by input,
     embedding and LM head by the vocabulary; the delta-net's per-value-head tensors split by head, its packed
-    q/k/v projection and conv replicated, and the norms replicated (module docstring).
+    q/k/v projection and conv replicated, and the norms replicated (module docstring). An MoE config's `mlp.`
+    tensors are the MoE block's (`moe.moe_parameter_spec`: the experts as `[E, ...]` stacks, not as stored).
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim, n_v = c.num_attention_heads * d_h, c.num_key_value_heads * d_h, c.linear_num_value_heads
@@ -128,9 +134,10 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
     specs += [
         ParamSpec(layer + "input_layernorm.weight", (H,), NORM, (EMBED,), offset),
         ParamSpec(layer + "post_attention_layernorm.weight", (H,), NORM, (EMBED,), offset),
-        ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
-        ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
-        ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP)),
+        *(moe_parameter_spec(c, mlp) if c.is_moe else [
+            ParamSpec(mlp + "gate_proj.weight", (I, H), axes=(MLP, EMBED)),
+            ParamSpec(mlp + "up_proj.weight", (I, H), axes=(MLP, EMBED)),
+            ParamSpec(mlp + "down_proj.weight", (H, I), axes=(EMBED, MLP))]),
         ParamSpec(attn + "q_proj.weight", (2 * q_dim, H), axes=(HEADS, EMBED)),  # per head [query | gate]
         ParamSpec(attn + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
         ParamSpec(attn + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
@@ -232,11 +239,12 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Qwen3_5Target:
-    """A Qwen3.5 / 3.6 dense hybrid text model (module docstring). A pytree (params as leaves; config and layout
-    static). Implements `Target`, with the delta-net state committed by `commit`.
+    """A Qwen3.5 / 3.6 hybrid text model, dense or MoE as its config says (module docstring). A pytree (params
+    as leaves; config and layout static). Implements `Target`, with the delta-net state committed by `commit`.
 
     `params`: HF names with `model.` (or `model.language_model.`) stripped; `params["layers"][i]` holds
-    `self_attn` (full attention) or `linear_attn` (Gated DeltaNet), `mlp` and the two norms.
+    `self_attn` (full attention) or `linear_attn` (Gated DeltaNet), `mlp` (dense, or the MoE block's tree,
+    `target.moe`) and the two norms.
     """
 
     params: Params
@@ -254,25 +262,29 @@ class Qwen3_5Target:
         tensor_axis: str | None = "model",
         **hub: Unpack[HubOptions],
     ) -> Qwen3_5Target:
-        """Load a `Qwen3_5ForCausalLM` or `Qwen3_5ForConditionalGeneration` directory (or hub id) as
-        `DecoderTarget.from_pretrained` loads a dense one: the text model only (`model.language_model.*` in a
-        multimodal checkpoint; `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and
-        shape checked before anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded
-        over `mesh` as the module docstring says."""
+        """Load a `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory (or hub id), or an MoE one
+        (`Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration`), as `DecoderTarget.from_pretrained`
+        loads a dense one: the text model only (`model.language_model.*` in a multimodal checkpoint;
+        `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and shape checked before
+        anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded over `mesh` as the
+        module docstring says. MoE experts are read fused (as released) or per expert (`ExpertStacks`)."""
         path = resolve(path, **hub)
         file, raw = read_config_json(path)
         config = parse_qwen3_5_config(raw, source=file)
         layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
-        with Checkpoint(path) as checkpoint:
-            prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in checkpoint else "model."
+        with Checkpoint(path) as stored:
+            prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in stored else "model."
             plan = plan_qwen3_5(config, prefix)
+            checkpoint = stored if not config.is_moe else ExpertStacks(
+                stored, [f"{prefix}layers.{i}.mlp." for i in range(config.num_hidden_layers)], config)
             check_tensors(plan, checkpoint, path)
             shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
                                shardings=shardings)
-        log.info("%s: qwen3_5 target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
-                 path, config.num_hidden_layers, config.layer_types.count(FULL_ATTENTION), config.hidden_size,
-                 config.vocab_size, 1 if layout is None else layout.tensor_size)
+        log.info("%s: qwen3_5%s target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
+                 path, "_moe" if config.is_moe else "", config.num_hidden_layers,
+                 config.layer_types.count(FULL_ATTENTION), config.hidden_size, config.vocab_size,
+                 1 if layout is None else layout.tensor_size)
         return cls(params=params_tree(plan, leaves), config=config, layout=layout)
 
     def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> Qwen3_5Target:
@@ -355,14 +367,18 @@ class Qwen3_5Target:
 
 
 def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
-    """`layout.make_layout`, plus the delta-net's value heads, which split over the tensor axis too."""
+    """`layout.make_layout`, plus the delta-net's value heads and an MoE block's expert and shared-expert widths,
+    which split over the tensor axis too."""
     layout = make_layout(config, mesh, tensor_axis, source)
-    if config.linear_num_value_heads % layout.tensor_size:
-        raise ConfigError(
-            f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
-            f"linear_num_value_heads={config.linear_num_value_heads}; expected a tensor-parallel size dividing the "
-            "delta-net value heads too"
-        )
+    fields = ("linear_num_value_heads", *(("moe_intermediate_size", "shared_expert_intermediate_size")
+                                          if config.is_moe else ()))
+    for field in fields:
+        if getattr(config, field) % layout.tensor_size:
+            raise ConfigError(
+                f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
+                f"{field}={getattr(config, field)}; expected a tensor-parallel size dividing the delta-net value "
+                "heads and the MoE widths too"
+            )
     return layout
 
 
@@ -489,7 +505,10 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
             d += 1
         x = x + out
         h, mlp = centred_norm(x, p["post_attention_layernorm"]["weight"], eps), p["mlp"]
-        x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+        if c.is_moe:
+            x = x + moe_block(mlp, c, h)
+        else:
+            x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
         if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
             x = layout.constrain(x, ROWS_AXES)
         if i in layer_ids and i < N - 1:

@@ -6,7 +6,13 @@ defaults: `layer_types` (else every `full_attention_interval`-th layer full atte
 the Gated DeltaNet sizes `linear_*`, partial rotary (`partial_rotary_factor`, in `rope_parameters` or top-level,
 default 0.25). `rope_parameters.mrope_section` splits the rotary frequencies among three position streams
 (temporal, height, width); for text all three are the token's position, so it is plain RoPE over the rotary
-dimensions and is accepted without being read. The MoE variant (`qwen3_5_moe`) is refused by name.
+dimensions and is accepted without being read.
+
+The MoE variant (`qwen3_5_moe_text`, and `qwen3_5_moe` with a `text_config`; transformers 5.24.0
+`models/qwen3_5_moe/configuration_qwen3_5_moe.py`) is the same config with the MoE sizes `num_experts`,
+`num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size` (defaults Qwen3.5-35B-A3B's)
+and no dense MLP: every layer's MLP is the sparse block (`target.moe`; transformers has no `mlp_only_layers` or
+`decoder_sparse_step` for it, and always renormalises the top-k weights). A dense config's `num_experts` is 0.
 """
 
 from __future__ import annotations
@@ -18,14 +24,19 @@ import msgspec
 
 from ..config import Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw
 from ..errors import ConfigError
+from .moe import check_moe_config
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
-_MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-_MULTIMODAL_MODEL_TYPE = "qwen3_5"
+MOE_MODEL_TYPE = "qwen3_5_moe_text"
+_MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": MOE_MODEL_TYPE}  # -> their text_config's
+# transformers' `Qwen3_5MoeTextConfig` defaults (Qwen3.5-35B-A3B), for the fields an MoE config leaves out
+_MOE_DEFAULTS = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                 "shared_expert_intermediate_size": 512}
 
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +52,9 @@ class Rotary:
 
 
 class Qwen3_5Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """The `qwen3_5_text` fields the forward reads. Frozen and hashable: a static `jax.jit` argument."""
+    """The `qwen3_5_text` / `qwen3_5_moe_text` fields the forward reads (`intermediate_size`: dense only; the
+    four MoE sizes: MoE only, 0 in a dense config). Frozen and hashable: a static `jax.jit` argument. Implements
+    `moe.MoeConfig`."""
 
     MODEL_TYPE: ClassVar[str] = "qwen3_5_text"
 
@@ -68,9 +81,23 @@ class Qwen3_5Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     linear_num_value_heads: Dim = 32
     stated_layer_types: tuple[str, ...] | None = msgspec.field(default=None, name="layer_types")
     full_attention_interval: Dim = 4
+    num_experts: Count = 0
+    num_experts_per_tok: Count = 0
+    moe_intermediate_size: Count = 0
+    shared_expert_intermediate_size: Count = 0
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str | None = None
     architectures: tuple[str, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP the sparse MoE block (`qwen3_5_moe_text`), else the dense SwiGLU MLP."""
+        return self.num_experts > 0
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        """Always: `qwen3_5_moe` renormalises the top-k router weights and has no such field (`target.moe`)."""
+        return True
 
     @property
     def layer_types(self) -> tuple[str, ...]:
@@ -103,37 +130,41 @@ class Qwen3_5Config(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
-def _refuse_moe(raw: dict[str, Any], source: str) -> None:
-    text = raw.get("text_config")
-    types = {raw.get("model_type"), text.get("model_type") if isinstance(text, dict) else None}
-    stated = raw.get("architectures")
-    names = stated if isinstance(stated, list) else []
-    if types & set(_MOE_MODEL_TYPES) or set(names) & set(MOE_ARCHITECTURES):
-        raise ConfigError(
-            f"{source}: a Qwen3.5 MoE config (model_type {raw.get('model_type')!r}, architectures {names}): the MoE "
-            "block is not implemented yet; expected a dense Qwen3.5 target (qwen3_5 / qwen3_5_text)"
-        )
-
-
 def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """The text config of a multimodal `qwen3_5` config (its `text_config`, with the outer `architectures` and
-    `tie_word_embeddings`, which transformers reads off the outer config), or `raw` itself."""
-    if raw.get("model_type") != _MULTIMODAL_MODEL_TYPE and "text_config" not in raw:
+    """The text config of a multimodal `qwen3_5` / `qwen3_5_moe` config (its `text_config`, with the outer
+    `architectures` and `tie_word_embeddings`, which transformers reads off the outer config, and the text
+    model_type the outer one implies when it states none), or `raw` itself."""
+    outer = raw.get("model_type")
+    if outer not in _MULTIMODAL_MODEL_TYPES and "text_config" not in raw:
         return raw
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"{source}: a multimodal Qwen3.5 config needs a `text_config` object, got {text!r}")
     text = dict(text)
+    if isinstance(outer, str) and outer in _MULTIMODAL_MODEL_TYPES:
+        text.setdefault("model_type", _MULTIMODAL_MODEL_TYPES[outer])
     text.setdefault("architectures", raw.get("architectures", []))
     text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     return text
 
 
 def parse_qwen3_5_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3_5Config:
-    """Decode a `qwen3_5_text` or `qwen3_5` (multimodal) config dict; `ConfigError` naming the field when it
-    is not one this target runs."""
-    _refuse_moe(raw, source)
+    """Decode a `qwen3_5_text` / `qwen3_5_moe_text` config dict, or a multimodal `qwen3_5` / `qwen3_5_moe` one
+    (its `text_config`); `ConfigError` naming the field when it is not one this target runs. MoE: the model_type
+    says so, or, where it is missing, an MoE architecture."""
     raw = dict(_text_config(raw, source))
+    stated = raw.get("architectures")
+    names = set(stated) if isinstance(stated, list) else set()
+    model_type = raw.get("model_type")
+    moe = model_type == MOE_MODEL_TYPE or (model_type is None and bool(names & set(MOE_ARCHITECTURES)))
+    if moe:
+        raw = {**_MOE_DEFAULTS, **raw}
+    else:  # a dense config's MoE sizes (if any) are not read, as transformers' dense model reads none
+        raw = {k: v for k, v in raw.items() if k not in _MOE_DEFAULTS}
+    if names & set(MOE_ARCHITECTURES if not moe else ARCHITECTURES):
+        raise ConfigError(f"{source}: architectures {sorted(names)} disagree with model_type {model_type!r}; "
+                          f"expected {MOE_MODEL_TYPE!r} with {' / '.join(MOE_ARCHITECTURES)}, else "
+                          f"{Qwen3_5Config.MODEL_TYPE!r} with {' / '.join(ARCHITECTURES)}")
     rope = raw.get("rope_parameters")
     if isinstance(rope, dict) and "partial_rotary_factor" in rope:
         stated = raw.get("partial_rotary_factor", rope["partial_rotary_factor"])
@@ -146,9 +177,9 @@ def parse_qwen3_5_config(raw: dict[str, Any], *, source: str = "<config>") -> Qw
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
     c, problems = config, []
-    if c.model_type not in (None, Qwen3_5Config.MODEL_TYPE):
-        problems.append(f"model_type is {c.model_type!r}, expected {Qwen3_5Config.MODEL_TYPE!r} (or "
-                        f"{_MULTIMODAL_MODEL_TYPE!r} with a text_config)")
+    if c.model_type not in (None, Qwen3_5Config.MODEL_TYPE, MOE_MODEL_TYPE):
+        problems.append(f"model_type is {c.model_type!r}, expected {Qwen3_5Config.MODEL_TYPE!r} or "
+                        f"{MOE_MODEL_TYPE!r} (or {' / '.join(_MULTIMODAL_MODEL_TYPES)} with a text_config)")
     if c.hidden_act != "silu":
         problems.append(f"hidden_act is {c.hidden_act!r}; only 'silu' is implemented")
     for heads, groups in (("num_attention_heads", "num_key_value_heads"),
@@ -172,4 +203,6 @@ def parse_qwen3_5_config(raw: dict[str, Any], *, source: str = "<config>") -> Qw
                         f"head_dim={c.head_dim}; expected an even number")
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
+    if moe:  # its sizes positive (0 would read as a dense config)
+        check_moe_config(c, source)
     return config

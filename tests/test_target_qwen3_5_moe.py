@@ -1,0 +1,94 @@
+"""The MoE Qwen3.5 hybrid target (`qwen3_5_moe`): parity with transformers, verify + commit, sharding, refusals.
+
+Reference: `tests/data/qwen3_5_moe/model/` (transformers 5.24.0, float32 forward of BF16 weights in the released
+layout: the text model under `model.language_model.`, fused experts). Everything here runs in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import CheckpointError, ConfigError, load_target
+from dflash_jax.safetensors import Checkpoint, write_tensors
+from dflash_jax.target.qwen3_5 import Qwen3_5Target
+from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5, write_qwen3_5_checkpoint
+
+from .conftest import DATA
+
+REFERENCE = f"{DATA}/qwen3_5_moe/model"
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with Checkpoint(f"{REFERENCE}/io.safetensors") as c:
+        arrays = {name: c.array(name) for name in c}
+    return load_target(REFERENCE, dtype=jnp.float32), arrays
+
+
+def test_parity_with_transformers(ref):
+    target, arrays = ref
+    assert isinstance(target, Qwen3_5Target) and target.config.is_moe
+    tokens = jnp.asarray(arrays["input_ids"])
+    n = tokens.shape[1]
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(tokens, target.init_cache(1, 32), jnp.array([n]), layer_ids=(-1, 0, 1, 2, 3), chunk=32,
+                             delta_chunk=8)
+    features = np.asarray(out.features).reshape(1, n, 5, -1)
+    for j in range(5):  # measured 0, 2.0e-6, 5.6e-6, 1.0e-5, 1.1e-5 (|hidden| <= 5.6)
+        np.testing.assert_allclose(features[:, :, j], arrays["hidden_states"][j], atol=5e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(out.logits), arrays["logits"][:, n - 1], atol=5e-5, rtol=0)  # 9.1e-6
+
+
+def test_verify_then_commit_equals_decoding(ref):
+    """A block of 3 tokens verified at once, committed with k = 2 and k = 0: the next token's logits are those
+    of decoding the k tokens one by one."""
+    target, arrays = ref
+    tokens = jnp.asarray(arrays["input_ids"])
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(tokens[:, :20], target.init_cache(1, 32), jnp.array([20]), chunk=32)
+        block = target(tokens[:, 20:23], out.cache, jnp.array([20]))
+        cache = out.cache
+        for t in (20, 21):
+            cache = target.commit(target(tokens[:, t:t + 1], cache, jnp.array([t])).cache, jnp.array([1]))
+        for kept, alone in ((2, cache), (0, out.cache)):
+            committed = target.commit(block.cache, jnp.array([kept]))
+            a = target(tokens[:, 20 + kept:21 + kept], committed, jnp.array([20 + kept])).logits
+            b = target(tokens[:, 20 + kept:21 + kept], alone, jnp.array([20 + kept])).logits
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(block.logits[0]), arrays["logits"][0, 20:23], atol=1e-4, rtol=0)
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-moe", seed=3, dtype="float32")
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    prompts, lengths = jnp.array([[5, 17, 99, 3, 8], [120, 4, 9, 0, 0]]), jnp.array([5, 3])
+    results = []
+    for where in (None, mesh):
+        target = load_target(tmp_path, mesh=where, dtype=jnp.float32)
+        with jax.default_matmul_precision("float32"):
+            out = target.prefill(prompts, target.init_cache(2, 16), lengths, layer_ids=(1, 3), chunk=8)
+            block = target(jnp.array([[7, 8], [10, 11]]), out.cache, lengths, layer_ids=(1, 3))
+        results.append([out.logits, out.features, block.logits])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=0)
+
+
+def test_a_missing_expert_tensor_is_refused(tmp_path):
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-moe", dtype="float32")
+    missing = "model.layers.2.mlp.experts.gate_up_proj"
+    with Checkpoint(tmp_path) as c:
+        arrays = {name: np.array(c.array(name)) for name in c if name != missing}
+    (tmp_path / "model.safetensors").unlink()
+    write_tensors(tmp_path, arrays)
+    with pytest.raises(CheckpointError, match="model.layers.2.mlp."):
+        load_target(tmp_path, dtype=jnp.float32)
+
+
+def test_a_tensor_axis_not_dividing_the_expert_width_is_refused():
+    target = random_qwen3_5({**QWEN3_5_TINY_CONFIGS[
+                             "tiny-qwen3_5-moe"], "moe_intermediate_size": 6}, dtype=jnp.float32)
+    with pytest.raises(ConfigError, match="moe_intermediate_size=6"):
+        target.shard(jax.make_mesh((2, 4), ("data", "model")))
