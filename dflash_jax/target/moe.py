@@ -142,7 +142,8 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
 # The routed experts, two ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
 # XLA's `ragged_dot` reads every expert's weights (55x the routed experts' bytes for one token); gathering each
 # token's experts is the fastest for the rows of decode and verify steps; for more rows JAX's Mosaic GPU grouped
-# matmul is. `GATHER_MAX_ROWS`: up to this many (token, expert) pairs, gather.
+# matmul is, run alone (see `_routed` for why "auto" does not use it). `GATHER_MAX_ROWS`: up to this many
+# (token, expert) pairs, gather.
 GATHER_MAX_ROWS = 256
 
 
@@ -199,13 +200,15 @@ IMPLS: tuple[Impl, ...] = ("auto", "gather", "grouped", "ragged_dot")
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `GATHER_MAX_ROWS` pairs, grouped beyond; "grouped": the Mosaic GPU kernel where it runs, XLA's
-    `ragged_dot` elsewhere; "ragged_dot": XLA's always (the measured baseline)."""
+    most `GATHER_MAX_ROWS` pairs, XLA's `ragged_dot` beyond; "grouped": the Mosaic GPU kernel where it runs, XLA's
+    `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "gather" or (impl == "auto" and experts.size <= GATHER_MAX_ROWS):
         return _gathered(p, x, weights, experts)
-    return _grouped(p, c, x, weights, experts, kernel=impl != "ragged_dot")
+    # "auto" does not take the Mosaic GPU kernel: inside the 35B-A3B prefill program (16384 rows a chunk) its
+    # compilation crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran and was fastest.
+    return _grouped(p, c, x, weights, experts, kernel=impl == "grouped")
 
 
 def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax.Array:
