@@ -107,3 +107,37 @@ class Target(Protocol):
     @property
     def max_positions(self) -> int | None: ...
 
+
+class HFTarget:
+    """The `Target` properties of a model whose `params` follow the Hugging Face tree (`embed_tokens`, an
+    untied `lm_head` when present) and whose `config` has the HF field names: shared by the target families."""
+
+    params: Any
+    config: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def embed(self) -> jax.Array:
+        """The input embedding `[V, H]` (HF layout; vocabulary-sharded on a tensor axis), for `drafter.attach`."""
+        return self.params["embed_tokens"]["weight"]
+
+    @property
+    def lm_head(self) -> jax.Array:
+        """The LM head `[V, H]` (HF layout; the embedding when tied), for `drafter.attach(lm_head=...)`."""
+        own = self.params.get("lm_head")
+        return self.embed if own is None else own["weight"]

@@ -51,7 +51,7 @@ from ..plan import TensorPlan, build_tree, check_tensors, planned, warn_unexpect
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from ..validate import check_tensor_values
-from . import PREFILL_CHUNK, KVCache, TargetOutput
+from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 
@@ -129,7 +129,7 @@ def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecoderTarget:
+class DecoderTarget(HFTarget):
     """A dense decoder: RMSNorm, GQA, RoPE, SwiGLU, tied or untied embeddings, and Qwen3's per-head q/k norm where
     the config declares it (`DecoderConfig.QK_NORM`). Qwen3 and Llama 3 are this one class with another config.
 
@@ -203,32 +203,11 @@ class DecoderTarget:
         where["layers"] = tuple(where["layers"])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
-    @property
-    def embed(self) -> jax.Array:
-        """The input embedding `[V, H]` (HF layout; vocabulary-sharded on a tensor axis), for `drafter.attach`."""
-        return self.params["embed_tokens"]["weight"]
 
-    @property
-    def lm_head(self) -> jax.Array:
-        """The LM head `[V, H]` (HF layout; the embedding when tied), for `drafter.attach(lm_head=...)`."""
-        own = self.params.get("lm_head")
-        return self.embed if own is None else own["weight"]
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
 
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
 
     def commit(self, pending: KVCache, kept: jax.Array) -> KVCache:
         """The KV cache after a forward whose first `kept [batch]` rows are kept: unchanged, since the rows past

@@ -67,7 +67,7 @@ from ..placement import place_all
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
-from . import PREFILL_CHUNK, TargetOutput
+from . import PREFILL_CHUNK, HFTarget, TargetOutput
 from .config import read_config_json
 from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
 from .dense import _attention, _check_layer_ids, prefill_chunks
@@ -238,7 +238,7 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Qwen3_5Target:
+class Qwen3_5Target(HFTarget):
     """A Qwen3.5 / 3.6 hybrid text model, dense or MoE as its config says (module docstring). A pytree (params
     as leaves; config and layout static). Implements `Target`, with the delta-net state committed by `commit`.
 
@@ -294,32 +294,11 @@ class Qwen3_5Target:
         where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
 
-    @property
-    def embed(self) -> jax.Array:
-        """The input embedding `[V, H]` (HF layout), for `drafter.attach`."""
-        return self.params["embed_tokens"]["weight"]
 
-    @property
-    def lm_head(self) -> jax.Array:
-        """The LM head `[V, H]` (the embedding when tied)."""
-        own = self.params.get("lm_head")
-        return self.embed if own is None else own["weight"]
 
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings
 
     def init_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions: K/V as the dense target's
