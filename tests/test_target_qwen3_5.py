@@ -235,3 +235,20 @@ def test_a_missing_delta_net_tensor_is_refused_by_name(tmp_path):
     write_tensors(tmp_path, arrays)
     with pytest.raises(CheckpointError, match=f"missing tensor '{missing}'"):
         Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
+
+
+def test_the_dense_targets_load_guards_hold(tmp_path):
+    """An integer dtype (all-zero weights) and a NaN norm gain are refused before anything is placed, as
+    `DecoderTarget.from_pretrained` refuses them."""
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", seed=1, dtype="float32")
+    with pytest.raises(ValueError, match="dtype=int8"):
+        Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.int8)
+    broken = "model.layers.3.input_layernorm.weight"
+    with Checkpoint(tmp_path) as c:
+        arrays = {name: np.array(c.array(name)) for name in c}
+    arrays[broken][1] = np.nan
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    write_tensors(tmp_path, arrays)
+    with pytest.raises(CheckpointError, match=broken):
+        load_target(tmp_path, dtype=jnp.float32)

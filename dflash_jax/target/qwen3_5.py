@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._arguments import check_load_arguments
 from ..attention import span_capacity
 from ..errors import ConfigError
 from ..hub import HubOptions, resolve
@@ -67,6 +68,7 @@ from ..placement import place_all
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
+from ..validate import check_tensor_values
 from . import PREFILL_CHUNK, HFTarget, TargetOutput
 from .config import read_config_json
 from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
@@ -267,7 +269,10 @@ class Qwen3_5Target(HFTarget):
         loads a dense one: the text model only (`model.language_model.*` in a multimodal checkpoint;
         `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and shape checked before
         anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded over `mesh` as the
-        module docstring says. MoE experts are read fused (as released) or per expert (`ExpertStacks`)."""
+        module docstring says. MoE experts are read fused (as released) or per expert (`ExpertStacks`). The load
+        guards are the dense target's: a floating `dtype` only (`ValueError`), NaN/Inf norm gains and biases
+        refused (`CheckpointError`) before anything is placed."""
+        dtype = check_load_arguments(f"{cls.__name__}.from_pretrained", dtype, mesh)
         path = resolve(path, **hub)
         file, raw = read_config_json(path)
         config = parse_qwen3_5_config(raw, source=file)
@@ -278,6 +283,7 @@ class Qwen3_5Target(HFTarget):
             checkpoint = stored if not config.is_moe else ExpertStacks(
                 stored, [f"{prefix}layers.{i}.mlp." for i in range(config.num_hidden_layers)], config)
             check_tensors(plan, checkpoint, path)
+            check_tensor_values(plan, checkpoint, frozenset(), dtype, config.vocab_size)  # NaN/Inf norms, then place
             shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
             leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
                                shardings=shardings)
