@@ -217,6 +217,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--budget-s", type=float, default=None, help="start no prompt length after this many seconds")
+    parser.add_argument("--no-steps", action="store_true", help="skip part `step`")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -237,10 +238,12 @@ def main() -> None:
         jax.block_until_ready((target, runs))
         print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
               flush=True)
-        steps = step_rows(target, min(args.prompts), args.iters)
-        rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
-        print(f"batch 1, {min(args.prompts)} cached: " + ", ".join(f"{k} {v:.3f} ms" for k, v in steps.items())
-              + f"; commit / verify {steps['commit'] / steps['verify 17 + commit']:.1%}", flush=True)
+        if not args.no_steps:
+            steps = step_rows(target, min(args.prompts), args.iters)
+            rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
+            print(f"batch 1, {min(args.prompts)} cached: " + ", ".join(f"{k} {v:.3f} ms" for k, v in steps.items())
+                  + f"; commit / verify {steps['commit'] / steps['verify 17 + commit']:.1%}; "
+                  f"peak {peak_gb():.1f} GB", flush=True)
         rows += decode_rows(name, target, runs, rng, rate, args, start)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     if args.json:

@@ -9,10 +9,10 @@ as transformers 5.24.0 `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5Moe
 Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen3_5_moe` configs have no
 `norm_topk_prob` (its modular file deletes the field), so a Qwen3.5 config passes `norm_topk_prob=True`.
 
-The routed experts run one of two ways (`_routed`), both reading only the experts the tokens route to and
-computing `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's experts'
-weights are gathered; for more, the pairs are sorted by expert and each expert's weights multiply its run of
-rows (a grouped matmul). Every shape is static.
+The routed experts run one of two ways by default (`_routed`), both reading only the experts the tokens route to
+and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's
+experts' weights are gathered; for more, the pairs are sorted by expert into tiles of one expert each and each
+tile multiplies its expert's weights (a grouped matmul in batched form). Every shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -139,12 +139,14 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
     return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
 
 
-# The routed experts, two ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
-# XLA's `ragged_dot` reads every expert's weights (55x the routed experts' bytes for one token); gathering each
-# token's experts is the fastest for the rows of decode and verify steps; for more rows JAX's Mosaic GPU grouped
-# matmul is, run alone (see `_routed` for why "auto" does not use it). `GATHER_MAX_ROWS`: up to this many
-# (token, expert) pairs, gather.
+# The routed experts, three ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
+# gathering each token's experts is the fastest for the rows of decode and verify steps; beyond, the pairs go in
+# tiles of one expert each (`_tiled`). XLA's `ragged_dot` reads every expert's weights (55x the routed experts'
+# bytes for one token) and on the GPU expands to a dense product over all experts: at a 2048-token prefill chunk
+# of the 35B-A3B it asked for 18 GiB per projection and ran the H200 out of memory beside the 65 GiB target.
+# `GATHER_MAX_ROWS`: up to this many (token, expert) pairs, gather; `TILE_ROWS`: the rows of a tile.
 GATHER_MAX_ROWS = 256
+TILE_ROWS = 128
 
 
 def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -193,21 +195,52 @@ def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts:
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
 
 
-Impl = Literal["auto", "gather", "grouped", "ragged_dot"]
-IMPLS: tuple[Impl, ...] = ("auto", "gather", "grouped", "ragged_dot")
+def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """The (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of `TILE_ROWS` rows, and
+    each tile multiplied by its expert's weights, gathered once a tile: a batched matmul over tiles, `[T, H]`
+    float32. Reads each routed expert once per tile it fills, never the experts no token chose; every shape static
+    (at most `ceil((P + min(E, P) * (TILE_ROWS - 1)) / TILE_ROWS)` tiles for P pairs: each expert with rows wastes
+    less than one tile)."""
+    T, k = experts.shape
+    E, tile, P = c.num_experts, TILE_ROWS, T * k
+    n_tiles = -(-(P + min(E, P) * (tile - 1)) // tile)
+    flat = experts.reshape(P)  # pair t * k + j: token t's j-th expert
+    order = jnp.argsort(flat, stable=True)  # [P] the pairs grouped by expert
+    sizes = jnp.bincount(flat, length=E)  # [E] rows per expert
+    tiles = -(-sizes // tile)  # [E] tiles per expert
+    tile_end = jnp.cumsum(tiles)  # [E] one past each expert's last tile
+    by_expert = flat[order]  # [P] the sorted pairs' experts
+    rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[by_expert]  # [P] row within its expert's run
+    slot = (tile_end - tiles)[by_expert] * tile + rank  # [P] row within the tiles (distinct)
+    pair_at = jnp.full((n_tiles * tile,), P, jnp.int32).at[slot].set(order.astype(jnp.int32), unique_indices=True)
+    token_at = jnp.where(pair_at < P, pair_at // k, T)  # [n_tiles * tile] T: a padding row
+    rows = jnp.concatenate([x, jnp.zeros_like(x[:1])])[token_at].reshape(n_tiles, tile, -1)  # [n, tile, H]
+    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), E - 1)  # [n]
+    e = {name: jnp.take(w, tile_expert, axis=0) for name, w in p["experts"].items()}  # [n, out, in] each
+    h = jax.nn.silu(dot("nmh,nih->nmi", rows, e["gate_proj"])) * dot("nmh,nih->nmi", rows, e["up_proj"])
+    out = dot("nmi,nhi->nmh", h.astype(x.dtype), e["down_proj"])  # [n, tile, H] float32
+    pair_slot = jnp.zeros((P,), jnp.int32).at[order].set(slot.astype(jnp.int32), unique_indices=True)  # [P]
+    out = out.reshape(n_tiles * tile, -1)[pair_slot].reshape(T, k, -1)  # [T, k, H] back in pair order
+    return jnp.einsum("tkh,tk->th", out, weights)
+
+
+Impl = Literal["auto", "gather", "tiled", "grouped", "ragged_dot"]
+IMPLS: tuple[Impl, ...] = ("auto", "gather", "tiled", "grouped", "ragged_dot")
 
 
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `GATHER_MAX_ROWS` pairs, XLA's `ragged_dot` beyond; "grouped": the Mosaic GPU kernel where it runs, XLA's
+    most `GATHER_MAX_ROWS` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul where it runs, XLA's
     `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "gather" or (impl == "auto" and experts.size <= GATHER_MAX_ROWS):
         return _gathered(p, x, weights, experts)
-    # "auto" does not take the Mosaic GPU kernel: inside the 35B-A3B prefill program (16384 rows a chunk) its
-    # compilation crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran and was fastest.
+    if impl in ("auto", "tiled"):
+        return _tiled(p, c, x, weights, experts)
+    # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
+    # crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran.
     return _grouped(p, c, x, weights, experts, kernel=impl == "grouped")
 
 
