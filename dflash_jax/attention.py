@@ -26,6 +26,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._precision import dot
+from ._shapes import ceil_div, round_up
+
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
@@ -105,13 +108,6 @@ class _Partial:
     l: jax.Array  # [batch, n_kv, groups, Sq] f32
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum accumulating in float32; full-precision products when an operand is float32 (see `model.dot`)."""
-    full = jnp.float32 in (a.dtype, b.dtype)
-    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _empty(q: jax.Array) -> _Partial:
     shape = q.shape[:-1]
     return _Partial(jnp.zeros(q.shape, jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape, jnp.float32))
@@ -119,13 +115,13 @@ def _empty(q: jax.Array) -> _Partial:
 
 def _update(p: _Partial, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> _Partial:
     """Fold keys `k, v [batch, n_kv, rows, d_h]` into `p`; mask broadcasts to `[batch, n_kv, groups, Sq, rows]`."""
-    s = _dot("bhgqd,bhkd->bhgqk", q, k) * q.shape[-1] ** -0.5  # [batch, n_kv, groups, Sq, rows] f32
+    s = dot("bhgqd,bhkd->bhgqk", q, k) * q.shape[-1] ** -0.5  # [batch, n_kv, groups, Sq, rows] f32
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.maximum(p.m, s.max(axis=-1))
     shift = jnp.where(jnp.isfinite(m), m, 0.0)  # no key seen yet: keep exp() finite
     w = jnp.exp(s - shift[..., None])
     carry = jnp.exp(p.m - shift)  # 0 where nothing was seen before
-    acc = p.acc * carry[..., None] + _dot("bhgqk,bhkd->bhgqd", w.astype(v.dtype), v)
+    acc = p.acc * carry[..., None] + dot("bhgqk,bhkd->bhgqd", w.astype(v.dtype), v)
     return _Partial(acc, m, p.l * carry + w.sum(axis=-1))
 
 
@@ -150,7 +146,7 @@ def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
     capacity = span.k.shape[2]
     block = min(block, capacity)
     first = jnp.min(span.start) // block
-    last = -(-jnp.max(span.stop) // block)  # ceil
+    last = ceil_div(jnp.max(span.stop), block)
 
     def body(i, p):
         at = jnp.minimum(i * block, capacity - block)  # a ragged last block is read shifted back ...
@@ -208,7 +204,7 @@ def span_capacity(rows: int) -> int:
     128-slot alignment alone gave capacities of a prime number of blocks (2944 = 23 x 128 for a 2k context with
     room for 50 steps), read in splits of 128 keys. Rounding up never leaves the band."""
     align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16), split_keys(rows, 128))
-    return -(-rows // align) * align
+    return round_up(rows, align)
 
 
 def _splits(capacity: int, tile: int) -> int:

@@ -36,6 +36,7 @@ from ._arguments import (
     check_propose_inputs,
     check_sampling,
 )
+from ._shapes import chunked, round_up, zeros
 from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity, write_slots
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
@@ -118,7 +119,7 @@ def _ring_rows(needed: int, spans: bool) -> int:
     0.835 ms at an 8k context, 1.024 to 0.960 at 128k)."""
     if needed <= SPAN_ALIGN:
         return needed
-    return span_capacity(needed) if spans else -(-needed // SPAN_ALIGN) * SPAN_ALIGN
+    return span_capacity(needed) if spans else round_up(needed, SPAN_ALIGN)
 
 
 def init_cache(
@@ -154,21 +155,21 @@ def init_cache(
             _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
             for r, ring in zip(rules, rings)]
 
-    def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
+    def empty(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
         if isinstance(where, jax.sharding.NamedSharding):  # spelled as jit outputs spell it: one entry per axis
             if any(where.spec[len(shape):]):  # the params' sharding splits an axis the array does not have
                 raise ValueError(f"init_cache: sharding {where.spec} does not fit a {len(shape)}-d cache array; "
                                  "pass sharding= for the cache")
             where = where.update(spec=(*where.spec, *(None,) * len(shape))[: len(shape)])
-        return jax.device_put(np.zeros(shape, dtype), where)
+        return zeros(shape, dtype, where)
 
     shapes = [(batch_size, c.num_key_value_heads, n, c.head_dim) for n in rows]
     return ContextCache(
-        keys=tuple(zeros(shape, dtype) for shape in shapes),
-        values=tuple(zeros(shape, dtype) for shape in shapes),
-        lengths=zeros((batch_size,), jnp.int32),
-        overflow=zeros((batch_size,), bool),
+        keys=tuple(empty(shape, dtype) for shape in shapes),
+        values=tuple(empty(shape, dtype) for shape in shapes),
+        lengths=empty((batch_size,), jnp.int32),
+        overflow=empty((batch_size,), bool),
         max_context=max_context,
         rings=rings,
         attention=attention,
@@ -187,8 +188,10 @@ class Proposal:
     confidence: jax.Array | None = None  # [batch, num_draft_tokens] f32: DSpark's predicted acceptance, sigmoid
 
 
-def _choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """Pick one id per row of `logits [batch, ..., n]`: argmax without a key, else a sample at `temperature [batch]`.
+def choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None
+           ) -> tuple[jax.Array, jax.Array | None]:
+    """Pick one id per row of `logits [batch, ..., n]`: argmax without a key, else a sample at `temperature [batch]`
+    (or a scalar; needed only with a key). The one argmax-or-sample rule of the drafter and the decode loops.
 
     With a key, also returns the distribution the pick was drawn from, `[batch, ..., n]`: `softmax(logits / T)`,
     or one-hot at the argmax for sequences with T = 0 (greedy rows stay deterministic in a sampled batch).
@@ -196,6 +199,7 @@ def _choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) ->
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
         return greedy, None
+    assert temperature is not None  # every sampling caller passes one with its key
     t = temperature.reshape(-1, *([1] * (logits.ndim - 1)))  # [batch, 1, ..., 1]
     hot = t > 0
     scaled = logits / jnp.where(hot, t, 1.0)
@@ -216,7 +220,7 @@ def _markov_walk(params, logits, anchor_ids, key, temperature):
     def step(prev, row):
         base, row_key = row  # [batch, V] f32
         bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, V]
-        token, probs = _choose(row_key, base + bias, temperature)
+        token, probs = choose(row_key, base + bias, temperature)
         return token, (token, probs)
 
     rows = (jnp.moveaxis(logits, 1, 0), _row_keys(key, logits.shape[1]))  # scan over draft rows
@@ -236,7 +240,7 @@ def _selector_walk(params, config, hidden, logits, anchor_ids, key, temperature)
         u, ids, ctx, succ, row_key = row  # [batch, K], [batch, K], [batch, r], [batch, K, r]
         state = jnp.take(predecessors, pred, axis=0).astype(jnp.float32) * ctx  # [batch, r]
         scores = u + dot("br,bkr->bk", state, succ.astype(jnp.float32))  # [batch, K]
-        pick, probs = _choose(row_key, scores, temperature)
+        pick, probs = choose(row_key, scores, temperature)
         token = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
         return token, (token, probs)
 
@@ -303,7 +307,7 @@ def sample_drafts(
     elif markov:
         tokens, probs = _markov_walk(params, logits, anchor_ids, key, temperature)
     else:
-        tokens, probs = _choose(key, logits, temperature)
+        tokens, probs = choose(key, logits, temperature)
 
     n = tokens.shape[1]
     num_tokens = jnp.full((batch,), n, jnp.int32)
@@ -357,10 +361,7 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
     """Project and append `target_hidden [batch, n_new, Lf*H]` `chunk` rows at a time (a `lax.scan`), so a long
     prompt needs a chunk's activations, not the prompt's."""
     params, config = drafter.params, drafter.config
-    batch, n_new, width = target_hidden.shape
-    n_chunks = -(-n_new // chunk)
-    padded = jnp.pad(target_hidden, ((0, 0), (0, n_chunks * chunk - n_new), (0, 0)))
-    pieces = padded.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)  # [n_chunks, batch, chunk, Lf*H]
+    pieces = chunked(target_hidden, chunk)  # [n_chunks, batch, chunk, Lf*H]
 
     def step(cache, inputs):
         c, rows = inputs
@@ -369,7 +370,7 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
         kv = [keys_values(p["self_attn"], config, ctx, rope) for p in params["layers"]]
         return _append(cache, kv, jnp.clip(num_new - c * chunk, 0, chunk)), None
 
-    cache, _ = jax.lax.scan(step, cache, (jnp.arange(n_chunks), pieces))
+    cache, _ = jax.lax.scan(step, cache, (jnp.arange(len(pieces)), pieces))
     return cache
 
 

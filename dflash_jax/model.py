@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_block_inputs, check_heads, check_params
-from ._precision import precision
+from ._precision import dot as array_dot
 from .attention import KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
@@ -80,7 +80,7 @@ def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> 
         if isinstance(b, Packed):
             return nvfp4_matmul(a, b, out_dtype=out_dtype)
         return fp8_matmul(a, b, out_dtype=out_dtype)
-    return jnp.einsum(spec, a, b, precision=precision(a, b), preferred_element_type=out_dtype)
+    return array_dot(spec, a, b, out_dtype)
 
 
 QUANTIZED = (Packed, Fp8)  # the weight leaves `load_drafter(weights="packed")` places

@@ -43,14 +43,23 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._arguments import check_integer, check_load_arguments, check_mesh
-from ..attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
+from .._shapes import chunked, zeros
+from ..attention import (
+    KeyValues,
+    LayerRule,
+    Span,
+    attend,
+    causal_self_attention,
+    span_capacity,
+    use_cudnn,
+    write_slots,
+)
 from ..hub import HubOptions, resolve
+from ..loader import check_and_place
 from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
-from ..placement import place_all
-from ..plan import TensorPlan, build_tree, check_tensors, planned, warn_unexpected
+from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
-from ..validate import check_tensor_values
 from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
@@ -117,6 +126,12 @@ def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
     return specs
 
 
+def tied_extras(tied: bool) -> tuple[str, ...]:
+    """The LM head a checkpoint of tied embeddings may carry: transformers ignores it, and so does the load
+    (`parameter_spec`), without a warning."""
+    return ("lm_head.weight",) if tied else ()
+
+
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
     return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
@@ -176,12 +191,9 @@ class DecoderTarget(HFTarget):
         with Checkpoint(path) as checkpoint:
             plan = plan_decoder(config)
             check_tensors(plan, checkpoint, path)
-            check_tensor_values(plan, checkpoint, frozenset(), dtype, config.vocab_size)  # NaN/Inf norms, then place
-            # transformers ignores the LM head a tied checkpoint may carry (`parameter_spec`): no warning for it
-            warn_unexpected(path, plan, checkpoint, frozenset({"lm_head.weight"} if config.tie_word_embeddings else ()))
-            shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
-            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
-                               shardings=shardings)
+            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
+                                     dtype=dtype, progress=progress, ignored=tied_extras(config.tie_word_embeddings),
+                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
         params = build_tree(plan, leaves)
         params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
         log.info(
@@ -222,9 +234,9 @@ class DecoderTarget(HFTarget):
         c = self.config
         shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
-        zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype, device=where)  # noqa: E731
-                              for _ in range(c.num_hidden_layers))
-        return KVCache(zeros(), zeros())
+        layers = lambda: tuple(zeros(shape, self.embed.dtype, where)  # noqa: E731
+                               for _ in range(c.num_hidden_layers))
+        return KVCache(layers(), layers())
 
     def __call__(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = ()
@@ -293,11 +305,9 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
     """
 
     def local(q, k, v, past_k, past_v, positions, start):
-        batch, n_kv, S, _ = k.shape
-        seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(n_kv)[None, :, None]
-        slots = positions[:, None, :]  # [batch, 1, S]: broadcast with seq and heads to [batch, n_kv, S]
-        new_k = past_k.at[seq, heads, slots].set(k.astype(past_k.dtype), mode="drop")  # past the end: dropped
-        new_v = past_v.at[seq, heads, slots].set(v.astype(past_v.dtype), mode="drop")
+        n_kv = k.shape[1]
+        new_k = write_slots(past_k, k.astype(past_k.dtype), positions)  # past the end: dropped
+        new_v = write_slots(past_v, v.astype(past_v.dtype), positions)
         if layout is not None and layout.tensor_axis and not layout.split_kv:
             group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
             k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
@@ -393,8 +403,8 @@ def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, j
     batch, P = tokens.shape
     last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
     chunk = min(P, chunk)
-    n_chunks = -(-P // chunk)
-    pieces = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - P))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    pieces = chunked(tokens, chunk)  # [n_chunks, batch, chunk]
+    n_chunks = len(pieces)
 
     def step(carry, inputs):
         cache, last_hidden = carry
