@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 import jax
 import jax.numpy as jnp
 
 from ._precision import dot
 from ._shapes import ceil_div, round_up
+
+T = TypeVar("T")
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
@@ -45,6 +47,40 @@ SPLIT_BANDS: tuple[tuple[float, int, int], ...] = ((16384, 512, 512), (65536, 10
 # `propose` steps: 3 for the 64-row tile took tf5 at 128k to 0.942 ms from 0.964, the 8B drafter at batch 8 and
 # 2k to 1.581 from 1.598.
 PALLAS_TUNING: dict[int, tuple[int, int, int]] = {16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
+
+
+# The kernel choice, one vocabulary for `attend`, `propose` and a target's `prefill` (each takes the values that
+# apply to it, `check_impl`): "auto" picks by where the program runs (`on_gpu`) and the operands; "xla" forces
+# XLA's path; "pallas" JAX's Pallas span kernel (attend, propose); "cudnn" cuDNN's fused prefill (prefill).
+Impl = Literal["auto", "xla", "pallas", "cudnn"]
+ATTEND_IMPLS: tuple[Impl, ...] = ("auto", "xla", "pallas")
+PREFILL_IMPLS: tuple[Impl, ...] = ("auto", "xla", "cudnn")
+
+
+def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
+    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values."""
+    if not isinstance(impl, str) or impl not in allowed:
+        known = "" if impl in get_args(Impl) else " (not a kernel choice)"
+        raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
+    return impl  # type: ignore[return-value]  # checked against the Literal's values
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    """Whether this process has a CUDA backend (then a program may be lowered for its GPUs)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def on_gpu(gpu: Callable[..., T], other: Callable[..., T], *args: Any) -> T:
+    """`gpu(*args)` where the program is lowered for a CUDA GPU, else `other(*args)`: decided by where the
+    computation and its arrays live (`lax.platform_dependent`, resolved when lowering), not by the process's
+    default backend. Both must return the same types. In a process without a CUDA backend `gpu` is not traced."""
+    if not _has_cuda():
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cuda=gpu, default=other)
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,
@@ -216,11 +252,11 @@ def _splits(capacity: int, tile: int) -> int:
 
 
 def use_pallas(q: jax.Array, span: Span) -> bool:
-    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities."""
+    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities (on a GPU:
+    `on_gpu` decides that)."""
     _, _, groups, Sq, d_h = q.shape
     return (
-        jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
+        q.dtype in (jnp.bfloat16, jnp.float16)
         and span.k.dtype == q.dtype
         and groups * Sq <= _PALLAS_MAX_ROWS
         and span.k.shape[2] % SPAN_ALIGN == 0
@@ -238,8 +274,9 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
 
 
 def use_cudnn(dtype: jnp.dtype, head_dim: int) -> bool:
-    """Where `causal_self_attention` applies: a GPU, 16-bit operands, a head size cuDNN's kernel takes."""
-    return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
+    """Where `causal_self_attention` applies (on a GPU: `on_gpu` decides that): 16-bit operands, a head size
+    cuDNN's kernel takes."""
+    return dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
 
 
 def attend(
@@ -249,23 +286,29 @@ def attend(
     dense: Sequence[KeyValues] = (),
     spans: Sequence[Span] = (),
     *,
-    impl: str = "auto",
+    impl: Impl = "auto",
     block: int = SPAN_BLOCK,
 ) -> jax.Array:
     """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
 
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
     query see them). impl: "xla" (blocked loop), "pallas" (GPU decode kernel for spans) or "auto" (the kernel
-    where it applies: 16-bit operands, at most 128 query rows per KV head). Returns `[batch, Sq, n_h, d_h]` in
-    q's dtype; a query that sees no key gets zeros.
+    where it applies: a program lowered for a GPU, 16-bit operands, at most 128 query rows per KV head); another
+    is a `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that sees no key gets zeros.
     """
+    check_impl("attend", impl, ATTEND_IMPLS)
     batch, Sq, n_h, d_h = q.shape
     n_kv = (dense[0] if dense else spans[0]).k.shape[1]
     q5 = q.reshape(batch, Sq, n_kv, n_h // n_kv, d_h).transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Sq, d_h]
     parts = [_dense(q5, q_positions, kv, rule) for kv in dense]
     for span in spans:
-        pallas = impl == "pallas" or (impl == "auto" and use_pallas(q5, span))
-        parts.append(_span_pallas(q5, span) if pallas else _span_xla(q5, span, block))
+        xla = functools.partial(_span_xla, block=block)
+        if impl == "pallas":
+            parts.append(_span_pallas(q5, span))
+        elif impl == "auto" and use_pallas(q5, span):
+            parts.append(on_gpu(_span_pallas, xla, q5, span))
+        else:
+            parts.append(xla(q5, span))
     total = functools.reduce(_merge, parts)
     out = total.acc / jnp.where(total.l > 0, total.l, 1.0)[..., None]  # [batch, n_kv, groups, Sq, d_h] f32
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, Sq, n_h, d_h).astype(q.dtype)

@@ -37,7 +37,17 @@ from ._arguments import (
     check_sampling,
 )
 from ._shapes import chunked, round_up, zeros
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity, write_slots
+from .attention import (
+    ATTEND_IMPLS,
+    SPAN_ALIGN,
+    Impl,
+    KeyValues,
+    LayerRule,
+    Span,
+    check_impl,
+    span_capacity,
+    write_slots,
+)
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
     Absorb,
@@ -472,7 +482,7 @@ def propose(
     embed: jax.Array | None = None,
     lm_head: jax.Array | None = None,
     attention: AttentionOptions = AttentionOptions(),
-    impl: str = "auto",
+    impl: Impl = "auto",
     append_chunk: int = APPEND_CHUNK,
     checked: bool = False,
 ) -> tuple[Proposal, ContextCache]:
@@ -488,8 +498,9 @@ def propose(
 
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
     drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the cache was
-    made with (another raises ValueError); impl: the attention's
-    (`dflash_jax.attention.attend`). Shapes (and the parameter tree, the embedding and LM head against the config)
+    made with (another raises ValueError); impl: the attention's kernel, "auto", "xla" or "pallas"
+    (`dflash_jax.attention.attend`; another is a `ValueError`). Shapes (and the parameter tree, the embedding
+    and LM head against the config)
     are checked when the program is traced; values are not, since the step is jitted: a `num_new` outside
     `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over real ones), an
     id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a negative one,
@@ -500,6 +511,7 @@ def propose(
     `ValueError` saying so.
     """
     num_new, anchor_ids = as_ids("propose", "num_new", num_new), as_ids("propose", "anchor_ids", anchor_ids)
+    impl = check_impl("propose", impl, ATTEND_IMPLS)
     if checked:
         check_propose_inputs(drafter.config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
         check_sampling("propose", key, temperature)
@@ -513,7 +525,7 @@ def propose(
 def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
              anchor_ids: jax.Array, *, key: jax.Array | None, temperature: float | jax.Array,
              confidence_threshold: float | jax.Array, embed: jax.Array | None, lm_head: jax.Array | None,
-             attention: AttentionOptions, impl: str, append_chunk: int) -> tuple[Proposal, ContextCache]:
+             attention: AttentionOptions, impl: Impl, append_chunk: int) -> tuple[Proposal, ContextCache]:
     """`propose`'s step, jitted: its checks of shapes and static arguments run once, at trace time."""
     params, config = drafter.params, drafter.config
     check_integer("propose", "append_chunk", append_chunk, 1)

@@ -46,7 +46,7 @@ import numpy as np
 
 from ._arguments import check_block_inputs, check_heads, check_params
 from ._precision import dot as array_dot
-from .attention import KeyValues, LayerRule, Span, attend, write_slots
+from .attention import Impl, KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
 from .fp8 import Fp8
@@ -427,7 +427,7 @@ def forward(
     context: Context,
     memory: Sequence[Memory] | None = None,
     *,
-    impl: str = "auto",
+    impl: Impl = "auto",
 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """All layers and the final norm over the embedded block `x [batch, B, H]` at `positions [batch, B]`.
 

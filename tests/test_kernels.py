@@ -5,10 +5,46 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from dflash_jax.drafting import init_cache
+from dflash_jax import attention
+from dflash_jax.attention import LayerRule, Span, attend
+from dflash_jax.drafting import init_cache, propose
 from dflash_jax.testing import random_drafter, random_qwen3, random_qwen3_5
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: attend(jnp.ones((1, 1, 2, 64)), jnp.zeros((1, 1), jnp.int32), LayerRule(True, None),
+                    spans=(Span(*[jnp.ones((1, 1, 8, 64))] * 2, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32)),),
+                    impl="palas"),
+     r"attend: impl='palas' \(not a kernel choice\); expected one of 'auto', 'xla', 'pallas'"),
+    (lambda: random_qwen3("tiny-qwen3", dtype=jnp.float32).prefill(jnp.ones((1, 4), jnp.int32), None,
+                                                                    jnp.array([4]), impl="pallas"),
+     r"prefill: impl='pallas'; expected one of 'auto', 'xla', 'cudnn'"),
+    (lambda: propose(random_drafter("tiny-dflash", dtype=jnp.float32), None, None, [1], [1], impl="XLA"),
+     r"propose: impl='XLA' \(not a kernel choice\); expected one of 'auto', 'xla', 'pallas'"),
+])
+def test_a_kernel_choice_outside_the_vocabulary_is_refused(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+    """"auto" takes the GPU span kernel in a program lowered for a CUDA GPU and XLA's loop in one lowered for the
+    CPU, within one process (`attention.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
+    for the CPU (as if this process had a GPU too), the result equals the XLA path's exactly."""
+    monkeypatch.setattr(attention, "_has_cuda", lambda: True)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 64)), jnp.bfloat16)  # 2 rows, 4 query heads
+    k, v = (jnp.asarray(rng.standard_normal((1, 2, 256, 64)), jnp.bfloat16) for _ in range(2))  # 2 KV heads
+    span = Span(k, v, jnp.zeros(1, jnp.int32), jnp.array([100], jnp.int32))
+    run = jax.jit(lambda q, span, impl: attend(q, jnp.array([[100, 101]]), LayerRule(True, None), spans=(span,),
+                                               impl=impl), static_argnames="impl")
+    np.testing.assert_array_equal(run(q, span, "auto"), run(q, span, "xla"))
+    traced = run.trace(q, span, "auto")
+    assert "triton" not in traced.lower().as_text()
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_caches_are_made_on_their_devices_without_a_transfer():
@@ -20,3 +56,19 @@ def test_caches_are_made_on_their_devices_without_a_transfer():
         caches = init_cache(drafter, 2, 40), dense.init_cache(2, 40), hybrid.init_cache(2, 40)
     assert not any(leaf.any() for leaf in jax.tree.leaves(caches))
     assert all(leaf.committed for leaf in jax.tree.leaves(caches[0]))  # where the drafter's params are
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_the_targets_forward_and_prefill_donate_the_cache(family):
+    """A user's own loop holds one cache, not two: the cache given to `prefill` and to the dense target's forward is
+    donated (its buffers reused for the result). The hybrid forward returns a pending cache of other shapes
+    (every row's delta-net state), which `commit` reduces; its K/V pass through."""
+    target = (random_qwen3("tiny-qwen3", dtype=jnp.float32) if family == "dense"
+              else random_qwen3_5("tiny-qwen3_5", dtype=jnp.float32))
+    empty = target.init_cache(1, 16)
+    out = target.prefill(jnp.array([[3, 4, 5, 6]]), empty, jnp.array([4]), chunk=4)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(empty))
+    if family == "dense":
+        cache = out.cache
+        target(jnp.array([[7]]), cache, jnp.array([4]))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))

@@ -45,11 +45,15 @@ from jax.sharding import PartitionSpec
 from .._arguments import check_integer, check_load_arguments, check_mesh
 from .._shapes import chunked, zeros
 from ..attention import (
+    PREFILL_IMPLS,
+    Impl,
     KeyValues,
     LayerRule,
     Span,
     attend,
     causal_self_attention,
+    check_impl,
+    on_gpu,
     span_capacity,
     use_cudnn,
     write_slots,
@@ -245,25 +249,28 @@ class DecoderTarget(HFTarget):
 
         Returns float32 logits `[batch, S, V]`, the features at `layer_ids` `[batch, S, len(layer_ids) * H]`
         (transformers' hidden_states[l + 1] convention) and the cache with the new K/V written. The caller must
-        leave room: `lengths + S <= T` (writes past the cache's end are dropped).
+        leave room: `lengths + S <= T` (writes past the cache's end are dropped). The cache is donated (its
+        buffers hold the result's): keep the returned one.
         """
         return _forward(self, tokens, cache, lengths, tuple(layer_ids))
 
     def prefill(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-        chunk: int = PREFILL_CHUNK, impl: str = "auto",
+        chunk: int = PREFILL_CHUNK, impl: Impl = "auto",
     ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
-        impl "xla" (and "auto" off GPU): chunked, `chunk` tokens at a time through every layer (a `lax.scan`),
-        each chunk attending to the cache written so far and causally to itself, so activations and scores are a
-        chunk's, never `[P, P]`. "cudnn" (and "auto" on a GPU with 16-bit weights): the whole prompt at once,
-        each layer's attention cuDNN's fused causal flash kernel (no `[P, P]` scores either; measured faster,
-        docs/benchmarks.md).
+        impl "xla" (and "auto" where the program is not lowered for a GPU): chunked, `chunk` tokens at a time
+        through every layer (a `lax.scan`), each chunk attending to the cache written so far and causally to
+        itself, so activations and scores are a chunk's, never `[P, P]`. "cudnn" (and "auto" lowered for a GPU,
+        with 16-bit weights): the whole prompt at once, each layer's attention cuDNN's fused causal flash kernel
+        (no `[P, P]` scores either; measured faster, docs/benchmarks.md). Another `impl` is a `ValueError`. The
+        cache is donated: keep the returned one.
         Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
         `[batch, V]` float32, and the cache.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
+        impl = check_impl("prefill", impl, PREFILL_IMPLS)
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
 
 
@@ -364,7 +371,7 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
     return hidden, features, KVCache(tuple(keys), tuple(values))
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids",))
+@functools.partial(jax.jit, static_argnames=("layer_ids",), donate_argnames=("cache",))
 def _forward(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
@@ -373,23 +380,29 @@ def _forward(
     return TargetOutput(lm_logits(hidden, target.lm_head), features, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"))
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"), donate_argnames=("cache",))
 def _prefill(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
-    chunk: int, impl: str,
+    chunk: int, impl: Impl,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch, P = tokens.shape
-    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    fused = impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim)
-    if impl == "cudnn" or fused:  # the whole prompt at once, fused
+
+    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once
         hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
-        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [batch, H]
-        return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
-    hidden_size = target.config.hidden_size
-    last_hidden, features, cache = prefill_chunks(
-        lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens, cache, lengths, chunk,
-        jnp.zeros((batch, hidden_size), target.embed.dtype))
+        last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [batch, H]
+
+    def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+        return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
+                              cache, lengths, chunk, jnp.zeros((batch, target.config.hidden_size), target.embed.dtype))
+
+    if impl == "cudnn":
+        last_hidden, features, cache = fused(cache)
+    elif impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim):
+        last_hidden, features, cache = on_gpu(fused, chunked, cache)
+    else:
+        last_hidden, features, cache = chunked(cache)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 

@@ -517,7 +517,7 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
     return TargetOutput(lm_logits(hidden, target.lm_head), features, pending)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"))
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
 def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
              layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
