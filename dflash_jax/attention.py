@@ -28,25 +28,14 @@ import jax.numpy as jnp
 
 from ._precision import dot
 from ._shapes import ceil_div, round_up
+from .tuning import tuning
 
 T = TypeVar("T")
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-# Key slots per program of the GPU kernel (split-K), by cache capacity: (up to this many slots, keys per split for
-# tiles of < 64 rows, for 64- and 128-row tiles). Measured on an H200, one layer of 8 KV heads (benchmarks/
-# pallas_tiles.py, docs/benchmarks.md): short spans gain from more programs (a 2k span at 64 rows: 0.045 ms in
-# splits of 1024, 0.021 in splits of 512), a 128k span read by 64 rows from fewer partial results to merge
-# (0.178 -> 0.156 ms in splits of 4096), while a greedy token's 16-row tile keeps 1024 there.
-SPLIT_BANDS: tuple[tuple[float, int, int], ...] = ((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096))
-# (key slots per step, warps, software-pipelining stages) of the GPU kernel by query tile rows (`pallas_tile`),
-# measured on an H200 (docs/benchmarks.md). Slots and warps over 32k and 128k spans in a jitted loop
-# (`benchmarks/pallas_tiles.py`): a 17-token verify's 128-row tile took 0.077 ms per 32k layer instead of 0.119
-# with 128 slots; a 16-token block's 64-row tile 0.061 instead of 0.068. Stages (JAX's default is 2), in whole
-# `propose` steps: 3 for the 64-row tile took tf5 at 128k to 0.942 ms from 0.964, the 8B drafter at batch 8 and
-# 2k to 1.581 from 1.598.
-PALLAS_TUNING: dict[int, tuple[int, int, int]] = {16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
+# The GPU kernel's splits and tiles are tuned per device kind: `tuning.Tuning.span_splits` / `span_tiles`.
 
 
 # The kernel choice, one vocabulary for `attend`, `propose` and a target's `prefill` (each takes the values that
@@ -204,7 +193,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     capacity = span.k.shape[2]
     tile = pallas_tile(groups * Sq)
     splits = _splits(capacity, tile)
-    block_k, warps, stages = PALLAS_TUNING[tile]
+    block_k, warps, stages = tuning().span_tiles[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
     with jax.numpy_dtype_promotion("standard"):  # JAX's kernel adds `(~mask) * float`; this module is strict-clean
@@ -229,16 +218,17 @@ def pallas_tile(rows: int) -> int:
 
 
 def split_keys(capacity: int, tile: int) -> int:
-    """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs (`SPLIT_BANDS`)."""
-    _, small, large = next(band for band in SPLIT_BANDS if capacity <= band[0])
+    """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs
+    (`tuning.Tuning.span_splits`)."""
+    _, small, large = next(band for band in tuning().span_splits if capacity <= band[0])
     return large if tile >= 64 else small
 
 
 def span_capacity(rows: int) -> int:
     """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and of
-    the longest split its band uses (`SPLIT_BANDS`), since the kernel's splits must divide the capacity. Before,
-    128-slot alignment alone gave capacities of a prime number of blocks (2944 = 23 x 128 for a 2k context with
-    room for 50 steps), read in splits of 128 keys. Rounding up never leaves the band."""
+    the longest split its band uses (`tuning.Tuning.span_splits`), since the kernel's splits must divide the
+    capacity (128-slot alignment alone gives capacities of a prime number of blocks, read in splits of 128 keys).
+    Rounding up never leaves the band."""
     align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16), split_keys(rows, 128))
     return round_up(rows, align)
 

@@ -63,13 +63,9 @@ from .model import (
     project_context,
     rope_tables,
 )
+from .tuning import tuning
 
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
-# Batches from this size on read ring layers with the GPU span kernel; smaller ones score the whole ring densely.
-# Measured on an H200 (docs/benchmarks.md), Qwen3.6-35B-A3B tf5 shapes (5 rings of 4096 + 16 rows): at batch 8 a
-# step took 1.454 ms instead of 1.530 at a 2k context and 2.618 instead of 3.095 at 128k; at batch 1 it took
-# 1.034 instead of 0.800 at 2k (two kernel launches per ring cost more than one dense pass over 4k rows).
-RING_SPANS_MIN_BATCH = 8
 
 
 @jax.tree_util.register_dataclass
@@ -80,9 +76,9 @@ class ContextCache:
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
     buffer: position p in slot `p % ring`, `ring` = window + block size rows (past 128 rows rounded up to a
     multiple of 128 for the GPU's GEMMs), so its memory does not grow with the context. With `ring_spans`
-    (`init_cache` sets it from `RING_SPANS_MIN_BATCH` sequences on) a ring is read as spans by the GPU kernel,
-    and past 128 rows rounded up by `attention.span_capacity` for it instead. The other layers keep every
-    position p in slot p, up to `max_context`, and room for a block after it (`_absorbed`; their rows are rounded
+    (`init_cache` sets it from `tuning.Tuning.ring_spans_min_batch` sequences on) a ring is read as spans by
+    the GPU kernel, and past 128 rows rounded up by `attention.span_capacity` for it instead. The other layers keep
+    every position p in slot p, up to `max_context`, and room for a block after it (`_absorbed`; their rows are rounded
     up by `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options the cache
     was made with (`propose` refuses others: they decide which layers are rings).
     """
@@ -125,8 +121,7 @@ def _ring_rows(needed: int, spans: bool) -> int:
     """A ring's rows: `needed` (window + block size), rounded up past `SPAN_ALIGN` rows (a longer ring holds more
     positions, outside the window): read as spans, by `span_capacity` so that the GPU kernel reads it; scored
     whole, to a multiple of `SPAN_ALIGN`, since XLA pads an unaligned ring for its GPU GEMMs on every step
-    (measured on an H200, Qwen3.6-35B-A3B tf5 at batch 1: 4224 rows instead of 4112 took the step from 0.894 to
-    0.835 ms at an 8k context, 1.024 to 0.960 at 128k)."""
+    (docs/benchmarks.md)."""
     if needed <= SPAN_ALIGN:
         return needed
     return span_capacity(needed) if spans else round_up(needed, SPAN_ALIGN)
@@ -160,7 +155,7 @@ def init_cache(
     rings = _rings(rules)
     # aligned for the GPU kernel, with room for the block after a full context (`_absorbed`)
     full_rows = span_capacity(max_context + c.effective_block_size)
-    ring_spans = batch_size >= RING_SPANS_MIN_BATCH
+    ring_spans = batch_size >= tuning().ring_spans_min_batch
     rows = [full_rows if not ring or r.window is None else
             _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
             for r, ring in zip(rules, rings)]

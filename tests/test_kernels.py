@@ -3,11 +3,14 @@ their devices, and the target's forward and prefill donating the cache."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dflash_jax.tuning
 from dflash_jax import attention
 from dflash_jax.attention import LayerRule, Span, attend
 from dflash_jax.drafting import init_cache, propose
@@ -72,3 +75,14 @@ def test_the_targets_forward_and_prefill_donate_the_cache(family):
         cache = out.cache
         target(jnp.array([[7]]), cache, jnp.array([4]))
         assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+
+
+def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback(monkeypatch):
+    """A measured kind gets its entry, any other kind (and a process without a GPU) the fallback; the entry is what
+    the kernels and cache sizes read."""
+    assert dflash_jax.tuning.tuning("NVIDIA H200") is dflash_jax.tuning.TUNING["NVIDIA H200"]
+    assert dflash_jax.tuning.tuning("a GPU never measured") is dflash_jax.tuning.FALLBACK
+    assert attention.span_capacity(17_000) == 17 * 1024  # the fallback's band up to 64k slots splits by 1024 keys
+    other = dataclasses.replace(dflash_jax.tuning.FALLBACK, span_splits=((float("inf"), 4096, 4096),))
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", other)
+    assert attention.span_capacity(17_000) == 5 * 4096 and attention.split_keys(17_000, 16) == 4096

@@ -7,6 +7,7 @@ by `make_reference.py` there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -113,8 +114,9 @@ def test_grouped_matmuls_equal_the_dense_form(block, dims, impl):
 
 
 def test_auto_gathers_few_rows_and_groups_many(block, dims, monkeypatch):
-    """`GATHER_MAX_ROWS` decides; a typo in impl is refused."""
+    """The device kind's `moe_gather_max_rows` (`tuning`) decides; a typo in impl is refused."""
     import dflash_jax.target.moe as moe
+    import dflash_jax.tuning
 
     calls = []
     for name in ("_gathered", "_grouped"):
@@ -122,7 +124,8 @@ def test_auto_gathers_few_rows_and_groups_many(block, dims, monkeypatch):
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
     moe.moe_block(block, dims, x)
-    monkeypatch.setattr(moe, "GATHER_MAX_ROWS", 5)
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(dflash_jax.tuning.FALLBACK,
+                                                                           moe_gather_max_rows=5))
     moe.moe_block(block, dims, x)
     assert calls == ["_gathered", "_grouped"]
     with pytest.raises(ValueError, match="moe impl"):

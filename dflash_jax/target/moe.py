@@ -38,9 +38,12 @@ from typing import Any, Literal, Protocol
 import jax
 import jax.numpy as jnp
 
+from .._precision import precision
+from ..attention import on_gpu
 from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
+from ..tuning import tuning
 
 Params = dict[str, Any]
 
@@ -139,12 +142,10 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
     return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
 
 
-# The routed experts, two ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
-# XLA's `ragged_dot` reads every expert's weights (55x the routed experts' bytes for one token); gathering each
-# token's experts is the fastest for the rows of decode and verify steps; for more rows JAX's Mosaic GPU grouped
-# matmul is, run alone (see `_routed` for why "auto" does not use it). `GATHER_MAX_ROWS`: up to this many
-# (token, expert) pairs, gather.
-GATHER_MAX_ROWS = 256
+# The routed experts, two ways (docs/benchmarks.md, benchmarks/moe_block.py): XLA's `ragged_dot` reads every
+# expert's weights; gathering each token's experts is the fastest for the rows of decode and verify steps, up to
+# `tuning.Tuning.moe_gather_max_rows` (token, expert) pairs; for more rows JAX's Mosaic GPU grouped matmul is, run
+# alone (see `_routed` for why "auto" does not use it).
 
 
 def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -163,18 +164,22 @@ def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel:
     `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights). `kernel`, on a
     GPU with bf16 operands of tileable sizes: JAX's Mosaic GPU grouped matmul; else `jax.lax.ragged_dot_general`."""
     E, out, inner = stack.shape
-    if (kernel and jax.default_backend() == "gpu" and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0
-            and out % 128 == 0):
+
+    def xla(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        return jax.lax.ragged_dot_general(rows, stack, sizes, dims, precision=precision(rows, stack),
+                                          preferred_element_type=rows.dtype)
+
+    def mosaic(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         return ragged_dot_mgpu.ragged_dot(rows, stack, group_sizes=sizes, block_m=64, block_n=128, block_k=64,
                                           max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    full = jnp.float32 in (rows.dtype, stack.dtype)
-    return jax.lax.ragged_dot_general(
-        rows, stack, sizes, dims, precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT,
-        preferred_element_type=rows.dtype)
+
+    if kernel and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0 and out % 128 == 0:
+        return on_gpu(mosaic, xla, rows, stack, sizes)  # where the program is lowered for a GPU
+    return xla(rows, stack, sizes)
 
 
 def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
@@ -200,11 +205,11 @@ IMPLS: tuple[Impl, ...] = ("auto", "gather", "grouped", "ragged_dot")
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `GATHER_MAX_ROWS` pairs, XLA's `ragged_dot` beyond; "grouped": the Mosaic GPU kernel where it runs, XLA's
-    `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    most `tuning.Tuning.moe_gather_max_rows` pairs, XLA's `ragged_dot` beyond; "grouped": the Mosaic GPU kernel
+    where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl == "gather" or (impl == "auto" and experts.size <= GATHER_MAX_ROWS):
+    if impl == "gather" or (impl == "auto" and experts.size <= tuning().moe_gather_max_rows):
         return _gathered(p, x, weights, experts)
     # "auto" does not take the Mosaic GPU kernel: inside the 35B-A3B prefill program (16384 rows a chunk) its
     # compilation crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran and was fastest.
