@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple, TypeVar, get_args
+from collections.abc import Sequence
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
 from ._precision import dot
 from ._shapes import ceil_div, round_up
-from .tuning import tuning
-
-T = TypeVar("T")
+from .tuning import on_gpu, tuning
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
@@ -52,24 +50,6 @@ def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
         known = "" if impl in get_args(Impl) else " (not a kernel choice)"
         raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
     return impl  # type: ignore[return-value]  # checked against the Literal's values
-
-
-@functools.cache
-def _has_cuda() -> bool:
-    """Whether this process has a CUDA backend (then a program may be lowered for its GPUs)."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-def on_gpu(gpu: Callable[..., T], other: Callable[..., T], *args: Any) -> T:
-    """`gpu(*args)` where the program is lowered for a CUDA GPU, else `other(*args)`: decided by where the
-    computation and its arrays live (`lax.platform_dependent`, resolved when lowering), not by the process's
-    default backend. Both must return the same types. In a process without a CUDA backend `gpu` is not traced."""
-    if not _has_cuda():
-        return other(*args)
-    return jax.lax.platform_dependent(*args, cuda=gpu, default=other)
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,

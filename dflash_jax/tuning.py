@@ -8,16 +8,20 @@ devices they ran on are in docs/benchmarks.md; the code keeps only the values. A
 runs the fallback, the only entry measured so far (an NVIDIA H200); to tune another, run the benchmarks that
 docs/benchmarks.md names on it and add its entry.
 
-The values decide programs at trace time, by the kind of this process's GPUs (a process has one kind); where the
-program then runs is decided when it is lowered (`attention.on_gpu`).
+The values decide programs at trace time, by the kind of this process's GPUs (a process has one kind); whether a
+program runs a GPU kernel at all is decided by where it is lowered (`on_gpu`), not by the default backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +69,21 @@ def device_kind() -> str | None:
         return jax.devices("gpu")[0].device_kind
     except RuntimeError:
         return None
+
+
+@functools.cache
+def has_cuda() -> bool:
+    """Whether this process has a CUDA backend (then a program may be lowered for its GPUs)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def on_gpu(gpu: Callable[..., T], other: Callable[..., T], *args: Any) -> T:
+    """`gpu(*args)` where the program is lowered for a CUDA GPU, else `other(*args)`: decided by where the
+    computation and its arrays live (`lax.platform_dependent`, resolved when lowering), not by the process's
+    default backend. Both must return the same types. In a process without a CUDA backend `gpu` is not traced."""
+    if not has_cuda():
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cuda=gpu, default=other)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dflash_jax.tuning
-from dflash_jax import attention
+from dflash_jax import attention, nvfp4
 from dflash_jax.attention import LayerRule, Span, attend
 from dflash_jax.drafting import init_cache, propose
 from dflash_jax.testing import random_drafter, random_qwen3, random_qwen3_5
@@ -35,9 +35,9 @@ def test_a_kernel_choice_outside_the_vocabulary_is_refused(call, says):
 
 def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     """"auto" takes the GPU span kernel in a program lowered for a CUDA GPU and XLA's loop in one lowered for the
-    CPU, within one process (`attention.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
+    CPU, within one process (`tuning.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
     for the CPU (as if this process had a GPU too), the result equals the XLA path's exactly."""
-    monkeypatch.setattr(attention, "_has_cuda", lambda: True)
+    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 4, 64)), jnp.bfloat16)  # 2 rows, 4 query heads
     k, v = (jnp.asarray(rng.standard_normal((1, 2, 256, 64)), jnp.bfloat16) for _ in range(2))  # 2 KV heads
@@ -86,3 +86,13 @@ def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback(monkeypatch):
     other = dataclasses.replace(dflash_jax.tuning.FALLBACK, span_splits=((float("inf"), 4096, 4096),))
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", other)
     assert attention.span_capacity(17_000) == 5 * 4096 and attention.split_keys(17_000, 16) == 4096
+
+
+def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+    """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
+    dequantization for the CPU, in one process."""
+    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
+    packed, scale = jnp.zeros((32, 8), jnp.uint8), jnp.zeros((32, 1), jnp.uint8)
+    traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16)).trace(packed, scale)
+    assert "triton" not in traced.lower().as_text()
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -53,7 +53,6 @@ from ..attention import (
     attend,
     causal_self_attention,
     check_impl,
-    on_gpu,
     span_capacity,
     use_cudnn,
     write_slots,
@@ -64,6 +63,7 @@ from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, ro
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
+from ..tuning import on_gpu
 from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout

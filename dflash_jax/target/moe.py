@@ -39,11 +39,10 @@ import jax
 import jax.numpy as jnp
 
 from .._precision import precision
-from ..attention import on_gpu
 from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
-from ..tuning import tuning
+from ..tuning import on_gpu, tuning
 
 Params = dict[str, Any]
 
