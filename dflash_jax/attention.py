@@ -49,7 +49,7 @@ def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
     if not isinstance(impl, str) or impl not in allowed:
         known = "" if impl in get_args(Impl) else " (not a kernel choice)"
         raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
-    return impl  # type: ignore[return-value]  # checked against the Literal's values
+    return impl
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,

@@ -373,11 +373,11 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
 
 
-def decode_config_json(raw: str | bytes | bytearray | dict[str, Any], source: str, expected: str) -> dict[str, Any]:
+def decode_config_json(raw: str | bytes | dict[str, Any], source: str, expected: str) -> dict[str, Any]:
     """A config's JSON text as a dict (a dict passes through): UTF-8 only, duplicate keys refused, an object at the
     top level; every failure a `ConfigError` naming `source` and what was `expected` ("a drafter config.json")."""
     try:
-        if isinstance(raw, (str, bytes, bytearray)):
+        if isinstance(raw, (str, bytes)):
             try:
                 raw = json_loads(raw)
             except NotUTF8 as e:

@@ -14,7 +14,7 @@ import dflash_jax.tuning
 from dflash_jax import attention, nvfp4
 from dflash_jax.attention import LayerRule, Span, attend
 from dflash_jax.drafting import init_cache, propose
-from dflash_jax.testing import random_drafter, random_qwen3, random_qwen3_5
+from dflash_jax.testing import QWEN3_TINY_CONFIGS, random_drafter, random_qwen3, random_qwen3_5
 
 
 @pytest.mark.parametrize("call, says", [
@@ -96,3 +96,16 @@ def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16)).trace(packed, scale)
     assert "triton" not in traced.lower().as_text()
     assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dflash_jax.tuning.has_cuda(), reason="needs a CUDA GPU")
+def test_on_a_gpu_auto_lowers_the_kernels():
+    """On a GPU, "auto" lowers cuDNN's fused prefill and the Pallas span kernel in the forward over the cache (the
+    CPU twin above checks the choice; the kernels' numbers are tested in test_target / test_attention)."""
+    target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4}, seed=3)
+    tokens, lengths = jnp.ones((2, 32), jnp.int32), jnp.array([32, 20], jnp.int32)
+    prefill = jax.jit(lambda t, c, n: target.prefill(t, c, n)).trace(tokens, target.init_cache(2, 64), lengths)
+    assert "cudnn" in prefill.lower().as_text()
+    step = jax.jit(lambda t, c, n: target(t, c, n)).trace(tokens[:, :1], target.init_cache(2, 64), lengths)
+    assert "triton" in step.lower().as_text()
