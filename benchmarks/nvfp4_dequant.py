@@ -30,6 +30,7 @@ from jax import lax
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax.nvfp4 import _pallas  # noqa: E402
 from dflash_jax.nvfp4._reference import dequantize_xla  # noqa: E402
+from dflash_jax.tuning import tuning
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import call_seconds  # noqa: E402
@@ -124,8 +125,8 @@ def bench(name, n, k, key, sweep):
     for rows, warps in configs:
         label = "pallas" if rows is None else f"pallas r{rows} w{warps}"
         results[label] = time_per_tensor(pallas_path(rows, warps), inputs, moved, repeats)
-    print(f"\n{name} [{n}, {k}]  {moved / 1e6:.1f} MB moved  (default tile: {_pallas.ROWS} blocks of 16, "
-          f"{_pallas.NUM_WARPS} warps)")
+    print(f"\n{name} [{n}, {k}]  {moved / 1e6:.1f} MB moved  (default tile: {tuning().nvfp4_rows} blocks of 16, "
+          f"{tuning().nvfp4_warps} warps)")
     for label, t in results.items():
         print(f"  {label:22s} {t * 1e6:9.1f} us {moved / t / 1e9:8.0f} GB/s  {t_copy / t:6.1%} of copy"
               f"  {t_xla / t:5.2f}x xla", flush=True)

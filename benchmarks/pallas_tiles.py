@@ -1,4 +1,4 @@
-"""The GPU span kernel's tuning: key slots per step, warps and stages for each query tile (`attention.PALLAS_TUNING`).
+"""The GPU span kernel's tuning: key slots per step, warps and stages for each query tile (`tuning.Tuning.span_tiles`).
 
 JAX's Pallas split-K decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`) over one layer's
 cache, 8 KV heads of 128 at batch 1 (or `--batch`), for the query rows per KV head the package runs: 4 (a greedy
@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import decode_attention
 
-from dflash_jax.attention import PALLAS_TUNING, pallas_tile, split_keys
+from dflash_jax.attention import pallas_tile, split_keys
+from dflash_jax.tuning import tuning
 
 LOOP = 20
 KV_HEADS, HEAD_DIM = 8, 128
@@ -72,7 +73,7 @@ def main() -> None:
                     if "Shared memory" not in str(e):
                         raise
             best = min(times, key=times.get)
-            slots, warps, stages = PALLAS_TUNING[tile]
+            slots, warps, stages = tuning().span_tiles[tile]
             package = times.get((slots, warps, split_keys(T, tile), stages), float("nan"))
             print(f"| {T} | {rows} | {tile} | {floor:.4f} | {times[best]:.4f} | {' | '.join(map(str, best))} | "
                   f"{package:.4f} |", flush=True)

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from .drafter import Drafter
-from .plan import build_tree
+from .plan import build_tree, init_leaves
 from .safetensors import write_tensors
 from .target.config import ARCHITECTURES, DecoderConfig, Qwen3Config, parse_decoder_config
 from .target.dense import DecoderTarget, Qwen3Target, plan_decoder
@@ -105,8 +105,7 @@ def random_qwen3(config: DecoderConfig | dict[str, Any] | str, *, seed: int = 0,
         config = _parse(QWEN3_TINY_CONFIGS[config] if isinstance(config, str) else config, "random_qwen3")
     plan = plan_decoder(config)
     keys = jax.random.split(jax.random.key(seed), len(plan))
-    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
-    params = build_tree(plan, leaves)
+    params = build_tree(plan, init_leaves(keys, plan, dtype))
     params["layers"] = tuple(params["layers"])
     return (Qwen3Target if isinstance(config, Qwen3Config) else DecoderTarget)(params=params, config=config)
 

@@ -21,27 +21,35 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
+from ._precision import dot
+from ._shapes import ceil_div, round_up
+from .tuning import on_gpu, tuning
+
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-# Key slots per program of the GPU kernel (split-K), by cache capacity: (up to this many slots, keys per split for
-# tiles of < 64 rows, for 64- and 128-row tiles). Measured on an H200, one layer of 8 KV heads (benchmarks/
-# pallas_tiles.py, docs/benchmarks.md): short spans gain from more programs (a 2k span at 64 rows: 0.045 ms in
-# splits of 1024, 0.021 in splits of 512), a 128k span read by 64 rows from fewer partial results to merge
-# (0.178 -> 0.156 ms in splits of 4096), while a greedy token's 16-row tile keeps 1024 there.
-SPLIT_BANDS: tuple[tuple[float, int, int], ...] = ((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096))
-# (key slots per step, warps, software-pipelining stages) of the GPU kernel by query tile rows (`pallas_tile`),
-# measured on an H200 (docs/benchmarks.md). Slots and warps over 32k and 128k spans in a jitted loop
-# (`benchmarks/pallas_tiles.py`): a 17-token verify's 128-row tile took 0.077 ms per 32k layer instead of 0.119
-# with 128 slots; a 16-token block's 64-row tile 0.061 instead of 0.068. Stages (JAX's default is 2), in whole
-# `propose` steps: 3 for the 64-row tile took tf5 at 128k to 0.942 ms from 0.964, the 8B drafter at batch 8 and
-# 2k to 1.581 from 1.598.
-PALLAS_TUNING: dict[int, tuple[int, int, int]] = {16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
+# The GPU kernel's splits and tiles are tuned per device kind: `tuning.Tuning.span_splits` / `span_tiles`.
+
+
+# The kernel choice, one vocabulary for `attend`, `propose` and a target's `prefill` (each takes the values that
+# apply to it, `check_impl`): "auto" picks by where the program runs (`on_gpu`) and the operands; "xla" forces
+# XLA's path; "pallas" JAX's Pallas span kernel (attend, propose); "cudnn" cuDNN's fused prefill (prefill).
+Impl = Literal["auto", "xla", "pallas", "cudnn"]
+ATTEND_IMPLS: tuple[Impl, ...] = ("auto", "xla", "pallas")
+PREFILL_IMPLS: tuple[Impl, ...] = ("auto", "xla", "cudnn")
+
+
+def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
+    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values."""
+    if not isinstance(impl, str) or impl not in allowed:
+        known = "" if impl in get_args(Impl) else " (not a kernel choice)"
+        raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
+    return impl
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,
@@ -105,13 +113,6 @@ class _Partial:
     l: jax.Array  # [batch, n_kv, groups, Sq] f32
 
 
-def _dot(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """einsum accumulating in float32; full-precision products when an operand is float32 (see `model.dot`)."""
-    full = jnp.float32 in (a.dtype, b.dtype)
-    precision = jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT
-    return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
-
-
 def _empty(q: jax.Array) -> _Partial:
     shape = q.shape[:-1]
     return _Partial(jnp.zeros(q.shape, jnp.float32), jnp.full(shape, -jnp.inf), jnp.zeros(shape, jnp.float32))
@@ -119,13 +120,13 @@ def _empty(q: jax.Array) -> _Partial:
 
 def _update(p: _Partial, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> _Partial:
     """Fold keys `k, v [batch, n_kv, rows, d_h]` into `p`; mask broadcasts to `[batch, n_kv, groups, Sq, rows]`."""
-    s = _dot("bhgqd,bhkd->bhgqk", q, k) * q.shape[-1] ** -0.5  # [batch, n_kv, groups, Sq, rows] f32
+    s = dot("bhgqd,bhkd->bhgqk", q, k) * q.shape[-1] ** -0.5  # [batch, n_kv, groups, Sq, rows] f32
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.maximum(p.m, s.max(axis=-1))
     shift = jnp.where(jnp.isfinite(m), m, 0.0)  # no key seen yet: keep exp() finite
     w = jnp.exp(s - shift[..., None])
     carry = jnp.exp(p.m - shift)  # 0 where nothing was seen before
-    acc = p.acc * carry[..., None] + _dot("bhgqk,bhkd->bhgqd", w.astype(v.dtype), v)
+    acc = p.acc * carry[..., None] + dot("bhgqk,bhkd->bhgqd", w.astype(v.dtype), v)
     return _Partial(acc, m, p.l * carry + w.sum(axis=-1))
 
 
@@ -150,7 +151,7 @@ def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
     capacity = span.k.shape[2]
     block = min(block, capacity)
     first = jnp.min(span.start) // block
-    last = -(-jnp.max(span.stop) // block)  # ceil
+    last = ceil_div(jnp.max(span.stop), block)
 
     def body(i, p):
         at = jnp.minimum(i * block, capacity - block)  # a ragged last block is read shifted back ...
@@ -172,7 +173,7 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     capacity = span.k.shape[2]
     tile = pallas_tile(groups * Sq)
     splits = _splits(capacity, tile)
-    block_k, warps, stages = PALLAS_TUNING[tile]
+    block_k, warps, stages = tuning().span_tiles[tile]
     rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
     per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
     with jax.numpy_dtype_promotion("standard"):  # JAX's kernel adds `(~mask) * float`; this module is strict-clean
@@ -197,18 +198,19 @@ def pallas_tile(rows: int) -> int:
 
 
 def split_keys(capacity: int, tile: int) -> int:
-    """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs (`SPLIT_BANDS`)."""
-    _, small, large = next(band for band in SPLIT_BANDS if capacity <= band[0])
+    """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs
+    (`tuning.Tuning.span_splits`)."""
+    _, small, large = next(band for band in tuning().span_splits if capacity <= band[0])
     return large if tile >= 64 else small
 
 
 def span_capacity(rows: int) -> int:
     """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and of
-    the longest split its band uses (`SPLIT_BANDS`), since the kernel's splits must divide the capacity. Before,
-    128-slot alignment alone gave capacities of a prime number of blocks (2944 = 23 x 128 for a 2k context with
-    room for 50 steps), read in splits of 128 keys. Rounding up never leaves the band."""
+    the longest split its band uses (`tuning.Tuning.span_splits`), since the kernel's splits must divide the
+    capacity (128-slot alignment alone gives capacities of a prime number of blocks, read in splits of 128 keys).
+    Rounding up never leaves the band."""
     align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16), split_keys(rows, 128))
-    return -(-rows // align) * align
+    return round_up(rows, align)
 
 
 def _splits(capacity: int, tile: int) -> int:
@@ -220,11 +222,11 @@ def _splits(capacity: int, tile: int) -> int:
 
 
 def use_pallas(q: jax.Array, span: Span) -> bool:
-    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities."""
+    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities (on a GPU:
+    `on_gpu` decides that)."""
     _, _, groups, Sq, d_h = q.shape
     return (
-        jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
+        q.dtype in (jnp.bfloat16, jnp.float16)
         and span.k.dtype == q.dtype
         and groups * Sq <= _PALLAS_MAX_ROWS
         and span.k.shape[2] % SPAN_ALIGN == 0
@@ -242,8 +244,9 @@ def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array
 
 
 def use_cudnn(dtype: jnp.dtype, head_dim: int) -> bool:
-    """Where `causal_self_attention` applies: a GPU, 16-bit operands, a head size cuDNN's kernel takes."""
-    return jax.default_backend() == "gpu" and dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
+    """Where `causal_self_attention` applies (on a GPU: `on_gpu` decides that): 16-bit operands, a head size
+    cuDNN's kernel takes."""
+    return dtype in (jnp.bfloat16, jnp.float16) and head_dim in (64, 128)
 
 
 def attend(
@@ -253,23 +256,29 @@ def attend(
     dense: Sequence[KeyValues] = (),
     spans: Sequence[Span] = (),
     *,
-    impl: str = "auto",
+    impl: Impl = "auto",
     block: int = SPAN_BLOCK,
 ) -> jax.Array:
     """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
 
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
     query see them). impl: "xla" (blocked loop), "pallas" (GPU decode kernel for spans) or "auto" (the kernel
-    where it applies: 16-bit operands, at most 128 query rows per KV head). Returns `[batch, Sq, n_h, d_h]` in
-    q's dtype; a query that sees no key gets zeros.
+    where it applies: a program lowered for a GPU, 16-bit operands, at most 128 query rows per KV head); another
+    is a `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that sees no key gets zeros.
     """
+    check_impl("attend", impl, ATTEND_IMPLS)
     batch, Sq, n_h, d_h = q.shape
     n_kv = (dense[0] if dense else spans[0]).k.shape[1]
     q5 = q.reshape(batch, Sq, n_kv, n_h // n_kv, d_h).transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Sq, d_h]
     parts = [_dense(q5, q_positions, kv, rule) for kv in dense]
     for span in spans:
-        pallas = impl == "pallas" or (impl == "auto" and use_pallas(q5, span))
-        parts.append(_span_pallas(q5, span) if pallas else _span_xla(q5, span, block))
+        xla = functools.partial(_span_xla, block=block)
+        if impl == "pallas":
+            parts.append(_span_pallas(q5, span))
+        elif impl == "auto" and use_pallas(q5, span):
+            parts.append(on_gpu(_span_pallas, xla, q5, span))
+        else:
+            parts.append(xla(q5, span))
     total = functools.reduce(_merge, parts)
     out = total.acc / jnp.where(total.l > 0, total.l, 1.0)[..., None]  # [batch, n_kv, groups, Sq, d_h] f32
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, Sq, n_h, d_h).astype(q.dtype)

@@ -356,16 +356,7 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
     Raises `ConfigError` naming `source` and the offending field, and nothing else, whatever `raw` holds.
     """
     try:
-        if isinstance(raw, (str, bytes, bytearray)):
-            try:  # UTF-8 only; duplicate keys refused
-                raw = json_loads(raw)
-            except NotUTF8 as e:
-                raise ConfigError(f"{source}: not valid JSON: the file is not UTF-8 JSON ({e}); save it as UTF-8 "
-                                  "without a byte-order mark") from None
-            except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
-                raise ConfigError(f"{source}: not valid JSON ({e}); expected a drafter config.json") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
+        raw = decode_config_json(raw, source, "a drafter config.json")
         refusal = not_a_drafter(raw) or not_implemented(raw)
         if refusal:
             raise ConfigError(f"{source}: {refusal}")
@@ -380,6 +371,25 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
         return config
     except RecursionError:
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
+
+
+def decode_config_json(raw: str | bytes | dict[str, Any], source: str, expected: str) -> dict[str, Any]:
+    """A config's JSON text as a dict (a dict passes through): UTF-8 only, duplicate keys refused, an object at the
+    top level; every failure a `ConfigError` naming `source` and what was `expected` ("a drafter config.json")."""
+    try:
+        if isinstance(raw, (str, bytes)):
+            try:
+                raw = json_loads(raw)
+            except NotUTF8 as e:
+                raise ConfigError(f"{source}: not valid JSON: the file is not UTF-8 JSON ({e}); save it as UTF-8 "
+                                  "without a byte-order mark") from None
+            except ValueError as e:  # JSONDecodeError, the int digits limit, duplicates
+                raise ConfigError(f"{source}: not valid JSON ({e}); expected {expected}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: JSON nested too deeply; expected {expected}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object at the top level, found {type(raw).__name__}")
+    return raw
 
 
 def not_a_drafter(raw: dict[str, Any]) -> str | None:

@@ -36,7 +36,18 @@ from ._arguments import (
     check_propose_inputs,
     check_sampling,
 )
-from .attention import SPAN_ALIGN, KeyValues, LayerRule, Span, span_capacity, write_slots
+from ._shapes import chunked, round_up, zeros
+from .attention import (
+    ATTEND_IMPLS,
+    SPAN_ALIGN,
+    Impl,
+    KeyValues,
+    LayerRule,
+    Span,
+    check_impl,
+    span_capacity,
+    write_slots,
+)
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
     Absorb,
@@ -52,13 +63,9 @@ from .model import (
     project_context,
     rope_tables,
 )
+from .tuning import tuning
 
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
-# Batches from this size on read ring layers with the GPU span kernel; smaller ones score the whole ring densely.
-# Measured on an H200 (docs/benchmarks.md), Qwen3.6-35B-A3B tf5 shapes (5 rings of 4096 + 16 rows): at batch 8 a
-# step took 1.454 ms instead of 1.530 at a 2k context and 2.618 instead of 3.095 at 128k; at batch 1 it took
-# 1.034 instead of 0.800 at 2k (two kernel launches per ring cost more than one dense pass over 4k rows).
-RING_SPANS_MIN_BATCH = 8
 
 
 @jax.tree_util.register_dataclass
@@ -69,9 +76,9 @@ class ContextCache:
     A layer with a window (a trained `sliding_attention` layer, or a full one under `draft_window`) keeps a ring
     buffer: position p in slot `p % ring`, `ring` = window + block size rows (past 128 rows rounded up to a
     multiple of 128 for the GPU's GEMMs), so its memory does not grow with the context. With `ring_spans`
-    (`init_cache` sets it from `RING_SPANS_MIN_BATCH` sequences on) a ring is read as spans by the GPU kernel,
-    and past 128 rows rounded up by `attention.span_capacity` for it instead. The other layers keep every
-    position p in slot p, up to `max_context`, and room for a block after it (`_absorbed`; their rows are rounded
+    (`init_cache` sets it from `tuning.Tuning.ring_spans_min_batch` sequences on) a ring is read as spans by
+    the GPU kernel, and past 128 rows rounded up by `attention.span_capacity` for it instead. The other layers keep
+    every position p in slot p, up to `max_context`, and room for a block after it (`_absorbed`; their rows are rounded
     up by `attention.span_capacity`, so that the GPU kernel reads them well). `attention`: the options the cache
     was made with (`propose` refuses others: they decide which layers are rings).
     """
@@ -114,11 +121,10 @@ def _ring_rows(needed: int, spans: bool) -> int:
     """A ring's rows: `needed` (window + block size), rounded up past `SPAN_ALIGN` rows (a longer ring holds more
     positions, outside the window): read as spans, by `span_capacity` so that the GPU kernel reads it; scored
     whole, to a multiple of `SPAN_ALIGN`, since XLA pads an unaligned ring for its GPU GEMMs on every step
-    (measured on an H200, Qwen3.6-35B-A3B tf5 at batch 1: 4224 rows instead of 4112 took the step from 0.894 to
-    0.835 ms at an 8k context, 1.024 to 0.960 at 128k)."""
+    (docs/benchmarks.md)."""
     if needed <= SPAN_ALIGN:
         return needed
-    return span_capacity(needed) if spans else -(-needed // SPAN_ALIGN) * SPAN_ALIGN
+    return span_capacity(needed) if spans else round_up(needed, SPAN_ALIGN)
 
 
 def init_cache(
@@ -149,26 +155,26 @@ def init_cache(
     rings = _rings(rules)
     # aligned for the GPU kernel, with room for the block after a full context (`_absorbed`)
     full_rows = span_capacity(max_context + c.effective_block_size)
-    ring_spans = batch_size >= RING_SPANS_MIN_BATCH
+    ring_spans = batch_size >= tuning().ring_spans_min_batch
     rows = [full_rows if not ring or r.window is None else
             _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
             for r, ring in zip(rules, rings)]
 
-    def zeros(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
+    def empty(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated
         where = sharding
         if isinstance(where, jax.sharding.NamedSharding):  # spelled as jit outputs spell it: one entry per axis
             if any(where.spec[len(shape):]):  # the params' sharding splits an axis the array does not have
                 raise ValueError(f"init_cache: sharding {where.spec} does not fit a {len(shape)}-d cache array; "
                                  "pass sharding= for the cache")
             where = where.update(spec=(*where.spec, *(None,) * len(shape))[: len(shape)])
-        return jax.device_put(np.zeros(shape, dtype), where)
+        return zeros(shape, dtype, where)
 
     shapes = [(batch_size, c.num_key_value_heads, n, c.head_dim) for n in rows]
     return ContextCache(
-        keys=tuple(zeros(shape, dtype) for shape in shapes),
-        values=tuple(zeros(shape, dtype) for shape in shapes),
-        lengths=zeros((batch_size,), jnp.int32),
-        overflow=zeros((batch_size,), bool),
+        keys=tuple(empty(shape, dtype) for shape in shapes),
+        values=tuple(empty(shape, dtype) for shape in shapes),
+        lengths=empty((batch_size,), jnp.int32),
+        overflow=empty((batch_size,), bool),
         max_context=max_context,
         rings=rings,
         attention=attention,
@@ -187,8 +193,10 @@ class Proposal:
     confidence: jax.Array | None = None  # [batch, num_draft_tokens] f32: DSpark's predicted acceptance, sigmoid
 
 
-def _choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """Pick one id per row of `logits [batch, ..., n]`: argmax without a key, else a sample at `temperature [batch]`.
+def choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None
+           ) -> tuple[jax.Array, jax.Array | None]:
+    """Pick one id per row of `logits [batch, ..., n]`: argmax without a key, else a sample at `temperature [batch]`
+    (or a scalar; needed only with a key). The one argmax-or-sample rule of the drafter and the decode loops.
 
     With a key, also returns the distribution the pick was drawn from, `[batch, ..., n]`: `softmax(logits / T)`,
     or one-hot at the argmax for sequences with T = 0 (greedy rows stay deterministic in a sampled batch).
@@ -196,6 +204,7 @@ def _choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array) ->
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
         return greedy, None
+    assert temperature is not None  # every sampling caller passes one with its key
     t = temperature.reshape(-1, *([1] * (logits.ndim - 1)))  # [batch, 1, ..., 1]
     hot = t > 0
     scaled = logits / jnp.where(hot, t, 1.0)
@@ -216,7 +225,7 @@ def _markov_walk(params, logits, anchor_ids, key, temperature):
     def step(prev, row):
         base, row_key = row  # [batch, V] f32
         bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, V]
-        token, probs = _choose(row_key, base + bias, temperature)
+        token, probs = choose(row_key, base + bias, temperature)
         return token, (token, probs)
 
     rows = (jnp.moveaxis(logits, 1, 0), _row_keys(key, logits.shape[1]))  # scan over draft rows
@@ -236,7 +245,7 @@ def _selector_walk(params, config, hidden, logits, anchor_ids, key, temperature)
         u, ids, ctx, succ, row_key = row  # [batch, K], [batch, K], [batch, r], [batch, K, r]
         state = jnp.take(predecessors, pred, axis=0).astype(jnp.float32) * ctx  # [batch, r]
         scores = u + dot("br,bkr->bk", state, succ.astype(jnp.float32))  # [batch, K]
-        pick, probs = _choose(row_key, scores, temperature)
+        pick, probs = choose(row_key, scores, temperature)
         token = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
         return token, (token, probs)
 
@@ -303,7 +312,7 @@ def sample_drafts(
     elif markov:
         tokens, probs = _markov_walk(params, logits, anchor_ids, key, temperature)
     else:
-        tokens, probs = _choose(key, logits, temperature)
+        tokens, probs = choose(key, logits, temperature)
 
     n = tokens.shape[1]
     num_tokens = jnp.full((batch,), n, jnp.int32)
@@ -357,10 +366,7 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
     """Project and append `target_hidden [batch, n_new, Lf*H]` `chunk` rows at a time (a `lax.scan`), so a long
     prompt needs a chunk's activations, not the prompt's."""
     params, config = drafter.params, drafter.config
-    batch, n_new, width = target_hidden.shape
-    n_chunks = -(-n_new // chunk)
-    padded = jnp.pad(target_hidden, ((0, 0), (0, n_chunks * chunk - n_new), (0, 0)))
-    pieces = padded.reshape(batch, n_chunks, chunk, width).swapaxes(0, 1)  # [n_chunks, batch, chunk, Lf*H]
+    pieces = chunked(target_hidden, chunk)  # [n_chunks, batch, chunk, Lf*H]
 
     def step(cache, inputs):
         c, rows = inputs
@@ -369,7 +375,7 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
         kv = [keys_values(p["self_attn"], config, ctx, rope) for p in params["layers"]]
         return _append(cache, kv, jnp.clip(num_new - c * chunk, 0, chunk)), None
 
-    cache, _ = jax.lax.scan(step, cache, (jnp.arange(n_chunks), pieces))
+    cache, _ = jax.lax.scan(step, cache, (jnp.arange(len(pieces)), pieces))
     return cache
 
 
@@ -471,7 +477,7 @@ def propose(
     embed: jax.Array | None = None,
     lm_head: jax.Array | None = None,
     attention: AttentionOptions = AttentionOptions(),
-    impl: str = "auto",
+    impl: Impl = "auto",
     append_chunk: int = APPEND_CHUNK,
     checked: bool = False,
 ) -> tuple[Proposal, ContextCache]:
@@ -487,8 +493,9 @@ def propose(
 
     key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
     drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the cache was
-    made with (another raises ValueError); impl: the attention's
-    (`dflash_jax.attention.attend`). Shapes (and the parameter tree, the embedding and LM head against the config)
+    made with (another raises ValueError); impl: the attention's kernel, "auto", "xla" or "pallas"
+    (`dflash_jax.attention.attend`; another is a `ValueError`). Shapes (and the parameter tree, the embedding
+    and LM head against the config)
     are checked when the program is traced; values are not, since the step is jitted: a `num_new` outside
     `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over real ones), an
     id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a negative one,
@@ -499,6 +506,7 @@ def propose(
     `ValueError` saying so.
     """
     num_new, anchor_ids = as_ids("propose", "num_new", num_new), as_ids("propose", "anchor_ids", anchor_ids)
+    impl = check_impl("propose", impl, ATTEND_IMPLS)
     if checked:
         check_propose_inputs(drafter.config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
         check_sampling("propose", key, temperature)
@@ -512,7 +520,7 @@ def propose(
 def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
              anchor_ids: jax.Array, *, key: jax.Array | None, temperature: float | jax.Array,
              confidence_threshold: float | jax.Array, embed: jax.Array | None, lm_head: jax.Array | None,
-             attention: AttentionOptions, impl: str, append_chunk: int) -> tuple[Proposal, ContextCache]:
+             attention: AttentionOptions, impl: Impl, append_chunk: int) -> tuple[Proposal, ContextCache]:
     """`propose`'s step, jitted: its checks of shapes and static arguments run once, at trace time."""
     params, config = drafter.params, drafter.config
     check_integer("propose", "append_chunk", append_chunk, 1)

@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_cache_fits, check_generate
+from ._shapes import round_up
 from .drafter import Drafter
-from .drafting import ContextCache, Proposal, append_context, init_cache, propose
+from .drafting import ContextCache, Proposal, append_context, choose, init_cache, propose
 from .errors import IncompatiblePairError
 from .model import AttentionOptions
 from .pairing import check_pair
@@ -104,13 +105,9 @@ class GenerationResult:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _pad_prompts(prompts: list[list[int]]) -> tuple[jax.Array, jax.Array]:
     """Right-pad to a bucketed length: `(tokens [batch, P] int32, lengths [batch] int32)`."""
-    width = _round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
+    width = round_up(max(len(p) for p in prompts), PROMPT_BUCKET)
     tokens = np.zeros((len(prompts), width), np.int32)
     for row, p in zip(tokens, prompts):
         row[: len(p)] = p
@@ -121,16 +118,7 @@ def _stop_array(stop_token_ids: Sequence[int] | None) -> jax.Array:
     """Stop ids as int32, padded with -1 (matches nothing) to a multiple of 8 entries, so that different stop
     lists share a compilation."""
     ids = list(stop_token_ids or [])
-    return jnp.asarray(ids + [-1] * (_round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
-
-
-def _pick(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None) -> jax.Array:
-    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample at `temperature`
-    (needed only with a key)."""
-    if key is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    assert temperature is not None  # the sampling callers pass one with every key
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    return jnp.asarray(ids + [-1] * (round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
 
 
 def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
@@ -226,7 +214,7 @@ def _acceptance(
         return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
     accept_key, residual_key = jax.random.split(key)
-    assert proposal.probs is not None  # a proposal drafted with a key carries its q (`_choose`)
+    assert proposal.probs is not None  # a proposal drafted with a key carries its q (`drafting.choose`)
     p = jax.nn.softmax(logits / temperature, axis=-1)  # [batch, K + 1, V]
     q = jnp.where(proposed[..., None], proposal.probs, 0.0)  # [batch, K, V]; 0: no draft
     q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]
@@ -259,7 +247,7 @@ def _spec_prefill(
     first_key, draft_key, key = jax.random.split(key, 3)
     out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.checked_target_layer_ids,
                          chunk=prefill_chunk)
-    first = _pick(first_key if sampling else None, out.logits, temperature)  # [batch]
+    first = choose(first_key if sampling else None, out.logits, temperature)[0]  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
                                 key=draft_key if sampling else None, temperature=temperature,
                                 confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
@@ -302,7 +290,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, c
 
     def plain(s: _State):  # the anchor alone: a verify that rejects every draft
         out = target(s.anchor[:, None], s.target_cache, s.lengths, layer_ids=layer_ids)
-        last = _pick(verify_key if sampling else None, out.logits[:, 0], temperature)  # [batch]
+        last = choose(verify_key if sampling else None, out.logits[:, 0], temperature)[0]  # [batch]
         features = jnp.pad(out.features, ((0, 0), (0, K), (0, 0)))  # [batch, K + 1, Lf*H]; only row 0 is real
         return target.commit(out.cache, live.astype(jnp.int32)), features, jnp.zeros_like(last), last
 
@@ -444,7 +432,7 @@ def speculative_generate(
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     K = drafter.config.num_draft_tokens
-    capacity = _round_up(tokens.shape[1] + _round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
+    capacity = round_up(tokens.shape[1] + round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
     check_cache_fits("speculative_generate", target, drafter, len(prompts), capacity)
     stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
     threshold = jnp.float32(confidence_threshold)
@@ -454,7 +442,7 @@ def speculative_generate(
     caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
                                                                    attention=attention)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
-                          jnp.int32(max_new_tokens), capacity=_round_up(max_new_tokens, BUDGET_BUCKET),
+                          jnp.int32(max_new_tokens), capacity=round_up(max_new_tokens, BUDGET_BUCKET),
                           sampling=sampling, attention=attention, prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
@@ -528,7 +516,7 @@ def _greedy_prefill(target: Target, cache, tokens, lengths, stop, budget, *, cap
     """Run the prompts, take the first token."""
     batch = tokens.shape[0]
     out = target.prefill(tokens, cache, lengths, layer_ids=(), chunk=prefill_chunk)
-    first = _pick(None, out.logits, None)  # [batch]
+    first = choose(None, out.logits, None)[0]  # [batch]
     return _GreedyState(
         cache=out.cache,
         lengths=lengths,
@@ -546,7 +534,7 @@ def _greedy_decode(target: Target, state: _GreedyState, stop) -> _GreedyState:
 
     def step(s: _GreedyState) -> _GreedyState:
         o = target(s.last[:, None], s.cache, s.lengths, layer_ids=())  # `last` enters the cache at position `lengths`
-        nxt = _pick(None, o.logits[:, 0], None)  # [batch]
+        nxt = choose(None, o.logits[:, 0], None)[0]  # [batch]
         slots = jnp.where(s.done, s.out.shape[1], s.n_out)  # past the end: dropped
         live = ~s.done
         advance = live.astype(jnp.int32)  # [batch] 1 while running
@@ -584,8 +572,8 @@ def greedy_generate(
                                         prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
-    out_capacity = _round_up(max_new_tokens, BUDGET_BUCKET)
-    capacity = _round_up(tokens.shape[1] + out_capacity, CACHE_BUCKET)
+    out_capacity = round_up(max_new_tokens, BUDGET_BUCKET)
+    capacity = round_up(tokens.shape[1] + out_capacity, CACHE_BUCKET)
     check_cache_fits("greedy_generate", target, None, len(prompts), capacity)
     stop = _stop_array(stop_token_ids)
     start = time.perf_counter()

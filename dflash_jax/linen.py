@@ -16,7 +16,6 @@ drafters ship them; the others use the target's, passed to the call as `embed` /
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from .config import DflashConfig
 from .drafter import Drafter
 from .model import AttentionOptions, draft_logits
-from .plan import TensorPlan, build_tree, full_plan
+from .plan import TensorPlan, build_tree, full_plan, init_leaves
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "own_embeddings"))
@@ -35,49 +34,15 @@ def init_params(
 ) -> dict[str, Any]:
     """The loader's parameter tree for `config`, randomly initialised (see the module docstring); one compiled
     program, placed on the default device."""
-    plan = declared_plan(config, own_embeddings=own_embeddings)
-    return build_tree(plan, init_leaves(key, plan, dtype))
-
-
-def declared_plan(config: DflashConfig, *, own_embeddings: bool = False) -> list[TensorPlan]:
-    """The tensors of a released checkpoint of `config`, in the loader's plan order."""
-    return full_plan(config, own_embeddings=own_embeddings)
+    plan = full_plan(config, own_embeddings=own_embeddings)
+    return build_tree(plan, init_leaves(jax.random.split(key, len(plan)), plan, dtype))
 
 
 def init_subtree(key: jax.Array, plan: list[TensorPlan], name: str, dtype: jnp.dtype) -> Any:
-    """The subtree `params[name]` alone (what a linen `self.param(name, ...)` declares)."""
+    """The subtree `params[name]` alone (what a linen `self.param(name, ...)` declares), each tensor drawn by its
+    spec's initialiser (`plan.init_leaves`: linears N(0, 1/fan_in), norm gains 1 + N(0, 0.1^2), ...)."""
     subset = [t for t in plan if t.path[0] == name]
-    return build_tree(subset, init_leaves(key, subset, dtype))[name]
-
-
-def init_leaves(key: jax.Array, plan: list[TensorPlan], dtype: jnp.dtype) -> list[jax.Array]:
-    """A trainable starting point for each planned tensor: linears, codebooks and embeddings N(0, 1/fan_in)
-    (`[out, in]`: fan_in is the last axis), RMSNorm gains 1, biases 0, DFlash2 conv base kernels the identity
-    (first tap 1), d2t 0 (draft id i is target id i). The normal draws are slices of one draw, so that
-    initialising compiles one random-number program, not one per shape."""
-    sizes = [math.prod(t.shape) for t in plan if _drawn(t)]
-    flat, offset = jax.random.normal(key, (sum(sizes),), jnp.float32), 0
-    leaves = []
-    for t in plan:
-        if t.kind == "int":
-            leaves.append(jnp.zeros(t.shape, jnp.int32))
-        elif t.path[-1] == "base_kernel":  # [2, taps, H]
-            leaves.append(jnp.zeros(t.shape, dtype).at[:, 0].set(1))
-        elif t.path[-1] == "bias":
-            leaves.append(jnp.zeros(t.shape, dtype))
-        elif not _drawn(t):
-            leaves.append(jnp.ones(t.shape, dtype))
-        else:
-            size = math.prod(t.shape)
-            z = flat[offset : offset + size].reshape(t.shape)
-            leaves.append((z * t.shape[-1] ** -0.5).astype(dtype))
-            offset += size
-    return leaves
-
-
-def _drawn(t: TensorPlan) -> bool:
-    """Whether `init_leaves` draws the tensor (a matrix), rather than setting it (gains, biases, convs, d2t)."""
-    return t.kind != "int" and len(t.shape) > 1 and t.path[-1] != "base_kernel"
+    return build_tree(subset, init_leaves(jax.random.split(key, len(subset)), subset, dtype))[name]
 
 
 class DrafterModule(nn.Module):
@@ -100,7 +65,7 @@ class DrafterModule(nn.Module):
         block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
     ) -> jax.Array:
         if self.is_initializing():  # declare the tree; at apply time the given tree is used as it is
-            plan = declared_plan(self.config, own_embeddings=self.own_embeddings)
+            plan = full_plan(self.config, own_embeddings=self.own_embeddings)
             for name in dict.fromkeys(t.path[0] for t in plan):
                 assert isinstance(name, str)  # top-level keys are names (ints index only the layers)
                 self.param(name, init_subtree, plan, name, self.param_dtype)

@@ -1,7 +1,7 @@
 """`load_drafter`: a checkpoint directory (or hub id) in, a `Drafter` (config + replicated parameter pytree) out.
 
 Loading runs in two phases, so that nothing is half-loaded:
-1. Plan and check (`plan.open_checked`, then `validate.check_values`): from the config and the headers, decide
+1. Plan and check (`plan.open_checked`, then `check_and_place`'s value checks): from the config and the headers, decide
    which tensor fills which leaf of the tree and check presence, dtype and shape of every one (NVFP4 companions
    included), then the values headers cannot show (NaN/Inf in small tensors, NVFP4 scales, d2t). Any problem
    raises `CheckpointError` before anything is placed.
@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from ._arguments import check_load_arguments
-from .config import MAX_CONFIG_BYTES, DflashConfig, parse_config
+from ._config_file import read_config_json
+from .config import DflashConfig, parse_config
 from .drafter import Drafter
-from .errors import CheckpointError, ConfigError
+from .errors import ConfigError
 from .hub import HubOptions, resolve
 from .placement import WEIGHTS, place_all
-from .plan import build_tree, open_checked, warn_unexpected
-from .safetensors import read_small
-from .validate import check_values
+from .plan import TensorPlan, build_tree, open_checked, warn_unexpected
+from .safetensors import Checkpoint
+from .validate import check_d2t_present, check_tensor_values
 
 log = logging.getLogger("dflash_jax")
 
@@ -36,17 +38,7 @@ log = logging.getLogger("dflash_jax")
 def load_config(path: str | os.PathLike[str], **hub: Unpack[HubOptions]) -> DflashConfig:
     """Read a drafter config from a config.json file, a checkpoint directory or a Hugging Face hub id (`hub`:
     the keywords as transformers spells them, `dflash_jax.hub.resolve`)."""
-    path = resolve(path, **hub)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if file.endswith(".safetensors"):
-        raise ConfigError(f"{file}: a safetensors file; expected the checkpoint directory holding it and config.json")
-    if not os.path.lexists(file):
-        what = "a directory without config.json" if os.path.isdir(path) else "no such file"
-        raise ConfigError(f"{path}: {what}; expected a drafter checkpoint directory or its config.json")
-    try:  # a regular file of bounded size: a FIFO, a device or a directory is refused, never read
-        raw = read_small(file, "a drafter config.json", MAX_CONFIG_BYTES)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
+    file, raw = read_config_json(resolve(path, **hub), "a drafter checkpoint directory", file_ok=True)
     return parse_config(raw, source=file)
 
 
@@ -85,14 +77,39 @@ def load_drafter(
                           "holding config.json and the *.safetensors files (or a hub id)")
     with open_checked(path, load_config(path)) as checked:
         checkpoint, config, plan, packed = checked
-        check_values(config, plan, checkpoint, packed, dtype)  # NaN/Inf, NVFP4 scales, d2t: before placing
-        warn_unexpected(path, plan, checkpoint)
+        check_d2t_present(config, plan, checkpoint)
         if weights == "packed" and not packed:
             log.info("%s: weights='packed' but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path)
-        leaves = place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress, weights=weights)
+        leaves = check_and_place(path, plan, checkpoint, packed, vocab_size=config.vocab_size, mesh=mesh, dtype=dtype,
+                                 progress=progress, weights=weights)
     params = build_tree(plan, leaves)
     log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=weights))
     return Drafter(params=params, config=config)
+
+
+def check_and_place(
+    where: str,
+    plan: list[TensorPlan],
+    checkpoint: Checkpoint,
+    packed: frozenset[str],
+    *,
+    vocab_size: int,
+    mesh: jax.sharding.Mesh | None,
+    dtype: jnp.dtype,
+    progress: bool | None,
+    shardings: Sequence[jax.sharding.Sharding] | None = None,
+    weights: str = "dequantized",
+    ignored: tuple[str, ...] = (),
+) -> list[Any]:
+    """The second half of every load, drafter or target, once the plan's headers passed (`plan.check_tensors`):
+    the values headers cannot show (`validate.check_tensor_values`: NaN/Inf in norm gains and biases, NVFP4 and
+    FP8 scales within `dtype`, `d2t`'s range into `vocab_size`), a warning naming the tensors the plan does not use
+    (less `ignored`, `plan.warn_unexpected`), then the leaves placed (`placement.place_all`). A failed check
+    raises `CheckpointError` before anything is placed."""
+    check_tensor_values(plan, checkpoint, packed, dtype, vocab_size)
+    warn_unexpected(where, plan, checkpoint, ignored, stacklevel=4)
+    return place_all(plan, checkpoint, packed, mesh=mesh, dtype=dtype, progress=progress, shardings=shardings,
+                     weights=weights)
 
 
 def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str,

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_block_inputs, check_heads, check_params
-from ._precision import precision
-from .attention import KeyValues, LayerRule, Span, attend, write_slots
+from ._precision import dot as array_dot
+from .attention import Impl, KeyValues, LayerRule, Span, attend, write_slots
 from .config import DflashConfig, RopeConfig
 from .drafter import Drafter
 from .fp8 import Fp8
@@ -80,7 +80,7 @@ def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> 
         if isinstance(b, Packed):
             return nvfp4_matmul(a, b, out_dtype=out_dtype)
         return fp8_matmul(a, b, out_dtype=out_dtype)
-    return jnp.einsum(spec, a, b, precision=precision(a, b), preferred_element_type=out_dtype)
+    return array_dot(spec, a, b, out_dtype)
 
 
 QUANTIZED = (Packed, Fp8)  # the weight leaves `load_drafter(weights="packed")` places
@@ -427,7 +427,7 @@ def forward(
     context: Context,
     memory: Sequence[Memory] | None = None,
     *,
-    impl: str = "auto",
+    impl: Impl = "auto",
 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
     """All layers and the final norm over the embedded block `x [batch, B, H]` at `positions [batch, B]`.
 

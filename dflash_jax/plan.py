@@ -17,6 +17,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+
 from .config import DflashConfig, replace
 from .errors import CheckpointError
 from .fp8.checkpoint import check_declared, check_fp8
@@ -102,6 +105,12 @@ def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = 
         return reduced if name == "d2t" else name != "draft_id_to_target_id"
 
     return plan_tensors(config, contains, prefix)
+
+
+def init_leaves(keys: jax.Array, plan: list[TensorPlan], dtype: jnp.dtype) -> list[jax.Array]:
+    """A random leaf per planned tensor, drawn on the default device by its spec's initialiser (`spec.FanIn`,
+    `Gain`, ...) from `keys[i]` (`keys`: at least one per tensor); integer maps (d2t) stay int32."""
+    return [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
 
 
 def build_tree(plan: list[TensorPlan], leaves: list[Any]) -> dict[str, Any]:
@@ -227,11 +236,13 @@ def check_tensors(plan: list[TensorPlan], checkpoint: Checkpoint, where: str,
     return frozenset(packed)
 
 
-def warn_unexpected(where: str, plan: list[TensorPlan], checkpoint: Checkpoint, ignored: frozenset[str] = frozenset(),
+def warn_unexpected(where: str, plan: list[TensorPlan], checkpoint: Checkpoint, ignored: tuple[str, ...] = (),
                     stacklevel: int = 3) -> None:
     """Warn (once per load) about the checkpoint tensors the plan does not consume (`unexpected_tensors`, less
-    `ignored`): a checkpoint of another configuration would otherwise load its matching part silently."""
-    extra = [n for n in unexpected_tensors(plan, checkpoint) if n not in ignored]
+    `ignored`: names, and prefixes ending in "." for whole parts that are not the model loaded): a checkpoint of
+    another configuration would otherwise load its matching part silently."""
+    prefixes = tuple(n for n in ignored if n.endswith("."))
+    extra = [n for n in unexpected_tensors(plan, checkpoint) if n not in ignored and not n.startswith(prefixes)]
     if extra:
         warnings.warn(f"{where}: {len(extra)} unexpected tensors ignored: {extra[:8]}", stacklevel=stacklevel)
 

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from ._json import NotUTF8
 from ._json import loads as json_loads
+from ._shapes import round_up
 from .errors import CheckpointError
 
 DTYPES: dict[str, np.dtype] = {
@@ -310,7 +311,7 @@ class Checkpoint(Mapping[str, TensorInfo]):
         if info.file not in self._maps or not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
-        begin = -(-info.start // page) * page  # whole pages only: neighbours may still be in use
+        begin = round_up(info.start, page)  # whole pages only: neighbours may still be in use
         end = info.end // page * page
         if end > begin:
             self._maps[info.file][0].madvise(mmap.MADV_DONTNEED, begin, end - begin)

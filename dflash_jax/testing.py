@@ -42,7 +42,7 @@ from .config import DflashConfig, parse_config
 from .drafter import Drafter
 from .fp8.checkpoint import declare_fp8, fp8_tensors
 from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
-from .plan import build_tree, full_plan
+from .plan import build_tree, full_plan, init_leaves
 from .safetensors import write_tensors
 from .spec import INT, LINEAR
 
@@ -114,7 +114,7 @@ def random_drafter(config: DflashConfig | dict[str, Any] | str, *, seed: int = 0
     config, _ = resolve_config(config)
     plan = full_plan(config)
     keys = jax.random.split(jax.random.key(seed), len(plan) + 2)
-    leaves = [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
+    leaves = init_leaves(keys, plan, dtype)
     shape = (config.vocab_size, config.hidden_size)
     return Drafter(params=build_tree(plan, leaves), config=config).attach(
         embed=jax.random.normal(keys[-2], shape, dtype),

@@ -7,6 +7,7 @@ by `make_reference.py` there).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -117,8 +118,10 @@ def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile, monkeypatch):
     """Experts whose runs span several tiles and end mid-tile (the uneven groups above, tiles of 1, 4 and 7 rows):
     each pair's row lands in its expert's tile and comes back to its token. Measured max error 3.6e-7."""
     import dflash_jax.target.moe as moe
+    import dflash_jax.tuning
 
-    monkeypatch.setattr(moe, "TILE_ROWS", tile)
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(dflash_jax.tuning.FALLBACK,
+                                                                           moe_tile_rows=tile))
     rng = np.random.default_rng(6)
     rows = np.concatenate([np.repeat(rng.standard_normal((1, dims.hidden_size)), 10, 0),
                            rng.standard_normal((5, dims.hidden_size))])
@@ -128,8 +131,9 @@ def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile, monkeypatch):
 
 
 def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
-    """`GATHER_MAX_ROWS` decides; a typo in impl is refused."""
+    """The device kind's `moe_gather_max_rows` (`tuning`) decides; a typo in impl is refused."""
     import dflash_jax.target.moe as moe
+    import dflash_jax.tuning
 
     calls = []
     for name in ("_gathered", "_tiled"):
@@ -137,7 +141,8 @@ def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
     moe.moe_block(block, dims, x)
-    monkeypatch.setattr(moe, "GATHER_MAX_ROWS", 5)
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(dflash_jax.tuning.FALLBACK,
+                                                                           moe_gather_max_rows=5))
     moe.moe_block(block, dims, x)
     assert calls == ["_gathered", "_tiled"]
     with pytest.raises(ValueError, match="moe impl"):

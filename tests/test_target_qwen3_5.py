@@ -7,6 +7,8 @@ logits and hidden states of one uncached forward. Everything here runs in float3
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import msgspec
@@ -180,9 +182,24 @@ def test_multimodal_checkpoint_loads_the_text_model(tmp_path):
     write_qwen3_5_checkpoint(tmp_path / "text", "tiny-qwen3_5", seed=1, dtype="float32")
     with Checkpoint(tmp_path / "vl") as c:
         assert {"model.visual.patch_embed.proj.weight", "mtp.fc.weight"} <= set(c)
-    vl, text = load_target(tmp_path / "vl", dtype=jnp.float32), load_target(tmp_path / "text", dtype=jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the vision tower and the MTP head are not the text model: no warning
+        vl = load_target(tmp_path / "vl", dtype=jnp.float32)
+    text = load_target(tmp_path / "text", dtype=jnp.float32)
     assert msgspec.structs.replace(vl.config, architectures=text.config.architectures) == text.config
     jax.tree.map(np.testing.assert_array_equal, vl.params, text.params)
+
+
+def test_tensors_the_text_model_does_not_use_are_warned_about(tmp_path):
+    """Beside the skipped `model.visual.*` / `mtp.*`, any other tensor the plan does not use is named in a warning
+    (a checkpoint of another configuration would otherwise load its matching part silently)."""
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-vl", seed=1, dtype="float32")
+    extra = "model.language_model.layers.0.self_attn.q_proj.weight"  # layer 0 is a delta-net layer
+    with Checkpoint(tmp_path) as c:
+        arrays = {name: np.array(c.array(name)) for name in c}
+    write_tensors(tmp_path, {**arrays, extra: np.ones((4, 4), np.float32)})
+    with pytest.warns(UserWarning, match=r"1 unexpected tensors ignored: \['model.language_model.layers.0.self_attn"):
+        load_target(tmp_path, dtype=jnp.float32)
 
 
 def test_random_bf16_target_verifies_and_commits():

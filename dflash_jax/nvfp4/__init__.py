@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..tuning import has_cuda, on_gpu
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 from .packed import Packed, matmul
@@ -44,8 +45,8 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
     pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the GPU
-    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas on a GPU for bfloat16/float16,
-    xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas where the program is lowered for
+    a GPU, for bfloat16/float16; xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
     """
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
@@ -60,19 +61,25 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
     if scale_2.size != 1 or not jnp.issubdtype(scale_2.dtype, jnp.floating):
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
     scale_2 = scale_2.astype(jnp.float32).reshape(())
-    if backend == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        backend = "pallas" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
-    if backend == "xla":
+    if backend not in ("auto", "pallas", "xla"):
+        raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")
+
+    def xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
         if scale.dtype == jnp.uint8:
             scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
         return dequantize_xla(packed, scale, scale_2, dtype)
-    if backend == "pallas":
-        if jax.default_backend() != "gpu":
-            raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
+
+    def pallas(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
         if scale.dtype == jnp.float8_e4m3fn:
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
         from ._pallas import dequantize_pallas  # here: importing Pallas costs ~50 ms that a load may not need
 
         return dequantize_pallas(packed, scale, scale_2, dtype=dtype)
-    raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")
+
+    if backend == "pallas":
+        if not has_cuda():
+            raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
+        return pallas(packed, scale, scale_2)
+    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+        return on_gpu(pallas, xla, packed, scale, scale_2)  # the kernel where the program is lowered for a GPU
+    return xla(packed, scale, scale_2)

@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..tuning import tuning
+
 BLOCK_BYTES = 8  # 16 codes share one scale
 _OUT_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -75,26 +77,20 @@ def _kernel(w_ref, s_ref, g_ref, o_ref, *, n_blocks: int, dtype):
         o_ref[...] = words
 
 
-# Tile: 128 blocks of 16 values per program, 4 warps. Measured on an H200 (docs/benchmarks.md): 128 to 1024
-# blocks run within the noise of each other on every size from [512, 2048] to 32768 x 16384 (2048 is slower),
-# and 128 compiles in about half the time of 1024 (0.15-0.18 s against 0.34-0.37 s per shape): compiling is
-# what a first NVFP4 load pays.
-ROWS, NUM_WARPS = 128, 4
-
-
 @functools.partial(jax.jit, static_argnames=("dtype", "rows", "num_warps", "interpret"))
 def dequantize_pallas(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, dtype=jnp.bfloat16,
                       rows: int | None = None, num_warps: int | None = None, interpret: bool = False) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16. `rows` (a power of two) and `num_warps` override `ROWS` and `NUM_WARPS`;
+    `dtype` is bfloat16 or float16. `rows` (a power of two) and `num_warps` override the device kind's
+    (`tuning.Tuning.nvfp4_rows` / `nvfp4_warps`);
     `interpret=True` runs the kernel through Pallas' interpreter (CPU tests).
     """
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Pallas kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
     *lead, half_k = packed.shape
     n_blocks = packed.size // BLOCK_BYTES
-    rows, num_warps = rows or ROWS, num_warps or NUM_WARPS
+    rows, num_warps = rows or tuning().nvfp4_rows, num_warps or tuning().nvfp4_warps
     words = pl.pallas_call(
         functools.partial(_kernel, n_blocks=n_blocks, dtype=dtype),
         out_shape=jax.ShapeDtypeStruct((n_blocks, 2, 4), jnp.uint32),

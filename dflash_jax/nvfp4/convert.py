@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MAX_CONFIG_BYTES
+from .._config_file import read_config_json
 from ..errors import CheckpointError
 from ..loader import load_config
 from ..plan import open_checked
-from ..safetensors import INDEX_FILE, read_json, write_tensors
+from ..safetensors import INDEX_FILE, write_tensors
 from ..spec import LINEAR
 from .checkpoint import QUANT_CONFIG_FILE, declare_nvfp4, nvfp4_tensors
 
@@ -57,10 +57,7 @@ def convert_checkpoint(
         for name in checkpoint:
             array = checkpoint.array(name)
             tensors.update(nvfp4_tensors(name, array) if name in linear else {name: np.array(array)})
-    file = os.path.join(source, "config.json")
-    raw = read_json(file, "config.json", MAX_CONFIG_BYTES)  # bounded, a regular file (a FIFO would block)
-    if not isinstance(raw, dict):  # replaced since `load_config` read it
-        raise CheckpointError(f"{file}: expected a JSON object at the top level")
+    _, raw = read_config_json(source, "a drafter checkpoint directory")  # read again: rewritten as it is
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=destination.parent, prefix=f".{destination.name}.partial-"))
     try:

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, TypeVar, overload
 
 import msgspec
 
+from .._config_file import read_config_json
 from ..config import (
-    MAX_CONFIG_BYTES,
     Dim,
     LayerCount,
     PositiveFloat,
@@ -22,8 +22,7 @@ from ..config import (
     normalise_raw,
     rope_float32_problems,
 )
-from ..errors import CheckpointError, ConfigError
-from ..safetensors import read_json
+from ..errors import ConfigError
 
 
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -103,6 +102,7 @@ class LlamaConfig(DecoderConfig, frozen=True, forbid_unknown_fields=False):
     vocab_size: Dim = 32000
 
 
+TARGET = "a target checkpoint directory"  # what the target loaders expect, in `read_config_json`'s messages
 ARCHITECTURES: dict[str, type[DecoderConfig]] = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig}
 
 
@@ -150,27 +150,13 @@ def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen
     return parse_decoder_config(raw, Qwen3Config, source=source)
 
 
-def read_config_json(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
-    """`(file, raw dict)` of a checkpoint directory's config.json."""
-    file = os.path.join(os.fspath(path), "config.json")
-    if not os.path.lexists(file):
-        raise ConfigError(f"{path}: no config.json; expected a Hugging Face checkpoint directory")
-    try:  # a regular file of bounded size (a FIFO would block forever), UTF-8, duplicate keys refused
-        raw = read_json(file, "config.json", MAX_CONFIG_BYTES)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{file}: expected a JSON object at the top level")
-    return file, raw
-
-
 @overload
 def load_decoder_config(path: str | os.PathLike[str], kind: type[C]) -> C: ...
 @overload
 def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> DecoderConfig: ...
 def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
     """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
-    file, raw = read_config_json(path)
+    file, raw = read_config_json(path, TARGET)
     names = raw.get("architectures")
     names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
     expected = [a for a, k in ARCHITECTURES.items() if kind is None or k is kind]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._shapes import chunked
 from ..model import dot
 
 
@@ -33,12 +34,8 @@ def _chunks(q, k, v, g, beta, size: int):
     `(u, w, q, k, decay, cum)`, each `[n, batch, h, size, ...]`, with `u - w S` a chunk's new values for the
     state S at its start, `decay[.., i, j] = exp(cum_i - cum_j)` for j <= i (else 0), `cum` the cumulative log
     decay from the chunk's start."""
-    batch, S, h, d_k = k.shape
-    n = -(-S // size)
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, n * size - S)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     # [n, batch, h, size, ...]: chunk-major for the scan
-    q, k, v, g, beta = (jnp.moveaxis(pad(x).reshape(batch, n, size, h, *x.shape[3:]), (1, 3), (0, 2))
-                        for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (chunked(x, size).swapaxes(2, 3) for x in (q, k, v, g, beta))
     cum = jnp.cumsum(g, axis=-1)  # [n, batch, h, size] log decay from the chunk's start
     causal = jnp.tril(jnp.ones((size, size), bool))
     decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [.., i, j], j <= i

@@ -43,14 +43,27 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .._arguments import check_integer, check_load_arguments, check_mesh
-from ..attention import KeyValues, LayerRule, Span, attend, causal_self_attention, span_capacity, use_cudnn
+from .._shapes import chunked, zeros
+from ..attention import (
+    PREFILL_IMPLS,
+    Impl,
+    KeyValues,
+    LayerRule,
+    Span,
+    attend,
+    causal_self_attention,
+    check_impl,
+    span_capacity,
+    use_cudnn,
+    write_slots,
+)
 from ..hub import HubOptions, resolve
+from ..loader import check_and_place
 from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
-from ..placement import place_all
-from ..plan import TensorPlan, build_tree, check_tensors, planned, warn_unexpected
+from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
-from ..validate import check_tensor_values
+from ..tuning import on_gpu
 from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
@@ -117,6 +130,12 @@ def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
     return specs
 
 
+def tied_extras(tied: bool) -> tuple[str, ...]:
+    """The LM head a checkpoint of tied embeddings may carry: transformers ignores it, and so does the load
+    (`parameter_spec`), without a warning."""
+    return ("lm_head.weight",) if tied else ()
+
+
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
     return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
@@ -176,12 +195,9 @@ class DecoderTarget(HFTarget):
         with Checkpoint(path) as checkpoint:
             plan = plan_decoder(config)
             check_tensors(plan, checkpoint, path)
-            check_tensor_values(plan, checkpoint, frozenset(), dtype, config.vocab_size)  # NaN/Inf norms, then place
-            # transformers ignores the LM head a tied checkpoint may carry (`parameter_spec`): no warning for it
-            warn_unexpected(path, plan, checkpoint, frozenset({"lm_head.weight"} if config.tie_word_embeddings else ()))
-            shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
-            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
-                               shardings=shardings)
+            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
+                                     dtype=dtype, progress=progress, ignored=tied_extras(config.tie_word_embeddings),
+                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
         params = build_tree(plan, leaves)
         params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
         log.info(
@@ -222,9 +238,9 @@ class DecoderTarget(HFTarget):
         c = self.config
         shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
-        zeros = lambda: tuple(jnp.zeros(shape, self.embed.dtype, device=where)  # noqa: E731
-                              for _ in range(c.num_hidden_layers))
-        return KVCache(zeros(), zeros())
+        layers = lambda: tuple(zeros(shape, self.embed.dtype, where)  # noqa: E731
+                               for _ in range(c.num_hidden_layers))
+        return KVCache(layers(), layers())
 
     def __call__(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = ()
@@ -233,25 +249,28 @@ class DecoderTarget(HFTarget):
 
         Returns float32 logits `[batch, S, V]`, the features at `layer_ids` `[batch, S, len(layer_ids) * H]`
         (transformers' hidden_states[l + 1] convention) and the cache with the new K/V written. The caller must
-        leave room: `lengths + S <= T` (writes past the cache's end are dropped).
+        leave room: `lengths + S <= T` (writes past the cache's end are dropped). The cache is donated (its
+        buffers hold the result's): keep the returned one.
         """
         return _forward(self, tokens, cache, lengths, tuple(layer_ids))
 
     def prefill(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-        chunk: int = PREFILL_CHUNK, impl: str = "auto",
+        chunk: int = PREFILL_CHUNK, impl: Impl = "auto",
     ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
-        impl "xla" (and "auto" off GPU): chunked, `chunk` tokens at a time through every layer (a `lax.scan`),
-        each chunk attending to the cache written so far and causally to itself, so activations and scores are a
-        chunk's, never `[P, P]`. "cudnn" (and "auto" on a GPU with 16-bit weights): the whole prompt at once,
-        each layer's attention cuDNN's fused causal flash kernel (no `[P, P]` scores either; measured faster,
-        docs/benchmarks.md).
+        impl "xla" (and "auto" where the program is not lowered for a GPU): chunked, `chunk` tokens at a time
+        through every layer (a `lax.scan`), each chunk attending to the cache written so far and causally to
+        itself, so activations and scores are a chunk's, never `[P, P]`. "cudnn" (and "auto" lowered for a GPU,
+        with 16-bit weights): the whole prompt at once, each layer's attention cuDNN's fused causal flash kernel
+        (no `[P, P]` scores either; measured faster, docs/benchmarks.md). Another `impl` is a `ValueError`. The
+        cache is donated: keep the returned one.
         Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
         `[batch, V]` float32, and the cache.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
+        impl = check_impl("prefill", impl, PREFILL_IMPLS)
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
 
 
@@ -293,11 +312,9 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
     """
 
     def local(q, k, v, past_k, past_v, positions, start):
-        batch, n_kv, S, _ = k.shape
-        seq, heads = jnp.arange(batch)[:, None, None], jnp.arange(n_kv)[None, :, None]
-        slots = positions[:, None, :]  # [batch, 1, S]: broadcast with seq and heads to [batch, n_kv, S]
-        new_k = past_k.at[seq, heads, slots].set(k.astype(past_k.dtype), mode="drop")  # past the end: dropped
-        new_v = past_v.at[seq, heads, slots].set(v.astype(past_v.dtype), mode="drop")
+        n_kv = k.shape[1]
+        new_k = write_slots(past_k, k.astype(past_k.dtype), positions)  # past the end: dropped
+        new_v = write_slots(past_v, v.astype(past_v.dtype), positions)
         if layout is not None and layout.tensor_axis and not layout.split_kv:
             group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
             k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
@@ -354,7 +371,7 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
     return hidden, features, KVCache(tuple(keys), tuple(values))
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids",))
+@functools.partial(jax.jit, static_argnames=("layer_ids",), donate_argnames=("cache",))
 def _forward(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
@@ -363,23 +380,29 @@ def _forward(
     return TargetOutput(lm_logits(hidden, target.lm_head), features, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"))
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"), donate_argnames=("cache",))
 def _prefill(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
-    chunk: int, impl: str,
+    chunk: int, impl: Impl,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch, P = tokens.shape
-    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    fused = impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim)
-    if impl == "cudnn" or fused:  # the whole prompt at once, fused
+
+    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once
         hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
-        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [batch, H]
-        return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
-    hidden_size = target.config.hidden_size
-    last_hidden, features, cache = prefill_chunks(
-        lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens, cache, lengths, chunk,
-        jnp.zeros((batch, hidden_size), target.embed.dtype))
+        last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [batch, H]
+
+    def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
+        return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
+                              cache, lengths, chunk, jnp.zeros((batch, target.config.hidden_size), target.embed.dtype))
+
+    if impl == "cudnn":
+        last_hidden, features, cache = fused(cache)
+    elif impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim):
+        last_hidden, features, cache = on_gpu(fused, chunked, cache)
+    else:
+        last_hidden, features, cache = chunked(cache)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 
@@ -393,8 +416,8 @@ def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, j
     batch, P = tokens.shape
     last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
     chunk = min(P, chunk)
-    n_chunks = -(-P // chunk)
-    pieces = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - P))).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    pieces = chunked(tokens, chunk)  # [n_chunks, batch, chunk]
+    n_chunks = len(pieces)
 
     def step(carry, inputs):
         cache, last_hidden = carry

@@ -8,8 +8,9 @@ from typing import Unpack
 import jax
 import jax.numpy as jnp
 
+from .._config_file import read_config_json
 from ..hub import HubOptions, resolve
-from .config import ARCHITECTURES, is_drafter_config, not_a_target, read_config_json
+from .config import ARCHITECTURES, TARGET, is_drafter_config, not_a_target
 from .dense import DecoderTarget
 from .qwen3_5 import Qwen3_5Target
 from .qwen3_5_config import ARCHITECTURES as QWEN3_5_ARCHITECTURES
@@ -30,7 +31,7 @@ def load_target(
     for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
     Qwen3_5MoeForConditionalGeneration; another architecture is a `ConfigError`."""
     path = resolve(path, **hub)
-    file, raw = read_config_json(path)
+    file, raw = read_config_json(path, TARGET)
     names = raw.get("architectures")
     names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
     kinds: list[type[DecoderTarget] | type[Qwen3_5Target]] = [

@@ -38,9 +38,11 @@ from typing import Any, Literal, Protocol
 import jax
 import jax.numpy as jnp
 
+from .._precision import precision
 from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
+from ..tuning import on_gpu, tuning
 
 Params = dict[str, Any]
 
@@ -139,14 +141,11 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
     return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
 
 
-# The routed experts, three ways. Measured on one H200 (benchmarks/moe_block.py, 35B-A3B shapes, docs/benchmarks.md):
-# gathering each token's experts is the fastest for the rows of decode and verify steps; beyond, the pairs go in
-# tiles of one expert each (`_tiled`). XLA's `ragged_dot` reads every expert's weights (55x the routed experts'
-# bytes for one token) and on the GPU expands to a dense product over all experts: at a 2048-token prefill chunk
-# of the 35B-A3B it asked for 18 GiB per projection and ran the H200 out of memory beside the 65 GiB target.
-# `GATHER_MAX_ROWS`: up to this many (token, expert) pairs, gather; `TILE_ROWS`: the rows of a tile.
-GATHER_MAX_ROWS = 256
-TILE_ROWS = 128
+# The routed experts, three ways (docs/benchmarks.md, benchmarks/moe_block.py): gathering each token's experts is
+# the fastest for the rows of decode and verify steps, up to `tuning.Tuning.moe_gather_max_rows` (token, expert)
+# pairs; beyond, the pairs go in tiles of one expert each (`_tiled`). XLA's `ragged_dot` reads every expert's
+# weights, and on the GPU a 2048-token prefill chunk of the 35B-A3B through it ran the H200 out of memory beside
+# the 65 GiB target (an 18 GiB allocation).
 
 
 def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -165,18 +164,22 @@ def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel:
     `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights). `kernel`, on a
     GPU with bf16 operands of tileable sizes: JAX's Mosaic GPU grouped matmul; else `jax.lax.ragged_dot_general`."""
     E, out, inner = stack.shape
-    if (kernel and jax.default_backend() == "gpu" and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0
-            and out % 128 == 0):
+
+    def xla(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        return jax.lax.ragged_dot_general(rows, stack, sizes, dims, precision=precision(rows, stack),
+                                          preferred_element_type=rows.dtype)
+
+    def mosaic(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         return ragged_dot_mgpu.ragged_dot(rows, stack, group_sizes=sizes, block_m=64, block_n=128, block_k=64,
                                           max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    full = jnp.float32 in (rows.dtype, stack.dtype)
-    return jax.lax.ragged_dot_general(
-        rows, stack, sizes, dims, precision=jax.lax.Precision.HIGHEST if full else jax.lax.Precision.DEFAULT,
-        preferred_element_type=rows.dtype)
+
+    if kernel and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0 and out % 128 == 0:
+        return on_gpu(mosaic, xla, rows, stack, sizes)  # where the program is lowered for a GPU
+    return xla(rows, stack, sizes)
 
 
 def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
@@ -196,13 +199,14 @@ def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts:
 
 
 def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-    """The (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of `TILE_ROWS` rows, and
+    """The (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
+    `tuning.Tuning.moe_tile_rows` rows, and
     each tile multiplied by its expert's weights, gathered once a tile: a batched matmul over tiles, `[T, H]`
     float32. Reads each routed expert once per tile it fills, never the experts no token chose; every shape static
-    (at most `ceil((P + min(E, P) * (TILE_ROWS - 1)) / TILE_ROWS)` tiles for P pairs: each expert with rows wastes
+    (at most `ceil((P + min(E, P) * (tile - 1)) / tile)` tiles for P pairs: each expert with rows wastes
     less than one tile)."""
     T, k = experts.shape
-    E, tile, P = c.num_experts, TILE_ROWS, T * k
+    E, tile, P = c.num_experts, tuning().moe_tile_rows, T * k
     n_tiles = -(-(P + min(E, P) * (tile - 1)) // tile)
     flat = experts.reshape(P)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [P] the pairs grouped by expert
@@ -231,11 +235,11 @@ IMPLS: tuple[Impl, ...] = ("auto", "gather", "tiled", "grouped", "ragged_dot")
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `GATHER_MAX_ROWS` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul where it runs, XLA's
+    most `tuning.Tuning.moe_gather_max_rows` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul where it runs, XLA's
     `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl == "gather" or (impl == "auto" and experts.size <= GATHER_MAX_ROWS):
+    if impl == "gather" or (impl == "auto" and experts.size <= tuning().moe_gather_max_rows):
         return _gathered(p, x, weights, experts)
     if impl in ("auto", "tiled"):
         return _tiled(p, c, x, weights, experts)

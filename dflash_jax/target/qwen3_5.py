@@ -60,19 +60,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._arguments import check_load_arguments
+from .._config_file import read_config_json
+from .._shapes import zeros
 from ..attention import span_capacity
 from ..errors import ConfigError
 from ..hub import HubOptions, resolve
+from ..loader import check_and_place
 from ..model import Rope, apply_rope, linear, lm_logits, rms_norm, rope_tables
-from ..placement import place_all
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
-from ..validate import check_tensor_values
 from . import PREFILL_CHUNK, HFTarget, TargetOutput
-from .config import read_config_json
+from .config import TARGET
 from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
-from .dense import _attention, _check_layer_ids, prefill_chunks
+from .dense import _attention, _check_layer_ids, prefill_chunks, tied_extras
 from .experts import ExpertStacks
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .moe import moe_block, moe_parameter_spec
@@ -83,6 +84,7 @@ log = logging.getLogger("dflash_jax")
 Params = dict[str, Any]
 DELTA_CHUNK = 64  # rows of the chunked gated delta rule (transformers' and flash-linear-attention's default)
 MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
+NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower and multi-token-prediction head
 CONV_AXES = (BATCH, None, None)  # [batch, K - 1, conv_dim]: replicated on the tensor axis
 STATE_AXES = (BATCH, HEADS, None, None)  # [batch, n_v, d_k, d_v]: split by value head
 HEAD_ROWS = (BATCH, None, HEADS, None)  # [batch, S, n_v, d]: the delta rule's inputs, split by value head
@@ -270,11 +272,12 @@ class Qwen3_5Target(HFTarget):
         `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and shape checked before
         anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded over `mesh` as the
         module docstring says. MoE experts are read fused (as released) or per expert (`ExpertStacks`). The load
-        guards are the dense target's: a floating `dtype` only (`ValueError`), NaN/Inf norm gains and biases
-        refused (`CheckpointError`) before anything is placed."""
+        guards are every loader's (`loader.check_and_place`): a floating `dtype` only (`ValueError`), NaN/Inf norm
+        gains and biases refused (`CheckpointError`) before anything is placed, tensors the text model does not
+        use warned about (`model.visual.*` and `mtp.*` silently skipped)."""
         dtype = check_load_arguments(f"{cls.__name__}.from_pretrained", dtype, mesh)
         path = resolve(path, **hub)
-        file, raw = read_config_json(path)
+        file, raw = read_config_json(path, TARGET)
         config = parse_qwen3_5_config(raw, source=file)
         layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
@@ -283,10 +286,10 @@ class Qwen3_5Target(HFTarget):
             checkpoint = stored if not config.is_moe else ExpertStacks(
                 stored, [f"{prefix}layers.{i}.mlp." for i in range(config.num_hidden_layers)], config)
             check_tensors(plan, checkpoint, path)
-            check_tensor_values(plan, checkpoint, frozenset(), dtype, config.vocab_size)  # NaN/Inf norms, then place
-            shardings = None if layout is None else [layout.sharding(t.axes) for t in plan]
-            leaves = place_all(plan, checkpoint, set(), mesh=mesh, dtype=dtype, progress=progress,
-                               shardings=shardings)
+            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
+                                     dtype=dtype, progress=progress,
+                                     ignored=(*NOT_TEXT, *tied_extras(config.tie_word_embeddings)),
+                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
         log.info("%s: qwen3_5%s target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
                  path, "_moe" if config.is_moe else "", config.num_hidden_layers,
                  config.layer_types.count(FULL_ATTENTION), config.hidden_size, config.vocab_size,
@@ -315,15 +318,15 @@ class Qwen3_5Target(HFTarget):
         n_full = kinds.count(FULL_ATTENTION)
         n_delta = len(kinds) - n_full
 
-        def zeros(shape, dtype, axes, n):
+        def layers(shape, dtype, axes, n):
             where = None if self.layout is None else self.layout.sharding(axes, batch_size)
-            return tuple(jnp.zeros(shape, dtype, device=where) for _ in range(n))
+            return tuple(zeros(shape, dtype, where) for _ in range(n))
 
         kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
         conv = (batch_size, c.linear_conv_kernel_dim - 1, c.conv_dim)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-        return HybridCache(zeros(kv, dtype, CACHE_AXES, n_full), zeros(kv, dtype, CACHE_AXES, n_full),
-                           zeros(conv, dtype, CONV_AXES, n_delta), zeros(state, jnp.float32, STATE_AXES, n_delta))
+        return HybridCache(layers(kv, dtype, CACHE_AXES, n_full), layers(kv, dtype, CACHE_AXES, n_full),
+                           layers(conv, dtype, CONV_AXES, n_delta), layers(state, jnp.float32, STATE_AXES, n_delta))
 
     def __call__(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *,
                  layer_ids: tuple[int, ...] = ()) -> TargetOutput:
@@ -514,7 +517,7 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
     return TargetOutput(lm_logits(hidden, target.lm_head), features, pending)
 
 
-@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"))
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
 def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
              layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)

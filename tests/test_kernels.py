@@ -1,0 +1,111 @@
+"""Explicit kernel choice and device-side buffers: the `impl` vocabulary, the kernel tuning table, caches made on
+their devices, and the target's forward and prefill donating the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax.tuning
+from dflash_jax import attention, nvfp4
+from dflash_jax.attention import LayerRule, Span, attend
+from dflash_jax.drafting import init_cache, propose
+from dflash_jax.testing import QWEN3_TINY_CONFIGS, random_drafter, random_qwen3, random_qwen3_5
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda: attend(jnp.ones((1, 1, 2, 64)), jnp.zeros((1, 1), jnp.int32), LayerRule(True, None),
+                    spans=(Span(*[jnp.ones((1, 1, 8, 64))] * 2, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32)),),
+                    impl="palas"),
+     r"attend: impl='palas' \(not a kernel choice\); expected one of 'auto', 'xla', 'pallas'"),
+    (lambda: random_qwen3("tiny-qwen3", dtype=jnp.float32).prefill(jnp.ones((1, 4), jnp.int32), None,
+                                                                    jnp.array([4]), impl="pallas"),
+     r"prefill: impl='pallas'; expected one of 'auto', 'xla', 'cudnn'"),
+    (lambda: propose(random_drafter("tiny-dflash", dtype=jnp.float32), None, None, [1], [1], impl="XLA"),
+     r"propose: impl='XLA' \(not a kernel choice\); expected one of 'auto', 'xla', 'pallas'"),
+])
+def test_a_kernel_choice_outside_the_vocabulary_is_refused(call, says):
+    with pytest.raises(ValueError, match=says):
+        call()
+
+
+def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+    """"auto" takes the GPU span kernel in a program lowered for a CUDA GPU and XLA's loop in one lowered for the
+    CPU, within one process (`tuning.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
+    for the CPU (as if this process had a GPU too), the result equals the XLA path's exactly."""
+    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 2, 4, 64)), jnp.bfloat16)  # 2 rows, 4 query heads
+    k, v = (jnp.asarray(rng.standard_normal((1, 2, 256, 64)), jnp.bfloat16) for _ in range(2))  # 2 KV heads
+    span = Span(k, v, jnp.zeros(1, jnp.int32), jnp.array([100], jnp.int32))
+    run = jax.jit(lambda q, span, impl: attend(q, jnp.array([[100, 101]]), LayerRule(True, None), spans=(span,),
+                                               impl=impl), static_argnames="impl")
+    np.testing.assert_array_equal(run(q, span, "auto"), run(q, span, "xla"))
+    traced = run.trace(q, span, "auto")
+    assert "triton" not in traced.lower().as_text()
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_caches_are_made_on_their_devices_without_a_transfer():
+    """A host array copied over would be a disallowed host-to-device transfer (and host memory the size of the
+    cache); the caches are made by a compiled program where they live."""
+    drafter = random_drafter("tiny-dflash", dtype=jnp.float32)
+    dense, hybrid = random_qwen3("tiny-qwen3", dtype=jnp.float32), random_qwen3_5("tiny-qwen3_5", dtype=jnp.float32)
+    with jax.transfer_guard_host_to_device("disallow"):
+        caches = init_cache(drafter, 2, 40), dense.init_cache(2, 40), hybrid.init_cache(2, 40)
+    assert not any(leaf.any() for leaf in jax.tree.leaves(caches))
+    assert all(leaf.committed for leaf in jax.tree.leaves(caches[0]))  # where the drafter's params are
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid"])
+def test_the_targets_forward_and_prefill_donate_the_cache(family):
+    """A user's own loop holds one cache, not two: the cache given to `prefill` and to the dense target's forward is
+    donated (its buffers reused for the result). The hybrid forward returns a pending cache of other shapes
+    (every row's delta-net state), which `commit` reduces; its K/V pass through."""
+    target = (random_qwen3("tiny-qwen3", dtype=jnp.float32) if family == "dense"
+              else random_qwen3_5("tiny-qwen3_5", dtype=jnp.float32))
+    empty = target.init_cache(1, 16)
+    out = target.prefill(jnp.array([[3, 4, 5, 6]]), empty, jnp.array([4]), chunk=4)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(empty))
+    if family == "dense":
+        cache = out.cache
+        target(jnp.array([[7]]), cache, jnp.array([4]))
+        assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+
+
+def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback(monkeypatch):
+    """A measured kind gets its entry, any other kind (and a process without a GPU) the fallback; the entry is what
+    the kernels and cache sizes read."""
+    assert dflash_jax.tuning.tuning("NVIDIA H200") is dflash_jax.tuning.TUNING["NVIDIA H200"]
+    assert dflash_jax.tuning.tuning("a GPU never measured") is dflash_jax.tuning.FALLBACK
+    assert attention.span_capacity(17_000) == 17 * 1024  # the fallback's band up to 64k slots splits by 1024 keys
+    other = dataclasses.replace(dflash_jax.tuning.FALLBACK, span_splits=((float("inf"), 4096, 4096),))
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", other)
+    assert attention.span_capacity(17_000) == 5 * 4096 and attention.split_keys(17_000, 16) == 4096
+
+
+def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+    """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
+    dequantization for the CPU, in one process."""
+    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
+    packed, scale = jnp.zeros((32, 8), jnp.uint8), jnp.zeros((32, 1), jnp.uint8)
+    traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16)).trace(packed, scale)
+    assert "triton" not in traced.lower().as_text()
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not dflash_jax.tuning.has_cuda(), reason="needs a CUDA GPU")
+def test_on_a_gpu_auto_lowers_the_kernels():
+    """On a GPU, "auto" lowers cuDNN's fused prefill and the Pallas span kernel in the forward over the cache (the
+    CPU twin above checks the choice; the kernels' numbers are tested in test_target / test_attention)."""
+    target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4}, seed=3)
+    tokens, lengths = jnp.ones((2, 32), jnp.int32), jnp.array([32, 20], jnp.int32)
+    prefill = jax.jit(lambda t, c, n: target.prefill(t, c, n)).trace(tokens, target.init_cache(2, 64), lengths)
+    assert "cudnn" in prefill.lower().as_text()
+    step = jax.jit(lambda t, c, n: target(t, c, n)).trace(tokens[:, :1], target.init_cache(2, 64), lengths)
+    assert "triton" in step.lower().as_text()
