@@ -235,8 +235,8 @@ IMPLS: tuple[Impl, ...] = ("auto", "gather", "tiled", "grouped", "ragged_dot")
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `tuning.Tuning.moe_gather_max_rows` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul where it runs, XLA's
-    `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    most `tuning.Tuning.moe_gather_max_rows` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul
+    where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "gather" or (impl == "auto" and experts.size <= tuning().moe_gather_max_rows):
