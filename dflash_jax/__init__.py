@@ -21,7 +21,7 @@ from .config import DflashConfig, parse_config
 from .drafter import Drafter, draft_to_target_ids
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
 from .errors import CheckpointError, ConfigError, IncompatiblePairError
-from .generate import Backoff, GenerationResult, greedy_generate, speculative_generate
+from .generate import Backoff, GenerationResult, greedy_generate, sample_generate, speculative_generate
 from .linen import DrafterModule
 from .loader import load_config, load_drafter
 from .model import AttentionOptions, draft_hidden, draft_logits
@@ -63,5 +63,6 @@ __all__ = [
     "parse_config",
     "propose",
     "sample_drafts",
+    "sample_generate",
     "speculative_generate",
 ]

@@ -33,7 +33,8 @@ def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
-    expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens
     assert out.strip() == ",".join(map(str, expected))
     assert "mean acceptance length" in err and "tokens/s" in err and "from plain steps" in err
 
@@ -73,7 +74,8 @@ def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
             "--cache-dir", str(tmp_path)]
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
-    expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens
     assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", *args]) == 2  # no `main` ref for the drafter
     err = capsys.readouterr().err
