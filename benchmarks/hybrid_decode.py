@@ -186,7 +186,7 @@ def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: fl
             for run in ["greedy", *args.runs]:
                 def go(run=run, prompts=prompts):
                     if run == "greedy":
-                        return greedy_generate(target, prompts, args.max_new, prefill_chunk=args.chunk)
+                        return greedy_generate(target, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk)
                     return speculative_generate(target, runs[run], prompts, max_new_tokens=args.max_new,
                                                 prefill_chunk=args.chunk)
 

@@ -158,8 +158,8 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
                 continue  # batch > 1 at the shortest prompt only
             prompts = rng.integers(0, V, (batch, P)).tolist()
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
-            runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new, prefill_chunk=chunk,
-                                                                          beyond_max_positions=b)}
+            runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new_tokens=max_new,
+                                                                          prefill_chunk=chunk, beyond_max_positions=b)}
             for (name, d), (suffix, backoff) in itertools.product(drafters.items(), backoffs.items()):
                 runs[name + suffix] = lambda d=d, p=prompts, b=beyond, bo=backoff: speculative_generate(
                     target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b, backoff=bo)

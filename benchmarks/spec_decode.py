@@ -99,7 +99,7 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = rng.integers(0, V, (batch, args.prompt_len)).tolist()
-        base, greedy = timed(lambda: greedy_generate(target, prompts, args.max_new), args.repeats)  # noqa: B023  (run here)
+        base, greedy = timed(lambda: greedy_generate(target, prompts, max_new_tokens=args.max_new), args.repeats)  # noqa: B023  (run here)
         follows = np.mean([t[j + 1] == successor[t[j]] for t in greedy.tokens for j in range(len(t) - 1)])
         rows.append(dict(batch=batch, name="greedy", tokens_per_s=base, follows_map=float(follows)))
         print(f"| {batch} | greedy (target follows its map {follows:.0%}) | {base:.1f} | 1.00 | | |", flush=True)

@@ -17,21 +17,66 @@ draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub ids)
 modules), `cli`.
 """
 
-from .config import DflashConfig, parse_config
-from .drafter import Drafter, draft_to_target_ids
-from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
-from .errors import CheckpointError, ConfigError, IncompatiblePairError
-from .generate import Backoff, GenerationResult, greedy_generate, speculative_generate
-from .linen import DrafterModule
-from .loader import load_config, load_drafter
-from .model import AttentionOptions, draft_hidden, draft_logits
-from .pairing import check_pair
-from .target import Target
-from .target.dense import DecoderTarget, Qwen3Target
-from .target.loading import load_target
-from .target.qwen3_5 import Qwen3_5Target
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
+    from .config import DflashConfig, parse_config
+    from .drafter import Drafter, draft_to_target_ids
+    from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
+    from .errors import CheckpointError, ConfigError, IncompatiblePairError
+    from .generate import Backoff, GenerationResult, greedy_generate, sample_generate, speculative_generate
+    from .linen import DrafterModule
+    from .loader import load_config, load_drafter
+    from .model import AttentionOptions, draft_hidden, draft_logits
+    from .pairing import check_pair
+    from .target import Target
+    from .target.dense import DecoderTarget, Qwen3Target
+    from .target.loading import load_target
+    from .target.qwen3_5 import Qwen3_5Target
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "DflashConfig": "config", "parse_config": "config",
+    "Drafter": "drafter", "draft_to_target_ids": "drafter",
+    "ContextCache": "drafting", "Proposal": "drafting", "append_context": "drafting", "init_cache": "drafting",
+    "propose": "drafting", "sample_drafts": "drafting",
+    "CheckpointError": "errors", "ConfigError": "errors", "IncompatiblePairError": "errors",
+    "Backoff": "generate", "GenerationResult": "generate", "greedy_generate": "generate",
+    "sample_generate": "generate", "speculative_generate": "generate",
+    "DrafterModule": "linen",
+    "load_config": "loader", "load_drafter": "loader",
+    "AttentionOptions": "model", "draft_hidden": "model", "draft_logits": "model",
+    "check_pair": "pairing",
+    "Target": "target",
+    "DecoderTarget": "target.dense", "Qwen3Target": "target.dense",
+    "load_target": "target.loading",
+    "Qwen3_5Target": "target.qwen3_5",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import what `name` needs on first use: an exported name from its module, or a submodule
+    (`dflash_jax.hub`). Importing the package itself imports nothing of JAX, so the command line answers
+    `--help` and argument errors at once."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "__version__",
@@ -63,5 +108,6 @@ __all__ = [
     "parse_config",
     "propose",
     "sample_drafts",
+    "sample_generate",
     "speculative_generate",
 ]

@@ -18,7 +18,7 @@ at trace time); values are checked only where the host can see them (concrete ar
   check_sampling(where, key, temperature)
   check_token_ids(where, name, ids, vocab_size)
   refuse_traced(where, *trees)                             a host-side driver called under jit
-  check_generate(where, target, prompt_ids, ...)           the arguments of speculative_generate / greedy_generate
+  check_generate(where, target, prompt_ids, ...)           the arguments of the decoding entry points
   check_cache_fits(where, target, drafter, batch, capacity) the decode caches against the devices' memory
   as_ids(where, name, x)                                   a list or array of integer ids, as an array
   call_donating(where, cache, fn, *args, **kwargs)         fn, with a reused donated cache named as such
@@ -289,13 +289,13 @@ def check_params(config: DflashConfig, params: Any, where: str) -> None:
 
 
 def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: Any, prefill_chunk: Any,
-                   stop_token_ids: Any, drafter: Any = None, temperature: Any = 0.0, seed: Any = 0,
-                   confidence_threshold: Any = 0.0) -> tuple[list[list[int]], bool, int]:
-    """The arguments of `speculative_generate` / `greedy_generate`: `(prompts, single, seed)` once each is of
-    the right type and in range (`check_prompt_ids`, `check_seed`, ints >= 1 for `max_new_tokens` and
-    `prefill_chunk`, stop ids as non-negative int32s, numbers for the temperature and the threshold). Called under
-    `jax.jit` it refuses at once (`refuse_traced`)."""
-    refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, temperature, seed, confidence_threshold)
+                   stop_token_ids: Any, drafter: Any = None,
+                   confidence_threshold: Any = 0.0) -> tuple[list[list[int]], bool]:
+    """The arguments of `speculative_generate` / `greedy_generate` / `sample_generate`: `(prompts, single)` once
+    each is of the right type and in range (`check_prompt_ids`, ints >= 1 for `max_new_tokens` and
+    `prefill_chunk`, stop ids as non-negative int32s, a finite number for the threshold; the sampling controls
+    and the key are `sampling`'s). Called under `jax.jit` it refuses at once (`refuse_traced`)."""
+    refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, confidence_threshold)
     check_integer(where, "max_new_tokens", max_new_tokens, 1)
     check_integer(where, "prefill_chunk", prefill_chunk, 1)
     prompts, single = check_prompt_ids(where, prompt_ids, target.vocab_size)
@@ -307,11 +307,10 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
             if _token(t) is None:
                 raise TypeError(f"{where}: stop_token_ids[{i}] = {t!r} is a {type(t).__name__}; expected an int")
             check_integer(where, f"stop_token_ids[{i}]", _token(t))  # past the vocabulary: never matches
-    check_sampling(where, seed, check_number(where, "temperature", temperature))
     threshold = check_number(where, "confidence_threshold", confidence_threshold)
     if not np.isfinite(threshold):
         raise ValueError(f"{where}: confidence_threshold={threshold} must be finite (0 verifies every draft)")
-    return prompts, single, check_seed(where, seed)
+    return prompts, single
 
 
 def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity: int) -> None:

@@ -27,13 +27,13 @@ if TYPE_CHECKING:
 
 # Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
 BAD_INPUT = 2
+SIGPIPE_EXIT = 128 + 13  # stdout's reader went away: the status a shell shows for a process SIGPIPE ended
 INT32_MAX = 2**31 - 1
 
 
 def run() -> NoReturn:
     """The program: `main(sys.argv[1:])` with JAX's persistent compilation cache on."""
-    use_compilation_cache()
-    sys.exit(main())
+    sys.exit(main(compilation_cache=True))
 
 
 def use_compilation_cache() -> str | None:
@@ -63,9 +63,13 @@ def use_compilation_cache() -> str | None:
     return str(trusted) if trusted else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> int:
     """Parse `argv` (default `sys.argv[1:]`), run the verb, return the exit status. Process-wide settings
-    (the compilation cache) are `run`'s, so that a caller embedding the CLI keeps its own."""
+    (`compilation_cache`: `use_compilation_cache`) are `run`'s, so that a caller embedding the CLI keeps its own.
+
+    JAX is imported only once the arguments have parsed: `--help` and argument errors answer at once. A reader
+    that goes away (`dflash-jax inspect --json x | head -1`) ends the program quietly, with the status of a
+    process killed by SIGPIPE (141), as Unix tools end."""
     for stream in (sys.stdout, sys.stderr):  # a name the terminal's encoding lacks is escaped, not a crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
@@ -73,7 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import CheckpointError, ConfigError
 
     try:
-        return args.run(args) or 0
+        if compilation_cache:
+            use_compilation_cache()
+        status = args.run(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return status
+    except BrokenPipeError:
+        # stdout's reader is gone: nothing more can be shown; point stdout at /dev/null so that the interpreter's
+        # final flush does not report the pipe again (the Python documentation's recipe, `signal` module)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: unreadable or unwritable paths
         print(f"error: {shown(str(e))}", file=sys.stderr)
         return BAD_INPUT
@@ -125,14 +138,28 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--max-new-tokens", type=positive_int, default=64,
                    help="at most this many new tokens; prompt + new tokens must fit the models' "
                         "max_position_embeddings")
-    v.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default); > 0: sampled, lossless")
-    v.add_argument("--seed", type=seed, default=0, help="sampling seed, any integer of at most 64 bits")
+    sampling = v.add_argument_group("sampling (lossless: the output follows the target's distribution under them)")
+    sampling.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (default); > 0: sampled")
+    sampling.add_argument("--top-k", type=non_negative_int, default=None,
+                          help="sample from the K most likely tokens (0: all)")
+    sampling.add_argument("--top-p", type=fraction(0.0, False), default=None,
+                          help="sample from the smallest set of most likely tokens whose probability reaches P, in "
+                               "(0, 1]")
+    sampling.add_argument("--min-p", type=fraction(0.0, True), default=None,
+                          help="drop tokens less likely than P times the most likely one, P in [0, 1]")
+    sampling.add_argument("--seed", type=seed, default=0, help="sampling seed, any integer of at most 64 bits")
     v.add_argument("--stop-token-ids", type=token_ids, default=None,
                    help="comma-separated (default: the target's eos_token_id)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
     v.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
+    v.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
+                   help="split the target over the first N devices (a (1, N) mesh over (\"data\", \"model\")), "
+                        "the drafter replicated on them; default 1: one device")
+    v.add_argument("--confidence-threshold", type=non_negative_float, default=0.0, metavar="C",
+                   help="DSpark drafters with a confidence head: verify drafts only up to the first whose "
+                        "predicted acceptance is below C (default 0: every draft)")
     v.add_argument("--backoff", type=backoff, default=None, metavar="MIN_TOKENS",
                    help="run plain target steps while verifies commit fewer than MIN_TOKENS tokens on average "
                         "(dflash_jax.Backoff; e.g. 1.5); default: verify drafts every step")
@@ -218,14 +245,38 @@ def backoff(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
-def temperature(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def temperature(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"{text}: expected a finite temperature >= 0")
     return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: expected a finite number >= 0")
+    return value
+
+
+def fraction(low: float, low_included: bool):
+    """A parser of numbers in `[low, 1]` or `(low, 1]`."""
+    shown_range = f"{'[' if low_included else '('}{low:g}, 1]"
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not (low <= value <= 1 if low_included else low < value <= 1):
+            raise argparse.ArgumentTypeError(f"{text}: expected a number in {shown_range}")
+        return value
+
+    return parse
 
 
 def shown(text: str) -> str:
@@ -328,7 +379,7 @@ def demo(args: argparse.Namespace) -> int:
 
     # The package's own log lines (the load summaries) and nothing else: JAX's backend messages stay quiet.
     log = logging.getLogger("dflash_jax")
-    handler = logging.StreamHandler(sys.stdout)
+    handler = _Lines(sys.stdout)
     handler.setFormatter(logging.Formatter("    %(message)s"))
     log.addHandler(handler)
     level = log.level
@@ -346,6 +397,16 @@ def demo(args: argparse.Namespace) -> int:
         log.removeHandler(handler)
         log.setLevel(level)
     return 0
+
+
+class _Lines(logging.StreamHandler):
+    """A handler for the program's own output: a closed pipe ends the program (`main`), rather than printing
+    logging's traceback and carrying on."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            raise BrokenPipeError  # noqa: B904  (the exception being handled is this one)
+        super().handleError(record)
 
 
 def _demo(root: str, mesh) -> None:
@@ -391,8 +452,8 @@ def convert_nvfp4(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
+    import jax
     import jax.numpy as jnp
-    from rich import progress as rp
 
     from .generate import speculative_generate
     from .loader import load_drafter
@@ -403,21 +464,30 @@ def generate(args: argparse.Namespace) -> int:
     attention = AttentionOptions(causal=causal, sliding_window=sliding_window, draft_window=args.draft_window,
                                  draft_sinks=args.draft_sinks)  # refused before anything loads
     dtype = jnp.dtype(args.dtype)
-    target = load_target(args.target, dtype=dtype, revision=args.target_revision, cache_dir=args.cache_dir)
+    mesh = None
+    if args.tensor_parallel > 1:
+        if args.tensor_parallel > jax.device_count():
+            raise ValueError(f"--tensor-parallel {args.tensor_parallel}: there are {jax.device_count()} device(s)")
+        mesh = jax.make_mesh((1, args.tensor_parallel), ("data", "model"),
+                             devices=jax.devices()[: args.tensor_parallel])
+    target = load_target(args.target, mesh=mesh, dtype=dtype, revision=args.target_revision,
+                         cache_dir=args.cache_dir)
     check_ids(target.config, args)
-    drafter = load_drafter(args.drafter, dtype=dtype, revision=args.drafter_revision, cache_dir=args.cache_dir)
+    drafter = load_drafter(args.drafter, mesh=mesh, dtype=dtype, revision=args.drafter_revision,
+                           cache_dir=args.cache_dir)
+    if args.confidence_threshold and "confidence_head" not in drafter.params:
+        raise ValueError(f"--confidence-threshold {args.confidence_threshold}: this {drafter.config.family} drafter "
+                         "has no confidence head (DSpark drafters with enable_confidence_head have one)")
     stop = args.stop_token_ids if args.stop_token_ids is not None else list(target.config.eos_token_ids)
-    # A progress bar on a terminal only: its callback runs inside the compiled loop, and JAX does not store
+    # A progress display on a terminal only: its callback runs inside the compiled loop, and JAX does not store
     # programs with host callbacks in the persistent cache, so without a terminal the loop is cached too.
     terminal = sys.stderr.isatty()
-    bar = rp.Progress(rp.TextColumn("generating"), rp.BarColumn(), rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
-                      transient=True, disable=not terminal)
-    task = bar.add_task("generate", total=args.max_new_tokens)
+    bar, report = progress_display(args.max_new_tokens, enabled=terminal)
     with bar:
         result = speculative_generate(
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            stop_token_ids=stop, seed=args.seed,
-            progress=(lambda n_out: bar.update(task, completed=int(n_out.max()))) if terminal else None,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop,
+            confidence_threshold=args.confidence_threshold, progress=report if terminal else None,
             attention=attention, backoff=args.backoff,
         )
     print(",".join(map(str, result.tokens)))
@@ -427,6 +497,24 @@ def generate(args: argparse.Namespace) -> int:
           f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
           file=sys.stderr)
     return 0
+
+
+def progress_display(total: int, *, enabled: bool) -> tuple[Any, Any]:
+    """`(display, report)`: a status line with a spinner, "compiling and prefilling", until the decode loop reports
+    its first step through `report(n_out)` (compiling the programs takes seconds to minutes on a first run), then
+    a bar of the tokens made. Transient, on stderr; `enabled=False` shows nothing."""
+    from rich import progress as rp
+    from rich.console import Console
+
+    display = rp.Progress(rp.SpinnerColumn(), rp.TextColumn("{task.description}"), rp.BarColumn(),
+                          rp.MofNCompleteColumn(), rp.TimeElapsedColumn(), transient=True, disable=not enabled,
+                          console=Console(stderr=True))
+    task = display.add_task("compiling and prefilling", total=total)
+
+    def report(n_out) -> None:
+        display.update(task, description="generating", completed=int(n_out.max()))
+
+    return display, report
 
 
 def check_ids(config, args: argparse.Namespace) -> None:

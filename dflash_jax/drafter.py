@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ._arguments import check_heads
+from ._summary import summary
 from .config import DflashConfig
 
 
@@ -30,6 +31,13 @@ class Drafter:
     lm_head: jax.Array | None = None
     # Always given (a default only because it follows defaulted fields; None is no usable config).
     config: DflashConfig = dataclasses.field(default=cast(DflashConfig, None), metadata=dict(static=True))
+
+    def __repr__(self) -> str:
+        c = self.config
+        attached = [name for name, x in (("embed", self.embed), ("lm_head", self.lm_head)) if x is not None]
+        return summary("Drafter", [c.family, f"{c.num_hidden_layers} layers", f"hidden {c.hidden_size}",
+                                   f"block {c.effective_block_size}", f"vocab {c.vocab_size}"]
+                       + ([f"target's {' and '.join(attached)} attached"] if attached else []), self)
 
     def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
         """Return a drafter that uses the target's embedding `[vocab_size, H]` / LM head `[draft vocabulary, H]`

@@ -63,6 +63,7 @@ from .model import (
     project_context,
     rope_tables,
 )
+from .sampling import Warp, choose
 from .tuning import tuning
 
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
@@ -193,31 +194,11 @@ class Proposal:
     confidence: jax.Array | None = None  # [batch, num_draft_tokens] f32: DSpark's predicted acceptance, sigmoid
 
 
-def choose(key: jax.Array | None, logits: jax.Array, temperature: jax.Array | None
-           ) -> tuple[jax.Array, jax.Array | None]:
-    """Pick one id per row of `logits [batch, ..., n]`: argmax without a key, else a sample at `temperature [batch]`
-    (or a scalar; needed only with a key). The one argmax-or-sample rule of the drafter and the decode loops.
-
-    With a key, also returns the distribution the pick was drawn from, `[batch, ..., n]`: `softmax(logits / T)`,
-    or one-hot at the argmax for sequences with T = 0 (greedy rows stay deterministic in a sampled batch).
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if key is None:
-        return greedy, None
-    assert temperature is not None  # every sampling caller passes one with its key
-    t = temperature.reshape(-1, *([1] * (logits.ndim - 1)))  # [batch, 1, ..., 1]
-    hot = t > 0
-    scaled = logits / jnp.where(hot, t, 1.0)
-    sampled = jax.random.categorical(key, scaled).astype(jnp.int32)
-    probs = jnp.where(hot, jax.nn.softmax(scaled, axis=-1), jax.nn.one_hot(greedy, logits.shape[-1]))
-    return jnp.where(hot[..., 0], sampled, greedy), probs
-
-
 def _row_keys(key: jax.Array | None, rows: int) -> jax.Array | None:
     return None if key is None else jax.random.split(key, rows)
 
 
-def _markov_walk(params, logits, anchor_ids, key, temperature):
+def _markov_walk(params, logits, anchor_ids, key, warp: Warp):
     """DSpark: row k draws from `logits_k + markov_w2(markov_w1[prev_k])`, prev_0 = anchor, prev_k = draft k-1."""
     w1 = params["markov_head"]["markov_w1"]["weight"]  # [V, r]
     w2 = params["markov_head"]["markov_w2"]["weight"]  # [V, r]
@@ -225,7 +206,7 @@ def _markov_walk(params, logits, anchor_ids, key, temperature):
     def step(prev, row):
         base, row_key = row  # [batch, V] f32
         bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, V]
-        token, probs = choose(row_key, base + bias, temperature)
+        token, probs = choose(row_key, base + bias, warp)
         return token, (token, probs)
 
     rows = (jnp.moveaxis(logits, 1, 0), _row_keys(key, logits.shape[1]))  # scan over draft rows
@@ -233,7 +214,7 @@ def _markov_walk(params, logits, anchor_ids, key, temperature):
     return tokens.T, None if probs is None else jnp.moveaxis(probs, 0, 1)
 
 
-def _selector_walk(params, config, hidden, logits, anchor_ids, key, temperature):
+def _selector_walk(params, config, hidden, logits, anchor_ids, key, warp: Warp):
     """DFlash2: per row, top-K candidates by unary score `u`, then `s[k] = u[k] + <A[pred] * P h, Bc[cand_k]>`."""
     sel = params["candidate_selector"]
     unary, cand = jax.lax.top_k(logits, config.dflash_config.selector_top_k)  # [batch, n, K]
@@ -245,7 +226,7 @@ def _selector_walk(params, config, hidden, logits, anchor_ids, key, temperature)
         u, ids, ctx, succ, row_key = row  # [batch, K], [batch, K], [batch, r], [batch, K, r]
         state = jnp.take(predecessors, pred, axis=0).astype(jnp.float32) * ctx  # [batch, r]
         scores = u + dot("br,bkr->bk", state, succ.astype(jnp.float32))  # [batch, K]
-        pick, probs = choose(row_key, scores, temperature)
+        pick, probs = choose(row_key, scores, warp)
         token = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
         return token, (token, probs)
 
@@ -281,14 +262,19 @@ def sample_drafts(
     lm_head: jax.Array | None = None,
     key: jax.Array | None = None,
     temperature: float | jax.Array = 0.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+    min_p: float | jax.Array | None = None,
     confidence_threshold: float | jax.Array = 0.0,
 ) -> Proposal:
     """Turn the draft rows' final hidden states `[batch, num_draft_tokens, H]` into a `Proposal`.
 
     anchor_ids: `[batch]` the block's row-0 token (the predecessor of the first draft). Without `key`, greedy
-    (argmax); with one, sampled at `temperature` (scalar or `[batch]`; 0 keeps a sequence greedy) and
-    `probs` returned. `confidence_threshold`: DSpark proposals end before the first row whose confidence is
-    below it (0 disables the cut). lm_head: `[V, H]`, None for the drafter's own or attached one.
+    (argmax); with one, sampled at `temperature` (scalar or `[batch]`; 0 keeps a sequence greedy) after the
+    `top_k` / `top_p` / `min_p` cuts (scalars or `[batch]`; None: off; `dflash_jax.sampling`), and `probs`, the
+    warped distribution each draft was drawn from, returned. `confidence_threshold`: DSpark proposals end
+    before the first row whose confidence is below it (0 disables the cut). lm_head: `[V, H]`, None for the
+    drafter's own or attached one.
     """
     params, config = drafter.params, drafter.config
     batch = hidden.shape[0]
@@ -305,14 +291,16 @@ def sample_drafts(
     if cap is not None:
         logits = cap * jnp.tanh(logits / cap)
     anchor_ids = anchor_ids.astype(jnp.int32)
-    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (batch,))
+    warp = Warp(*(None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))  # each [batch]
+                  for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32),
+                                   (min_p, jnp.float32))))
 
     if selector:
-        tokens, probs = _selector_walk(params, config, hidden, logits, anchor_ids, key, temperature)
+        tokens, probs = _selector_walk(params, config, hidden, logits, anchor_ids, key, warp)
     elif markov:
-        tokens, probs = _markov_walk(params, logits, anchor_ids, key, temperature)
+        tokens, probs = _markov_walk(params, logits, anchor_ids, key, warp)
     else:
-        tokens, probs = choose(key, logits, temperature)
+        tokens, probs = choose(key, logits, warp)
 
     n = tokens.shape[1]
     num_tokens = jnp.full((batch,), n, jnp.int32)
@@ -473,6 +461,9 @@ def propose(
     *,
     key: jax.Array | None = None,
     temperature: float | jax.Array = 0.0,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+    min_p: float | jax.Array | None = None,
     confidence_threshold: float | jax.Array = 0.0,
     embed: jax.Array | None = None,
     lm_head: jax.Array | None = None,
@@ -491,15 +482,14 @@ def propose(
     whose context outgrows `max_context` is flagged in `cache.overflow` (`ContextCache.check` raises): under
     `jit` the values cannot raise.
 
-    key / temperature / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`, None for the
-    drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the cache was
-    made with (another raises ValueError); impl: the attention's kernel, "auto", "xla" or "pallas"
-    (`dflash_jax.attention.attend`; another is a `ValueError`). Shapes (and the parameter tree, the embedding
-    and LM head against the config)
-    are checked when the program is traced; values are not, since the step is jitted: a `num_new` outside
-    `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over real ones), an
-    id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a negative one,
-    drafts greedily.
+    key / temperature / top_k / top_p / min_p / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`,
+    None for the drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the
+    cache was made with (another raises ValueError); impl: the attention's kernel, "auto", "xla" or "pallas"
+    (`dflash_jax.attention.attend`; another is a `ValueError`). Shapes (and the parameter tree, the embedding and LM
+    head against the config) are checked when the program is traced; values are not, since the step is jitted: a
+    `num_new` outside `[0, n_new]` still moves `cache.lengths` by that much (over rows never written, or back over
+    real ones), an id past the vocabulary is clamped by the gather, and a temperature > 0 without a key, or a
+    negative one, drafts greedily.
     `checked=True` checks those values eagerly first (concrete inputs only: it reads `num_new`, `anchor_ids`
     and `temperature` back to the host, a sync per call, so it is for debugging, not the decode loop; the
     default path adds a Python call and no device work). A cache passed to an earlier call (donated) is a
@@ -512,13 +502,14 @@ def propose(
         check_sampling("propose", key, temperature)
     return call_donating(
         "propose", cache, _propose, drafter, cache, target_hidden, num_new, anchor_ids, key=key,
-        temperature=temperature, confidence_threshold=confidence_threshold, embed=embed, lm_head=lm_head,
-        attention=attention, impl=impl, append_chunk=append_chunk)
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, confidence_threshold=confidence_threshold,
+        embed=embed, lm_head=lm_head, attention=attention, impl=impl, append_chunk=append_chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "impl", "append_chunk"), donate_argnames=("cache",))
 def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
              anchor_ids: jax.Array, *, key: jax.Array | None, temperature: float | jax.Array,
+             top_k: int | jax.Array | None, top_p: float | jax.Array | None, min_p: float | jax.Array | None,
              confidence_threshold: float | jax.Array, embed: jax.Array | None, lm_head: jax.Array | None,
              attention: AttentionOptions, impl: Impl, append_chunk: int) -> tuple[Proposal, ContextCache]:
     """`propose`'s step, jitted: its checks of shapes and static arguments run once, at trace time."""
@@ -571,6 +562,9 @@ def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, nu
         lm_head=lm_head,
         key=key,
         temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
         confidence_threshold=confidence_threshold,
     )
     return proposal, cache

@@ -47,10 +47,11 @@ import numpy as np
 from ._arguments import check_cache_fits, check_generate
 from ._shapes import round_up
 from .drafter import Drafter
-from .drafting import ContextCache, Proposal, append_context, choose, init_cache, propose
+from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .errors import IncompatiblePairError
 from .model import AttentionOptions
 from .pairing import check_pair
+from .sampling import Warp, choose, rng_key, sampling_controls
 from .target import PREFILL_CHUNK, Target
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
@@ -119,6 +120,17 @@ def _stop_array(stop_token_ids: Sequence[int] | None) -> jax.Array:
     lists share a compilation."""
     ids = list(stop_token_ids or [])
     return jnp.asarray(ids + [-1] * (round_up(max(len(ids), 1), 8) - len(ids)), jnp.int32)
+
+
+def _pick(key: jax.Array | None, logits: jax.Array, warp: Warp) -> jax.Array:
+    """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample from the `warp`ed
+    distribution."""
+    return choose(key, logits, warp)[0]
+
+
+def _draft_warp(warp: Warp) -> dict[str, jax.Array | None]:
+    """`propose`'s sampling keywords: the drafts are drawn under the target's controls (`sampling`)."""
+    return dict(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p)
 
 
 def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
@@ -197,7 +209,7 @@ def _in_vocabulary(drafts: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.A
 
 
 def _acceptance(
-    key: jax.Array | None, logits: jax.Array, proposal: Proposal, temperature: jax.Array
+    key: jax.Array | None, logits: jax.Array, proposal: Proposal, warp: Warp
 ) -> tuple[jax.Array, jax.Array]:
     """Verify a proposal: `(accepted drafts [batch], the step's last token [batch])`.
 
@@ -214,8 +226,8 @@ def _acceptance(
         return accepted, jnp.take_along_axis(choice, accepted[:, None], axis=1)[:, 0]
 
     accept_key, residual_key = jax.random.split(key)
-    assert proposal.probs is not None  # a proposal drafted with a key carries its q (`drafting.choose`)
-    p = jax.nn.softmax(logits / temperature, axis=-1)  # [batch, K + 1, V]
+    assert proposal.probs is not None  # a proposal drafted with a key carries its q (`_choose`)
+    p = warp.probs(logits)  # [batch, K + 1, V] the target's warped distribution (`sampling`)
     q = jnp.where(proposed[..., None], proposal.probs, 0.0)  # [batch, K, V]; 0: no draft
     q = jnp.pad(q, ((0, 0), (0, 1), (0, 0)))  # [batch, K + 1, V]
     p_draft = jnp.take_along_axis(p[:, :K], drafts[..., None], axis=2)[..., 0]  # [batch, K]
@@ -236,7 +248,7 @@ def _acceptance(
     donate_argnames=("target_cache", "context"),
 )
 def _spec_prefill(
-    target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, temperature,
+    target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, warp: Warp,
     threshold, key, budget, *, capacity: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
 ) -> _State:
     """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
@@ -247,9 +259,9 @@ def _spec_prefill(
     first_key, draft_key, key = jax.random.split(key, 3)
     out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.checked_target_layer_ids,
                          chunk=prefill_chunk)
-    first = choose(first_key if sampling else None, out.logits, temperature)[0]  # [batch]
+    first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
-                                key=draft_key if sampling else None, temperature=temperature,
+                                key=draft_key if sampling else None, **_draft_warp(warp),
                                 confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
     return _State(
         step=jnp.zeros((), jnp.int32),
@@ -271,7 +283,7 @@ def _spec_prefill(
     )
 
 
-def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, call, sampling: bool,
+def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, call, sampling: bool,
                attention: AttentionOptions, backoff: Backoff | None, report: bool, s: _State) -> _State:
     """One verify + commit + draft step for every sequence still running (under `backoff`, some steps are plain:
     one target token, no drafts)."""
@@ -284,13 +296,13 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, c
         drafts, _ = _in_vocabulary(s.proposal.tokens, target.vocab_size)
         tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, K + 1]
         out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
-        accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, temperature)
+        accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, warp)
         cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor and the accepted drafts
         return cache, out.features, accepted, last  # features [batch, K + 1, Lf*H]
 
     def plain(s: _State):  # the anchor alone: a verify that rejects every draft
         out = target(s.anchor[:, None], s.target_cache, s.lengths, layer_ids=layer_ids)
-        last = choose(verify_key if sampling else None, out.logits[:, 0], temperature)[0]  # [batch]
+        last = _pick(verify_key if sampling else None, out.logits[:, 0], warp)  # [batch]
         features = jnp.pad(out.features, ((0, 0), (0, K), (0, 0)))  # [batch, K + 1, Lf*H]; only row 0 is real
         return target.commit(out.cache, live.astype(jnp.int32)), features, jnp.zeros_like(last), last
 
@@ -317,7 +329,7 @@ def _spec_step(target: Target, drafter: Drafter, stop, temperature, threshold, c
 
     def draft(context: ContextCache):
         return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
-                       temperature=temperature, confidence_threshold=threshold, attention=attention)
+                       **_draft_warp(warp), confidence_threshold=threshold, attention=attention)
 
     def keep_up(context: ContextCache):  # the next step is plain: its drafts are never read
         return s.proposal, append_context(drafter, context, features, committed, attention=attention)
@@ -364,13 +376,13 @@ def _backoff_schedule(backoff: Backoff | None, s: _State, committed: jax.Array, 
 @functools.partial(
     jax.jit, static_argnames=("sampling", "attention", "backoff", "report"), donate_argnames=("state",),
 )
-def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, temperature, threshold, call, *,
+def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Warp, threshold, call, *,
                  sampling: bool, attention: AttentionOptions, backoff: Backoff | None = None,
                  report: bool = False) -> _State:
     """Steps until every sequence is done, as one `lax.while_loop`. `report`: call the progress callback
     registered under `call` after every step (`_report`)."""
-    step = functools.partial(_spec_step, target, drafter, stop, temperature, threshold, call, sampling, attention,
-                             backoff, report)
+    step = functools.partial(_spec_step, target, drafter, stop, warp, threshold, call, sampling, attention, backoff,
+                             report)
     return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < s.budget), step, state)
 
 
@@ -393,8 +405,12 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    key: jax.Array | None = None,
+    seed: int | None = None,
     stop_token_ids: Sequence[int] | None = None,
-    seed: int = 0,
     confidence_threshold: float = 0.0,
     progress: Callable[[np.ndarray], None] | None = None,
     attention: AttentionOptions = AttentionOptions(),
@@ -406,7 +422,10 @@ def speculative_generate(
 
     prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own.
     temperature 0: greedy, token for token the target's own greedy decoding; > 0: sampled, distributed as the
-    target's sampling at that temperature (module docstring). `drafter`: a `Drafter` or an
+    target's sampling at that temperature after the `top_k` / `top_p` / `min_p` cuts (transformers' warpers,
+    in its order; None: off), which the drafts are drawn under too (`dflash_jax.sampling`; `sample_generate`
+    is the plain target's sampling). Randomness: `key` (a JAX PRNG key), or `seed` (an int) as a shorthand for
+    `key=jax.random.key(seed)`; neither: seed 0. `drafter`: a `Drafter` or an
     `nnx.DFlashDrafter`; the pair is checked first (`pairing.check_pair`). A sequence stops after a token of
     `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
     ships none. `confidence_threshold` (DSpark drafters with a confidence head): proposals end before the
@@ -421,10 +440,11 @@ def speculative_generate(
     """
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
         drafter = drafter.drafter  # an `nnx.DFlashDrafter` module: its current values
-    prompts, single, seed = check_generate(
+    prompts, single = check_generate(
         "speculative_generate", target, prompt_ids, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-        stop_token_ids=stop_token_ids, drafter=drafter, temperature=temperature, seed=seed,
-        confidence_threshold=confidence_threshold)  # the key is made from `seed`
+        stop_token_ids=stop_token_ids, drafter=drafter, confidence_threshold=confidence_threshold)
+    warp = sampling_controls("speculative_generate", temperature, top_k, top_p, min_p)
+    key = rng_key("speculative_generate", key, seed)
     check_pair(target, drafter)
     if backoff is not None and not isinstance(backoff, Backoff):
         raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
@@ -434,14 +454,14 @@ def speculative_generate(
     K = drafter.config.num_draft_tokens
     capacity = round_up(tokens.shape[1] + round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
     check_cache_fits("speculative_generate", target, drafter, len(prompts), capacity)
-    stop, temp = _stop_array(stop_token_ids), jnp.float32(max(temperature, 1e-6))
+    stop = _stop_array(stop_token_ids)
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
 
     start = time.perf_counter()
     caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
                                                                    attention=attention)
-    state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temp, threshold, jax.random.key(seed),
+    state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, threshold, key,
                           jnp.int32(max_new_tokens), capacity=round_up(max_new_tokens, BUDGET_BUCKET),
                           sampling=sampling, attention=attention, prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
@@ -451,7 +471,7 @@ def speculative_generate(
     if progress is not None:
         _PROGRESS[call] = progress
     try:
-        state = _spec_decode(target, drafter, state, stop, temp, threshold, jnp.int32(call), sampling=sampling,
+        state = _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(call), sampling=sampling,
                              attention=attention, backoff=backoff, report=progress is not None)
         out, n_out, accept, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
     finally:
@@ -492,14 +512,14 @@ def _attach(target: Target, drafter: Drafter) -> Drafter:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Plain greedy decoding (the baseline)
+# Plain target decoding (the baselines): greedy, and sampled under the same controls
 # --------------------------------------------------------------------------------------------------------------
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _GreedyState:
-    """The greedy loop's carry (every array has a static shape)."""
+    """The plain loop's carry (every array has a static shape)."""
 
     cache: Any  # the target's KV cache
     lengths: jax.Array  # [batch] positions in the cache
@@ -508,15 +528,17 @@ class _GreedyState:
     n_out: jax.Array  # [batch] tokens in `out`
     budget: jax.Array  # [] int32 max_new_tokens
     done: jax.Array  # [batch] bool
+    key: jax.Array  # sampling: split every step; greedy: unused
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "prefill_chunk"), donate_argnames=("cache",))
-def _greedy_prefill(target: Target, cache, tokens, lengths, stop, budget, *, capacity: int,
-                    prefill_chunk: int) -> _GreedyState:
+@functools.partial(jax.jit, static_argnames=("capacity", "prefill_chunk", "sampling"), donate_argnames=("cache",))
+def _greedy_prefill(target: Target, cache, tokens, lengths, stop, budget, warp: Warp, key, *, capacity: int,
+                    prefill_chunk: int, sampling: bool) -> _GreedyState:
     """Run the prompts, take the first token."""
     batch = tokens.shape[0]
+    first_key, key = jax.random.split(key)
     out = target.prefill(tokens, cache, lengths, layer_ids=(), chunk=prefill_chunk)
-    first = choose(None, out.logits, None)[0]  # [batch]
+    first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
     return _GreedyState(
         cache=out.cache,
         lengths=lengths,
@@ -525,16 +547,18 @@ def _greedy_prefill(target: Target, cache, tokens, lengths, stop, budget, *, cap
         n_out=jnp.ones((batch,), jnp.int32),
         budget=budget,
         done=(first[:, None] == stop).any(-1) | (budget <= 1),
+        key=key,
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _greedy_decode(target: Target, state: _GreedyState, stop) -> _GreedyState:
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("state",))
+def _greedy_decode(target: Target, state: _GreedyState, stop, warp: Warp, *, sampling: bool) -> _GreedyState:
     """One target forward per token, in a `lax.while_loop`, until every sequence is done."""
 
     def step(s: _GreedyState) -> _GreedyState:
+        step_key, key = jax.random.split(s.key)
         o = target(s.last[:, None], s.cache, s.lengths, layer_ids=())  # `last` enters the cache at position `lengths`
-        nxt = choose(None, o.logits[:, 0], None)[0]  # [batch]
+        nxt = _pick(step_key if sampling else None, o.logits[:, 0], warp)  # [batch]
         slots = jnp.where(s.done, s.out.shape[1], s.n_out)  # past the end: dropped
         live = ~s.done
         advance = live.astype(jnp.int32)  # [batch] 1 while running
@@ -547,6 +571,7 @@ def _greedy_decode(target: Target, state: _GreedyState, stop) -> _GreedyState:
             n_out=n_out,
             budget=s.budget,
             done=s.done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= s.budget),
+            key=key,
         )
 
     return jax.lax.while_loop(lambda s: ~s.done.all(), step, state)
@@ -555,8 +580,8 @@ def _greedy_decode(target: Target, state: _GreedyState, stop) -> _GreedyState:
 def greedy_generate(
     target: Target,
     prompt_ids: Sequence[int] | Sequence[Sequence[int]],
-    max_new_tokens: int,
     *,
+    max_new_tokens: int,
     stop_token_ids: Sequence[int] | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
     beyond_max_positions: bool = False,
@@ -565,25 +590,62 @@ def greedy_generate(
 
     Same prompt handling, stop rule, position check and result as `speculative_generate` (no acceptance lengths).
     """
+    return _plain_generate("greedy_generate", target, prompt_ids, max_new_tokens, sampling_controls(
+        "greedy_generate", 0.0, None, None, None), None, stop_token_ids, prefill_chunk, beyond_max_positions)
+
+
+def sample_generate(
+    target: Target,
+    prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    key: jax.Array | None = None,
+    seed: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
+    beyond_max_positions: bool = False,
+) -> GenerationResult:
+    """The target alone, sampled (transformers' `generate(do_sample=True, ...)`): the baseline a sampled
+    `speculative_generate` must match in distribution and beat in speed.
+
+    The sampling controls, `key` and `seed` are `speculative_generate`'s (temperature 0: greedy, as
+    `greedy_generate`); the rest as `greedy_generate`.
+    """
+    warp = sampling_controls("sample_generate", temperature, top_k, top_p, min_p)
+    return _plain_generate("sample_generate", target, prompt_ids, max_new_tokens, warp,
+                           rng_key("sample_generate", key, seed), stop_token_ids, prefill_chunk, beyond_max_positions)
+
+
+def _plain_generate(where: str, target: Target, prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+                    max_new_tokens: int, warp: Warp, key: jax.Array | None, stop_token_ids: Sequence[int] | None,
+                    prefill_chunk: int, beyond_max_positions: bool) -> GenerationResult:
+    """`greedy_generate` (`key` None) and `sample_generate`: one target step per token."""
     if not hasattr(target, "commit"):
-        raise IncompatiblePairError(f"greedy_generate: {type(target).__name__} has no commit(pending, kept): it "
+        raise IncompatiblePairError(f"{where}: {type(target).__name__} has no commit(pending, kept): it "
                                     "does not implement the Target protocol (dflash_jax.Target)")
-    prompts, single, _ = check_generate("greedy_generate", target, prompt_ids, max_new_tokens=max_new_tokens,
-                                        prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
+    prompts, single = check_generate(where, target, prompt_ids, max_new_tokens=max_new_tokens,
+                                     prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     out_capacity = round_up(max_new_tokens, BUDGET_BUCKET)
     capacity = round_up(tokens.shape[1] + out_capacity, CACHE_BUCKET)
-    check_cache_fits("greedy_generate", target, None, len(prompts), capacity)
+    check_cache_fits(where, target, None, len(prompts), capacity)
     stop = _stop_array(stop_token_ids)
+    sampling = key is not None and float(warp.temperature) > 0
+    key = jax.random.key(0) if key is None else key  # greedy: carried, never read
     start = time.perf_counter()
     state = jax.block_until_ready(
         _greedy_prefill(target, target.init_cache(len(prompts), capacity), tokens, lengths, stop,
-                        jnp.int32(max_new_tokens), capacity=out_capacity, prefill_chunk=prefill_chunk)
+                        jnp.int32(max_new_tokens), warp, key, capacity=out_capacity, prefill_chunk=prefill_chunk,
+                        sampling=sampling)
     )
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    state = _greedy_decode(target, state, stop)
+    state = _greedy_decode(target, state, stop, warp, sampling=sampling)
     new, n_out = jax.device_get((state.out, state.n_out))
     decode = time.perf_counter() - start
     lists = _to_lists(new, n_out)

@@ -61,7 +61,7 @@ def main() -> None:
         dspark = dflash_jax.load_drafter(f"{tmp}/dspark", dtype=jnp.float32)
 
     print(f"{len(PROMPTS)} prompts x {MAX_NEW} new tokens, batch decoding, tokens/s of the decode loop\n")
-    greedy = timed(lambda: greedy_generate(target, PROMPTS, MAX_NEW))
+    greedy = timed(lambda: greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW))
     report("random target, greedy", greedy)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW))
     report("random target, random DFlash drafter", spec, greedy)
@@ -72,7 +72,7 @@ def main() -> None:
     successor = np.random.default_rng(0).permutation(target.config.vocab_size)
     follower = successor_target(target, successor)
     oracle = successor_drafter(dspark, successor)
-    greedy = timed(lambda: greedy_generate(follower, PROMPTS, MAX_NEW))
+    greedy = timed(lambda: greedy_generate(follower, PROMPTS, max_new_tokens=MAX_NEW))
     report("successor target, greedy", greedy)
     spec = timed(lambda: speculative_generate(follower, oracle, PROMPTS, max_new_tokens=MAX_NEW))
     report("successor target, DSpark drafter walking it", spec, greedy)

@@ -381,3 +381,30 @@ def greedy(raw: dict, weights: dict, prompt, max_new_tokens: int) -> list[int]:
         logits, _ = decoder(raw, weights, sequence)
         sequence.append(int(np.argmax(logits[-1])))
     return sequence[len(prompt):]
+
+
+def softmax(z):
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def warped_distribution(logits, temperature, top_k=None, top_p=None, min_p=None):
+    """Sampling's distribution over the last axis after transformers' warpers, in its order (`generation/
+    logits_process.py`: Temperature, TopK, TopP, MinP), each as it is written there: top-k removes the logits below
+    the k-th largest; top-p sorts ascending and removes the tokens whose cumulative probability is <= 1 - top_p
+    (the largest always kept); min-p removes the tokens whose probability is below min_p times the largest one's."""
+    z = np.array(logits, np.float64) / temperature
+    rows = z.reshape(-1, z.shape[-1])
+    for row in rows:  # in place, one row at a time
+        if top_k:
+            row[row < np.sort(row)[-min(top_k, row.size)]] = -np.inf
+        if top_p is not None and top_p < 1:
+            order = np.argsort(row, kind="stable")  # ascending
+            cumulative = np.cumsum(softmax(row[order]))
+            remove = cumulative <= 1 - top_p
+            remove[-1] = False
+            row[order[remove]] = -np.inf
+        if min_p:
+            probs = softmax(row)
+            row[probs < min_p * probs.max()] = -np.inf
+    return softmax(rows).reshape(z.shape)

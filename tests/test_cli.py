@@ -182,3 +182,56 @@ def test_python_dash_m_and_version(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert os.listdir(tmp_path / "dflash_jax" / "jax-compilation-cache")
+
+
+def test_help_and_argument_errors_need_no_jax():
+    """`--help` and an argument error answer before JAX is imported (it takes seconds to import)."""
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['dflash_jax', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('dflash_jax', run_name='__main__')\n"
+             "except SystemExit as e:\n    print('status', e.code, 'jax' in sys.modules, file=sys.stderr)\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for args, status in ((["--help"], 0), (["generate", "--help"], 0), (["generate", "t", "d"], 2),
+                         (["generate", "t", "d", "--prompt-ids", "1", "--top-p", "0"], 2)):
+        done = subprocess.run([sys.executable, "-c", probe, *args], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert done.stderr.splitlines()[-1] == f"status {status} False", (args, done.stderr)
+    assert "--top-p" in subprocess.run([sys.executable, "-m", "dflash_jax", "generate", "--help"], env=env,
+                                       capture_output=True, text=True, timeout=60, cwd=ROOT).stdout
+
+
+def test_a_closed_pipe_ends_the_program_quietly(tmp_path):
+    """`dflash-jax inspect --json x | head -1`: the reader goes away first; the program ends with SIGPIPE's status
+    (141) and says nothing (no "Broken pipe" error line, no traceback at exit)."""
+    write_checkpoint(tmp_path, "tiny-dspark")
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen([sys.executable, "-m", "dflash_jax", "inspect", "--json", str(tmp_path)], env=env,
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None
+    process.stdout.close()  # before the program has written anything (it takes a second to start)
+    _, err = process.communicate(timeout=120)
+    assert (process.returncode, err.decode()) == (141, "")
+
+
+def test_the_demo_log_handler_ends_on_a_closed_pipe():
+    """The demo prints the load summaries through logging, which would report a closed pipe as a traceback and
+    carry on: its handler passes the error to `main` instead."""
+    import logging
+
+    from dflash_jax.cli import _Lines
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    log = logging.getLogger("dflash_jax.test_closed")
+    handler = _Lines(Closed())
+    log.addHandler(handler)
+    try:
+        with pytest.raises(BrokenPipeError):
+            log.warning("a line")
+    finally:
+        log.removeHandler(handler)

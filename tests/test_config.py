@@ -14,7 +14,7 @@ CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 
 # (file, family, effective block size, drafts per step, mask id, target layer ids, rope theta, rope type)
 RELEASED = [
-    ("zlab-qwen3-8b-dflash-b16", "dflash", 16, 15, 151669, (1, 9, 17, 25, 33), 1e7, "default"),
+    ("zlab-qwen3-8b-dflash-b16", "dflash", 16, 15, 151669, (1, 9, 17, 25, 33), 1e6, "default"),
     ("zlab-qwen3.6-35b-a3b-dflash-v2", "dflash", 16, 15, 248070, (1, 10, 19, 28, 37), 1e7, "default"),
     ("zlab-qwen3.6-35b-a3b-dflash-tf5", "dflash", 16, 15, 248077, (1, 6, 11, 16, 22, 27, 32, 37), 1e7, "default"),
     ("muse-glimmer-dflash2", "dflash2", 16, 15, 201818, (1, 13, 25, 37, 49), 5e5, "default"),
@@ -55,11 +55,11 @@ def test_released_details():
 
 
 def base(**overrides):
-    """The z-lab Qwen3-8B config, with its target's rope_theta stated unless `rope_parameters` is given (the
-    released file states none, which is warned)."""
+    """The z-lab Qwen3-8B config (rope_theta 1e6, its target's), without rope_theta when `rope_parameters` is
+    given."""
     raw = json.loads((CONFIGS / "zlab-qwen3-8b-dflash-b16.json").read_text())
-    if "rope_parameters" not in overrides:
-        raw["rope_theta"] = 1e6
+    if "rope_parameters" in overrides:
+        del raw["rope_theta"]
     raw.update(overrides)
     return raw
 

@@ -47,7 +47,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def greedy(target):
-    return greedy_generate(target, PROMPTS, MAX_NEW)
+    return greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW)
 
 
 def _drafter(tmp_path_factory, preset: str | dict, seed: int = 0):
@@ -78,7 +78,7 @@ def test_greedy_baseline(target, greedy):
     assert isinstance(greedy, GenerationResult)
     assert [len(t) for t in greedy.tokens] == [MAX_NEW] * len(PROMPTS)
     for i in (0, 9):
-        alone = greedy_generate(target, PROMPTS[i], MAX_NEW)
+        alone = greedy_generate(target, PROMPTS[i], max_new_tokens=MAX_NEW)
         assert alone.tokens == greedy.tokens[i] and alone.acceptance_lengths == []
 
 
@@ -107,12 +107,12 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     K = oracle.config.num_draft_tokens  # 7: DSpark drafts all B rows
     exact = successor_target(target, SUCCESSOR, layer_scale=0.5)
     result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW)
-    assert result.tokens == greedy_generate(exact, PROMPTS, MAX_NEW).tokens
+    assert result.tokens == greedy_generate(exact, PROMPTS, max_new_tokens=MAX_NEW).tokens
     assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
     assert result.mean_acceptance_length == K + 1
 
     nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
-    reference = greedy_generate(nudged, PROMPTS, MAX_NEW)
+    reference = greedy_generate(nudged, PROMPTS, max_new_tokens=MAX_NEW)
     result = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW)
     assert result.tokens == reference.tokens
     steps = [a for seq in result.acceptance_lengths for a in seq]
@@ -193,7 +193,7 @@ def test_stop_tokens_and_batch_independence(target, greedy, oracle):
     expected = []
     for tokens in greedy.tokens:
         expected.append(tokens[: tokens.index(stop) + 1] if stop in tokens else tokens)
-    assert greedy_generate(target, PROMPTS, MAX_NEW, stop_token_ids=[stop]).tokens == expected
+    assert greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[stop]).tokens == expected
     result = speculative_generate(target, oracle, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[stop, 500])
     assert result.tokens == expected
     assert any(len(t) == MAX_NEW for t in result.tokens) and len(result.tokens[3]) <= 7
@@ -215,7 +215,7 @@ LONG_PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (150, 97)]  # past the
 
 @pytest.fixture(scope="module")
 def long_greedy(target):
-    return greedy_generate(target, LONG_PROMPTS, 12)  # one prefill chunk: the other path than below
+    return greedy_generate(target, LONG_PROMPTS, max_new_tokens=12)  # one prefill chunk: the other path than below
 
 
 @pytest.mark.parametrize("preset,attention", [("tiny-dflash", AttentionOptions(draft_window=16, draft_sinks=4)),
@@ -234,7 +234,7 @@ def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory
     """The tiny target declares 1024 positions: a prompt plus new tokens past them is a ValueError up front."""
     drafter = _drafter(tmp_path_factory, {**preset_dict("tiny-dflash"), "max_position_embeddings": 200})
     with pytest.raises(ValueError, match="target's max_position_embeddings=1024"):
-        greedy_generate(target, [[1] * 1000], 30)
+        greedy_generate(target, [[1] * 1000], max_new_tokens=30)
     with pytest.raises(ValueError, match="drafter's max_position_embeddings=200"):
         speculative_generate(target, drafter, [[1] * 190], max_new_tokens=20)
 

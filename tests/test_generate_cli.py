@@ -33,7 +33,8 @@ def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
-    expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens
     assert out.strip() == ",".join(map(str, expected))
     assert "mean acceptance length" in err and "tokens/s" in err and "from plain steps" in err
 
@@ -73,7 +74,8 @@ def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
             "--cache-dir", str(tmp_path)]
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
-    expected = greedy_generate(target, [5, 17, 99], 12, stop_token_ids=target.config.eos_token_ids).tokens
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens
     assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", *args]) == 2  # no `main` ref for the drafter
     err = capsys.readouterr().err
@@ -195,3 +197,64 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--backoff", "0.5"])
     assert e.value.code == 2 and "--backoff: '0.5': Backoff.min_tokens must be" in capsys.readouterr().err
+
+
+def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
+    """`--tensor-parallel 2`: the target split over a (1, 2) ("data", "model") mesh, the DSpark drafter replicated
+    on the same two devices; with `--confidence-threshold` the tokens are still the single-device greedy ones."""
+    import dflash_jax.generate
+
+    seen, real = {}, dflash_jax.generate.speculative_generate
+
+    def spy(target, drafter, prompt, **kwargs):
+        seen.update(target=target, drafter=drafter, **kwargs)
+        return real(target, drafter, prompt, **kwargs)
+
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", spy)
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
+                 "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6"]) == 0
+    target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens
+    assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
+    head = seen["target"].lm_head.sharding
+    assert dict(head.mesh.shape) == {"data": 1, "model": 2} and "model" in head.spec
+    fc = seen["drafter"].params["fc"]["weight"].sharding
+    assert fc.mesh == head.mesh and fc.is_fully_replicated
+    assert seen["confidence_threshold"] == 0.6
+
+
+def test_generate_passes_the_sampling_controls(checkpoints, monkeypatch, capsys):
+    import dflash_jax.generate
+
+    seen = {}
+
+    def fake(target, drafter, prompt, **kwargs):
+        seen.update(kwargs)
+        return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
+
+    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    target_dir, drafter_dir = checkpoints
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--temperature", "0.7", "--top-k", "20",
+                 "--top-p", "0.9", "--min-p", "0.05", "--seed", "7"]) == 0
+    assert {k: seen[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")} == dict(
+        temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=7)
+    for flag, value, words in (("--top-p", "0", "expected a number in (0, 1]"), ("--min-p", "1.5", "in [0, 1]"),
+                               ("--top-k", "-1", "-1 is negative"), ("--tensor-parallel", "0", "not a positive"),
+                               ("--confidence-threshold", "nan", "expected a finite number >= 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", flag, value])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--tensor-parallel", "64"]) == 2
+    assert capsys.readouterr().err.startswith("error: --tensor-parallel 64: there are 8 device(s)")
+
+
+def test_the_progress_display_shows_compiling_then_tokens():
+    from dflash_jax.cli import progress_display
+
+    display, report = progress_display(12, enabled=True)
+    (task,) = display.tasks
+    assert (task.description, task.completed) == ("compiling and prefilling", 0)
+    report(np.array([3, 5]))
+    assert (task.description, task.completed) == ("generating", 5)

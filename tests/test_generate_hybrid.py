@@ -37,7 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def greedy(target):
-    return greedy_generate(target, PROMPTS, MAX_NEW, prefill_chunk=CHUNK).tokens
+    return greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW, prefill_chunk=CHUNK).tokens
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,12 @@ checked against the NumPy reference in tests/test_drafting.py), and its confiden
 The DFlash2 run also has a `Backoff` that fails every verify, so x3 comes from a plain target step wherever the
 first verify made only x2: a plain step samples from the target, and when to take one depends on earlier steps
 only.
+
+Each run has one of the sampling controls on (top-p, min-p, top-k; `dflash_jax.sampling`), with the drafts drawn
+under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy
+reference (`_numpy_reference.warped_distribution`, written from transformers' definitions), and a sample in a
+cell the control cuts fails at once. The plain temperature-only rule is on trial in tests/test_generate_hybrid.py.
+Each control's power is checked too: samples of the uncut distribution fail the same test.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from dflash_jax import Backoff, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
 from dflash_jax.generate import _attach, speculative_generate
 from dflash_jax.testing import preset_dict, write_checkpoint
+
+from ._numpy_reference import warped_distribution
 
 V, MASK, T = 16, 15, 1.0
 PROMPT = [3, 9, 4, 1]
@@ -49,9 +57,10 @@ def target():
     return random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "vocab_size": V}, seed=5, dtype=jnp.float32)
 
 
-def _distribution(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """The target's distribution of (x1, x2, x3) after PROMPT, [V, V, V], from the logits of every continuation."""
-    p = np.asarray(jax.nn.softmax(logits / temperature, axis=-1), np.float64)  # [V*V, 6, V]
+def _distribution(logits: np.ndarray, temperature: float, **controls) -> np.ndarray:
+    """The target's distribution of (x1, x2, x3) after PROMPT, [V, V, V], from the logits of every continuation,
+    sampled at `temperature` under the `controls` (top_k, top_p, min_p)."""
+    p = warped_distribution(np.asarray(logits), temperature, **controls)  # [V*V, 6, V]
     p1 = p[0, len(PROMPT) - 1]  # [V]
     p2 = p[::V, len(PROMPT)]  # [V (x1), V]
     p3 = p[:, len(PROMPT) + 1].reshape(V, V, V)  # [x1, x2, V]
@@ -72,8 +81,13 @@ def exact(logits):
 
 def _chi2_z(counts: np.ndarray, expected: np.ndarray) -> float:
     """Chi-square statistic of counts vs expected (cells with expected < 5 pooled), as a Wilson-Hilferty z score:
-    about N(0, 1) when the counts follow the expected distribution."""
+    about N(0, 1) when the counts follow the expected distribution. A count in a cell of probability 0 (a token a
+    sampling control cuts) is infinitely unlikely: inf."""
     counts, expected = counts.ravel().astype(float), expected.ravel()
+    impossible = expected <= 0
+    if counts[impossible].any():
+        return float("inf")
+    counts, expected = counts[~impossible], expected[~impossible]
     small = expected < 5
     if small.any():
         counts = np.append(counts[~small], counts[small].sum())
@@ -83,16 +97,22 @@ def _chi2_z(counts: np.ndarray, expected: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    "preset, threshold, backoff",  # DSpark with its confidence cut: drafts past the cut are never accepted
-    [("tiny-dflash2", 0.0, Backoff(min_tokens=100.0)),  # every verify falls short: x3 from a plain step or step 1
-     ("tiny-dspark", 0.5, None)],
+    "preset, threshold, backoff, controls",  # DSpark with its confidence cut: drafts past the cut are never accepted
+    [("tiny-dflash2", 0.0, Backoff(min_tokens=100.0), dict(top_p=0.9)),  # every verify falls short: x3 from a
+     ("tiny-dspark", 0.5, None, dict(min_p=0.2)),                         # plain step or step 1
+     ("tiny-dflash", 0.0, None, dict(top_k=5))],
 )
-def test_output_distribution_is_the_targets(tmp_path, target, exact, preset, threshold, backoff):
+def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, threshold, backoff, controls):
+    exact = _distribution(logits, T, **controls)
+    uncut = _distribution(logits, T).sum(2).ravel()  # the control's power: samples of T alone are refused
+    cells = np.random.default_rng(0).choice(V * V, SAMPLES, p=uncut / uncut.sum())
+    assert _chi2_z(np.bincount(cells, minlength=V * V), SAMPLES * exact.sum(2)) > 4
     write_checkpoint(tmp_path, _small_vocab(preset), seed=11)
     drafter = _attach(target, load_drafter(tmp_path, dtype=jnp.float32))
 
-    result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1,
-                                  confidence_threshold=threshold, backoff=backoff)
+    result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T,
+                                  key=jax.random.key(1), confidence_threshold=threshold, backoff=backoff,
+                                  **controls)
     tokens = np.array(result.tokens)  # [SAMPLES, 3]
     first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10

@@ -174,7 +174,7 @@ def test_a_cache_that_cannot_exist_is_refused_with_its_size(target, drafter, mon
     with pytest.raises(ValueError, match=r"greedy_generate: the KV caches for 1 sequence\(s\) of 16777344 positions "
                                          r"need 24.01 GiB, but the target's 1 device\(s\) \(1 on the host's "
                                          r"available memory\) have 8.00 GiB free"):
-        greedy_generate(target, [1, 2], 2**24, beyond_max_positions=True)
+        greedy_generate(target, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
     with pytest.raises(ValueError, match=r"speculative_generate: the KV caches .* need 32.01 GiB"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
 
@@ -202,7 +202,7 @@ def test_prompt_ids_that_are_not_token_ids_are_refused(target, drafter, prompt_i
     with pytest.raises(error, match="speculative_generate: " + says):
         speculative_generate(target, drafter, prompt_ids, max_new_tokens=4)
     with pytest.raises(error, match="greedy_generate: " + says):
-        greedy_generate(target, prompt_ids, 4)
+        greedy_generate(target, prompt_ids, max_new_tokens=4)
 
 
 @pytest.mark.parametrize("changes,error,says", [
@@ -242,7 +242,7 @@ def test_speculative_generate_under_jit_is_refused_clearly(target, drafter):
     with pytest.raises(TypeError, match="speculative_generate is a host-side driver.*jit its pieces"):
         run(target, drafter, tokens)  # a TracerIntegerConversionError deep inside before
     with pytest.raises(TypeError, match="greedy_generate is a host-side driver"):
-        jax.jit(lambda t: greedy_generate(target, t, 4))(tokens)
+        jax.jit(lambda t: greedy_generate(target, t, max_new_tokens=4))(tokens)
 
 
 # --- the drafting entry points -----------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def test_greedy_speculative_decoding_with_packed_drafters(checkpoints):
     same `dot`; their forward is compared above)."""
     target = random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32)
     prompts = [RNG.integers(0, 127, n).tolist() for n in (3, 9)]
-    greedy = greedy_generate(target, prompts, 12)
+    greedy = greedy_generate(target, prompts, max_new_tokens=12)
     packed = load_drafter(checkpoints / "nvfp4", dtype=jnp.float32, weights="packed")
     assert isinstance(packed.params["lm_head"]["weight"], nvfp4.Packed)
     result = speculative_generate(target, packed, prompts, max_new_tokens=12)

@@ -31,7 +31,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def greedy(target):
-    return greedy_generate(target, PROMPT, MAX_NEW).tokens
+    return greedy_generate(target, PROMPT, max_new_tokens=MAX_NEW).tokens
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_a_target_that_cannot_roll_back_is_refused(target):
     with pytest.raises(IncompatiblePairError, match="missing commit.*recurrent state"):
         check_pair(NoCommit(), _changed("tiny-dflash"))
     with pytest.raises(IncompatiblePairError, match="no commit"):
-        greedy_generate(NoCommit(), PROMPT, MAX_NEW)  # type: ignore[arg-type]
+        greedy_generate(NoCommit(), PROMPT, max_new_tokens=MAX_NEW)  # type: ignore[arg-type]
 
 
 # --- every pairing: incompatible ones refused before compiling, compatible ones lossless ------------------------

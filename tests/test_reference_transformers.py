@@ -55,7 +55,7 @@ def test_logits_and_hidden_states(tmp_path, preset):
 def _generation_equals_transformers(hf, target, drafter):
     """Greedy and speculative tokens of every prompt equal `hf.generate`'s greedy ones (stopping at eos)."""
     eos = list(target.config.eos_token_ids)
-    ours = greedy_generate(target, PROMPTS, MAX_NEW, stop_token_ids=eos).tokens
+    ours = greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=eos).tokens
     speculative = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=eos).tokens
     for prompt, mine, spec in zip(PROMPTS, ours, speculative):
         with torch.no_grad():

@@ -73,9 +73,7 @@ def test_zlab_rule_is_causal_false_without_windows(tmp_path):
 def test_vllm_v1_single_flag_is_causal_false():
     """vLLM's v1 proposer (one flag, non-causal as soon as a layer is; windows per layer) is `causal=False`."""
     for name in ("zlab-qwen3.6-35b-a3b-dflash-tf5", "muse-glimmer-dflash2", "zlab-qwen3-8b-dflash-b16"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the 8B config states no rope_theta
-            c = parse_config(preset_dict(name))
+        c = parse_config(preset_dict(name))
         assert [tuple(r) for r in attention_rules(c, AttentionOptions(causal=False))] == ref.vllm_v1_rules(
             preset_dict(name)), name
 

@@ -46,7 +46,7 @@ def pair(tmp_path_factory):
     write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)  # its 4 layers
     target = load_target(root / "target", dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", dtype=jnp.float32)
-    greedy = greedy_generate(target, PROMPTS, MAX_NEW).tokens
+    greedy = greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW).tokens
     spec = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens
     assert spec == greedy
     return root, greedy
@@ -87,7 +87,7 @@ def test_sharded_generation_equals_single_device(pair, shape):
     for k in target.init_cache(len(PROMPTS), 32).k:
         assert k.sharding == planned_cache
     if kv == "model" and data > 1:  # the plain greedy loop on the mesh that splits everything (suite time)
-        assert greedy_generate(target, PROMPTS, MAX_NEW).tokens == expected
+        assert greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW).tokens == expected
     assert speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens == expected
 
 

@@ -25,6 +25,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from .._summary import summary
+
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`DecoderTarget.prefill`)
 
 
@@ -114,6 +116,14 @@ class HFTarget:
 
     params: Any
     config: Any
+
+    def __repr__(self) -> str:
+        c = self.config
+        layout = getattr(self, "layout", None)
+        mesh = [] if layout is None else [f"mesh {dict(layout.mesh.shape)}"]
+        return summary(type(self).__name__, [getattr(c, "model_type", None) or type(c).__name__,
+                                             f"{c.num_hidden_layers} layers", f"hidden {c.hidden_size}",
+                                             f"vocab {c.vocab_size}", *mesh], self.params)
 
     @property
     def vocab_size(self) -> int:

@@ -147,7 +147,7 @@ def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # `HFTarget.__repr__`: a summary
 class DecoderTarget(HFTarget):
     """A dense decoder: RMSNorm, GQA, RoPE, SwiGLU, tied or untied embeddings, and Qwen3's per-head q/k norm where
     the config declares it (`DecoderConfig.QK_NORM`). Qwen3 and Llama 3 are this one class with another config.
@@ -275,7 +275,7 @@ class DecoderTarget(HFTarget):
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Qwen3Target(DecoderTarget):
     """A dense Qwen3 decoder: `DecoderTarget` whose `from_pretrained` reads only Qwen3 configs."""
 

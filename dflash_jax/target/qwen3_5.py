@@ -241,7 +241,7 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)  # `HFTarget.__repr__`: a summary
 class Qwen3_5Target(HFTarget):
     """A Qwen3.5 / 3.6 hybrid text model, dense or MoE as its config says (module docstring). A pytree (params
     as leaves; config and layout static). Implements `Target`, with the delta-net state committed by `commit`.

@@ -1,0 +1,151 @@
+"""Sampling controls: temperature, top-k, top-p and min-p, applied alike to the target's and the drafts' logits.
+
+    warp_logits(logits, temperature, top_k=, top_p=, min_p=)   logits [..., n] -> the warped logits (-inf cut)
+    Warp                                                       the controls of one batch, a pytree (`jit` argument)
+    choose(key, logits, warp)                                  one id per row, and the distribution it came from
+    sampling_controls(where, ...) / rng_key(where, key, seed)  the host-side checks of the public entry points
+
+The warpers are transformers' (`generation/logits_process.py`), in its order: divide by the temperature, keep
+the `top_k` largest logits (ties at the k-th value kept), keep the smallest set of the largest whose probability
+reaches `top_p` (of the top-k distribution), keep the tokens whose probability is at least `min_p` times the
+largest one's. Every control keeps a prefix of the logits sorted in decreasing order, so the kept set is one
+threshold on the logits: the largest of the three controls' thresholds; a row never loses its argmax.
+
+Speculative sampling stays lossless under warping when the rejection rule compares the distributions the tokens
+are actually drawn from (vLLM's `RejectionSampler` and SGLang's speculative sampling warp both sides so): the
+target's p is the softmax of its warped logits, and the drafter draws from the softmax of its own warped logits,
+q, which the rule reads from `Proposal.probs`. Accepting draft x with probability min(1, p(x) / q(x)) and drawing
+from norm(max(p - q, 0)) after a rejection gives exactly p whatever q is (Leviathan et al. 2023, Theorem 1), so
+the output follows the target's warped distribution; a draft outside p's support (p(x) = 0) is always rejected.
+Warping the drafts too keeps q close to p, which is what acceptance needs.
+
+A control that is off is None in `Warp`: no sort is traced for it. Values are arrays, so that different values
+of the same controls share one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._arguments import check_integer, check_number, check_seed, refuse_traced
+
+
+def warp_logits(
+    logits: jax.Array,
+    temperature: float | jax.Array,
+    *,
+    top_k: int | jax.Array | None = None,
+    top_p: float | jax.Array | None = None,
+    min_p: float | jax.Array | None = None,
+) -> jax.Array:
+    """`logits [..., n]` divided by `temperature` (> 0), with the tokens the controls cut set to -inf (float32).
+
+    Each control is a scalar or an array that broadcasts against `logits[..., :1]` (e.g. `[batch, 1]` per
+    sequence); None, `top_k` 0, `top_p` 1 and `min_p` 0 keep every token.
+    """
+    scaled = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    if top_k is None and top_p is None and min_p is None:
+        return scaled
+    n = scaled.shape[-1]
+    ordered = -jnp.sort(-scaled, axis=-1)  # [..., n] largest first
+    cut = jnp.full(scaled.shape[:-1] + (1,), -jnp.inf)  # [..., 1] the smallest logit kept
+    if top_k is not None:
+        k = jnp.asarray(top_k, jnp.int32)
+        kth = jnp.take_along_axis(ordered, jnp.broadcast_to(jnp.clip(k, 1, n) - 1, cut.shape), axis=-1)
+        cut = jnp.where(k > 0, kth, cut)
+    if top_p is not None:
+        probs = jax.nn.softmax(jnp.where(ordered >= cut, ordered, -jnp.inf), axis=-1)  # of the top-k tokens
+        before = jnp.cumsum(probs, axis=-1) - probs  # [..., n] the mass of the larger tokens
+        count = jnp.sum(before < jnp.asarray(top_p, jnp.float32), axis=-1, keepdims=True)  # >= 1: before[0] = 0
+        kept = jnp.take_along_axis(ordered, jnp.clip(count, 1, n) - 1, axis=-1)
+        cut = jnp.where(jnp.asarray(top_p) < 1, jnp.maximum(cut, kept), cut)
+    if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
+        cut = jnp.maximum(cut, ordered[..., :1] + jnp.log(jnp.asarray(min_p, jnp.float32)))
+    return jnp.where(scaled >= cut, scaled, -jnp.inf)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Warp:
+    """The sampling controls of a batch, each a scalar or `[batch]`: temperature (0: that sequence is greedy),
+    `top_k` (int32, 0: off), `top_p` (1: off), `min_p` (0: off); a control that is None is off for every
+    sequence and costs nothing."""
+
+    temperature: jax.Array
+    top_k: jax.Array | None = None
+    top_p: jax.Array | None = None
+    min_p: jax.Array | None = None
+
+    def logits(self, logits: jax.Array) -> jax.Array:
+        """`logits [batch, ..., n]` warped per sequence (a temperature of 0 divides by 1: greedy rows are picked
+        by argmax, `choose`)."""
+        def per_row(x):  # [batch] -> [batch, 1, ..., 1]; a scalar stays one
+            return None if x is None else jnp.reshape(x, jnp.shape(x) + (1,) * (logits.ndim - jnp.ndim(x)))
+
+        t = per_row(self.temperature)
+        return warp_logits(logits, jnp.where(t > 0, t, 1.0), top_k=per_row(self.top_k), top_p=per_row(self.top_p),
+                           min_p=per_row(self.min_p))
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """The warped distribution, `softmax(self.logits(logits))` (every sequence sampled)."""
+        return jax.nn.softmax(self.logits(logits), axis=-1)
+
+
+def choose(key: jax.Array | None, logits: jax.Array, warp: Warp) -> tuple[jax.Array, jax.Array | None]:
+    """One id per row of `logits [batch, ..., n]`: argmax without a key; with one, a draw from the warped
+    distribution, returned too (`[batch, ..., n]`; one-hot at the argmax for the sequences whose temperature is
+    0, which stay greedy in a sampled batch)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if key is None:
+        return greedy, None
+    warped = warp.logits(logits)
+    hot = jnp.reshape(warp.temperature > 0, jnp.shape(warp.temperature) + (1,) * (logits.ndim - 1))
+    sampled = jax.random.categorical(key, warped).astype(jnp.int32)
+    probs = jnp.where(hot, jax.nn.softmax(warped, axis=-1), jax.nn.one_hot(greedy, logits.shape[-1]))
+    return jnp.where(hot[..., 0], sampled, greedy), probs
+
+
+def sampling_controls(where: str, temperature: Any, top_k: Any, top_p: Any, min_p: Any) -> Warp:
+    """The controls of `speculative_generate` / `sample_generate` as a `Warp`, after refusing values that would
+    sample something else than asked: a temperature that is not a finite number >= 0, a `top_k` that is not an
+    int >= 0, a `top_p` outside (0, 1], a `min_p` outside [0, 1] (`TypeError` / `ValueError` naming the
+    argument). Controls that keep every token (`top_k` 0, `top_p` 1, `min_p` 0, None) are off."""
+    refuse_traced(where, temperature, top_k, top_p, min_p)
+    t = check_number(where, "temperature", temperature)
+    if not (np.isfinite(t) and t >= 0):
+        raise ValueError(f"{where}: temperature={t} must be finite and >= 0 (0 is greedy)")
+    k = None if top_k is None else check_integer(where, "top_k", top_k, 0)
+    p = None if top_p is None else check_number(where, "top_p", top_p)
+    if p is not None and not 0 < p <= 1:
+        raise ValueError(f"{where}: top_p={p} is outside (0, 1] (1 keeps every token)")
+    m = None if min_p is None else check_number(where, "min_p", min_p)
+    if m is not None and not 0 <= m <= 1:
+        raise ValueError(f"{where}: min_p={m} is outside [0, 1] (0 keeps every token)")
+    return Warp(
+        temperature=jnp.float32(t),
+        top_k=None if not k else jnp.int32(k),
+        top_p=None if p is None or p == 1 else jnp.float32(p),
+        min_p=None if not m else jnp.float32(m),
+    )
+
+
+def rng_key(where: str, key: Any, seed: Any) -> jax.Array:
+    """The randomness of a decoding call: `key` (a JAX PRNG key: `jax.random.key(n)`, or a legacy
+    `jax.random.PRNGKey(n)`), or `jax.random.key(seed)` for an integer `seed`; neither: seed 0. Both, or a key
+    of another kind (an int, a batch of keys), are refused naming the argument."""
+    if key is not None and seed is not None:
+        raise ValueError(f"{where}: pass key= or seed=, not both (seed is a shorthand for key=jax.random.key(seed))")
+    if key is None:
+        return jax.random.key(check_seed(where, 0 if seed is None else seed))
+    refuse_traced(where, key)
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+        return key
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(jnp.asarray(key))  # a legacy PRNGKey: its raw bits
+    shown = f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}"
+    raise TypeError(f"{where}: key is a {shown}; expected one JAX PRNG key, e.g. key=jax.random.key(0) (or seed=0)")
