@@ -80,7 +80,7 @@ def check(got, x, codes, scale, scale_2, rows=None, u_out=2.0**-8) -> float:
 @needs_interpret
 @pytest.mark.parametrize("m,n,k,tiling", [
     (16, 128, 512, Tiling(64, 256, 2)),  # 2 CTAs along N, 2 pipeline steps
-    (40, 128, 512, Tiling(128, 512, 4)),  # M padded to 64; one step of the larger tile
+    (20, 128, 1024, Tiling(64, 512, 2)),  # M padded to 32, the larger K tile
 ])
 def test_interpret_mode_against_numpy(m, n, k, tiling):
     """The kernel body as written (layouts aside: interpret mode runs the jaxpr, not the Mosaic lowering)."""
@@ -103,6 +103,19 @@ def test_matmul_backend_mosaic_keeps_leading_dims():
     got = nvfp4.matmul(jnp.asarray(x), w, out_dtype=jnp.float32, backend="mosaic")
     assert got.shape == (2, 8, 64) and got.dtype == jnp.float32
     assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
+
+
+@pytest.mark.parametrize("m", [16, 512])
+def test_lowers_for_hopper_on_a_cpu(m):
+    """`jax.export` for CUDA runs Mosaic GPU's Python passes (layout inference, lowering of the Mosaic GPU dialect,
+    shared-memory budget) for sm_90 without a GPU: the kernel lowers with the fallback tiling at the smallest and
+    the largest M (only PTX generation is left to the GPU machine). The custom call is Mosaic GPU's, not Triton's."""
+    k, n = 512, 128
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((), jnp.float32))
+    exported = jax.export.export(jax.jit(mosaic_matmul), platforms=["cuda"])(*args)
+    text = exported.mlir_module()
+    assert "mosaic_gpu" in text and "triton" not in text.lower()
 
 
 def test_e2m1_and_e4m3_integer_decoding_is_exact():

@@ -19,8 +19,8 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   is multiplied by scale_2 once at the end and rounded to the output dtype once.
   E4M3 NaN bytes (0x7F, 0xFF) decode as 480, not NaN: the loader refuses NaN scales (`check_scales`).
 - One warpgroup per CTA, a grid over (N / tile_n, M_padded / tile_m), K pipelined by `plgpu.emit_pipeline`
-  (TMA copies `max_concurrent_steps` ahead). Warpgroup lowering semantics: Mosaic infers register layouts
-  and shared-memory tilings/swizzles.
+  (TMA copies up to `max_concurrent_steps` ahead, fewer where shared memory runs out: `pipeline_depth`).
+  Warpgroup lowering semantics: Mosaic infers register layouts and shared-memory tilings/swizzles.
 
 Tile sizes come from `TILINGS`, keyed by `device.device_kind`, with `FALLBACK` for unmeasured devices.
 Constraints: N % tile_n == 0 (tile_n 64 or 128), K % tile_k == 0 (tile_k 256 or 512: the scale block's TMA
@@ -53,7 +53,9 @@ class Tiling:
 
 FALLBACK = Tiling()
 TILINGS: dict[str, Tiling] = {}  # device_kind -> Tiling, filled from H200 measurements (benchmarks/packed_gemm.py)
-TILE_M = (16, 32, 64, 128, 256)  # WGMMA N: x's rows per CTA; M above 256 spans several CTAs
+# WGMMA N: x's rows per CTA; M above 128 spans several CTAs (a 256-row x tile leaves no room for 2 pipeline steps)
+TILE_M = (16, 32, 64, 128)
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per CTA (sm_90: 227 KiB usable)
 _EXPAND = 2.0**-12  # undoes _e2m1_x4's x4 and _e4m3_x1024's x1024
 
 
@@ -64,8 +66,18 @@ def tiling_for(device: Any = None) -> Tiling:
 
 
 def tile_m_for(m: int) -> int:
-    """The WGMMA N (columns of x^T per CTA) for M rows: the smallest tile that holds M, at most 256."""
+    """The WGMMA N (columns of x^T per CTA) for M rows: the smallest tile that holds M, at most 128."""
     return next((t for t in TILE_M if t >= m), TILE_M[-1])
+
+
+def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
+    """Pipeline steps in flight: the tiling's, or fewer where a step's buffers (codes, scales, x's two planes)
+    would not fit beside the fixed ones (the two bf16 planes, the scales, E, the output tile)."""
+    tn, tk = tiling.tile_n, tiling.tile_k
+    step = tn * tk // 2 + tn * tk // BLOCK + 2 * (tk // 2) * tile_m * 2
+    fixed = 2 * tn * (tk // 2) * 2 + tn * (tk // BLOCK) * 2 + (tk // BLOCK) * (tk // 2) * 2 \
+        + tn * tile_m * jnp.dtype(out_dtype).itemsize + 1024  # + barriers and alignment
+    return max(0, min(tiling.max_concurrent_steps, (SMEM_BYTES - fixed) // step))
 
 
 def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: Tiling) -> None:
@@ -80,6 +92,8 @@ def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: Tiling) -> None:
         raise ValueError(f"nvfp4 mosaic matmul: the weight's N = {n} is not a multiple of {tiling.tile_n}")
     if k % tiling.tile_k:
         raise ValueError(f"nvfp4 mosaic matmul: the weight's K = {k} is not a multiple of {tiling.tile_k}")
+    if pipeline_depth(tiling, tile_m_for(m), jnp.bfloat16) < 1:
+        raise ValueError(f"nvfp4 mosaic matmul: tiling {tiling} does not fit in shared memory at M = {m}")
 
 
 def _e2m1_x4(nibble: jax.Array) -> jax.Array:
@@ -107,7 +121,8 @@ def expansion_matrix(tile_k: int) -> np.ndarray:
 
 
 def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out_gmem,
-                 w_smem, s_smem, out_smem, *, tiling: Tiling, tile_m: int, cast: Any):
+                 w_smem, s_smem, expand_smem, out_smem, barrier, *, tiling: Tiling, tile_m: int, depth: int,
+                 cast: Any):
     """One CTA: out^T[n tile, m tile] = sum over K of dequant(W tile) @ x^T tile, then x scale_2."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -115,8 +130,10 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
     tn, tk = tiling.tile_n, tiling.tile_k
     ni, mi = lax.axis_index("n"), lax.axis_index("m")
     k_steps = codes_gmem.shape[1] * 2 // tk
+    plgpu.copy_gmem_to_smem(expand_gmem, expand_smem, barrier)  # E, once per CTA
+    plgpu.barrier_wait(barrier)
 
-    def step(_, codes_smem, scale_smem, x_lo_smem, x_hi_smem, expand_smem, acc_ref):
+    def step(_, codes_smem, scale_smem, x_lo_smem, x_hi_smem, acc_ref):
         # Block scales -> bf16 [tn, tk/16] in shared memory (1024 x value: exact in bf16, <= 4 significant bits).
         scales = _e4m3_x1024(scale_smem[...].astype(jnp.int32))  # [tn, tk/16]
         s_smem[...] = cast(scales.astype(jnp.float32).astype(jnp.bfloat16))
@@ -145,11 +162,10 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
                 plgpu.BlockSpec((tn, tk // BLOCK), lambda k: (ni, k)),  # scale bytes
                 plgpu.BlockSpec((tk // 2, tile_m), lambda k: (k, mi)),  # x^T, even columns of x
                 plgpu.BlockSpec((tk // 2, tile_m), lambda k: (k, mi)),  # x^T, odd columns of x
-                plgpu.BlockSpec((tk // BLOCK, tk // 2), lambda k: (0, 0)),  # E
             ],
-            max_concurrent_steps=min(tiling.max_concurrent_steps, k_steps),
+            max_concurrent_steps=min(depth, k_steps),
         )
-        pipeline(codes_gmem, scale_gmem, xt_gmem.at[0], xt_gmem.at[1], expand_gmem)
+        pipeline(codes_gmem, scale_gmem, xt_gmem.at[0], xt_gmem.at[1])
         return acc_ref[...]
 
     acc = pl.run_scoped(accumulate, plgpu.ACC((tn, tile_m), jnp.float32))  # [tn, tile_m]
@@ -194,14 +210,17 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
         params["compiler_params"] = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     cast = (lambda a: a) if interpret else (lambda a: plgpu.layout_cast(a, plgpu.Layout.WGMMA))
     kernel = plgpu.kernel(
-        functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, cast=cast),
+        functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, cast=cast,
+                          depth=pipeline_depth(tiling, tile_m, out_dtype)),
         out_type=jax.ShapeDtypeStruct((n, m_pad), out_dtype),
         grid=(n // tiling.tile_n, m_pad // tile_m),
         grid_names=("n", "m"),
         scratch_types=[
             plgpu.SMEM((2, tiling.tile_n, tiling.tile_k // 2), jnp.bfloat16),  # dequantized planes
             plgpu.SMEM((tiling.tile_n, tiling.tile_k // BLOCK), jnp.bfloat16),  # block scales
+            plgpu.SMEM((tiling.tile_k // BLOCK, tiling.tile_k // 2), jnp.bfloat16),  # E
             plgpu.SMEM((tiling.tile_n, tile_m), out_dtype),  # the output tile
+            plgpu.Barrier(num_arrivals=1),  # E's copy
         ],
         **params,
     )
