@@ -13,6 +13,7 @@ length-K sum (Hopper's tensor cores align the products before adding, which may 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -80,6 +81,7 @@ def check(got, x, codes, scale, scale_2, rows=None, u_out=2.0**-8) -> float:
 @needs_interpret
 @pytest.mark.parametrize("m,n,k,tiling", [
     (16, 128, 512, Tiling(64, 256, 2)),  # 2 CTAs along N, 2 pipeline steps
+    (8, 64, 1024, Tiling(64, 256, 2, split_k=2)),  # 2 CTAs along K, their float32 partial sums added
     (20, 128, 1024, Tiling(64, 512, 2)),  # M padded to 32, the larger K tile
 ])
 def test_interpret_mode_against_numpy(m, n, k, tiling):
@@ -105,15 +107,16 @@ def test_matmul_backend_mosaic_keeps_leading_dims():
     assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
 
 
-@pytest.mark.parametrize("m", [16, 512])
-def test_lowers_for_hopper_on_a_cpu(m):
+@pytest.mark.parametrize("m,tiling", [(16, Tiling(split_k=2)), (512, _mosaic_gemm.FALLBACK)])
+def test_lowers_for_hopper_on_a_cpu(m, tiling):
     """`jax.export` for CUDA runs Mosaic GPU's Python passes (layout inference, lowering of the Mosaic GPU dialect,
-    shared-memory budget) for sm_90 without a GPU: the kernel lowers with the fallback tiling at the smallest and
-    the largest M (only PTX generation is left to the GPU machine). The custom call is Mosaic GPU's, not Triton's."""
+    shared-memory budget) for sm_90 without a GPU: the kernel lowers with the fallback tiling at the smallest
+    (split along K, as on an H200) and the largest M; only PTX generation is left to the GPU machine. The custom
+    call is Mosaic GPU's, not Triton's."""
     k, n = 512, 128
     args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
             jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((), jnp.float32))
-    exported = jax.export.export(jax.jit(mosaic_matmul), platforms=["cuda"])(*args)
+    exported = jax.export.export(jax.jit(functools.partial(mosaic_matmul, tiling=tiling)), platforms=["cuda"])(*args)
     text = exported.mlir_module()
     assert "mosaic_gpu" in text and "triton" not in text.lower()
 

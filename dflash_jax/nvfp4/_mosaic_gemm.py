@@ -18,9 +18,9 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   significant bits, so the bf16 weight tile the WGMMA reads from shared memory is exact; the f32 accumulator
   is multiplied by scale_2 once at the end and rounded to the output dtype once.
   E4M3 NaN bytes (0x7F, 0xFF) decode as 480, not NaN: the loader refuses NaN scales (`check_scales`).
-- One warpgroup per CTA, a grid over (N / tile_n, M_padded / tile_m), K pipelined by `plgpu.emit_pipeline`
-  (TMA copies up to `max_concurrent_steps` ahead, fewer where shared memory runs out: `pipeline_depth`).
-  Warpgroup lowering semantics: Mosaic infers register layouts and shared-memory tilings/swizzles.
+- One warpgroup per CTA, a grid over (N / tile_n, M_padded / tile_m, split_k), K pipelined by
+  `plgpu.emit_pipeline` (TMA copies up to `max_concurrent_steps` ahead, fewer where shared memory runs out:
+  `pipeline_depth`). Warpgroup lowering semantics: Mosaic infers register layouts and shared-memory tilings/swizzles.
 
 Tile sizes come from `TILINGS`, keyed by `device.device_kind`, with `FALLBACK` for unmeasured devices.
 Constraints: N % tile_n == 0 (tile_n 64 or 128), K % tile_k == 0 (tile_k 256 or 512: the scale block's TMA
@@ -44,11 +44,13 @@ from ._reference import BLOCK
 @dataclasses.dataclass(frozen=True)
 class Tiling:
     """tile_n: weight rows per CTA (WGMMA M, 64 or 128); tile_k: K per pipeline step (256 or 512);
-    max_concurrent_steps: pipeline depth (TMA copies in flight)."""
+    max_concurrent_steps: pipeline depth (TMA copies in flight); split_k: CTAs sharing one output tile's K range
+    (their float32 partial sums are added by XLA), 0 = enough to give every SM a CTA (`split_for`)."""
 
     tile_n: int = 64
     tile_k: int = 256
     max_concurrent_steps: int = 4
+    split_k: int = 0
 
 
 FALLBACK = Tiling()
@@ -68,6 +70,18 @@ def tiling_for(device: Any = None) -> Tiling:
 def tile_m_for(m: int) -> int:
     """The WGMMA N (columns of x^T per CTA) for M rows: the smallest tile that holds M, at most 128."""
     return next((t for t in TILE_M if t >= m), TILE_M[-1])
+
+
+def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
+    """How many CTAs share each output tile's K range: `tiling.split_k`, or (0) the fewest that give each of the
+    `sms` SMs a CTA, among the splits that divide K's pipeline steps and leave each CTA 2 steps or more (a
+    weight small in N leaves most SMs idle otherwise: 8B-b16's k_proj is 16 tiles of 64 rows)."""
+    steps = k // tiling.tile_k
+    if tiling.split_k:
+        return tiling.split_k
+    tiles = n // tiling.tile_n * -(-m // tile_m_for(m))
+    splits = [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= 2)]
+    return next((d for d in splits if tiles * d >= sms), splits[-1])
 
 
 def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
@@ -92,7 +106,10 @@ def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: Tiling) -> None:
         raise ValueError(f"nvfp4 mosaic matmul: the weight's N = {n} is not a multiple of {tiling.tile_n}")
     if k % tiling.tile_k:
         raise ValueError(f"nvfp4 mosaic matmul: the weight's K = {k} is not a multiple of {tiling.tile_k}")
-    if pipeline_depth(tiling, tile_m_for(m), jnp.bfloat16) < 1:
+    if tiling.split_k and (k // tiling.tile_k) % tiling.split_k:
+        raise ValueError(f"nvfp4 mosaic matmul: split_k = {tiling.split_k} does not divide K's "
+                         f"{k // tiling.tile_k} steps of {tiling.tile_k}")
+    if pipeline_depth(tiling, tile_m_for(m), jnp.float32) < 1:
         raise ValueError(f"nvfp4 mosaic matmul: tiling {tiling} does not fit in shared memory at M = {m}")
 
 
@@ -123,13 +140,14 @@ def expansion_matrix(tile_k: int) -> np.ndarray:
 def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out_gmem,
                  w_smem, s_smem, expand_smem, out_smem, barrier, *, tiling: Tiling, tile_m: int, depth: int,
                  cast: Any):
-    """One CTA: out^T[n tile, m tile] = sum over K of dequant(W tile) @ x^T tile, then x scale_2."""
+    """One CTA: out^T[split, n tile, m tile] = sum over the split's K range of dequant(W tile) @ x^T tile,
+    times scale_2."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     tn, tk = tiling.tile_n, tiling.tile_k
-    ni, mi = lax.axis_index("n"), lax.axis_index("m")
-    k_steps = codes_gmem.shape[1] * 2 // tk
+    ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+    k_steps = codes_gmem.shape[1] * 2 // tk // out_gmem.shape[0]  # this CTA's steps
     plgpu.copy_gmem_to_smem(expand_gmem, expand_smem, barrier)  # E, once per CTA
     plgpu.barrier_wait(barrier)
 
@@ -158,10 +176,10 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
             functools.partial(_with_acc, step, acc_ref),
             grid=(k_steps,),
             in_specs=[
-                plgpu.BlockSpec((tn, tk // 2), lambda k: (ni, k)),  # codes
-                plgpu.BlockSpec((tn, tk // BLOCK), lambda k: (ni, k)),  # scale bytes
-                plgpu.BlockSpec((tk // 2, tile_m), lambda k: (k, mi)),  # x^T, even columns of x
-                plgpu.BlockSpec((tk // 2, tile_m), lambda k: (k, mi)),  # x^T, odd columns of x
+                plgpu.BlockSpec((tn, tk // 2), lambda k: (ni, si * k_steps + k)),  # codes
+                plgpu.BlockSpec((tn, tk // BLOCK), lambda k: (ni, si * k_steps + k)),  # scale bytes
+                plgpu.BlockSpec((tk // 2, tile_m), lambda k: (si * k_steps + k, mi)),  # x^T, x's even columns
+                plgpu.BlockSpec((tk // 2, tile_m), lambda k: (si * k_steps + k, mi)),  # x^T, x's odd columns
             ],
             max_concurrent_steps=min(depth, k_steps),
         )
@@ -171,7 +189,7 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
     acc = pl.run_scoped(accumulate, plgpu.ACC((tn, tile_m), jnp.float32))  # [tn, tile_m]
     out_smem[...] = (acc * scale_2_gmem[0]).astype(out_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[pl.ds(ni * tn, tn), pl.ds(mi * tile_m, tile_m)])
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[si, pl.ds(ni * tn, tn), pl.ds(mi * tile_m, tile_m)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -203,6 +221,8 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     if scale.dtype != jnp.uint8:
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     expand = jnp.asarray(expansion_matrix(tiling.tile_k))
+    splits = split_for(tiling, n, m, k, getattr(jax.devices()[0], "core_count", 0) or 1)
+    part_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)  # partial sums stay f32
     params: dict[str, Any] = {}
     if interpret:
         params["interpret"] = _interpret_params()
@@ -211,21 +231,22 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     cast = (lambda a: a) if interpret else (lambda a: plgpu.layout_cast(a, plgpu.Layout.WGMMA))
     kernel = plgpu.kernel(
         functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, cast=cast,
-                          depth=pipeline_depth(tiling, tile_m, out_dtype)),
-        out_type=jax.ShapeDtypeStruct((n, m_pad), out_dtype),
-        grid=(n // tiling.tile_n, m_pad // tile_m),
-        grid_names=("n", "m"),
+                          depth=pipeline_depth(tiling, tile_m, part_dtype)),
+        out_type=jax.ShapeDtypeStruct((splits, n, m_pad), part_dtype),
+        grid=(n // tiling.tile_n, m_pad // tile_m, splits),
+        grid_names=("n", "m", "s"),
         scratch_types=[
             plgpu.SMEM((2, tiling.tile_n, tiling.tile_k // 2), jnp.bfloat16),  # dequantized planes
             plgpu.SMEM((tiling.tile_n, tiling.tile_k // BLOCK), jnp.bfloat16),  # block scales
             plgpu.SMEM((tiling.tile_k // BLOCK, tiling.tile_k // 2), jnp.bfloat16),  # E
-            plgpu.SMEM((tiling.tile_n, tile_m), out_dtype),  # the output tile
+            plgpu.SMEM((tiling.tile_n, tile_m), part_dtype),  # the output tile
             plgpu.Barrier(num_arrivals=1),  # E's copy
         ],
         **params,
     )
-    out_t = kernel(codes, scale, xt, expand, scale_2.astype(jnp.float32).reshape(1))  # [N, M_pad]
-    return out_t[:, :m].T
+    out_t = kernel(codes, scale, xt, expand, scale_2.astype(jnp.float32).reshape(1))  # [splits, N, M_pad]
+    out_t = out_t[0] if splits == 1 else out_t.sum(0)  # [N, M_pad]
+    return out_t[:, :m].T.astype(out_dtype)
 
 
 def _interpret_params() -> Any:
