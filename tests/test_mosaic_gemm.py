@@ -123,8 +123,11 @@ def test_lowers_for_hopper_on_a_cpu(m, tiling):
 
 def test_e2m1_and_e4m3_integer_decoding_is_exact():
     """The kernel's integer decodings, every code and every finite scale byte, against the NumPy definitions."""
-    nibbles = np.arange(16, dtype=np.int32)
-    np.testing.assert_array_equal(np.asarray(_mosaic_gemm._e2m1_x4(jnp.asarray(nibbles))) / 4, E2M1)
+    codes = jnp.arange(256, dtype=jnp.int32)  # every byte: low nibble b & 15, high nibble b >> 4
+    for high, nibbles in ((False, np.arange(256) & 15), (True, np.arange(256) >> 4)):
+        got = np.asarray(_mosaic_gemm._e2m1_quarter(codes, high=high)) * 4
+        np.testing.assert_array_equal(got, E2M1[nibbles])
+        np.testing.assert_array_equal(np.signbit(got), nibbles >= 8)  # code 8 is -0
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)
     got = np.asarray(_mosaic_gemm._e4m3_x1024(jnp.asarray(finite))) / 1024
     np.testing.assert_array_equal(got, np_e4m3(finite.astype(np.uint8)))

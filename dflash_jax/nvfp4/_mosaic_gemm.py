@@ -11,12 +11,12 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   in registers: `xt` = x split and transposed by XLA into [2, K/2, M] (x is small beside the weight).
 - Each 16-value block of a row has one E4M3 scale; in a nibble plane that block is 8 consecutive columns.
   Broadcasting one scale over 8 register columns has no Mosaic GPU op, so a small WGMMA expands the tile's
-  scales: [tile_n, K_tile/16] @ E [K_tile/16, K_tile/2] with E[b, j] = (j // 8 == b) * 2^-12 gives every
+  scales: [tile_n, K_tile/16] @ E [K_tile/16, K_tile/2] with E[b, j] = (j // 8 == b) * 2^-8 gives every
   column its block's scale, exactly (one non-zero product per sum), in the layout the codes are read in.
-- E2M1 and E4M3 are decoded with integer ops (Hopper has no E2M1 conversion instruction): `_e2m1_x4` gives 4x
-  the E2M1 value, `_e4m3_x1024` 1024x the E4M3 value; E's 2^-12 undoes both. Code x scale has at most 6
-  significant bits, so the bf16 weight tile the WGMMA reads from shared memory is exact; the f32 accumulator
-  is multiplied by scale_2 once at the end and rounded to the output dtype once.
+- E2M1 and E4M3 are decoded with integer and float ops (Hopper has no E2M1 conversion instruction):
+  `_e2m1_quarter` gives the E2M1 value / 4, `_e4m3_x1024` 1024 x the E4M3 value; E's 2^-8 undoes both.
+  Code x scale has at most 6 significant bits, so the bf16 weight tile the WGMMA reads from shared memory is
+  exact; the f32 accumulator is multiplied by scale_2 once at the end and rounded to the output dtype once.
   E4M3 NaN bytes (0x7F, 0xFF) decode as 480, not NaN: the loader refuses NaN scales (`check_scales`).
 - One warpgroup per CTA, a grid over (N / tile_n, M_padded / tile_m, split_k), K pipelined by
   `plgpu.emit_pipeline` (TMA copies up to `max_concurrent_steps` ahead, fewer where shared memory runs out:
@@ -58,7 +58,8 @@ TILINGS: dict[str, Tiling] = {}  # device_kind -> Tiling, filled from H200 measu
 # WGMMA N: x's rows per CTA; M above 128 spans several CTAs (a 256-row x tile leaves no room for 2 pipeline steps)
 TILE_M = (16, 32, 64, 128)
 SMEM_BYTES = 227 * 1024  # Hopper's shared memory per CTA (sm_90: 227 KiB usable)
-_EXPAND = 2.0**-12  # undoes _e2m1_x4's x4 and _e4m3_x1024's x1024
+_EXPAND = 2.0**-8  # undoes _e2m1_quarter's / 4 and _e4m3_x1024's x 1024
+_SIGN = np.int32(-(2**31))  # float32's sign bit
 
 
 def tiling_for(device: Any = None) -> Tiling:
@@ -113,14 +114,19 @@ def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: Tiling) -> None:
         raise ValueError(f"nvfp4 mosaic matmul: tiling {tiling} does not fit in shared memory at M = {m}")
 
 
-def _e2m1_x4(nibble: jax.Array) -> jax.Array:
-    """int32 E2M1 codes 0..15 -> 4 x their value, int32 (sign bit 3, exponent bits 1-2, mantissa bit 0).
+def _e2m1_quarter(codes: jax.Array, high: bool) -> jax.Array:
+    """int32 code bytes -> float32 E2M1 value / 4 of each byte's low (`high=False`) or high nibble.
 
-    value = (m + 2h) * 2^(max(e, 1) - 2) with h = min(e, 1): the subnormal (e = 0) codes 0 and 0.5 included.
+    A nibble is sign s, exponent e (2 bits), mantissa m. Its e and m placed in a float32 of exponent 124 + e and
+    mantissa m give b = 2^(e-3) (1 + m/2), which is value / 4 for e >= 1 (and b >= 1/4 there); for e = 0 (the
+    codes 0 and 0.5) value / 4 = 2b - 1/4 (0 or 1/8), which is below b exactly then: min(b, 2b - 1/4) covers
+    both without a compare. The sign bit is ORed in last. 9 integer and float operations, all exact.
     """
-    e = (nibble >> 1) & 3
-    magnitude = ((nibble & 1) | (jnp.minimum(e, 1) << 1)) << jnp.maximum(e, 1)
-    return jnp.where(nibble >= 8, 0 - magnitude, magnitude)
+    shift = 4 if high else 0
+    b = lax.bitcast_convert_type(((codes << (22 - shift)) & 0x01C00000) | 0x3E000000, jnp.float32)
+    magnitude = jnp.minimum(b, b + b - 0.25)
+    sign = (codes << (28 - shift)) & _SIGN
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.int32) | sign, jnp.float32)
 
 
 def _e4m3_x1024(byte: jax.Array) -> jax.Array:
@@ -131,7 +137,7 @@ def _e4m3_x1024(byte: jax.Array) -> jax.Array:
 
 
 def expansion_matrix(tile_k: int) -> np.ndarray:
-    """E [tile_k/16, tile_k/2] bf16: E[b, j] = 2^-12 where plane column j lies in scale block b, else 0."""
+    """E [tile_k/16, tile_k/2] bf16: E[b, j] = 2^-8 where plane column j lies in scale block b, else 0."""
     blocks = tile_k // BLOCK
     columns = np.arange(tile_k // 2) // (BLOCK // 2)
     return ((np.arange(blocks)[:, None] == columns[None, :]) * _EXPAND).astype(jnp.bfloat16)
@@ -164,8 +170,8 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
 
         scale = pl.run_scoped(expand, plgpu.ACC((tn, tk // 2), jnp.float32))  # [tn, tk/2]
         codes = codes_smem[...].astype(jnp.int32)  # [tn, tk/2], element 2j in the low nibble of byte j
-        w_smem[0] = (_e2m1_x4(codes & 15).astype(jnp.float32) * scale).astype(jnp.bfloat16)  # even k
-        w_smem[1] = (_e2m1_x4(codes >> 4).astype(jnp.float32) * scale).astype(jnp.bfloat16)  # odd k
+        w_smem[0] = (_e2m1_quarter(codes, high=False) * scale).astype(jnp.bfloat16)  # even k
+        w_smem[1] = (_e2m1_quarter(codes, high=True) * scale).astype(jnp.bfloat16)  # odd k
         plgpu.commit_smem()
         plgpu.wgmma(acc_ref, w_smem.at[0], x_lo_smem)  # [tn, tk/2] @ [tk/2, tile_m]
         plgpu.wgmma(acc_ref, w_smem.at[1], x_hi_smem)
