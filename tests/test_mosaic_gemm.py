@@ -34,12 +34,8 @@ on_gpu = jax.default_backend() == "gpu"
 
 
 def _interpret_available() -> bool:
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return True
     try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+        _mosaic_gemm._interpret_params()
     except ImportError:
         return False
     return True

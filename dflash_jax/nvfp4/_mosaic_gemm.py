@@ -256,10 +256,12 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
 
 
 def _interpret_params() -> Any:
-    """Pallas's GPU interpret-mode parameters: `plgpu.InterpretGPUParams` (jax >= 0.11), else its jax 0.10 home."""
+    """Pallas's GPU interpret-mode parameters: `plgpu.InterpretGPUParams` where jax exports it, else its jax 0.10
+    home (`jax._src.pallas.mosaic_gpu.interpret.params`)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
-    return params()
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()

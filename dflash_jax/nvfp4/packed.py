@@ -132,7 +132,7 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     return weight_dot(x, w.dequantize(), out_dtype)
 
 
-def _auto_backend(x: jax.Array, w: Packed) -> str:
+def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
     """The one place `backend="auto"` is decided: XLA's dequantize-then-dot everywhere, until the Mosaic kernel
     is verified and measured on the H200 (then: "mosaic" on Hopper for bf16 x and weights whose shapes it takes)."""
     del x, w
