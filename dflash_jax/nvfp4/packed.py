@@ -13,13 +13,14 @@ that code reading a weight's shape or dtype (`init_cache`, `attach`, pairing che
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from .._precision import weight_dot
-from ._mosaic_gemm import mosaic_matmul
+from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
 MatmulBackend = Literal["auto", "xla", "mosaic"]
@@ -132,8 +133,21 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     return weight_dot(x, w.dequantize(), out_dtype)
 
 
+AUTO_MOSAIC = False  # `backend="auto"` runs the Mosaic kernel on Hopper: set once it is verified on the H200
+
+
 def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
-    """The one place `backend="auto"` is decided: XLA's dequantize-then-dot everywhere, until the Mosaic kernel
-    is verified and measured on the H200 (then: "mosaic" on Hopper for bf16 x and weights whose shapes it takes)."""
-    del x, w
-    return "xla"
+    """The one place `backend="auto"` is decided: "mosaic" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
+    and the kernel takes the operands (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+    return "mosaic" if AUTO_MOSAIC and hopper and mosaic_takes(x, w) else "xla"
+
+
+def mosaic_takes(x: jax.Array, w: Packed) -> bool:
+    """Whether the Mosaic kernel takes `x @ w.T`: bf16 x and weight, and shapes its tiling divides."""
+    try:
+        check_shapes(math.prod(x.shape[:-1]), *w.shape, x.dtype, tiling_for())
+    except ValueError:
+        return False
+    return w.dtype == jnp.bfloat16
