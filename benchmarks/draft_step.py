@@ -9,7 +9,16 @@ drives it (`crop` back after the block). Random bf16 weights; the same values in
 Each step is timed alone, host-synchronised (what a decoding loop waits for), median over `--iters`.
 Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
 
+`--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s leaves):
+`nvfp4` (random E2M1 codes, unit block scales, a global scale giving the bf16 weights' spread: timing only;
+`nvfp4.matmul`'s "auto", XLA's dequantize-then-dot today), `nvfp4-mosaic` (the same with the Mosaic GPU kernel,
+`nvfp4.packed.AUTO_MOSAIC` set for those rows), `fp8` (the bf16 weights in ModelOpt's per-tensor FP8). Each
+row states the drafter's own weight bytes and a floor: the bytes a step must read (the drafter's weights, the
+LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
+`--contexts` sets the cached context rows (2048; the issue's long-context row is 131072).
+
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
+    python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-mosaic fp8 --batch 1 8 32 --contexts 2048 131072
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
 reference; ours runs on whatever JAX backend is present.
@@ -22,20 +31,31 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config import DflashConfig, parse_config
-from dflash_jax.drafter import Drafter
-from dflash_jax.drafting import ContextCache, init_cache, propose
-from dflash_jax.model import draft_logits
-from dflash_jax.testing import full_plan, preset_dict, random_drafter
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the read rate
+from timing import read_rate  # noqa: E402
+
+from dflash_jax import fp8, nvfp4  # noqa: E402
+from dflash_jax.config import DflashConfig, parse_config  # noqa: E402
+from dflash_jax.drafter import Drafter  # noqa: E402
+from dflash_jax.drafting import ContextCache, init_cache, propose  # noqa: E402
+from dflash_jax.model import draft_logits  # noqa: E402
+from dflash_jax.plan import build_tree  # noqa: E402
+from dflash_jax.spec import LINEAR  # noqa: E402
+from dflash_jax.testing import full_plan, preset_dict, random_drafter  # noqa: E402
 
 CONTEXT, NEW_ROWS = 2048, 7
+WEIGHTS = ("bf16", "nvfp4", "nvfp4-mosaic", "fp8")
+E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
 
 
 def timed(fn, iters: int, warmup: int = 5) -> float:
@@ -75,11 +95,32 @@ def _step(drafter: Drafter, cache: ContextCache, new, num_new, anchors, lengths)
     return proposal.tokens, cache
 
 
-def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool) -> dict:
-    """Synchronised step time (ms), back-to-back step time, and optionally a kernel profile."""
+def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
+    """`drafter` with every linear weight as a `weights` leaf ("nvfp4*": random codes at the weight's spread,
+    "fp8": the weight in per-tensor FP8), made on the device; "bf16" as is."""
+    if weights == "bf16":
+        return drafter
+    leaves = []
+    for i, t in enumerate(plan):
+        leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
+        if t.kind == LINEAR and weights.startswith("nvfp4"):
+            n, k = leaf.shape
+            codes = jax.random.bits(jax.random.key(i), (n, k // 2), jnp.uint8)
+            spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
+            leaf = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+        elif t.kind == LINEAR:
+            scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
+            leaf = fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
+        leaves.append(leaf)
+    return dataclasses.replace(drafter, params=build_tree(plan, leaves))
+
+
+def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool, context: int = CONTEXT) -> dict:
+    """Synchronised step time (ms), back-to-back step time, the bytes a step reads (weights, LM head, cached
+    keys and values), and optionally a kernel profile."""
     c = drafter.config
     keys = jax.random.split(jax.random.key(batch), 4)
-    max_context = CONTEXT + 8  # room for the 7 new rows; the attention reads all of it every step
+    max_context = context + 8  # room for the 7 new rows; the attention reads all of it every step
     cache = init_cache(drafter, batch, max_context)
     shape = cache.keys[0].shape
     cache = dataclasses.replace(
@@ -87,7 +128,8 @@ def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool) -> dict:
         keys=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[0], len(cache.keys))),
         values=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[1], len(cache.keys))),
     )
-    lengths = jnp.full((batch,), CONTEXT, jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    cache_read = sum(int(a.nbytes) for a in (*cache.keys, *cache.values)) * (context + NEW_ROWS) // max_context
     new = jax.random.normal(keys[2], (batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
     num_new = jnp.full((batch,), NEW_ROWS, jnp.int32)
     anchors = jax.random.randint(keys[3], (batch,), 0, c.vocab_size, jnp.int32)
@@ -105,7 +147,8 @@ def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool) -> dict:
     start = time.perf_counter()
     steps(1)
     print(f"  ours: compiled + first step in {time.perf_counter() - start:.1f} s", flush=True)
-    result = {"ours_ms": timed(lambda: steps(1), iters), "ours_back_to_back_ms": timed(lambda: steps(10), 5) / 10}
+    result = {"ours_ms": timed(lambda: steps(1), iters), "ours_back_to_back_ms": timed(lambda: steps(10), 5) / 10,
+              "bytes_read": drafter.param_bytes + int(drafter.lm_head.nbytes) + cache_read}
     if profile:
         try:
             result["ours_kernels"] = kernel_profile(lambda: steps(1))
@@ -218,6 +261,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--reference", help="path to z-lab dflash/model.py (omit to time ours only)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--weights", nargs="+", default=["bf16"], choices=WEIGHTS,
+                        help="forms of the linear weights to time (see above)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="cached context rows")
+    parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
     args = parser.parse_args()
 
     raw = preset_dict(args.preset)
@@ -234,22 +281,34 @@ def main() -> None:
         results["parity"] = parity(model, drafter)
         results["torch"] = torch.__version__
         print(f"  parity (bf16, batch 1, uncached): {results['parity']}", flush=True)
-    for batch in args.batch:
-        row = {"batch": batch, **bench_ours(drafter, batch, args.iters, profile=model is not None)}
-        if model is not None:
-            row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)
-            row["ratio"] = row["ours_ms"] / row["reference_ms"]
-        results["rows"].append(row)
-        print(f"  batch {batch}: {row}", flush=True)
+    rate = read_rate(args.read_gib)
+    print(f"  read rate {rate / 1e12:.2f} TB/s (jnp.sum over 4 GiB)", flush=True)
+    for weights in args.weights:
+        form = quantized(drafter, plan, weights)
+        nvfp4.packed.AUTO_MOSAIC = weights == "nvfp4-mosaic"  # read when `propose` is traced
+        jax.clear_caches()  # the step compiled for another backend must not be reused
+        for context in args.contexts:
+            for batch in args.batch:
+                row = {"weights": weights, "context": context, "batch": batch,
+                       "drafter_weight_bytes": form.param_bytes,
+                       **bench_ours(form, batch, args.iters, profile=model is not None, context=context)}
+                row["floor_ms"] = row["bytes_read"] / rate * 1e3
+                if model is not None and weights == "bf16" and context == CONTEXT:
+                    row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)
+                    row["ratio"] = row["ours_ms"] / row["reference_ms"]
+                results["rows"].append(row)
+                print(f"  {weights}, context {context}, batch {batch}: {row}", flush=True)
+    nvfp4.packed.AUTO_MOSAIC = False
+    results["read_rate"] = rate
 
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(drafter.params)) + drafter.lm_head.nbytes
-    print(f"\n{weight_bytes / 1e9:.2f} GB of weights read per step (drafter and LM head; the embedding is gathered)")
-    print("| batch | ours (ms) | reference (ms) | ours / reference | ours back to back (ms) | weight bytes / ours |")
-    print("|---|---|---|---|---|---|")
+    print("\n| weights | context | batch | drafter weights (GB) | ours (ms) | reference (ms) | ours / reference "
+          "| ours back to back (ms) | floor (ms) | bytes / back to back |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in results["rows"]:
         ref = f"{row['reference_ms']:.3f} | {row['ratio']:.2f}" if "ratio" in row else "- | -"
-        print(f"| {row['batch']} | {row['ours_ms']:.3f} | {ref} | {row['ours_back_to_back_ms']:.3f} "
-              f"| {weight_bytes / row['ours_ms'] / 1e9:.2f} TB/s |")
+        print(f"| {row['weights']} | {row['context']} | {row['batch']} | {row['drafter_weight_bytes'] / 1e9:.3f} "
+              f"| {row['ours_ms']:.3f} | {ref} | {row['ours_back_to_back_ms']:.3f} | {row['floor_ms']:.3f} "
+              f"| {row['bytes_read'] / row['ours_back_to_back_ms'] / 1e9:.2f} TB/s |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

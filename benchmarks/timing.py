@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def call_seconds(run: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
@@ -18,3 +19,17 @@ def call_seconds(run: Callable[[], Any], repeats: int, warmup: int = 1) -> list[
         jax.block_until_ready(run())
         times.append(time.perf_counter() - start)
     return times
+
+
+def read_rate(gib: float) -> float:
+    """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read): the device's read rate, the floors' unit."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    return x.nbytes / min(call_seconds(lambda: f(x), 5))
+
+
+def matmul_rate(n: int) -> float:
+    """FLOP/s of one bf16 `[n, n] @ [n, n]` (the fastest of 5)."""
+    a = jnp.ones((n, n), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / min(call_seconds(lambda: f(a), 5))

@@ -13,7 +13,8 @@ except that code 8 (-0) may come out as +0 or -0.
   check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
   check_scales(name, scale, scale_2, dtype)                  NaN, negative, zero or overflowing scales
   Packed(codes, scale, scale_2, dtype)                       a weight kept packed on the device (`packed`)
-  matmul(x, packed)                                          -> x @ W.T, the packed weight-only GEMM
+  matmul(x, packed, backend)                                 -> x @ W.T, the packed weight-only GEMM (XLA, or
+                                                                the Mosaic GPU kernel of `_mosaic_gemm`)
 
 Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tensor would no longer have the
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1

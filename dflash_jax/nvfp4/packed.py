@@ -13,15 +13,17 @@ that code reading a weight's shape or dtype (`init_cache`, `attach`, pairing che
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from .._precision import weight_dot
+from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
-MatmulBackend = Literal["auto", "xla"]
+MatmulBackend = Literal["auto", "xla", "mosaic"]
 
 
 def _is_array_like(x: Any) -> bool:
@@ -106,15 +108,46 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     """`x [..., K] @ W.T -> [..., N]` for a packed NVFP4 weight `W [N, K]`, in `out_dtype` (default x's).
 
     The weight-only GEMM of packed drafters. Backends: "xla" dequantizes to `w.dtype` and multiplies (the
-    reference, and what every platform runs today); "auto" picks the best one for the platform. This is the
-    seam for a GPU kernel that dequantizes in registers (a Pallas Mosaic GPU kernel on Hopper): it goes behind
-    "auto" here, with the same signature and "xla" as its reference. Jit-compatible.
+    reference); "mosaic" runs the Pallas Mosaic GPU kernel that dequantizes in registers and feeds WGMMA
+    (`_mosaic_gemm`: Hopper, bf16 x and weight, N % 64 == 0, K % 256 == 0; on a CPU in Pallas's interpret
+    mode, slowly); "auto" is what `_auto_backend` picks. Jit-compatible.
     """
     if not isinstance(w, Packed):
         raise TypeError(f"nvfp4.matmul: w must be an nvfp4.Packed, got {type(w).__name__}")
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"nvfp4.matmul: x has {x.shape[-1]} features, the weight [{w.shape[0]}, {w.shape[1]}] "
                          f"expects {w.shape[1]}")
-    if backend not in ("auto", "xla"):
-        raise ValueError(f"nvfp4.matmul: backend must be 'auto' or 'xla', got {backend!r}")
-    return weight_dot(x, w.dequantize(), x.dtype if out_dtype is None else out_dtype)
+    if backend not in ("auto", "xla", "mosaic"):
+        raise ValueError(f"nvfp4.matmul: backend must be 'auto', 'xla' or 'mosaic', got {backend!r}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if backend == "auto":
+        backend = _auto_backend(x, w)
+    if backend == "mosaic":
+        if w.dtype != jnp.bfloat16:
+            raise ValueError(f"nvfp4.matmul: backend='mosaic' computes in bfloat16; the weight's dtype is "
+                             f"{w.dtype.name}")
+        *lead, k = x.shape
+        out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=jnp.dtype(out_dtype),
+                            interpret=jax.default_backend() != "gpu")  # [M, N]
+        return out.reshape(*lead, w.shape[0])
+    return weight_dot(x, w.dequantize(), out_dtype)
+
+
+AUTO_MOSAIC = False  # `backend="auto"` runs the Mosaic kernel on Hopper: set once it is verified on the H200
+
+
+def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
+    """The one place `backend="auto"` is decided: "mosaic" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
+    and the kernel takes the operands (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
+    device = jax.devices()[0]
+    hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+    return "mosaic" if AUTO_MOSAIC and hopper and mosaic_takes(x, w) else "xla"
+
+
+def mosaic_takes(x: jax.Array, w: Packed) -> bool:
+    """Whether the Mosaic kernel takes `x @ w.T`: bf16 x and weight, and shapes its tiling divides."""
+    try:
+        check_shapes(math.prod(x.shape[:-1]), *w.shape, x.dtype, tiling_for())
+    except ValueError:
+        return False
+    return w.dtype == jnp.bfloat16

@@ -1,0 +1,219 @@
+"""The packed NVFP4 GEMM's Pallas Mosaic GPU kernel (`nvfp4._mosaic_gemm`, `nvfp4.matmul(backend="mosaic")`) against
+a NumPy float64 reference: on a CPU in Pallas's GPU interpret mode (small shapes), on a GPU (tests marked `gpu`)
+every projection shape of the four released drafters at M = 16, 32, 128, 512.
+
+The reference decodes the format from its definition (tests/test_nvfp4.py's `np_e4m3` and E2M1 table: OCP
+Microscaling Formats v1.0, arXiv:2209.05433) and multiplies in float64: ref = (x @ (e2m1 * e4m3(scale)).T) *
+scale_2. The kernel's bf16 weight tile e2m1 x scale is exact (at most 6 significant bits), so what remains is the
+float32 accumulation and one rounding of acc x scale_2 to the output dtype:
+    |got - ref| <= u_out * |ref| + K * 2^-22 * scale_2 * (|x| @ |e2m1 * scale|.T)
+with u_out = 2^-8 for bf16 (2^-24 for float32) and K * 2^-22 four times the float32 forward-error bound of a
+length-K sum (Hopper's tensor cores align the products before adding, which may truncate below float32).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_jax import nvfp4
+from dflash_jax.nvfp4 import _mosaic_gemm
+from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
+
+from .test_nvfp4 import E2M1, np_e4m3
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+on_gpu = jax.default_backend() == "gpu"
+
+
+def _interpret_available() -> bool:
+    try:
+        _mosaic_gemm._interpret_params()
+    except ImportError:
+        return False
+    return True
+
+
+needs_interpret = pytest.mark.skipif(not _interpret_available(), reason="this jax has no Mosaic GPU interpret mode")
+
+
+def random_weight(rng: np.random.Generator, n: int, k: int):
+    """Every code; block scales over E4M3's finite range (subnormals included, no NaN bytes); a small scale_2."""
+    codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.integers(0, 0x7F, (n, k // 16), dtype=np.uint8)  # positive, finite: 0 .. 448
+    return codes, scale.view(ml_dtypes.float8_e4m3fn), np.float32(rng.uniform(1e-4, 1e-2))
+
+
+def unscaled_weight(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """e2m1(code) * e4m3(block scale), float64 [N, K] (exact; scale_2 applied after the product)."""
+    nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[0], -1)  # [N, K], low nibble first
+    return E2M1[nibbles].astype(np.float64) * np.repeat(np_e4m3(scale.view(np.uint8)), 16, axis=1)
+
+
+def check(got, x, codes, scale, scale_2, rows=None, u_out=2.0**-8) -> float:
+    """Assert the module docstring's bound on `got` [M, N] (or its columns `rows` of N); returns the worst
+    |error| / bound (the margin)."""
+    w = unscaled_weight(codes if rows is None else codes[rows], scale if rows is None else scale[rows])
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32)).astype(np.float64)
+    if rows is not None:
+        got = got[:, rows]
+    x64 = np.asarray(x).astype(np.float64)
+    ref = (x64 @ w.T) * float(scale_2)
+    bound = u_out * np.abs(ref) + x.shape[1] * 2.0**-22 * float(scale_2) * (np.abs(x64) @ np.abs(w).T)
+    err = np.abs(got - ref)
+    assert np.all(err <= bound), f"worst |error| / bound {np.max(err / bound):.3g}"
+    return float(np.max(err / bound))
+
+
+# --- CPU: the kernel in Pallas's GPU interpret mode ----------------------------------------------------------
+
+@needs_interpret
+@pytest.mark.parametrize("m,n,k,tiling", [
+    (16, 128, 512, Tiling(64, 256, 2)),  # 2 CTAs along N, 2 pipeline steps
+    (8, 64, 1024, Tiling(64, 256, 2, split_k=2)),  # 2 CTAs along K, their float32 partial sums added
+    (20, 128, 1024, Tiling(64, 512, 2)),  # M padded to 32, the larger K tile
+])
+def test_interpret_mode_against_numpy(m, n, k, tiling):
+    """The kernel body as written (layouts aside: interpret mode runs the jaxpr, not the Mosaic lowering)."""
+    rng = np.random.default_rng(m)
+    codes, scale, scale_2 = random_weight(rng, n, k)
+    x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+    got = mosaic_matmul(jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2),
+                        tiling=tiling, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    check(got, x, codes, scale, scale_2)  # measured: up to 0.87 of the bound (the bf16 rounding reaches 1.0)
+
+
+@needs_interpret
+def test_matmul_backend_mosaic_keeps_leading_dims():
+    """`nvfp4.matmul(..., backend="mosaic")` on [batch, block, K] with a float32 output (interpret mode here)."""
+    rng = np.random.default_rng(1)
+    codes, scale, scale_2 = random_weight(rng, 64, 256)
+    w = nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2))
+    x = rng.standard_normal((2, 8, 256)).astype(ml_dtypes.bfloat16)
+    got = nvfp4.matmul(jnp.asarray(x), w, out_dtype=jnp.float32, backend="mosaic")
+    assert got.shape == (2, 8, 64) and got.dtype == jnp.float32
+    assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
+
+
+@pytest.mark.parametrize("m,tiling", [(16, Tiling(split_k=2)), (512, _mosaic_gemm.FALLBACK)])
+def test_lowers_for_hopper_on_a_cpu(m, tiling):
+    """`jax.export` for CUDA runs Mosaic GPU's Python passes (layout inference, lowering of the Mosaic GPU dialect,
+    shared-memory budget) for sm_90 without a GPU: the kernel lowers with the fallback tiling at the smallest
+    (split along K, as on an H200) and the largest M; only PTX generation is left to the GPU machine. The custom
+    call is Mosaic GPU's, not Triton's."""
+    k, n = 512, 128
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((), jnp.float32))
+    exported = jax.export.export(jax.jit(functools.partial(mosaic_matmul, tiling=tiling)), platforms=["cuda"])(*args)
+    text = exported.mlir_module()
+    assert "mosaic_gpu" in text and "triton" not in text.lower()
+
+
+def test_e2m1_and_e4m3_integer_decoding_is_exact():
+    """The kernel's integer decodings, every code and every finite scale byte, against the NumPy definitions."""
+    codes = jnp.arange(256, dtype=jnp.int32)  # every byte: low nibble b & 15, high nibble b >> 4
+    for high, nibbles in ((False, np.arange(256) & 15), (True, np.arange(256) >> 4)):
+        got = np.asarray(_mosaic_gemm._e2m1_quarter(codes, high=high)) * 4
+        np.testing.assert_array_equal(got, E2M1[nibbles])
+        np.testing.assert_array_equal(np.signbit(got), nibbles >= 8)  # code 8 is -0
+    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)
+    got = np.asarray(_mosaic_gemm._e4m3_x1024(jnp.asarray(finite))) / 1024
+    np.testing.assert_array_equal(got, np_e4m3(finite.astype(np.uint8)))
+
+
+def test_bad_shapes_and_dtypes_are_refused():
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    codes, scale, scale_2 = jnp.zeros((64, 128), jnp.uint8), jnp.ones((64, 16), jnp.float8_e4m3fn), jnp.float32(1)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        mosaic_matmul(x.astype(jnp.float32), codes, scale, scale_2)
+    with pytest.raises(ValueError, match="N = 32 is not a multiple of 64"):
+        mosaic_matmul(x, codes[:32], scale[:32], scale_2)
+    with pytest.raises(ValueError, match="K = 128 is not a multiple of 256"):
+        mosaic_matmul(x[:, :128], codes[:, :64], scale[:, :8], scale_2)
+    w = nvfp4.Packed(codes, scale, scale_2, jnp.float32)
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        nvfp4.matmul(x, w, backend="mosaic")
+    with pytest.raises(ValueError, match="backend must be"):
+        nvfp4.matmul(x, w, backend="triton")  # type: ignore[arg-type]
+
+
+def test_auto_stays_xla_for_now(monkeypatch):
+    """`backend="auto"` is decided in `_auto_backend` alone: XLA until `AUTO_MOSAIC` is set after the H200
+    verification, and off a Hopper GPU even then; `mosaic_takes` names the operands the kernel takes."""
+    w = nvfp4.Packed(jnp.zeros((64, 256), jnp.uint8), jnp.ones((64, 32), jnp.float8_e4m3fn), jnp.float32(1))
+    x = jnp.zeros((2, 4, 512), jnp.bfloat16)
+    assert nvfp4.packed._auto_backend(x, w) == "xla"
+    monkeypatch.setattr(nvfp4.packed, "AUTO_MOSAIC", True)
+    assert nvfp4.packed._auto_backend(x, w) == ("mosaic" if on_gpu and jax.devices()[0].compute_capability == "9.0"
+                                                 else "xla")
+    assert nvfp4.packed.mosaic_takes(x, w)
+    assert not nvfp4.packed.mosaic_takes(x.astype(jnp.float32), w)  # x must be bf16
+    assert not nvfp4.packed.mosaic_takes(x, nvfp4.Packed(w.codes, w.scale, w.scale_2, jnp.float32))
+    narrow = nvfp4.Packed(w.codes[:32], w.scale[:32], w.scale_2)  # N = 32
+    assert not nvfp4.packed.mosaic_takes(x, narrow)
+
+
+# --- GPU: every released drafter's projection shapes ---------------------------------------------------------
+
+def drafter_shapes() -> dict[tuple[int, int], list[str]]:
+    """(N, K) -> the projections of the four released drafters (configs/*.json) with that shape."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for name in ("zlab-qwen3-8b-dflash-b16", "zlab-qwen3.6-35b-a3b-dflash-tf5", "radixark-qwen3.8-27b-dspark",
+                 "muse-glimmer-dflash2"):
+        with open(os.path.join(ROOT, "configs", f"{name}.json")) as f:
+            c = json.load(f)
+        h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+        block = c.get("dflash_config") or c.get("dspark_config") or {}
+        n_fc = len(c.get("target_layer_ids") or block["target_layer_ids"])  # fc: [H, layers x H]
+        for proj, nk in {"q": (q, h), "k/v": (kv, h), "o": (h, q), "gate/up": (i, h), "down": (h, i),
+                         "fc": (h, n_fc * h)}.items():
+            shapes.setdefault(nk, []).append(f"{name} {proj}")
+    return shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (Hopper)")
+def test_gpu_every_drafter_shape_against_numpy():
+    """Each (N, K) at M = 16, 32, 128, 512; the NumPy reference on 192 of the N rows (the first and last 64, 64
+    at random: every grid row-tile kind), all M columns."""
+    rng = np.random.default_rng(24)
+    worst = 0.0
+    for (n, k), names in drafter_shapes().items():
+        codes, scale, scale_2 = random_weight(rng, n, k)
+        dev = jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2)
+        rows = np.unique(np.r_[0:64, n - 64:n, rng.integers(0, n, 64)])
+        for m in (16, 32, 128, 512):
+            x = rng.standard_normal((m, k)).astype(ml_dtypes.bfloat16)
+            got = mosaic_matmul(jnp.asarray(x), *dev)
+            assert got.shape == (m, n), names
+            try:
+                worst = max(worst, check(got, x, codes, scale, scale_2, rows))
+            except AssertionError as e:
+                raise AssertionError(f"{names} at M = {m}: {e}") from None
+    print(f"worst |error| / bound: {worst:.3f}")
+    assert worst <= 1.0  # the bf16 output rounding alone reaches 1.0 of its term
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (Hopper)")
+def test_gpu_agrees_with_the_xla_path():
+    """Kernel vs `backend="xla"` (which rounds the weight to bf16 first): within 2 bf16 ulps of the larger output
+    (each is within its own bound of the exact product), on the 8B-b16 q_proj at M = 16 and 128."""
+    rng = np.random.default_rng(7)
+    codes, scale, scale_2 = random_weight(rng, 4096, 4096)
+    w = nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2))
+    for m in (16, 128):
+        x = jnp.asarray(rng.standard_normal((m, 4096)).astype(ml_dtypes.bfloat16))
+        a = np.asarray(nvfp4.matmul(x, w, backend="mosaic").astype(jnp.float32))
+        b = np.asarray(nvfp4.matmul(x, w, backend="xla").astype(jnp.float32))
+        scale_of = np.abs(a).max()
+        assert np.max(np.abs(a - b)) <= 2 * 2.0**-7 * scale_of, (m, np.max(np.abs(a - b)) / scale_of)
