@@ -1,10 +1,12 @@
-"""The benchmarks' one timing loop: wall seconds of repeated calls, each waited on, after untimed warm-up calls."""
+"""The benchmarks' one timing loop (wall seconds of repeated calls, each waited on, after untimed warm-up calls), and
+the read rate their floors use."""
 
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def call_seconds(run: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
@@ -18,3 +20,10 @@ def call_seconds(run: Callable[[], Any], repeats: int, warmup: int = 1) -> list[
         jax.block_until_ready(run())
         times.append(time.perf_counter() - start)
     return times
+
+
+def read_rate(gib: float = 4) -> float:
+    """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read): what the device can read, the floors' rate."""
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+    return x.nbytes / min(call_seconds(lambda: f(x), 5))

@@ -52,7 +52,7 @@ CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
 MAGIC = b"dflash_jax exe 2\n"  # 17 bytes; a new layout of the file gets a new magic
 MAX_ENTRY_BYTES = 64 * 1024 * 1024  # a dequantizer's executable is ~10-200 KB
 _DIGEST_BYTES = 32
-_SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_pallas.py", "nvfp4/_reference.py")
+_SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_reference.py")
 
 # (kind, inputs, dtype, device) -> future `Program`, where kind is "nvfp4" or "cast" and inputs is a tuple
 # of (shape, numpy dtype) per argument

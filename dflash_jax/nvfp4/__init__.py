@@ -19,7 +19,7 @@ Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tens
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1
 (ModelOpt would divide 0 by 0). Products below the f32 normal range (scale_2 < ~1e-30, never seen in real
 weights) follow the platform: XLA:CPU flushes them to zero; on an H200 the Pallas and XLA paths agree.
-The Pallas kernel (Triton lowering) and why it writes u32 pairs: see `_pallas`.
+The Pallas kernel (Mosaic GPU lowering) and why it writes u32 pairs: see `_mosaic_gpu`.
 """
 
 from __future__ import annotations
@@ -39,13 +39,20 @@ __all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Pack
 Backend = Literal["auto", "pallas", "xla"]
 
 
+def _hopper_or_newer() -> bool:
+    """Whether the default device is a GPU that Mosaic GPU compiles for (compute capability 9.0 or more)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 9.0
+
+
 def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto") -> jax.Array:
     """Dequantizes NVFP4 `packed` [..., K/2] u8 with `scale` [..., K/16] and `scale_2` to [..., K] `dtype`.
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
-    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the GPU
-    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas on a GPU for bfloat16/float16,
-    xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the Pallas
+    Mosaic GPU kernel, bfloat16/float16 output, Hopper GPUs or newer), "xla" (plain jnp), "auto" (pallas on a
+    Hopper or newer GPU for bfloat16/float16, xla otherwise). Jit-compatible. Raises ValueError on inconsistent
+    shapes or dtypes.
     """
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
@@ -61,18 +68,17 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
     scale_2 = scale_2.astype(jnp.float32).reshape(())
     if backend == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        backend = "pallas" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+        backend = "pallas" if _hopper_or_newer() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
     if backend == "xla":
         if scale.dtype == jnp.uint8:
             scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
         return dequantize_xla(packed, scale, scale_2, dtype)
     if backend == "pallas":
-        if jax.default_backend() != "gpu":
-            raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
+        if not _hopper_or_newer():
+            raise ValueError("dequantize: backend='pallas' needs a Hopper or newer GPU (use 'xla' or 'auto' elsewhere)")
         if scale.dtype == jnp.float8_e4m3fn:
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
-        from ._pallas import dequantize_pallas  # here: importing Pallas costs ~50 ms that a load may not need
+        from ._mosaic_gpu import dequantize_mosaic_gpu  # here: importing Pallas costs ~50 ms a load may not need
 
-        return dequantize_pallas(packed, scale, scale_2, dtype=dtype)
+        return dequantize_mosaic_gpu(packed, scale, scale_2, dtype=dtype)
     raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")
