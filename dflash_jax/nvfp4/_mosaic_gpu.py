@@ -91,7 +91,8 @@ def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax
                           tile: int = TILE) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [] or [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values per CTA: 128 or 256) overrides `TILE`. GPU only (Hopper or newer).
+    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values per CTA: 128 or 256) overrides `TILE`. GPU only
+    (Hopper or newer).
     """
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Mosaic GPU kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
