@@ -25,16 +25,17 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"mosaic_gpu(_v\d+)?")
 # The modules that name Pallas, each covered by an entry point below.
 PALLAS_MODULES = {"attention.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "target/moe.py",
-                  "_span_attention_mgpu.py"}
+                  "_span_attention_mgpu.py", "_gpu.py"}
 # jax.experimental.pallas.ops.gpu modules written with Pallas Triton (the `*_mgpu` ones are Mosaic GPU).
 TRITON_OPS = {"attention", "decode_attention", "layer_norm", "paged_attention", "rms_norm", "softmax"}
 
 
 @pytest.fixture
 def as_on_hopper(monkeypatch):
-    """Tracing takes the GPU branches: `jax.default_backend()` says "gpu", the dequantizer's device check passes."""
+    """Tracing takes the GPU branches: `jax.default_backend()` says "gpu", the device checks say Hopper."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(nvfp4, "_hopper_or_newer", lambda: True, raising=False)
+    for module in (attention, nvfp4):
+        monkeypatch.setattr(module, "hopper_or_newer", lambda: True, raising=False)  # the Triton code had no such check
 
 
 def custom_calls(fn, *args) -> list[str]:
@@ -59,7 +60,6 @@ def test_nvfp4_dequantize(as_on_hopper):
     assert_mosaic_only(calls)
 
 
-@pytest.mark.xfail(strict=True, reason="the span attention is still JAX's Triton decode kernel (being ported)")
 @pytest.mark.parametrize("Sq", [1, 16, 17])  # a greedy token, a draft block, a verify block
 def test_span_attention(as_on_hopper, Sq):
     """`attend` with a cache span and dense rows, impl "auto" (where the GPU kernel applies), the drafter's shapes."""
@@ -83,7 +83,6 @@ def test_moe_grouped_matmul(as_on_hopper):
     assert_mosaic_only(calls)
 
 
-@pytest.mark.xfail(strict=True, reason="the span attention is still JAX's Triton decode kernel (being ported)")
 def test_no_module_uses_pallas_triton():
     """Every module naming Pallas is covered above; none imports Pallas Triton or a Triton-written JAX op."""
     naming_pallas = set()

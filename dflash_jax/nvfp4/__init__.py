@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .._gpu import hopper_or_newer
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 from .packed import Packed, matmul
@@ -37,12 +38,6 @@ from .packed import Packed, matmul
 __all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Packed", "matmul"]
 
 Backend = Literal["auto", "pallas", "xla"]
-
-
-def _hopper_or_newer() -> bool:
-    """Whether the default device is a GPU that Mosaic GPU compiles for (compute capability 9.0 or more)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and float(getattr(device, "compute_capability", 0)) >= 9.0
 
 
 def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto") -> jax.Array:
@@ -68,13 +63,13 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
     scale_2 = scale_2.astype(jnp.float32).reshape(())
     if backend == "auto":
-        backend = "pallas" if _hopper_or_newer() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+        backend = "pallas" if hopper_or_newer() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
     if backend == "xla":
         if scale.dtype == jnp.uint8:
             scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
         return dequantize_xla(packed, scale, scale_2, dtype)
     if backend == "pallas":
-        if not _hopper_or_newer():
+        if not hopper_or_newer():
             raise ValueError("dequantize: backend='pallas' needs a Hopper or newer GPU (use 'xla' or 'auto' elsewhere)")
         if scale.dtype == jnp.float8_e4m3fn:
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
