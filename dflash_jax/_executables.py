@@ -1,7 +1,7 @@
 """The compiled conversions of a load (NVFP4 dequantization, casts), kept per process and on disk.
 
 Compiling is what a fresh process pays for an NVFP4 load: on an H200 the first XLA compilation of a process
-costs ~0.3 s on its own and each dequantizer ~0.15-0.2 s (XLA's Triton pipeline), more than a whole BF16
+costs ~0.3 s on its own and each dequantizer ~0.15-0.2 s (the former Triton kernel), more than a whole BF16
 load, while loading a stored executable takes ~5 ms. So each executable is compiled once per process, on a
 thread pool as soon as a load starts, and stored on disk for later processes.
 
