@@ -36,7 +36,6 @@ BLOCK_BYTES = 8  # 16 codes share one scale
 # scale bytes: at least 128 blocks).
 TILE = 256
 _OUT_DTYPES = (jnp.bfloat16, jnp.float16)
-_SCALE_2_WORDS = 32  # scale_2 is copied to SMEM as 128 bytes: a TMA copy moves a multiple of 128 bytes
 
 
 def _f16_bits_to_f32(bits: jax.Array) -> jax.Array:
@@ -70,17 +69,17 @@ def decode(w: jax.Array, s: jax.Array, scale_2: jax.Array, dtype) -> jax.Array:
     return to_bits(e2m1_to_f32(w & 15) * block_scale, dtype) | (to_bits(e2m1_to_f32(w >> 4) * block_scale, dtype) << 16)
 
 
-def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, g_smem, o_smem, barriers, *, n_blocks, tile, dtype):
-    # w_gmem [n_blocks/2, 16] u8, s_gmem [n_blocks] u8, g_gmem [32] f32 (scale_2), o_gmem [n_blocks, 8] u32
+def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *, n_blocks, tile, dtype):
+    # w_gmem [n_blocks/2, 16] u8, s_gmem [n_blocks] u8, g_gmem [1] f32 (scale_2), o_gmem [n_blocks, 8] u32
     start = jnp.minimum(lax.axis_index("tiles") * tile, n_blocks - tile)  # even: n_blocks and tile are
     plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start // 2, tile // 2)], w_smem, barriers.at[0])
     plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(start, tile)], s_smem, barriers.at[1])
-    plgpu.copy_gmem_to_smem(g_gmem, g_smem, barriers.at[2])
-    for i in range(3):
+    scale_2 = g_gmem[0]  # read from GMEM by every thread (a TMA copy would have to move 128 bytes)
+    for i in range(2):
         plgpu.barrier_wait(barriers.at[i])
     w = plgpu.layout_cast(w_smem.reshape(tile, BLOCK_BYTES)[...], plgpu.Layout.WGMMA)  # [tile, 8] u8
     s = plgpu.layout_cast(s_smem[...], plgpu.Layout.WGMMA.reduce(1))  # [tile] u8: one value per WGMMA row
-    o_smem[...] = decode(w, s, g_smem[0], dtype)
+    o_smem[...] = decode(w, s, scale_2, dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(start, tile)])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the copy's reads, not its writes
@@ -110,12 +109,11 @@ def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax
         scratch_types=[
             plgpu.SMEM((tile // 2, 2 * BLOCK_BYTES), jnp.uint8),
             plgpu.SMEM((tile,), jnp.uint8),
-            plgpu.SMEM((_SCALE_2_WORDS,), jnp.float32),
             plgpu.SMEM((tile, BLOCK_BYTES), jnp.uint32),
-            plgpu.Barrier(num_barriers=3),
+            plgpu.Barrier(num_barriers=2),
         ],
         grid=(pl.cdiv(n_blocks, tile),),
         grid_names=("tiles",),
-    )(w.reshape(n_blocks // 2, 2 * BLOCK_BYTES), s, jnp.broadcast_to(scale_2.reshape(1), (_SCALE_2_WORDS,)))
+    )(w.reshape(n_blocks // 2, 2 * BLOCK_BYTES), s, scale_2.reshape(1))
     words = words[:n_real]  # [n_real, 8] u32
     return lax.bitcast_convert_type(words, dtype).reshape(*lead, 2 * half_k)  # u32 -> 2 x 16 bit, low first
