@@ -1,82 +1,126 @@
-"""The GPU span kernel's tuning: key slots per step, warps and stages for each query tile (`tuning.Tuning.span_tiles`).
+"""The GPU span kernel: the package's Pallas Mosaic GPU kernel (`_span_attention_mgpu.span_partials`) beside JAX's
+Pallas Triton decode kernel that it replaced (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`, at the tuning
+the package used: `TRITON_TUNING`), each beside its floor, and the Mosaic kernel's tuning.
 
-JAX's Pallas split-K decode kernel (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`) over one layer's
-cache, 8 KV heads of 128 at batch 1 (or `--batch`), for the query rows per KV head the package runs: 4 (a greedy
-token, 4 query heads per KV head), 64 (a 16-token block) and 68 (a 17-token DSpark verify). Each configuration is timed
-over `LOOP` calls inside one jitted loop (a call is ~0.05 ms: timed one by one, dispatch would dominate).
-Floor: the K and V bytes at 4.0 TB/s.
+One layer's cache, 8 KV heads of 128 at batch 1 (or `--batch`), for the query rows per KV head the package runs: 4
+(a greedy token, 4 query heads per KV head), 64 (a 16-token block) and 68 (a 17-token DSpark verify); each span
+ends 200 slots before the capacity. Each configuration is timed over `LOOP` calls inside one jitted loop (a call is
+~0.05 ms: timed one by one, dispatch would dominate); both kernels' times include their split merges. Floor: the
+K and V bytes of the span at the read rate of a `jnp.sum` over 4 GiB of bf16 measured in the same run. Check: the
+two kernels' normalised outputs differ by at most `max_diff` (both round P to bf16).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/pallas_tiles.py [--spans 131072 --rows 64]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/pallas_tiles.py [--spans 131072 --rows 64] [--sweep]
+        [--json PATH]
 """
 
 import argparse
 import itertools
+import json
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.gpu import decode_attention
+from jax.experimental.pallas.ops.gpu import decode_attention  # Pallas Triton: the kernel compared against
 
-from dflash_jax.attention import pallas_tile, split_keys
-from dflash_jax.tuning import tuning
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dflash_jax._span_attention_mgpu import BLOCK_K, STAGES, span_partials  # noqa: E402
+from dflash_jax.attention import pallas_tile, split_keys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import read_rate  # noqa: E402
 
 LOOP = 20
 KV_HEADS, HEAD_DIM = 8, 128
+# The package's tuning of the Triton kernel before the port, by query tile rows: (key slots per step, warps,
+# software-pipelining stages), measured on an H200 (docs/benchmarks.md).
+TRITON_TUNING = {16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)}
 
 
 def loop_ms(attend, q, *args) -> float:
     """ms per call of `attend(q, *args)`, chained `LOOP` times in one jitted loop (each output feeds the next q)."""
-    run = jax.jit(lambda q, *a: jax.lax.fori_loop(0, LOOP, lambda i, q: q + 1e-3 * attend(q, *a)[0].astype(q.dtype), q))
+    run = jax.jit(lambda q, *a: jax.lax.fori_loop(0, LOOP, lambda i, q: q + 1e-3 * attend(q, *a).astype(q.dtype), q))
     jax.block_until_ready(run(q, *args))
     start = time.perf_counter()
     jax.block_until_ready(run(run(q, *args), *args))
     return (time.perf_counter() - start) / (2 * LOOP) * 1e3
 
 
+def triton(q, k, v, stop, *, per_split):
+    """[batch, n_kv, rows, d] -> the normalised output, through the Triton kernel at the package's former tuning."""
+    batch, n_kv, rows, d = q.shape
+    T = k.shape[2]
+    tile = pallas_tile(rows)
+    block_k, warps, stages = TRITON_TUNING[tile]
+    heads = lambda a: a.reshape(batch * n_kv, *a.shape[2:])  # noqa: E731
+    stop = jnp.repeat(stop, n_kv)
+    with jax.numpy_dtype_promotion("standard"):
+        out = decode_attention.mqa(heads(q), heads(k), heads(v), start_idx=jnp.zeros_like(stop), kv_seq_len=stop,
+                                   sm_scale=d**-0.5, block_h=tile, block_k=block_k, k_splits=T // per_split,
+                                   num_warps=warps, num_stages=stages)
+    return out.reshape(q.shape)
+
+
+def mosaic(q, k, v, stop, *, per_split, block_k=BLOCK_K, stages=None):
+    """[batch, n_kv, rows, d] -> the normalised output, through the package's Mosaic GPU kernel."""
+    acc, _, l = span_partials(q, k, v, jnp.zeros_like(stop), stop, keys_per_split=per_split, block_k=block_k,
+                              stages=stages)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--spans", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--spans", type=int, nargs="+", default=[2048, 32768, 131072])
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 68], help="query rows per KV head")
-    parser.add_argument("--keys-per-split", type=int, nargs="+", default=[1024, 2048],
-                        help="0: the package's (`attention.split_keys`)")
-    parser.add_argument("--slots", type=int, nargs="+", default=[64, 128], help="key slots per step")
-    parser.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--stages", type=int, nargs="+", default=[2], help="software-pipelining stages")
     parser.add_argument("--batch", type=int, default=1, help="sequences (each with 8 KV heads)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the Mosaic kernel at other key slots per step, stages and split lengths")
+    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(f"batch {args.batch}\n| span | rows | tile | floor ms | fastest ms | key slots/step | warps | keys/split | "
-          "stages | ms at the package's tuning |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for T, row_counts in ((T, args.rows) for T in args.spans):
-        heads = args.batch * KV_HEADS  # the package flattens [batch, n_kv] for the kernel
-        k = jax.random.normal(jax.random.key(0), (heads, T, HEAD_DIM), jnp.bfloat16)  # [batch * heads, T, d]
-        v = jax.random.normal(jax.random.key(1), (heads, T, HEAD_DIM), jnp.bfloat16)
-        stop = jnp.full((heads,), T - 200, jnp.int32)
-        floor = 2 * k.nbytes / 4.0e12 * 1e3  # K and V
-        for rows in row_counts:
-            q = jax.random.normal(jax.random.key(2), (heads, rows, HEAD_DIM), jnp.bfloat16)
-            tile = pallas_tile(rows)
-            times = {}
-            splits = [n or split_keys(T, tile) for n in args.keys_per_split]
-            for block_k, warps, per_split, stages in itertools.product(args.slots, args.warps, splits, args.stages):
-                if per_split > T:
+    rate = read_rate(4)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)")
+    print(f"batch {args.batch}\n| span | rows | floor ms | triton ms | mosaic ms | mosaic/triton | max diff |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows_out = []
+    for T, rows in itertools.product(args.spans, args.rows):
+        shape = (args.batch, KV_HEADS, T, HEAD_DIM)
+        k = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
+        v = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+        q = jax.random.normal(jax.random.key(2), (args.batch, KV_HEADS, rows, HEAD_DIM), jnp.bfloat16)
+        stop = jnp.full((args.batch,), T - 200, jnp.int32)
+        per_split = split_keys(T, pallas_tile(rows))  # the package's split length (a `span_capacity` holds it whole)
+        floor = 2 * k.nbytes * (T - 200) / T / rate * 1e3  # the span's K and V, read once
+        base = {"triton": lambda *a, p=per_split: triton(*a, per_split=p),
+                "mosaic": lambda *a, p=per_split: mosaic(*a, per_split=p)}
+        ms = {name: loop_ms(fn, q, k, v, stop) for name, fn in base.items()}
+        diff = float(jnp.max(jnp.abs(base["triton"](q, k, v, stop).astype(jnp.float32)
+                                     - base["mosaic"](q, k, v, stop).astype(jnp.float32))))
+        print(f"| {T} | {rows} | {floor:.4f} | {ms['triton']:.4f} | {ms['mosaic']:.4f} | "
+              f"{ms['mosaic'] / ms['triton']:.3f} | {diff:.2e} |", flush=True)
+        row = {"span": T, "rows": rows, "batch": args.batch, "keys_per_split": per_split, "floor_ms": floor,
+               **{f"{name}_ms": t for name, t in ms.items()}, "max_diff": diff}
+        if args.sweep:
+            sweep = {}
+            splits = (per_split // 2, per_split, 2 * per_split)
+            for block_k, stages, split in itertools.product((64, 128), (1, 2, 3), splits):
+                if split < block_k or split > T:
                     continue
-                def attend(q, k, v, stop, tile=tile, block_k=block_k, warps=warps, splits=T // per_split, st=stages):
-                    return decode_attention.mqa(
-                        q, k, v, start_idx=jnp.zeros_like(stop), kv_seq_len=stop, sm_scale=HEAD_DIM**-0.5,
-                        block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
-                        num_stages=st)
-
                 try:
-                    times[block_k, warps, per_split, stages] = loop_ms(attend, q, k, v, stop)
-                except jax.errors.JaxRuntimeError as e:  # more stages or slots than shared memory holds
-                    if "Shared memory" not in str(e):
-                        raise
-            best = min(times, key=times.get)
-            slots, warps, stages = tuning().span_tiles[tile]
-            package = times.get((slots, warps, split_keys(T, tile), stages), float("nan"))
-            print(f"| {T} | {rows} | {tile} | {floor:.4f} | {times[best]:.4f} | {' | '.join(map(str, best))} | "
-                  f"{package:.4f} |", flush=True)
+                    sweep[f"block_k {block_k} stages {stages} keys/split {split}"] = loop_ms(
+                        lambda *a, b=block_k, s=stages, p=split: mosaic(*a, per_split=p, block_k=b, stages=s),
+                        q, k, v, stop)
+                except Exception as e:  # noqa: BLE001  more slots or stages than shared memory holds
+                    print(f"    block_k {block_k} stages {stages} keys/split {split}: {type(e).__name__}")
+            for label, t in sorted(sweep.items(), key=lambda kv: kv[1])[:5]:
+                print(f"    {label}: {t:.4f} ms (default: {BLOCK_K}, {STAGES}, {per_split})")
+            row["mosaic_sweep_ms"] = sweep
+        rows_out.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "read_rate_bytes_per_s": rate,
+                       "rows": rows_out, "time": time.strftime("%Y-%m-%d %H:%M")}, f, indent=1)
+    assert all(r["max_diff"] < 2e-2 for r in rows_out), "the kernels disagree"
 
 
 if __name__ == "__main__":

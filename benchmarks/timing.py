@@ -1,4 +1,5 @@
-"""The benchmarks' one timing loop: wall seconds of repeated calls, each waited on, after untimed warm-up calls."""
+"""The benchmarks' one timing loop (wall seconds of repeated calls, each waited on, after untimed warm-up calls), and
+the read rate their floors use."""
 
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ def call_seconds(run: Callable[[], Any], repeats: int, warmup: int = 1) -> list[
     return times
 
 
-def read_rate(gib: float) -> float:
+def read_rate(gib: float = 4) -> float:
     """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read): the device's read rate, the floors' unit."""
     x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
     f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))

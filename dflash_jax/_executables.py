@@ -1,7 +1,7 @@
 """The compiled conversions of a load (NVFP4 dequantization, casts), kept per process and on disk.
 
 Compiling is what a fresh process pays for an NVFP4 load: on an H200 the first XLA compilation of a process
-costs ~0.3 s on its own and each dequantizer ~0.15-0.2 s (XLA's Triton pipeline), more than a whole BF16
+costs ~0.3 s on its own and each dequantizer ~0.15-0.2 s (the former Triton kernel), more than a whole BF16
 load, while loading a stored executable takes ~5 ms. So each executable is compiled once per process, on a
 thread pool as soon as a load starts, and stored on disk for later processes.
 
@@ -52,7 +52,8 @@ CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
 MAGIC = b"dflash_jax exe 2\n"  # 17 bytes; a new layout of the file gets a new magic
 MAX_ENTRY_BYTES = 64 * 1024 * 1024  # a dequantizer's executable is ~10-200 KB
 _DIGEST_BYTES = 32
-_SOURCES = ("_executables.py", "nvfp4/__init__.py", "nvfp4/_pallas.py", "nvfp4/_reference.py", "tuning.py")
+_SOURCES = ("_executables.py", "_gpu.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_reference.py",
+            "tuning.py")
 
 # (kind, inputs, dtype, device) -> future `Program`, where kind is "nvfp4" or "cast" and inputs is a tuple
 # of (shape, numpy dtype) per argument

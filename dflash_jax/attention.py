@@ -5,8 +5,8 @@ A query block attends to keys from two kinds of source, merged through one float
 - `Span`: a contiguous slot range `[start, stop)` (per sequence) of a static-shape cache, every key of which the
   rule lets every query see (earlier context, a target's committed prefix). Only the key blocks that intersect
   the range are read: a `lax.fori_loop` over blocks of `SPAN_BLOCK` slots with a dynamic trip count (the XLA
-  path, also the reference), or on GPU JAX's split-K decode kernel (`jax.experimental.pallas.ops.gpu.
-  decode_attention`), which skips the blocks outside the range too. No `[rows, capacity]` score is formed.
+  path, also the reference), or on a Hopper GPU a split-K Pallas Mosaic GPU kernel (`_span_attention_mgpu`),
+  which skips the blocks outside the range too. No `[rows, capacity]` score is formed.
 - `KeyValues`: a few rows with positions and a validity mask (the block itself, new context rows, a sliding
   window's ring buffer), scored densely under the layer's `LayerRule` (causal, windowed, bidirectional).
 
@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple, get_args
 import jax
 import jax.numpy as jnp
 
+from ._gpu import hopper_or_newer
 from ._precision import dot
 from ._shapes import ceil_div, round_up
 from .tuning import on_gpu, tuning
@@ -33,12 +34,12 @@ from .tuning import on_gpu, tuning
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-# The GPU kernel's splits and tiles are tuned per device kind: `tuning.Tuning.span_splits` / `span_tiles`.
+# The GPU kernel's splits are tuned per device kind: `tuning.Tuning.span_splits`.
 
 
 # The kernel choice, one vocabulary for `attend`, `propose` and a target's `prefill` (each takes the values that
 # apply to it, `check_impl`): "auto" picks by where the program runs (`on_gpu`) and the operands; "xla" forces
-# XLA's path; "pallas" JAX's Pallas span kernel (attend, propose); "cudnn" cuDNN's fused prefill (prefill).
+# XLA's path; "pallas" the Pallas Mosaic GPU span kernel (attend, propose); "cudnn" cuDNN's fused prefill (prefill).
 Impl = Literal["auto", "xla", "pallas", "cudnn"]
 ATTEND_IMPLS: tuple[Impl, ...] = ("auto", "xla", "pallas")
 PREFILL_IMPLS: tuple[Impl, ...] = ("auto", "xla", "cudnn")
@@ -166,34 +167,21 @@ def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
 
 
 def _span_pallas(q: jax.Array, span: Span) -> _Partial:
-    """The split-K decode kernel over `[start, stop)` (key blocks outside the range are skipped, not masked)."""
-    from jax.experimental.pallas.ops.gpu import decode_attention
+    """The split-K Mosaic GPU kernel over `[start, stop)` (key blocks outside the range are skipped, not masked)."""
+    from ._span_attention_mgpu import span_partials
 
     batch, n_kv, groups, Sq, d_h = q.shape
     capacity = span.k.shape[2]
-    tile = pallas_tile(groups * Sq)
-    splits = _splits(capacity, tile)
-    block_k, warps, stages = tuning().span_tiles[tile]
-    rows = q.reshape(batch * n_kv, groups * Sq, d_h)  # [batch * n_kv, rows, d_h]
-    per_head = lambda a: jnp.repeat(a.astype(jnp.int32), n_kv)  # noqa: E731  [batch * n_kv]
-    with jax.numpy_dtype_promotion("standard"):  # JAX's kernel adds `(~mask) * float`; this module is strict-clean
-        out, (l, m) = decode_attention.mqa(
-            rows, span.k.reshape(batch * n_kv, capacity, d_h), span.v.reshape(batch * n_kv, capacity, d_h),
-            start_idx=per_head(span.start), kv_seq_len=per_head(span.stop), sm_scale=d_h**-0.5,
-            block_h=tile, block_k=block_k, k_splits=splits, return_residuals=True, num_warps=warps,
-            num_stages=stages,
-        )
+    keys = capacity // _splits(capacity, pallas_tile(groups * Sq))  # keys per split, a multiple of SPAN_ALIGN
+    acc, m, l = span_partials(q.reshape(batch, n_kv, groups * Sq, d_h), span.k, span.v, span.start, span.stop,
+                              keys_per_split=keys)  # [batch, n_kv, rows(, d_h)]
     shape = (batch, n_kv, groups, Sq)
-    l, m = l.reshape(shape), m.reshape(shape)
-    empty = l == 0  # the kernel's max starts at finfo.min, not -inf
-    m = jnp.where(empty, -jnp.inf, m)
-    acc = out.astype(jnp.float32).reshape(*shape, d_h) * l[..., None]
-    return _Partial(acc, m, l)
+    return _Partial(acc.reshape(*shape, d_h), m.reshape(shape), l.reshape(shape))
 
 
 def pallas_tile(rows: int) -> int:
-    """Query rows per program of the GPU kernel for `rows` query rows per KV head: the next power of two (Triton
-    tiles are powers of two), at least 16 (Triton's dot needs 16)."""
+    """The query tile by which `split_keys` picks a split size for `rows` query rows per KV head: the next power of
+    two, at least 16 (the tiles of the former Triton kernel, which the split sizes were measured with)."""
     return max(16, 1 << (rows - 1).bit_length())
 
 
@@ -222,11 +210,12 @@ def _splits(capacity: int, tile: int) -> int:
 
 
 def use_pallas(q: jax.Array, span: Span) -> bool:
-    """The GPU kernel applies to 16-bit operands, few query rows per KV head and block-aligned capacities (on a GPU:
-    `on_gpu` decides that)."""
+    """The GPU kernel applies on Hopper or newer to 16-bit operands, few query rows per KV head and block-aligned
+    capacities (on a GPU: `on_gpu` decides that)."""
     _, _, groups, Sq, d_h = q.shape
     return (
-        q.dtype in (jnp.bfloat16, jnp.float16)
+        hopper_or_newer()
+        and q.dtype in (jnp.bfloat16, jnp.float16)
         and span.k.dtype == q.dtype
         and groups * Sq <= _PALLAS_MAX_ROWS
         and span.k.shape[2] % SPAN_ALIGN == 0
@@ -262,9 +251,10 @@ def attend(
     """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
 
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
-    query see them). impl: "xla" (blocked loop), "pallas" (GPU decode kernel for spans) or "auto" (the kernel
-    where it applies: a program lowered for a GPU, 16-bit operands, at most 128 query rows per KV head); another
-    is a `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that sees no key gets zeros.
+    query see them). impl: "xla" (blocked loop), "pallas" (the Mosaic GPU kernel for spans, Hopper or newer) or
+    "auto" (the kernel where it applies: a program lowered for a Hopper or newer GPU, 16-bit operands, at most 128
+    query rows per KV head); another is a `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that
+    sees no key gets zeros.
     """
     check_impl("attend", impl, ATTEND_IMPLS)
     batch, Sq, n_h, d_h = q.shape

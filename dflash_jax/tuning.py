@@ -32,14 +32,11 @@ class Tuning:
     # split for query tiles of < 64 rows, for 64- and 128-row tiles). Also decides cache capacities
     # (`attention.span_capacity`), on every platform.
     span_splits: tuple[tuple[float, int, int], ...]
-    # The GPU span kernel's (key slots per step, warps, software-pipelining stages) by query tile rows.
-    span_tiles: dict[int, tuple[int, int, int]]
     # Batches from this size on read the drafter's ring layers with the span kernel; smaller ones score a whole
     # ring densely (two kernel launches per ring cost more than one dense pass at small batches).
     ring_spans_min_batch: int
-    # The NVFP4 dequantizer's 16-value blocks per program, and its warps.
-    nvfp4_rows: int
-    nvfp4_warps: int
+    # The NVFP4 dequantizer's 16-value blocks per program (`nvfp4._mosaic_gpu`: 128 or 256).
+    nvfp4_tile: int
     # The MoE block gathers each token's experts up to this many (token, expert) pairs (decode and verify
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
     moe_gather_max_rows: int
@@ -48,10 +45,8 @@ class Tuning:
 
 H200 = Tuning(
     span_splits=((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096)),
-    span_tiles={16: (128, 4, 2), 32: (128, 4, 2), 64: (64, 4, 3), 128: (64, 4, 2)},
     ring_spans_min_batch=8,
-    nvfp4_rows=128,
-    nvfp4_warps=4,
+    nvfp4_tile=256,
     moe_gather_max_rows=256,
     moe_tile_rows=128,
 )

@@ -1,6 +1,7 @@
-"""NVFP4: hand-computed vectors, dequantization (XLA, Pallas in interpret mode on CPU, the real kernel in the tests
-marked `gpu`) against an independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version,
-and bad input. Every random generator is seeded.
+"""NVFP4: hand-computed vectors, dequantization (XLA; on CPU the Mosaic GPU kernel's arithmetic `_mosaic_gpu.decode`,
+which JAX's GPU interpreter cannot run inside the kernel; the real kernel in the tests marked `gpu`) against an
+independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version, and bad input. Every random
+generator is seeded.
 
 The NumPy code here is written from the format's definition, not from the package: E2M1 codes (1 sign bit, 2
 exponent bits, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; OCP Microscaling Formats v1.0), one
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from dflash_jax import nvfp4
 from dflash_jax.errors import CheckpointError
-from dflash_jax.nvfp4._pallas import dequantize_pallas
+from dflash_jax.nvfp4 import _mosaic_gpu
 
 on_gpu = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -88,14 +89,18 @@ def random_nvfp4(rng, shape_nk, finite=True):
 
 # --- hand-computed vectors -------------------------------------------------------------------------------------------
 
-BACKENDS = ["xla", "interpret"]
+BACKENDS = ["xla", "kernel-decode"]
 
 
-def deq(backend, packed, scale, scale_2, dtype=jnp.bfloat16, **kw):
-    if backend == "interpret":
-        scale = np.asarray(scale).view(np.uint8)
-        return np.asarray(dequantize_pallas(jnp.asarray(packed), jnp.asarray(scale),
-                                            jnp.asarray(scale_2, jnp.float32), dtype=dtype, interpret=True, **kw))
+def deq(backend, packed, scale, scale_2, dtype=jnp.bfloat16):
+    """"kernel-decode": the kernel's arithmetic on every block at once (`decode`: bytes [blocks, 8], scale bytes
+    [blocks] -> u32 words, low half first), bitcast to `dtype` as the kernel's caller does."""
+    if backend == "kernel-decode":
+        packed = np.asarray(packed)
+        scale = np.asarray(scale).view(np.uint8).ravel()  # [blocks]
+        words = _mosaic_gpu.decode(jnp.asarray(packed).reshape(-1, 8), jnp.asarray(scale), jnp.float32(scale_2),
+                                   dtype)  # [blocks, 8] u32
+        return np.asarray(jax.lax.bitcast_convert_type(words, dtype)).reshape(*packed.shape[:-1], -1)
     return np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend=backend))
 
 
@@ -189,27 +194,26 @@ def test_quantize_all_zero_and_bad_shapes():
         nvfp4.quantize(np.full((1, 16), np.nan, np.float32))
 
 
-# --- Pallas (interpret mode) == XLA == NumPy ----------------------------------------------------------------------
+# --- the kernel's arithmetic == XLA == NumPy ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape,rows", [((1, 32), None), ((3, 64), None), ((37, 160), 16), ((2, 5376), 64),
-                                        ((17, 96), 8), ((64, 256), 32)])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 64), (37, 160), (2, 5376), (17, 96), (64, 256)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_pallas_interpret_matches_xla(shape, rows, dtype):
+def test_kernel_decode_matches_xla(shape, dtype):
     rng = np.random.default_rng(shape[0] * 1000 + shape[1])
     packed, scale = random_nvfp4(rng, shape)
     scale_2 = np.float32(rng.uniform(1e-4, 1e-2))
     xla = deq("xla", packed, scale, scale_2, dtype=dtype)
-    pallas = deq("interpret", packed, scale, scale_2, dtype=dtype, rows=rows)
-    np.testing.assert_array_equal(bits16(pallas), bits16(xla))
+    kernel = deq("kernel-decode", packed, scale, scale_2, dtype=dtype)
+    np.testing.assert_array_equal(bits16(kernel), bits16(xla))
     np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, scale_2, np.dtype(dtype))))
 
 
 @pytest.mark.parametrize("scale_2", [1e-38, 3e-36, 7.0, 1e30])  # subnormal, overflowing products
-def test_pallas_interpret_extreme_scale_2(scale_2):
+def test_kernel_decode_extreme_scale_2(scale_2):
     rng = np.random.default_rng(7)
     packed, scale = random_nvfp4(rng, (4, 64))
     xla = deq("xla", packed, scale, np.float32(scale_2))
-    np.testing.assert_array_equal(bits16(deq("interpret", packed, scale, np.float32(scale_2))), bits16(xla))
+    np.testing.assert_array_equal(bits16(deq("kernel-decode", packed, scale, np.float32(scale_2))), bits16(xla))
     if scale_2 > 1e-30:  # XLA:CPU flushes subnormal products to zero, NumPy does not
         np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, np.float32(scale_2))))
 
@@ -360,3 +364,22 @@ def test_gpu_pallas_matches_xla_extreme_scale_2(scale_2):
     np.testing.assert_array_equal(bits16(out), bits16(xla))
     if scale_2 > 1e-30:  # subnormal products: a platform may flush them (XLA:CPU does), NumPy does not
         np.testing.assert_array_equal(bits16(out), bits16(np_dequantize(packed, scale, np.float32(scale_2))))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("tile", [128, 256])
+@pytest.mark.parametrize("shape", [(3, 80), (5, 272), (1, 16), (2, 3, 4112), (300, 2064)])
+def test_gpu_mosaic_tiles_ragged_counts_and_nan_scales(tile, shape):
+    """Both tile sizes on odd block counts (15, 85, 1: padded), leading dims, a last tile shifted back over its
+    neighbour (300 x 129 blocks), and NaN scale bytes (0x7F, 0xFF) left in: NaN wherever XLA gives NaN."""
+    rng = np.random.default_rng(sum(shape) + tile)
+    packed, scale = random_nvfp4(rng, (int(np.prod(shape[:-1])), shape[-1]), finite=False)
+    packed, scale = packed.reshape(*shape[:-1], -1), scale.reshape(*shape[:-1], -1)
+    out = _mosaic_gpu.dequantize_mosaic_gpu(jnp.asarray(packed), jnp.asarray(scale), jnp.float32(0.02), tile=tile)
+    xla = nvfp4.dequantize(packed, scale, np.float32(0.02), backend="xla")
+    assert out.shape == xla.shape == shape
+    out, xla = np.asarray(out).astype(np.float32), np.asarray(xla).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(xla))
+    np.testing.assert_array_equal(bits16(np.nan_to_num(out).astype(ml_dtypes.bfloat16)),
+                                  bits16(np.nan_to_num(xla).astype(ml_dtypes.bfloat16)))

@@ -20,7 +20,7 @@ Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tens
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1
 (ModelOpt would divide 0 by 0). Products below the f32 normal range (scale_2 < ~1e-30, never seen in real
 weights) follow the platform: XLA:CPU flushes them to zero; on an H200 the Pallas and XLA paths agree.
-The Pallas kernel (Triton lowering) and why it writes u32 pairs: see `_pallas`.
+The Pallas kernel (Mosaic GPU lowering) and why it writes u32 pairs: see `_mosaic_gpu`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..tuning import has_cuda, on_gpu
+from .._gpu import hopper_or_newer
+from ..tuning import on_gpu
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 from .packed import Packed, matmul
@@ -45,9 +46,10 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
     """Dequantizes NVFP4 `packed` [..., K/2] u8 with `scale` [..., K/16] and `scale_2` to [..., K] `dtype`.
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
-    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the GPU
-    kernel, bfloat16/float16 output, GPU only), "xla" (plain jnp), "auto" (pallas where the program is lowered for
-    a GPU, for bfloat16/float16; xla otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the Pallas
+    Mosaic GPU kernel, bfloat16/float16 output, Hopper GPUs or newer), "xla" (plain jnp), "auto" (pallas where
+    the program is lowered for a GPU of this process that is a Hopper or newer, for bfloat16/float16; xla
+    otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
     """
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
@@ -73,14 +75,14 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
     def pallas(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
         if scale.dtype == jnp.float8_e4m3fn:
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
-        from ._pallas import dequantize_pallas  # here: importing Pallas costs ~50 ms that a load may not need
+        from ._mosaic_gpu import dequantize_mosaic_gpu  # here: importing Pallas costs ~50 ms a load may not need
 
-        return dequantize_pallas(packed, scale, scale_2, dtype=dtype)
+        return dequantize_mosaic_gpu(packed, scale, scale_2, dtype=dtype)
 
     if backend == "pallas":
-        if not has_cuda():
-            raise ValueError("dequantize: backend='pallas' needs a GPU (use 'xla' or 'auto' elsewhere)")
+        if not hopper_or_newer():
+            raise ValueError("dequantize: backend='pallas' needs a Hopper or newer GPU (use 'xla' or 'auto' elsewhere)")
         return pallas(packed, scale, scale_2)
-    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and hopper_or_newer():
         return on_gpu(pallas, xla, packed, scale, scale_2)  # the kernel where the program is lowered for a GPU
     return xla(packed, scale, scale_2)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .._precision import weight_dot
+from ..tuning import has_cuda
 from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
@@ -127,8 +128,9 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
             raise ValueError(f"nvfp4.matmul: backend='mosaic' computes in bfloat16; the weight's dtype is "
                              f"{w.dtype.name}")
         *lead, k = x.shape
+        # Pallas' interpreter in a process without a GPU (its callbacks cannot sit in a `platform_dependent` branch)
         out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=jnp.dtype(out_dtype),
-                            interpret=jax.default_backend() != "gpu")  # [M, N]
+                            interpret=not has_cuda())  # [M, N]
         return out.reshape(*lead, w.shape[0])
     return weight_dot(x, w.dequantize(), out_dtype)
 
