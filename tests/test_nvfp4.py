@@ -194,6 +194,17 @@ def test_quantize_all_zero_and_bad_shapes():
         nvfp4.quantize(np.full((1, 16), np.nan, np.float32))
 
 
+@given(st.integers(1, 3_000_000), st.sampled_from([128, 256]))
+def test_every_kernel_tile_starts_16_byte_aligned(n_real, tile):
+    """TMA copies need 16-byte aligned sources: every CTA's first block (scale bytes at 1 byte a block) is a multiple
+    of 16, the last tile (shifted back) included, and the tiles cover the real blocks. The ragged 4097 x 2080 weight
+    (532610 blocks) started its last tile 2 bytes off before the padding rule, and crashed the H200."""
+    n = _mosaic_gpu.padded_blocks(n_real, tile)
+    starts = [min(i * tile, n - tile) for i in range(-(-n // tile))]
+    assert n >= n_real and all(start % 16 == 0 and start + tile <= n for start in starts)
+    assert starts[-1] + tile == n
+
+
 # --- the kernel's arithmetic == XLA == NumPy ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(1, 32), (3, 64), (37, 160), (2, 5376), (17, 96), (64, 256)])

@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .._shapes import round_up
 from ..tuning import tuning
 
 BLOCK_BYTES = 8  # 16 codes share one scale
@@ -86,6 +87,14 @@ def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the copy's reads, not its writes
 
 
+def padded_blocks(n_real: int, tile: int) -> int:
+    """The blocks the kernel runs over for `n_real` real ones: a multiple of 16 and at least one tile. Every CTA's
+    first block (`_kernel`'s `start`, the last one shifted back) is then a multiple of 16, so the TMA copy of its
+    scale bytes starts 16-byte aligned, as TMA requires: a ragged count (4097 x 130 blocks) put it 2 bytes off and
+    the H200 stopped with CUDA_ERROR_ILLEGAL_INSTRUCTION. Drafter shapes (K a multiple of 256) need no padding."""
+    return max(tile, round_up(n_real, 16))
+
+
 @functools.partial(jax.jit, static_argnames=("dtype", "tile"))
 def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, dtype=jnp.bfloat16,
                           tile: int | None = None) -> jax.Array:
@@ -101,9 +110,9 @@ def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax
         raise ValueError(f"tile must be 128 or 256 blocks, got {tile}")
     *lead, half_k = packed.shape
     n_real = packed.size // BLOCK_BYTES
-    n_blocks = max(tile, n_real + n_real % 2)  # even (the [n/2, 16] view) and at least one tile
+    n_blocks = padded_blocks(n_real, tile)
     w, s = packed.reshape(n_real, BLOCK_BYTES), scale_bits.reshape(n_real)
-    if n_blocks != n_real:  # only tensors under 4096 values, or with an odd count of blocks
+    if n_blocks != n_real:  # only tensors under 4096 values, or whose count of blocks is not a multiple of 16
         w, s = jnp.pad(w, ((0, n_blocks - n_real), (0, 0))), jnp.pad(s, (0, n_blocks - n_real))
     words = plgpu.kernel(
         functools.partial(_kernel, n_blocks=n_blocks, tile=tile, dtype=dtype),
