@@ -131,11 +131,6 @@ def _pick(key: jax.Array | None, logits: jax.Array, warp: Warp) -> jax.Array:
     return choose(key, logits, warp)[0]
 
 
-def _draft_warp(warp: Warp) -> dict[str, jax.Array | None]:
-    """`propose`'s sampling keywords: the drafts are drawn under the target's controls (`sampling`)."""
-    return dict(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p)
-
-
 def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(tokens, counts)]
 
@@ -264,7 +259,8 @@ def _spec_prefill(
                          chunk=prefill_chunk)
     first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
-                                key=draft_key if sampling else None, **_draft_warp(warp),
+                                key=draft_key if sampling else None, temperature=warp.temperature,
+                                top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,  # the target's controls
                                 confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
     return _State(
         step=jnp.zeros((), jnp.int32),
@@ -332,7 +328,8 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
 
     def draft(context: ContextCache):
         return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
-                       **_draft_warp(warp), confidence_threshold=threshold, attention=attention)
+                       temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,
+                       confidence_threshold=threshold, attention=attention)
 
     def keep_up(context: ContextCache):  # the next step is plain: its drafts are never read
         return s.proposal, append_context(drafter, context, features, committed, attention=attention)
