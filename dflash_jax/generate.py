@@ -17,9 +17,11 @@ DFlash/DFlash2, B for DSpark):
 Sampling (temperature T > 0) is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al.
 2023), so the output is distributed exactly as the target's own sampling at T: draft x (drawn from q) is
 accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
-norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T) and q is
-the distribution the drafter actually drew from (`Proposal.probs`). z-lab's reference loop compares each draft
-with a token sampled from the target, which is lossless too, but accepts less (docs/references.md).
+norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T), cut by
+`top_k` / `top_p` / `min_p` when given, and q is the distribution the drafter actually drew from
+(`Proposal.probs`: its own logits under the same controls; `dflash_jax.sampling`). z-lab's reference loop
+compares each draft with a token sampled from the target, which is lossless too, but accepts less
+(docs/references.md).
 
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
