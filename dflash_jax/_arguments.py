@@ -317,7 +317,8 @@ def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity
     """Refuse, before anything is allocated, decode caches of `capacity` positions per sequence that cannot
     exist: positions past int32, or more bytes than the target's devices have free (`_memory.free_bytes`:
     what they report, the host's available memory for CPUs). The target's cache is measured abstractly
-    (`jax.eval_shape` of its `init_cache`), the drafter's bounded by every layer keeping every position."""
+    (`jax.eval_shape` of its `init_cache`), the drafter's bounded by every layer keeping every position; under
+    several processes, this process's devices against their share of it."""
     if capacity > INT32_MAX:
         raise ValueError(f"{where}: the caches would need {capacity} positions per sequence, past int32 positions "
                          f"({INT32_MAX}); lower max_new_tokens")
@@ -329,7 +330,10 @@ def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity
         needed += (2 * c.num_hidden_layers * batch * c.num_key_value_heads * (capacity + c.effective_block_size)
                    * c.head_dim * itemsize)
     devices = target.embed.devices() if hasattr(target.embed, "devices") else jax.local_devices()[:1]
-    free, what = free_bytes(devices)
+    # Across processes (`jax.distributed`) only this process's devices answer: their share of the caches
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    needed = needed * len(local) // max(len(devices), 1)
+    free, what = free_bytes(local)
     if free is not None and needed > free:
         raise ValueError(f"{where}: the KV caches for {batch} sequence(s) of {capacity} positions need "
                          f"{needed / 2**30:,.2f} GiB, but the target's {what} have {free / 2**30:,.2f} GiB free; "

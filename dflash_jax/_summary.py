@@ -25,7 +25,7 @@ def summary(kind: str, details: list[str], tree: Any) -> str:
         where = "traced"
     else:
         devices = {d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
-        platforms = "/".join(sorted({d.platform for d in devices}))
+        platforms = "/".join(sorted({str(getattr(d, "platform", "?")) for d in devices}))
         where = f"{len(devices)} x {platforms}" if devices else "host"
     nbytes = sum(int(x.size) * x.dtype.itemsize for x in leaves)
     return f"{kind}({', '.join(details)}, {len(leaves)} arrays, {dtypes}, {where}, {_size(nbytes)})"

@@ -291,9 +291,13 @@ def sample_drafts(
     if cap is not None:
         logits = cap * jnp.tanh(logits / cap)
     anchor_ids = anchor_ids.astype(jnp.int32)
-    warp = Warp(*(None if x is None else jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))  # each [batch]
-                  for x, dtype in ((temperature, jnp.float32), (top_k, jnp.int32), (top_p, jnp.float32),
-                                   (min_p, jnp.float32))))
+    def per_sequence(x, dtype) -> jax.Array:  # [batch]
+        return jnp.broadcast_to(jnp.asarray(x, dtype), (batch,))
+
+    warp = Warp(per_sequence(temperature, jnp.float32),
+                top_k=None if top_k is None else per_sequence(top_k, jnp.int32),
+                top_p=None if top_p is None else per_sequence(top_p, jnp.float32),
+                min_p=None if min_p is None else per_sequence(min_p, jnp.float32))
 
     if selector:
         tokens, probs = _selector_walk(params, config, hidden, logits, anchor_ids, key, warp)

@@ -17,9 +17,11 @@ DFlash/DFlash2, B for DSpark):
 Sampling (temperature T > 0) is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al.
 2023), so the output is distributed exactly as the target's own sampling at T: draft x (drawn from q) is
 accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
-norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T) and q is
-the distribution the drafter actually drew from (`Proposal.probs`). z-lab's reference loop compares each draft
-with a token sampled from the target, which is lossless too, but accepts less (docs/references.md).
+norm(max(p - q, 0)); after the last proposed draft it is drawn from p. p = softmax(target logits / T), cut by
+`top_k` / `top_p` / `min_p` when given, and q is the distribution the drafter actually drew from
+(`Proposal.probs`: its own logits under the same controls; `dflash_jax.sampling`). z-lab's reference loop
+compares each draft with a token sampled from the target, which is lossless too, but accepts less
+(docs/references.md).
 
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
@@ -126,11 +128,6 @@ def _pick(key: jax.Array | None, logits: jax.Array, warp: Warp) -> jax.Array:
     """The target's own choice from `logits [batch, V]`: argmax without a key, else a sample from the `warp`ed
     distribution."""
     return choose(key, logits, warp)[0]
-
-
-def _draft_warp(warp: Warp) -> dict[str, jax.Array | None]:
-    """`propose`'s sampling keywords: the drafts are drawn under the target's controls (`sampling`)."""
-    return dict(temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p)
 
 
 def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
@@ -261,7 +258,8 @@ def _spec_prefill(
                          chunk=prefill_chunk)
     first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
     proposal, context = propose(drafter, context, out.features, lengths, first,
-                                key=draft_key if sampling else None, **_draft_warp(warp),
+                                key=draft_key if sampling else None, temperature=warp.temperature,
+                                top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,  # the target's controls
                                 confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
     return _State(
         step=jnp.zeros((), jnp.int32),
@@ -329,7 +327,8 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
 
     def draft(context: ContextCache):
         return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
-                       **_draft_warp(warp), confidence_threshold=threshold, attention=attention)
+                       temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,
+                       confidence_threshold=threshold, attention=attention)
 
     def keep_up(context: ContextCache):  # the next step is plain: its drafts are never read
         return s.proposal, append_context(drafter, context, features, committed, attention=attention)

@@ -108,6 +108,6 @@ class DFlashDrafter(nnx.Module):
         **options: Any,
     ) -> tuple[Proposal, ContextCache]:
         """One drafting step: `dflash_jax.propose` with this module's weights (`options`: `key`, `temperature`,
-        `confidence_threshold`, `embed`, `lm_head`, `attention`, ... as `propose` takes them).
-        The cache is donated: use the returned one."""
+        `top_k`, `top_p`, `min_p`, `confidence_threshold`, `embed`, `lm_head`, `attention`, ... as `propose` takes
+        them). The cache is donated: use the returned one."""
         return drafting.propose(self.drafter, cache, target_hidden, num_new, anchor_ids, **options)

@@ -1,13 +1,15 @@
 """One process of the two-process load test (tests/test_multihost.py): load onto a global mesh, check it.
 
-Run as: python multihost_worker.py PROCESS_ID PORT DRAFTER_DIR TARGET_DIR
+Run as: python multihost_worker.py PROCESS_ID PORT DRAFTER_DIR TARGET_DIR PROMPTS_JSON MAX_NEW_TOKENS
 
 The drafter is replicated over a 4-device mesh; the target is tensor-parallel over ("data", "model") = (1, 4),
 and every read of tensor data this process makes is recorded (the byte ranges of the views `Checkpoint.read`
 hands out, from their addresses in the map) and compared with the ranges of its own devices' shards, worked
-out here from the planned shardings by row-major arithmetic.
+out here from the planned shardings by row-major arithmetic. Then both processes decode the same prompts with
+the target split across them and print the tokens.
 """
 
+import json
 import os
 import sys
 
@@ -23,7 +25,7 @@ process_id, port, checkpoint, target_dir = int(sys.argv[1]), sys.argv[2], sys.ar
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                            initialization_timeout=60)
 
-from dflash_jax import load_drafter, load_target  # noqa: E402
+from dflash_jax import load_drafter, load_target, speculative_generate  # noqa: E402
 from dflash_jax.placement import auto_mesh  # noqa: E402
 from dflash_jax.safetensors import Checkpoint  # noqa: E402
 from dflash_jax.target.dense import plan_decoder  # noqa: E402
@@ -113,4 +115,10 @@ with Checkpoint(target_dir) as ckpt:
     assert sum(b - a for a, b in planned(q, (slice(0, q.shape[0] // 2), slice(0, q.shape[1])))) * 2 == q.nbytes
 assert not reads, f"tensors read outside the plan: {sorted(reads)}"
 print(f"process {process_id}: target ok, read {read_bytes} of {total_bytes} bytes")
+
+# Speculative decoding across the processes: the target split over both processes' devices, the drafter replicated
+# on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens.
+paired = load_drafter(checkpoint, mesh=target.layout.mesh, dtype=jnp.float32)
+result = speculative_generate(target, paired, json.loads(sys.argv[5]), max_new_tokens=int(sys.argv[6]))
+print(f"process {process_id}: tokens {json.dumps(result.tokens)}")
 jax.distributed.shutdown()

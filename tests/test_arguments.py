@@ -78,3 +78,25 @@ def test_token_ids_of_another_dtype_are_refused():
     with pytest.raises(ValueError, match="prompt_ids has dtype float32"):
         check_token_ids("generate", "prompt_ids", np.array([1.0], np.float32), V)
     check_token_ids("generate", "prompt_ids", [], V)
+
+
+def test_cache_check_asks_only_this_process_devices():
+    """Under `jax.distributed` the target's arrays span other processes' devices, which cannot report their memory
+    (`memory_stats` raises for them): the check weighs this process's devices against their share."""
+    import types
+
+    from dflash_jax._arguments import check_cache_fits
+
+    class Remote:  # another process's device, as jax shows it
+        process_index = jax.process_index() + 1
+        platform = "cpu"
+
+        def memory_stats(self):
+            raise RuntimeError("MemoryStats is only supported for addressable PjRt devices.")
+
+    here = jax.local_devices()[0]
+    embed = types.SimpleNamespace(devices=lambda: {here, Remote()})
+    target = types.SimpleNamespace(embed=embed, init_cache=lambda batch, capacity: jnp.zeros((batch, capacity)))
+    check_cache_fits("speculative_generate", target, None, 1, 128)
+    with pytest.raises(ValueError, match="need .* GiB, but the target's 1 device"):
+        check_cache_fits("speculative_generate", target, None, 2**16, 2**30)

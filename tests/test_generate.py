@@ -26,6 +26,7 @@ from dflash_jax.generate import (
     greedy_generate,
     speculative_generate,
 )
+from dflash_jax.sampling import Warp
 from dflash_jax.target import PREFILL_CHUNK
 from dflash_jax.target.dense import plan_decoder
 from dflash_jax.testing import preset_dict, write_checkpoint
@@ -127,7 +128,7 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
 
 def _stepper(target, drafter):
     """`(prefill(prompts), step(state, backoff))` of the speculative loop, greedy, with 128-slot caches."""
-    stop, temperature, threshold = _stop_array(None), jnp.float32(1.0), jnp.float32(0.0)
+    stop, temperature, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
 
     def prefill(prompts):
         tokens, lengths = _pad_prompts(prompts)

@@ -1,17 +1,24 @@
 """Two JAX processes on this machine (CPU devices, loopback coordinator) load a drafter replicated and a target
 tensor-parallel onto a global 2-process mesh; each reads and places only its own devices' copies and shards
-(the audit of the byte ranges each process read: tests/multihost_worker.py)."""
+(the audit of the byte ranges each process read: tests/multihost_worker.py). Then both decode the same prompts
+with the target split across them and the drafter replicated, and get the tokens one process gets."""
 
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
 
+import jax.numpy as jnp
+
+from dflash_jax import load_drafter, load_target, speculative_generate
 from dflash_jax._qwen3_testing import write_qwen3_checkpoint
-from dflash_jax.testing import write_checkpoint
+from dflash_jax.testing import preset_dict, write_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS, MAX_NEW = [[5, 17, 99, 3], [120, 4], [9, 9, 9]], 6
 
 
 def free_port() -> int:
@@ -21,20 +28,23 @@ def free_port() -> int:
 
 
 def test_two_process_load(tmp_path):
-    write_checkpoint(tmp_path, "tiny-dflash2", prefix="model.", num_shards=2)
+    # trained on a 4-layer target (the tp target's), so that the two pair for decoding
+    write_checkpoint(tmp_path, {**preset_dict("tiny-dflash2"), "num_target_layers": 4}, prefix="model.", num_shards=2)
     target = tmp_path / "target"
     write_qwen3_checkpoint(target, "tiny-qwen3-tp", num_shards=2, dtype="float32")
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # XLA_FLAGS: the conftest's compile flags
+    env["PYTHONPATH"] = ROOT  # this checkout's package, whatever is installed
     procs = [
-        subprocess.Popen([sys.executable, WORKER, str(i), port, str(tmp_path), str(target)], env=env,
+        subprocess.Popen([sys.executable, WORKER, str(i), port, str(tmp_path), str(target), json.dumps(PROMPTS),
+                          str(MAX_NEW)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
     outputs = []
     try:
         for proc in procs:
-            outputs.append(proc.communicate(timeout=120)[0])
+            outputs.append(proc.communicate(timeout=300)[0])
     finally:
         for proc in procs:
             proc.kill()
@@ -43,3 +53,8 @@ def test_two_process_load(tmp_path):
         assert f"process {i}: ok, 36 global replicated arrays" in out
         read, total = map(int, re.search(rf"process {i}: target ok, read (\d+) of (\d+) bytes", out).groups())
         assert read < 0.6 * total  # 4-way split over 2 processes: half of each split tensor, the norms whole
+    one_target = load_target(target, dtype=jnp.float32)
+    one_drafter = load_drafter(tmp_path, dtype=jnp.float32)
+    expected = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    for i, out in enumerate(outputs):
+        assert json.loads(re.search(rf"process {i}: tokens (.*)", out).group(1)) == expected, f"process {i}"

@@ -4,11 +4,13 @@ equal to `draft_logits` / `propose`, and the NNX transforms (split / merge / jit
 from __future__ import annotations
 
 import inspect
+import logging
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dflash_jax import AttentionOptions, draft_logits, init_cache, load_drafter, propose
@@ -116,3 +118,44 @@ def test_init_draws_a_trainable_tree():
     fc = params["fc"]["weight"].astype(jnp.float32)
     assert 0.5 < float(jnp.std(fc)) * np.sqrt(fc.shape[1]) < 2  # N(0, 1/fan_in)
     assert params["embed_tokens"]["weight"].shape == (config.vocab_size, config.hidden_size)
+
+
+def _compiles(caplog, name: str) -> int:
+    return sum(f"Compiling {name}" in r.getMessage() for r in caplog.records)
+
+
+def test_nnx_jit_without_graph_updates_compiles_once(caplog):
+    """`nnx.jit(f, graph_updates=False)` over a loaded module compiles once, and the module's own call is not
+    recompiled by it (README: the default graph-updates mode writes every weight back, respelled)."""
+    if "graph_updates" not in inspect.signature(nnx.jit).parameters:
+        pytest.skip("flax < 0.12.6: no graph_updates")
+    drafter = tiny_drafter("tiny-dflash")
+    module = DFlashDrafter.from_drafter(drafter)
+    hidden, ids, positions = inputs(drafter)
+
+    def step(m, hidden, ids):
+        return m(hidden, ids, **positions)
+
+    jitted = nnx.jit(step, graph_updates=False)
+    module(hidden, ids, **positions)  # the module's own program, compiled here
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            jitted(module, hidden, ids)
+        module(hidden, ids, **positions)
+    assert _compiles(caplog, "jit(step)") == 1 and _compiles(caplog, "jit(_draft_logits)") == 0, [
+        r.getMessage()[:80] for r in caplog.records]
+
+
+def test_orbax_round_trip_of_the_drafters_own_weights(tmp_path):
+    """The state to save is `nnx.state(module, nnx.Param)`, the drafter's own weights (an attached target
+    embedding / LM head is a `TargetWeight`, which `init` has not); it restores into the abstract module of the
+    config, `nnx.eval_shape` of `DFlashDrafter.init`."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    drafter = tiny_drafter("tiny-dflash")
+    module = DFlashDrafter.from_drafter(drafter)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "state", nnx.state(module, nnx.Param))
+        abstract = nnx.eval_shape(lambda: DFlashDrafter.init(drafter.config, rngs=nnx.Rngs(0), dtype=jnp.float32))
+        graphdef, target = nnx.split(abstract, nnx.Param)
+        restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "state", target))
+    chex.assert_trees_all_equal(nnx.state(restored, nnx.Param), nnx.state(module, nnx.Param))
