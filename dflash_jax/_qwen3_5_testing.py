@@ -28,7 +28,7 @@ import numpy as np
 
 from ._qwen3_testing import scaled_outputs, successor_heads
 from .safetensors import write_tensors
-from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, params_tree, plan_qwen3_5
+from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, params_tree, plan_qwen3_5
 from .target.qwen3_5_config import Qwen3_5Config, parse_qwen3_5_config
 
 _TINY_TEXT = {
@@ -86,10 +86,8 @@ def write_qwen3_5_checkpoint(
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     plan = plan_qwen3_5(parsed, MULTIMODAL_PREFIX if multimodal else "model.")
-    arrays = {t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan}
-    for name in [n for n in arrays if n.endswith(".experts.gate_proj")]:  # the released layout: gate rows, then up
-        up = arrays.pop(name.removesuffix("gate_proj") + "up_proj")
-        arrays[name.removesuffix("gate_proj") + "gate_up_proj"] = np.concatenate([arrays.pop(name), up], axis=1)
+    # the stored layout: delta-net q/k/v projections and convs fused, experts' gate and up fused (as released)
+    arrays = fuse_stored({t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan})
     if multimodal:
         arrays |= {name: rng.standard_normal(shape).astype(out_dtype) for name, shape in _OTHER_TENSORS.items()}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
