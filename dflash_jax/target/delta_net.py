@@ -23,7 +23,8 @@ attention `o_proj`), the conv state in three (`CONV_AXES`), the recurrence and i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,8 @@ from .views import Fused, TensorViews
 
 Params = dict[str, Any]
 Conv = tuple[jax.Array, jax.Array, jax.Array]  # one layer's conv state (or window): its q, k and v channels
+A = TypeVar("A")
+B = TypeVar("B")
 
 PARTS = ("q", "k", "v")
 QKV = Fused("in_proj_qkv.weight", tuple(f"in_proj_{x}.weight" for x in PARTS), 0,
@@ -87,6 +90,12 @@ def add_delta_net_views(views: TensorViews, prefix: str, c: Qwen3_5Config) -> No
     H, K = c.hidden_size, c.linear_conv_kernel_dim
     views.split(prefix, QKV, [(n, H) for n in part_dims(c)])
     views.split(prefix, CONV, [(n, 1, K) for n in part_dims(c)])
+
+
+def map_parts(f: Callable[[A], B], parts: tuple[A, A, A]) -> tuple[B, B, B]:
+    """`f` on each of the q, k and v parts (of one layer's conv state or window, `part_dims`)."""
+    q, k, v = parts
+    return f(q), f(k), f(v)
 
 
 def conv_state(window: jax.Array, kept: jax.Array, taps: int) -> jax.Array:
@@ -141,16 +150,16 @@ def delta_net(c: Qwen3_5Config, layout: Layout | None, p: Params, xn: jax.Array,
     if valid is None:
         out, states = block_delta_rule(q, k, v, g, beta, state)
         conv, state = windows, jnp.concatenate([state[:, None], states], axis=1)
-        pending_axes = (BATCH, None, *STATE_AXES[1:])  # [batch, S + 1, n_v, d_k, d_v]
+        pending_axes: tuple[str | None, ...] = (BATCH, None, *STATE_AXES[1:])  # [batch, S + 1, n_v, d_k, d_v]
     else:
         g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
         out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
         kept = jnp.sum(valid, axis=1, dtype=jnp.int32)
-        conv = tuple(conv_state(w, kept, c.linear_conv_kernel_dim) for w in windows)  # type: ignore[assignment]
+        conv = map_parts(lambda w: conv_state(w, kept, c.linear_conv_kernel_dim), windows)
         pending_axes = STATE_AXES
     if layout is not None:
         state = layout.constrain(state, pending_axes)
-        conv = tuple(layout.constrain(w, CONV_AXES) for w in conv)  # type: ignore[assignment]
+        conv = map_parts(lambda w: layout.constrain(w, CONV_AXES), conv)
     out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated RMSNorm: w * x_hat * silu(z)
     out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
     return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state

@@ -75,6 +75,7 @@ from .delta_net import (
     conv_state,
     delta_net,
     delta_net_spec,
+    map_parts,
     part_dims,
 )
 from .dense import _attention, _check_layer_ids, prefill_chunks
@@ -228,8 +229,8 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
     the K/V are passed through (the loop's lengths trim them). Shapes do not depend on S."""
     kept = kept.astype(jnp.int32)
     taps = lambda window, states: window.shape[1] - states.shape[1] + 2  # noqa: E731  (K - 1 + S) - (S + 1) + 2
-    conv = tuple(tuple(conv_state(w, kept, taps(w, s)) for w in windows) for windows, s in
-                 zip(pending.conv, pending.state))
+    conv = tuple(map_parts(lambda w, s=s: conv_state(w, kept, taps(w, s)), windows)  # type: ignore[misc]
+                 for windows, s in zip(pending.conv, pending.state))
     state = tuple(jnp.take_along_axis(s, kept[:, None, None, None, None], axis=1)[:, 0] for s in pending.state)
     return HybridCache(pending.k, pending.v, conv, state)
 
@@ -322,12 +323,13 @@ class Qwen3_5Target(HFTarget):
             return jnp.zeros(shape, dtype, device=where)
 
         kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        dims = part_dims(c)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         return HybridCache(
             tuple(zeros(kv, dtype, CACHE_AXES) for _ in range(n_full)),
             tuple(zeros(kv, dtype, CACHE_AXES) for _ in range(n_full)),
-            tuple(tuple(zeros((batch_size, c.linear_conv_kernel_dim - 1, n), dtype, CONV_AXES)  # type: ignore[misc]
-                        for n in part_dims(c)) for _ in range(n_delta)),
+            tuple(map_parts(lambda n: zeros((batch_size, c.linear_conv_kernel_dim - 1, n), dtype, CONV_AXES), dims)
+                  for _ in range(n_delta)),
             tuple(zeros(state, jnp.float32, STATE_AXES) for _ in range(n_delta)))
 
     def __call__(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *,
