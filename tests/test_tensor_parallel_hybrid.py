@@ -1,7 +1,8 @@
 """The Qwen3.5 hybrid target (dense and MoE) tensor-parallel on the 8 simulated CPU devices (`conftest`).
 
 On meshes (4, 2) and (2, 4) of ("data", "model") (a tensor axis of 2, which also splits the 2 KV heads, and of 4,
-which replicates them; the batch split over "data"), a tiny random checkpoint loaded with `load_target`:
+which replicates them; the batch split over "data"), a tiny random checkpoint loaded with `load_target` (the dense
+target on both meshes, the MoE one on (4, 2) here and (2, 4) in the speculative test; suite time):
 - every leaf has its planned sharding, and the delta-net (q/k/v parts of the fused projection and conv, z, a, b,
   out), attention and expert leaves are split over "model" as written here by hand (each device holding 1/tp);
 - prefill, a verify block, commit (a different kept count per sequence) and the decode step after it give the
@@ -28,7 +29,6 @@ from dflash_jax.testing import preset_dict, write_checkpoint, write_qwen3_5_chec
 
 from . import _io
 
-MESHES = [(4, 2), (2, 4)]
 PROMPTS = np.array([[5, 17, 99, 3, 8, 1, 4], [120, 4, 9, 0, 0, 0, 0], [7, 7, 2, 50, 0, 0, 0], [64, 0, 0, 0, 0, 0, 0]])
 LENGTHS = np.array([7, 3, 4, 1])
 BLOCK = np.array([[7, 8, 9], [10, 11, 12], [1, 2, 3], [90, 91, 92]])
@@ -79,8 +79,9 @@ def _planned(moe: bool) -> dict[str, P]:
     return split
 
 
-@pytest.mark.parametrize("shape", MESHES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("model", ["tiny-qwen3_5-tp", "tiny-qwen3_5-moe-tp"], indirect=True, ids=["dense", "moe"])
+@pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-tp", (2, 4)),
+                                          ("tiny-qwen3_5-moe-tp", (4, 2))],
+                         indirect=["model"], ids=["dense-4x2", "dense-2x4", "moe-4x2"])
 def test_sharded_equals_unsharded(model, shape):
     root, unsharded = model
     mesh = jax.make_mesh(shape, ("data", "model"))
