@@ -151,8 +151,9 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
 
 
 def plan_qwen3_5(config: Qwen3_5Config, prefix: str = "model.") -> list[TensorPlan]:
-    """Every tensor a checkpoint of `config` holds, layer by layer, each layer's mixer as its type says; stored
-    under `prefix` instead of `model.` (`MULTIMODAL_PREFIX` in a multimodal checkpoint), tree paths `model.`-less."""
+    """Every tensor of the tree, layer by layer, each layer's mixer as its type says, as `stored_views` shows a
+    checkpoint of `config` (fused tensors as their parts); stored under `prefix` instead of `model.`
+    (`MULTIMODAL_PREFIX` in a multimodal checkpoint), tree paths `model.`-less."""
     specs, plan = parameter_spec(config), []
     for s in specs:
         if "{i}" not in s.name:
