@@ -8,7 +8,10 @@
   presets have hidden 64, vocab 128 and 6 layers (linear, linear, linear, full, linear, linear), so the tiny
   drafters' `target_layer_ids` [1, 3] are valid. "tiny-qwen3_5-moe" is the MoE variant (`qwen3_5_moe_text`,
   `Qwen3_5MoeForCausalLM`: 8 experts, top-2, expert width 32, shared expert 32), written with the experts fused
-  as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`).
+  as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`). "tiny-qwen3_5-tp" and
+  "tiny-qwen3_5-moe-tp" (4 layers) split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
+  8 value heads).
+  Every checkpoint stores the delta net's `in_proj_qkv` and `conv1d` fused, as released.
 - `random_qwen3_5(config)`: random weights drawn on the device, each as its spec's initialiser draws it.
 """
 
@@ -29,7 +32,7 @@ import numpy as np
 from ._qwen3_testing import scaled_outputs, successor_heads
 from .plan import init_leaves
 from .safetensors import write_tensors
-from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, params_tree, plan_qwen3_5
+from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, params_tree, plan_qwen3_5
 from .target.qwen3_5_config import Qwen3_5Config, parse_qwen3_5_config
 
 _TINY_TEXT = {
@@ -43,15 +46,20 @@ _TINY_TEXT = {
                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     "bos_token_id": 0, "eos_token_id": 1,
 }
+_TINY_MOE = {**{k: v for k, v in _TINY_TEXT.items() if k != "intermediate_size"},
+             "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+             "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 32}
+_TP = {"num_hidden_layers": 4, "num_attention_heads": 8, "head_dim": 8, "linear_num_key_heads": 4,
+       "linear_num_value_heads": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 QWEN3_5_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3_5": _TINY_TEXT,
     "tiny-qwen3_5-tied": {**_TINY_TEXT, "tie_word_embeddings": True},
-    # tensor-parallel tests: 8 heads, 2 KV heads (split by 2 devices, replicated by 4), 4 delta-net value heads
-    "tiny-qwen3_5-tp": {**_TINY_TEXT, "num_attention_heads": 8, "head_dim": 8},
-    "tiny-qwen3_5-moe": {**{k: v for k, v in _TINY_TEXT.items() if k != "intermediate_size"},
-                         "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
-                         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                         "shared_expert_intermediate_size": 32},
+    # tensor-parallel tests: 4 layers (linear, linear, linear, full), 8 heads, 2 KV heads (split by 2 devices,
+    # replicated by 4), 4 delta-net key heads serving 8 value heads (two each): every split divides by 2 and 4
+    "tiny-qwen3_5-tp": {**_TINY_TEXT, **_TP},
+    "tiny-qwen3_5-moe": _TINY_MOE,
+    "tiny-qwen3_5-moe-tp": {**_TINY_MOE, **_TP},
     "tiny-qwen3_5-vl": {
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
         "text_config": {k: v for k, v in _TINY_TEXT.items() if k not in ("architectures", "tie_word_embeddings")},
@@ -87,10 +95,8 @@ def write_qwen3_5_checkpoint(
     rng = np.random.default_rng(seed)
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     plan = plan_qwen3_5(parsed, MULTIMODAL_PREFIX if multimodal else "model.")
-    arrays = {t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan}
-    for name in [n for n in arrays if n.endswith(".experts.gate_proj")]:  # the released layout: gate rows, then up
-        up = arrays.pop(name.removesuffix("gate_proj") + "up_proj")
-        arrays[name.removesuffix("gate_proj") + "gate_up_proj"] = np.concatenate([arrays.pop(name), up], axis=1)
+    # the stored layout: delta-net q/k/v projections and convs fused, experts' gate and up fused (as released)
+    arrays = fuse_stored({t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan})
     if multimodal:
         arrays |= {name: rng.standard_normal(shape).astype(out_dtype) for name, shape in _OTHER_TENSORS.items()}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

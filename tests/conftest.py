@@ -40,8 +40,9 @@ def cpu_mesh():
 
 # The modules that compile the most run first, so that parallel workers (pyproject's `-n 2 --dist loadfile`) finish
 # together instead of one of them ending the run alone on a late heavy module. Order within a module is kept.
-_HEAVY_FIRST = ("test_tensor_parallel", "test_readme", "test_benchmarks", "test_generate_sampling", "test_generate",
-                "test_fuzz", "test_drafting", "test_target", "test_generate_cli")
+_HEAVY_FIRST = ("test_tensor_parallel", "test_tensor_parallel_hybrid", "test_readme", "test_benchmarks",
+                "test_generate_sampling", "test_generate", "test_fuzz", "test_drafting", "test_target",
+                "test_generate_cli")
 
 
 def pytest_collection_modifyitems(items):

@@ -23,8 +23,9 @@ from dflash_jax.placement import auto_mesh, place_all
 from dflash_jax.plan import build_tree, check_tensors, planned
 from dflash_jax.safetensors import Checkpoint, write_tensors
 from dflash_jax.spec import EXPERT_MLP, EXPERTS, expand
-from dflash_jax.target.experts import ExpertStacks
+from dflash_jax.target.experts import add_expert_stacks
 from dflash_jax.target.moe import MoeDims, moe_block, moe_parameter_spec, route, routed_experts
+from dflash_jax.target.views import TensorViews
 
 from ._io import load_file
 from .conftest import DATA
@@ -51,11 +52,18 @@ def load_blocks(directory: str, c: MoeDims, layers: int = 1, shardings=None, pre
     root = prefix.partition("layers.")[0]
     plan = [planned(s, s.name, root=root) for s in expand(moe_parameter_spec(c, prefix), layers)]
     with Checkpoint(directory) as base:
-        checkpoint = ExpertStacks(base, [prefix.format(i=i) for i in range(layers)], c)
+        checkpoint = _stacks(base, [prefix.format(i=i) for i in range(layers)], c)
         check_tensors(plan, checkpoint, directory)
         leaves = place_all(plan, checkpoint, set(), mesh=None, dtype=jnp.float32, progress=False,
                            shardings=None if shardings is None else [shardings(t) for t in plan])
     return [layer["mlp"] for layer in build_tree(plan, leaves)["layers"]]
+
+
+def _stacks(base: Checkpoint, prefixes: list[str], c: MoeDims) -> TensorViews:
+    views = TensorViews(base)
+    for prefix in prefixes:
+        add_expert_stacks(views, prefix, c)
+    return views
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +219,7 @@ def test_per_expert_layout_loads_the_same_stacks(block, dims, per_expert_dir):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_array_equal(np.asarray(a), -np.asarray(c))
     with Checkpoint(per_expert_dir) as base:
-        names = set(ExpertStacks(base, [PREFIX.format(i=0)], dims))
+        names = set(_stacks(base, [PREFIX.format(i=0)], dims))
     assert "model.layers.0.mlp.experts.up_proj" in names and "model.layers.0.mlp.experts.3.up_proj.weight" not in names
 
 

@@ -2,7 +2,7 @@
 every `full_attention_interval`-th, a dense SwiGLU MLP on all (transformers 5.24.0 `models/qwen3_5/
 modeling_qwen3_5.py`; the config in `target.qwen3_5_config`), or in the MoE variant (`qwen3_5_moe`,
 `models/qwen3_5_moe/modeling_qwen3_5_moe.py`) the sparse MoE block on all (`target.moe.moe_block`; the experts
-read from either stored layout by `target.experts.ExpertStacks`).
+read from either stored layout by `target.experts.add_expert_stacks`).
 
 Per layer, pre-norm (`x += mixer(norm(x))`, `x += mlp(norm(x))`); every RMSNorm but the delta-net's output norm is
 zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
@@ -10,41 +10,35 @@ zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
 - Gated attention: `q_proj` gives per head `[query | gate]` (2 d_h); per-head (1 + w) q/k norms; RoPE on the first
   `partial_rotary_factor * d_h` dimensions of each head only; GQA over the KV cache as the dense target
   (`dense._attention`); the output times `sigmoid(gate)`, then `o_proj`.
-- Gated DeltaNet (Yang, Kautz, Hatamizadeh 2024, "Gated Delta Networks", arXiv:2412.06464): `in_proj_qkv` then a
-  depthwise causal conv1d of `linear_conv_kernel_dim` taps (state: the last K - 1 inputs) and SiLU, split into
-  q, k (l2-normed, q scaled by d_k^-1/2; each key head serves n_v / n_k value heads) and v;
-  `beta = sigmoid(in_proj_b x)`, decay `g = -exp(A_log) softplus(in_proj_a x + dt_bias)`; per value head a float32
-  state `S [d_k, d_v]`: `S <- exp(g) S; S += k (beta (v - k^T S))^T; o = q^T S`; then the gated RMSNorm
-  `w * x_hat * silu(z)` (z = `in_proj_z x`) and `out_proj`. Prefill runs the chunked form (the WY / UT transform
-  within `delta_chunk` rows, the state carried across), a verify block as one chunk keeping each row's state.
+- Gated DeltaNet: `target.delta_net` (its parameters, their split, its state and forward). Prefill runs the
+  chunked form (the WY / UT transform within `delta_chunk` rows, the state carried across), a verify block as one
+  chunk keeping each row's state.
 
 Cache (`HybridCache`): full-attention layers a KV cache as the dense target's (slot t = position t, the loop's
 `lengths` say what is committed); delta-net layers the conv state and the recurrent state, which have no
 position and so must be committed explicitly: `__call__` returns a `PendingCache`, `commit(pending, kept)` the
 state after the first `kept[b]` new tokens.
 
-Pending cache (the choice): per delta-net layer the recurrent state before the block and after each of its S
-rows, `[batch, S + 1, n_v, d_k, d_v]` float32, and the conv window `[batch, K - 1 + S, conv_dim]`; commit picks
-row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state. At Qwen3.5-27B's shapes (48 delta-net
-layers; 48 value heads, d_k = d_v = 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in all, so
-a 16-token verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives, both keeping only
-the state before the block plus per row `S x (d_k + d_v + 2)` numbers per head (1/64 of the states here):
-snapshot + replay (the rows' k, v, g, beta; `commit` reruns the first `kept` recurrent steps: S more steps per
-layer per verify), or a tape (each row's rank-1 update `k_t delta_t^T` and decay; `commit` sums the kept ones,
-`S_k = exp(G_k) S_0 + sum_{t<k} exp(G_k - G_t) k_t delta_t^T`, one masked `[d_k, S] x [S, d_v]` product per head).
-The states are kept because `commit` is then a gather of the very arrays the verify produced; the tape is the
-way out when batch x S makes them too large.
+Pending cache (the choice): per delta-net layer the recurrent state before the block and after each of its S rows,
+`[batch, S + 1, n_v, d_k, d_v]` float32, and the conv windows `[batch, K - 1 + S, C]` (C: the q, k or v channels);
+commit picks row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state. At Qwen3.5-27B's shapes (48
+delta-net layers; 48 value heads, d_k = d_v = 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in
+all, so a 16-token verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives, both keeping
+only the state before the block plus per row `S x (d_k + d_v + 2)` numbers per head (1/64 of the states here):
+snapshot + replay (the rows' k, v, g, beta; `commit` reruns the first `kept` recurrent steps: S more steps per layer
+per verify), or a tape (each row's rank-1 update `k_t delta_t^T` and decay; `commit` sums the kept ones, `S_k =
+exp(G_k) S_0 + sum_{t<k} exp(G_k - G_t) k_t delta_t^T`, one masked `[d_k, S] x [S, d_v]` product per head). The
+states are kept because `commit` is then a gather of the very arrays the verify produced; the tape is the way out
+when batch x S makes them too large.
 
-Tensor parallelism: attention heads, the MLP (the MoE block's shared expert as a dense MLP, each routed expert's
-width as `moe.moe_parameter_spec` says) and the vocabulary split over the tensor axis as the dense target's
-`Layout` says (the other mesh axes split the batch). In the delta-net layers the value heads split too:
-`in_proj_z` / `in_proj_b` / `in_proj_a` / `dt_bias` / `A_log` by output, `out_proj` by input (an all-reduce
-after it, as after `o_proj`), the recurrence and its state (and a verify's pending states) by head, so
-`linear_num_value_heads` must divide by the tensor axis. `in_proj_qkv` and `conv1d` (and the conv state) stay
-replicated: they pack the q, k, v channels of all heads one block after the other, so a contiguous split of
-their rows does not give a device whole heads, and the plan/placement machinery reads one contiguous shard per
-tensor (splitting them would need re-packing three row ranges per device at load); each device computes the
-full projection and convolution and keeps its heads' part.
+Tensor parallelism (`Layout`, the other mesh axes splitting the batch): attention q (with its gate) / k / v by
+head, o by input, the KV cache by KV head, as the dense target; the dense MLP and the MoE block's shared expert
+Megatron-style over `MLP`; each routed expert's width over the tensor axis (`moe.moe_parameter_spec`: every device a
+slice of every expert); the vocabulary (embedding, LM head); the delta-net layers by head, their fused q/k/v
+projection and conv read as three row ranges each (`target.delta_net`). The tensor axis must divide
+`num_attention_heads`, `linear_num_key_heads`, `linear_num_value_heads`, `vocab_size`, the MLP widths
+(`intermediate_size`, or `moe_intermediate_size` and `shared_expert_intermediate_size`), and divide or be a
+multiple of `num_key_value_heads` (`ConfigError` naming the field, before anything is read).
 """
 
 from __future__ import annotations
@@ -66,18 +60,31 @@ from ..attention import span_capacity
 from ..errors import ConfigError
 from ..hub import HubOptions, resolve
 from ..loader import check_and_place
-from ..model import Rope, apply_rope, linear, lm_logits, rms_norm, rope_tables
+from ..model import Rope, apply_rope, linear, lm_logits, rope_tables
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
-from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec
+from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
 from . import PREFILL_CHUNK, HFTarget, TargetOutput
-from .config import TARGET
-from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
+from .config import TARGET, is_drafter_config, not_a_target
+from .delta_net import (
+    CONV,
+    CONV_AXES,
+    QKV,
+    STATE_AXES,
+    Conv,
+    add_delta_net_views,
+    conv_state,
+    delta_net,
+    delta_net_spec,
+    map_parts,
+    part_dims,
+)
 from .dense import _attention, _check_layer_ids, prefill_chunks, tied_extras
-from .experts import ExpertStacks
+from .experts import GATE_UP, add_expert_stacks
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .moe import moe_block, moe_parameter_spec
-from .qwen3_5_config import FULL_ATTENTION, Qwen3_5Config, parse_qwen3_5_config
+from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qwen3_5Config, parse_qwen3_5_config
+from .views import Fused, TensorViews, fuse
 
 log = logging.getLogger("dflash_jax")
 
@@ -85,9 +92,7 @@ Params = dict[str, Any]
 DELTA_CHUNK = 64  # rows of the chunked gated delta rule (transformers' and flash-linear-attention's default)
 MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
 NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower and multi-token-prediction head
-CONV_AXES = (BATCH, None, None)  # [batch, K - 1, conv_dim]: replicated on the tensor axis
-STATE_AXES = (BATCH, HEADS, None, None)  # [batch, n_v, d_k, d_v]: split by value head
-HEAD_ROWS = (BATCH, None, HEADS, None)  # [batch, S, n_v, d]: the delta rule's inputs, split by value head
+FUSED: tuple[Fused, ...] = (QKV, CONV, GATE_UP)  # tensors stored fused that the tree holds in parts
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -106,28 +111,18 @@ class Offset:
         return 0.1 * jax.random.normal(key, shape, dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class LogUniform:
-    """`A_log = log(U(0.01, 16))`, transformers' initialisation of the delta-net decay rates."""
-
-    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-        return np.log(rng.uniform(0.01, 16, shape)).astype(np.float32)
-
-    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
-        return jnp.log(jax.random.uniform(key, shape, dtype, 0.01, 16))
-
-
 def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
     """The tensors of a `qwen3_5_text` checkpoint of `c` (HF names, `model.` root; `{i}`: a layer; `self_attn.`
     ones exist on full-attention layers only, `linear_attn.` ones on delta-net layers only, `plan_qwen3_5`).
 
     Axes as the dense target's: q (with its gate) / k / v and gate / up split by output, o and down by input,
-    embedding and LM head by the vocabulary; the delta-net's per-value-head tensors split by head, its packed
-    q/k/v projection and conv replicated, and the norms replicated (module docstring). An MoE config's `mlp.`
-    tensors are the MoE block's (`moe.moe_parameter_spec`: the experts as `[E, ...]` stacks, not as stored).
+    embedding and LM head by the vocabulary, the norms replicated; the delta-net's by head, its fused q/k/v
+    projection and conv as three tensors each (`delta_net.delta_net_spec`). An MoE config's `mlp.` tensors are
+    the MoE block's (`moe.moe_parameter_spec`: the experts as `[E, ...]` stacks). The tree's parts of a tensor
+    stored fused (`FUSED`) are read from it by `stored_views`.
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
-    q_dim, kv_dim, n_v = c.num_attention_heads * d_h, c.num_key_value_heads * d_h, c.linear_num_value_heads
+    q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
     offset = Offset()
     layer, attn, delta, mlp = "model.layers.{i}.", "model.layers.{i}.self_attn.", "model.layers.{i}.linear_attn.", \
         "model.layers.{i}.mlp."
@@ -154,22 +149,13 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
                   ParamSpec(attn + "k_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
                   ParamSpec(attn + "v_proj.bias", (kv_dim,), axes=(KV_HEADS,), init=Bias()),
                   ParamSpec(attn + "o_proj.bias", (H,), axes=(EMBED,), init=Bias())]
-    return specs + [
-        ParamSpec(delta + "in_proj_qkv.weight", (c.conv_dim, H), axes=(None, EMBED)),  # [q | k | v], all heads
-        ParamSpec(delta + "in_proj_z.weight", (c.value_dim, H), axes=(HEADS, EMBED)),
-        ParamSpec(delta + "in_proj_b.weight", (n_v, H), axes=(HEADS, EMBED)),
-        ParamSpec(delta + "in_proj_a.weight", (n_v, H), axes=(HEADS, EMBED)),
-        ParamSpec(delta + "conv1d.weight", (c.conv_dim, 1, c.linear_conv_kernel_dim), axes=(None, None, None)),
-        ParamSpec(delta + "dt_bias", (n_v,), axes=(HEADS,), init=Gain()),
-        ParamSpec(delta + "A_log", (n_v,), axes=(HEADS,), init=LogUniform()),
-        ParamSpec(delta + "norm.weight", (c.linear_value_head_dim,), NORM, (None,), Gain()),  # plain w * x_hat
-        ParamSpec(delta + "out_proj.weight", (H, c.value_dim), axes=(EMBED, HEADS)),
-    ]
+    return specs + delta_net_spec(c, delta)
 
 
 def plan_qwen3_5(config: Qwen3_5Config, prefix: str = "model.") -> list[TensorPlan]:
-    """Every tensor a checkpoint of `config` holds, layer by layer, each layer's mixer as its type says; stored
-    under `prefix` instead of `model.` (`MULTIMODAL_PREFIX` in a multimodal checkpoint), tree paths `model.`-less."""
+    """Every tensor of the tree, layer by layer, each layer's mixer as its type says, as `stored_views` shows a
+    checkpoint of `config` (fused tensors as their parts); stored under `prefix` instead of `model.`
+    (`MULTIMODAL_PREFIX` in a multimodal checkpoint), tree paths `model.`-less."""
     specs, plan = parameter_spec(config), []
     for s in specs:
         if "{i}" not in s.name:
@@ -187,6 +173,24 @@ def _stored(name: str, prefix: str) -> str:
     return prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
+def stored_views(stored: Checkpoint, c: Qwen3_5Config, prefix: str) -> TensorViews:
+    """`stored` (its layers under `prefix`) as `plan_qwen3_5` plans it: each delta-net layer's fused q/k/v
+    projection and conv as their parts, each MoE block's experts as stacks (`experts.add_expert_stacks`)."""
+    views = TensorViews(stored)
+    for i, kind in enumerate(c.layer_types):
+        if kind != FULL_ATTENTION:
+            add_delta_net_views(views, f"{prefix}layers.{i}.linear_attn.", c)
+        if c.is_moe:
+            add_expert_stacks(views, f"{prefix}layers.{i}.mlp.", c)
+    return views
+
+
+def fuse_stored(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Tree-layout tensors (by checkpoint name) as a checkpoint stores them (`FUSED`): for writing test
+    checkpoints; `stored_views` reads them back)."""
+    return fuse(arrays, FUSED)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Caches
 # --------------------------------------------------------------------------------------------------------------
@@ -196,12 +200,14 @@ def _stored(name: str, prefix: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
     """The committed cache: per full-attention layer `k`, `v` `[batch, n_kv, T, d_h]` (slot t = position t); per
-    delta-net layer `conv` `[batch, K - 1, conv_dim]` (the conv's last K - 1 inputs, params dtype) and `state`
-    `[batch, n_v, d_k, d_v]` float32. Layers in model order within each tuple."""
+    delta-net layer `conv`, the conv's last K - 1 inputs as its q, k and v parts `[batch, K - 1, C]` (C: each
+    part's channels; params dtype), and `state` `[batch, n_v, d_k, d_v]` float32. Layers in model order within
+    each tuple; on a mesh every array but the batch split by head (`CACHE_AXES`, `delta_net.CONV_AXES`,
+    `STATE_AXES`)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    conv: tuple[jax.Array, ...]
+    conv: tuple[Conv, ...]
     state: tuple[jax.Array, ...]
 
 
@@ -209,19 +215,14 @@ class HybridCache:
 @dataclasses.dataclass(frozen=True)
 class PendingCache:
     """A cache after `__call__` over S new tokens, before `commit`: `k`, `v` with all S rows written; per
-    delta-net layer `conv` `[batch, K - 1 + S, conv_dim]` (the committed conv state, then the S rows' inputs)
-    and `state` `[batch, S + 1, n_v, d_k, d_v]` (the committed state, then the state after each new row)."""
+    delta-net layer `conv`, per part `[batch, K - 1 + S, C]` (the committed conv state, then the S rows'
+    inputs), and `state` `[batch, S + 1, n_v, d_k, d_v]` (the committed state, then the state after each new
+    row)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    conv: tuple[jax.Array, ...]
+    conv: tuple[Conv, ...]
     state: tuple[jax.Array, ...]
-
-
-def _conv_state(window: jax.Array, kept: jax.Array, taps: int) -> jax.Array:
-    """The conv state after the first `kept[b]` rows of `window [batch, K - 1 + S, C]`: rows kept .. kept + K - 2."""
-    rows = kept[:, None] + jnp.arange(taps - 1)  # [batch, K - 1]
-    return jnp.take_along_axis(window, rows[:, :, None], axis=1)
 
 
 @jax.jit
@@ -230,7 +231,9 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
     delta-net layer's conv state and recurrent state after exactly those rows (0: the state before the call);
     the K/V are passed through (the loop's lengths trim them). Shapes do not depend on S."""
     kept = kept.astype(jnp.int32)
-    conv = tuple(_conv_state(w, kept, w.shape[1] - s.shape[1] + 2) for w, s in zip(pending.conv, pending.state))
+    taps = lambda window, states: window.shape[1] - states.shape[1] + 2  # noqa: E731  (K - 1 + S) - (S + 1) + 2
+    conv = tuple(map_parts(lambda w, s=s: conv_state(w, kept, taps(w, s)), windows)  # type: ignore[misc]
+                 for windows, s in zip(pending.conv, pending.state))
     state = tuple(jnp.take_along_axis(s, kept[:, None, None, None, None], axis=1)[:, 0] for s in pending.state)
     return HybridCache(pending.k, pending.v, conv, state)
 
@@ -271,20 +274,21 @@ class Qwen3_5Target(HFTarget):
         loads a dense one: the text model only (`model.language_model.*` in a multimodal checkpoint;
         `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and shape checked before
         anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded over `mesh` as the
-        module docstring says. MoE experts are read fused (as released) or per expert (`ExpertStacks`). The load
+        module docstring says. MoE experts are read fused (as released) or per expert (`stored_views`). The load
         guards are every loader's (`loader.check_and_place`): a floating `dtype` only (`ValueError`), NaN/Inf norm
         gains and biases refused (`CheckpointError`) before anything is placed, tensors the text model does not
         use warned about (`model.visual.*` and `mtp.*` silently skipped)."""
         dtype = check_load_arguments(f"{cls.__name__}.from_pretrained", dtype, mesh)
         path = resolve(path, **hub)
         file, raw = read_config_json(path, TARGET)
+        if is_drafter_config(raw):  # else refused as a config of another model_type, which says less
+            raise not_a_target(file, raw, [*ARCHITECTURES, *MOE_ARCHITECTURES])
         config = parse_qwen3_5_config(raw, source=file)
         layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
             prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in stored else "model."
             plan = plan_qwen3_5(config, prefix)
-            checkpoint = stored if not config.is_moe else ExpertStacks(
-                stored, [f"{prefix}layers.{i}.mlp." for i in range(config.num_hidden_layers)], config)
+            checkpoint = stored_views(stored, config, prefix)
             check_tensors(plan, checkpoint, path)
             leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
                                      dtype=dtype, progress=progress,
@@ -318,15 +322,18 @@ class Qwen3_5Target(HFTarget):
         n_full = kinds.count(FULL_ATTENTION)
         n_delta = len(kinds) - n_full
 
-        def layers(shape, dtype, axes, n):
-            where = None if self.layout is None else self.layout.sharding(axes, batch_size)
-            return tuple(zeros(shape, dtype, where) for _ in range(n))
+        def zeros_at(shape, dtype, axes):
+            return zeros(shape, dtype, None if self.layout is None else self.layout.sharding(axes, batch_size))
 
         kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
-        conv = (batch_size, c.linear_conv_kernel_dim - 1, c.conv_dim)
+        dims = part_dims(c)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-        return HybridCache(layers(kv, dtype, CACHE_AXES, n_full), layers(kv, dtype, CACHE_AXES, n_full),
-                           layers(conv, dtype, CONV_AXES, n_delta), layers(state, jnp.float32, STATE_AXES, n_delta))
+        return HybridCache(
+            tuple(zeros_at(kv, dtype, CACHE_AXES) for _ in range(n_full)),
+            tuple(zeros_at(kv, dtype, CACHE_AXES) for _ in range(n_full)),
+            tuple(map_parts(lambda n: zeros_at((batch_size, c.linear_conv_kernel_dim - 1, n), dtype, CONV_AXES), dims)
+                  for _ in range(n_delta)),
+            tuple(zeros_at(state, jnp.float32, STATE_AXES) for _ in range(n_delta)))
 
     def __call__(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *,
                  layer_ids: tuple[int, ...] = ()) -> TargetOutput:
@@ -355,18 +362,18 @@ class Qwen3_5Target(HFTarget):
 
 
 def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
-    """`layout.make_layout`, plus the delta-net's value heads and an MoE block's expert and shared-expert widths,
-    which split over the tensor axis too."""
+    """`layout.make_layout`, plus the delta-net's value and key heads and an MoE block's expert and shared-expert
+    widths, which split over the tensor axis too."""
     layout = make_layout(config, mesh, tensor_axis, source)
-    fields = ("linear_num_value_heads", *(("moe_intermediate_size", "shared_expert_intermediate_size")
-                                          if config.is_moe else ()))
-    for field in fields:
-        if getattr(config, field) % layout.tensor_size:
-            raise ConfigError(
-                f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
-                f"{field}={getattr(config, field)}; expected a tensor-parallel size dividing the delta-net value "
-                "heads and the MoE widths too"
-            )
+    fields = ("linear_num_value_heads", "linear_num_key_heads",
+              *(("moe_intermediate_size", "shared_expert_intermediate_size") if config.is_moe else ()))
+    odd = [f"{field}={getattr(config, field)}" for field in fields if getattr(config, field) % layout.tensor_size]
+    if odd:
+        raise ConfigError(
+            f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
+            f"{', '.join(odd)}; expected a tensor-parallel size dividing the delta-net key and value heads and the "
+            "MoE widths too"
+        )
     return layout
 
 
@@ -412,66 +419,10 @@ def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope
     return linear(out, p["o_proj"]), past_k, past_v
 
 
-def _delta_inputs(c: Qwen3_5Config, p: Params, xn: jax.Array, conv_state: jax.Array):
-    """The delta rule's inputs for `xn [batch, S, H]` after the conv state `[batch, K - 1, conv_dim]`:
-    `(q, k [batch, S, n_v, d_k], v [batch, S, n_v, d_v], g, beta [batch, S, n_v], z [batch, S, n_v, d_v],
-    window [batch, K - 1 + S, conv_dim])`, all float32 but z and window (xn's dtype)."""
-    batch, S, _ = xn.shape
-    n_k, n_v, d_k, d_v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
-        c.linear_value_head_dim
-    window = jnp.concatenate([conv_state.astype(xn.dtype), linear(xn, p["in_proj_qkv"])], axis=1)
-    w = p["conv1d"]["weight"][:, 0].astype(jnp.float32)  # [conv_dim, K]; tap K - 1 multiplies the row itself
-    taps = w.shape[-1]
-    mixed = sum(window[:, j:j + S].astype(jnp.float32) * w[:, j] for j in range(taps))  # [batch, S, conv_dim]
-    mixed = jax.nn.silu(mixed).astype(xn.dtype).astype(jnp.float32)  # transformers rounds the conv's output
-    q, k, v = jnp.split(mixed, [c.key_dim, 2 * c.key_dim], axis=-1)
-    group = n_v // n_k  # each key head serves `group` consecutive value heads
-    q = jnp.repeat(l2_normed(q.reshape(batch, S, n_k, d_k)), group, axis=2) * d_k**-0.5
-    k = jnp.repeat(l2_normed(k.reshape(batch, S, n_k, d_k)), group, axis=2)
-    beta = jax.nn.sigmoid(linear(xn, p["in_proj_b"]).astype(jnp.float32))
-    a = linear(xn, p["in_proj_a"]).astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a)  # log decay, <= 0
-    z = linear(xn, p["in_proj_z"]).reshape(batch, S, n_v, d_v)
-    return q, k, v.reshape(batch, S, n_v, d_v), g, beta, z, window
-
-
-def _delta_net(target: Qwen3_5Target, p: Params, xn: jax.Array, conv_state: jax.Array, state: jax.Array,
-               valid: jax.Array | None, delta_chunk: int):
-    """One delta-net layer's mixer over `xn [batch, S, H]`: `(out [batch, S, H], conv, state)`.
-
-    `valid` None (a verify block): one chunk keeping every row's state (`block_delta_rule`); returns the pending
-    window `[batch, K - 1 + S, conv_dim]` and the states before and after each row `[batch, S + 1, n_v, d_k,
-    d_v]`. Else (prefill, `valid
-    [batch, S]` the real rows, a prefix of each sequence's): the chunked form with padding rows masked
-    (beta = 0, decay 1); returns the committed conv state after the real rows and the final state.
-    """
-    c = target.config
-    batch, S, _ = xn.shape
-    q, k, v, g, beta, z, window = _delta_inputs(c, p, xn, conv_state)
-    layout = target.layout
-    if layout is not None:  # each device runs its value heads (taken from the replicated q/k/v projection)
-        q, k, v, z = (layout.constrain(x, HEAD_ROWS) for x in (q, k, v, z))
-        g, beta = (layout.constrain(x, HEAD_ROWS[:3]) for x in (g, beta))
-    if valid is None:
-        out, states = block_delta_rule(q, k, v, g, beta, state)
-        conv, state = window, jnp.concatenate([state[:, None], states], axis=1)
-        if layout is not None:
-            state = layout.constrain(state, (BATCH, None, *STATE_AXES[1:]))  # [batch, S + 1, n_v, d_k, d_v]
-    else:
-        g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-        out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
-        conv = _conv_state(window, jnp.sum(valid, axis=1, dtype=jnp.int32), c.linear_conv_kernel_dim)
-        if layout is not None:
-            state = layout.constrain(state, STATE_AXES)
-    out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated RMSNorm: w * x_hat * silu(z)
-    out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
-    return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state
-
-
 def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start: jax.Array,
             layer_ids: tuple[int, ...], valid: jax.Array | None, delta_chunk: int = DELTA_CHUNK):
     """All layers over `tokens [batch, S]` at positions `start[b] ..`: `(hidden [batch, S, H], features, cache)`,
-    the cache pending (`valid` None) or committed (prefill; `valid [batch, S]` the real rows), `_delta_net`."""
+    the cache pending (`valid` None) or committed (prefill; `valid [batch, S]` the real rows), `delta_net`."""
     params, c, layout = target.params, target.config, target.layout
     N, eps = c.num_hidden_layers, c.rms_norm_eps
     batch, S = tokens.shape
@@ -488,8 +439,8 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
                                                        positions, start)
             a += 1
         else:
-            out, convs[d], states[d] = _delta_net(target, p["linear_attn"], xn, convs[d], states[d], valid,
-                                                  delta_chunk)
+            out, convs[d], states[d] = delta_net(c, layout, p["linear_attn"], xn, convs[d], states[d], valid,
+                                                 delta_chunk)
             d += 1
         x = x + out
         h, mlp = centred_norm(x, p["post_attention_layernorm"]["weight"], eps), p["mlp"]

@@ -1,0 +1,164 @@
+"""A checkpoint seen as the tensors a parameter tree holds: the parts of a fused tensor as tensors of their own, and
+per-expert tensors as stacks.
+
+Checkpoints store some projections fused along one dim: a Gated DeltaNet's `in_proj_qkv` (its q, k and v rows of
+all heads, one block after the other) and `conv1d`, the released MoE layers' `experts.gate_up_proj`. A fused
+tensor split contiguously over devices would not give each device whole heads (or whole gate/up pairs); each part
+split contiguously does. `TensorViews` wraps an open `Checkpoint` so that the parts (`Fused`) and the stacks
+appear as tensors; the loader's plan, checks and placement (`plan.check_tensors`, `placement.place_all`) run on
+it unchanged, and a device's shard of a part reads only that part's bytes (a row range of the fused tensor;
+nothing copied). Every source tensor's presence and shape is checked when a view is declared (`CheckpointError`
+naming it and what it is), the sources are hidden, other tensors pass through.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..safetensors import Checkpoint, TensorInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A stored tensor (`stored`, a name suffix) that concatenates `parts` (the tree's name suffixes, in order)
+    along dim `axis`: what `TensorViews.split` reads and `fuse` writes."""
+
+    stored: str
+    parts: tuple[str, ...]
+    axis: int
+    what: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A part: indices `[start, start + n)` of dim `axis` of a fused source tensor."""
+
+    source: str
+    axis: int
+    start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stack:
+    """A stack of source tensors along a new dim 0."""
+
+    sources: tuple[str, ...]
+
+
+class TensorViews(Checkpoint):
+    """`checkpoint` with declared views (`split`, `stack`) in place of their sources. A `Checkpoint` (the loader
+    reads it as one); closing it leaves `checkpoint` open."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.path, self.directory, self.metadata = checkpoint.path, checkpoint.directory, checkpoint.metadata
+        self._base = checkpoint
+        self._virtual: dict[str, _Rows | _Stack] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        self._hidden: set[str] = set()
+
+    def source(self, name: str, shape: tuple[int, ...], what: str) -> TensorInfo:
+        """The header of source tensor `name`, which must exist with `shape` (`what` it is, for the error)."""
+        if name not in self._base:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r} ({what}, expected shape {list(shape)})")
+        info = self._base[name]
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{info.file}: tensor {name!r} ({what}) has shape {list(info.shape)}, expected {list(shape)} from "
+                "the config"
+            )
+        return info
+
+    def split(self, prefix: str, fused: Fused, shapes: Sequence[tuple[int, ...]]) -> None:
+        """Declare `prefix + part` for each of `fused.parts` (of `shapes`) as its range of `prefix + fused.stored`,
+        whose shape is theirs concatenated along `fused.axis`."""
+        axis, name = fused.axis, prefix + fused.stored
+        whole = list(shapes[0])
+        whole[axis] = sum(s[axis] for s in shapes)
+        info = self.source(name, tuple(whole), fused.what)
+        start = 0
+        for part, shape in zip(fused.parts, shapes):
+            self._declare(prefix + part, _Rows(name, axis, start), info, shape)
+            start += shape[axis]
+        self._hidden.add(name)
+
+    def stack(self, name: str, sources: Sequence[str], shape: tuple[int, ...], what: str) -> None:
+        """Declare `name` `[len(sources), *shape]` as the `sources` (each of `shape`, one dtype) stacked."""
+        infos = [self.source(s, shape, f"{what} {j}") for j, s in enumerate(sources)]
+        odd = next((i for i in infos if i.dtype != infos[0].dtype), None)
+        if odd is not None:
+            raise CheckpointError(
+                f"{odd.file}: tensor {odd.name!r} has dtype {odd.dtype} but {infos[0].name!r} has "
+                f"{infos[0].dtype}; expected one dtype for all the tensors of {name!r}"
+            )
+        self._declare(name, _Stack(tuple(sources)), infos[0], (len(sources), *shape))
+        self._hidden |= set(sources)
+
+    def _declare(self, name: str, how: _Rows | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
+        """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own)."""
+        nbytes = int(np.prod(shape)) * source.np_dtype.itemsize
+        self._virtual[name] = how
+        self._infos[name] = TensorInfo(name, source.dtype, shape, source.file, 0, nbytes)
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        info = self._infos.get(name)
+        if info is not None:
+            return info
+        if name in self._hidden:
+            raise KeyError(name)
+        return self._base[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos or (name not in self._hidden and name in self._base)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([n for n in self._base if n not in self._hidden and n not in self._infos] + list(self._infos))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @property
+    def files(self) -> list[str]:
+        return self._base.files
+
+    def array(self, name: str) -> np.ndarray:
+        return self.read(name)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A tensor's part `index` (None: all of it). A fused tensor's part is a view of the map; a stack's is a
+        new array of that part only, read source by source."""
+        how = self._virtual.get(name)
+        if how is None:
+            return self._base.read(name, index)
+        shape = self._infos[name].shape
+        bounds = [slice(*((0, n) if index is None else index[d].indices(n)[:2])) for d, n in enumerate(shape)]
+        if isinstance(how, _Rows):
+            moved = bounds[how.axis]
+            bounds[how.axis] = slice(how.start + moved.start, how.start + moved.stop)
+            return self._base.read(how.source, tuple(bounds))
+        return np.stack([self._base.read(how.sources[j], tuple(bounds[1:]))
+                         for j in range(bounds[0].start, bounds[0].stop)])
+
+    def release(self, name: str) -> None:
+        how = self._virtual.get(name)
+        sources = [name] if how is None else [how.source] if isinstance(how, _Rows) else list(how.sources)
+        for source in sources:
+            self._base.release(source)
+
+    def close(self) -> None:
+        """Nothing to close: the wrapped checkpoint is its opener's."""
+
+
+def fuse(arrays: Mapping[str, np.ndarray], fused: Sequence[Fused]) -> dict[str, np.ndarray]:
+    """`arrays` (tree-layout tensors by checkpoint name) with each complete set of `Fused.parts` under one prefix
+    concatenated into the stored tensor, as checkpoints store them (the inverse of `TensorViews.split`; for
+    writing test checkpoints)."""
+    out = dict(arrays)
+    for f in fused:
+        for name in [n for n in arrays if n.endswith("." + f.parts[0])]:
+            prefix = name.removesuffix(f.parts[0])
+            out[prefix + f.stored] = np.concatenate([out.pop(prefix + p) for p in f.parts], axis=f.axis)
+    return out

@@ -1,0 +1,169 @@
+"""The Qwen3.5 hybrid target (dense and MoE) tensor-parallel on the 8 simulated CPU devices (`conftest`).
+
+On meshes (4, 2) and (2, 4) of ("data", "model") (a tensor axis of 2, which also splits the 2 KV heads, and of 4,
+which replicates them; the batch split over "data"), a tiny random checkpoint loaded with `load_target` (the dense
+target on both meshes, the MoE one on (4, 2) here and (2, 4) in the speculative test; suite time):
+- every leaf has its planned sharding, and the delta-net (q/k/v parts of the fused projection and conv, z, a, b,
+  out), attention and expert leaves are split over "model" as written here by hand (each device holding 1/tp);
+- prefill, a verify block, commit (a different kept count per sequence) and the decode step after it give the
+  unsharded logits, features and committed states, and the committed cache keeps its planned sharding;
+- greedy speculative decoding (a DFlash drafter replicated beside the target) returns the unsharded target's greedy
+  tokens: the dense target on (4, 2), the MoE one on (2, 4) (each loop compiles for a while; suite time).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax import greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax.target.delta_net import CONV_AXES
+from dflash_jax.target.qwen3_5 import Qwen3_5Target, plan_qwen3_5
+from dflash_jax.testing import preset_dict, write_checkpoint, write_qwen3_5_checkpoint
+
+from . import _io
+
+PROMPTS = np.array([[5, 17, 99, 3, 8, 1, 4], [120, 4, 9, 0, 0, 0, 0], [7, 7, 2, 50, 0, 0, 0], [64, 0, 0, 0, 0, 0, 0]])
+LENGTHS = np.array([7, 3, 4, 1])
+BLOCK = np.array([[7, 8, 9], [10, 11, 12], [1, 2, 3], [90, 91, 92]])
+KEPT = np.array([2, 0, 3, 1])  # every count from "none of the block" to "all of it"
+LAYER_IDS = (1, 3)
+MAX_NEW = 8
+
+
+def _run(target: Qwen3_5Target) -> tuple[list[jax.Array], object]:
+    """Prefill, verify a block, commit `KEPT`, decode one token: the outputs to compare, and the committed cache."""
+    with jax.default_matmul_precision("float32"):
+        out = target.prefill(jnp.asarray(PROMPTS), target.init_cache(4, 16), jnp.asarray(LENGTHS),
+                             layer_ids=LAYER_IDS, chunk=4)
+        block = target(jnp.asarray(BLOCK), out.cache, jnp.asarray(LENGTHS), layer_ids=LAYER_IDS)
+        committed = target.commit(block.cache, jnp.asarray(KEPT))
+        after = LENGTHS + KEPT
+        step = target(jnp.asarray(BLOCK[:, :1] + 1), committed, jnp.asarray(after), layer_ids=LAYER_IDS)
+    return [out.logits, out.features, block.logits, block.features, step.logits, step.features,
+            *jax.tree.leaves((committed.conv, committed.state))], committed
+
+
+@pytest.fixture(scope="module")
+def model(request, tmp_path_factory):
+    """A checkpoint of the preset (float32), a drafter for it, and the target loaded on one device."""
+    root = tmp_path_factory.mktemp(request.param)
+    write_qwen3_5_checkpoint(root / "target", request.param, seed=3, dtype="float32")
+    write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)
+    return root, load_target(root / "target", dtype=jnp.float32)
+
+
+def _planned(moe: bool) -> dict[str, P]:
+    """Shardings by hand (layer 0 delta net, layer 3 gated attention), from the Megatron recipe: output-split
+    projections (every delta-net part, its convs and per-head vectors), input-split out / o / down."""
+    delta, attn, mlp = "layers.0.linear_attn.", "layers.3.self_attn.", "layers.0.mlp."
+    split = {delta + f"{name}.weight": P("model", None) for name in
+             ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")}
+    split |= {delta + f"conv1d_{x}.weight": P("model", None, None) for x in "qkv"}
+    split |= {delta + "A_log": P("model"), delta + "dt_bias": P("model"), delta + "out_proj.weight": P(None, "model"),
+              attn + "q_proj.weight": P("model", None), attn + "o_proj.weight": P(None, "model"),
+              "embed_tokens.weight": P("model", None), "lm_head.weight": P("model", None)}
+    if moe:  # each expert's width split; the shared expert as a dense MLP
+        split |= {mlp + "experts.gate_proj": P(None, "model", None), mlp + "experts.up_proj": P(None, "model", None),
+                  mlp + "experts.down_proj": P(None, None, "model"),
+                  mlp + "shared_expert.gate_proj.weight": P("model", None),
+                  mlp + "shared_expert.down_proj.weight": P(None, "model")}
+    else:
+        split |= {mlp + "gate_proj.weight": P("model", None), mlp + "down_proj.weight": P(None, "model")}
+    return split
+
+
+@pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-tp", (2, 4)),
+                                          ("tiny-qwen3_5-moe-tp", (4, 2))],
+                         indirect=["model"], ids=["dense-4x2", "dense-2x4", "moe-4x2"])
+def test_sharded_equals_unsharded(model, shape):
+    root, unsharded = model
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
+    assert isinstance(target, Qwen3_5Target) and target.layout is not None
+    tp = shape[1]
+    by_hand = _planned(target.config.is_moe)
+    by_hand |= {"layers.3.self_attn.k_proj.weight": P("model" if tp == 2 else None, None)}  # 2 KV heads
+    plan = plan_qwen3_5(target.config)
+    assert len(jax.tree.leaves(target.params)) == len(plan)
+    seen = set()
+    for t in plan:
+        leaf = _io.leaf(target.params, t.path)
+        name = t.name.removeprefix("model.")
+        assert leaf.sharding == target.layout.sharding(t.axes), name
+        if name in by_hand:
+            seen.add(name)
+            assert leaf.sharding.spec == by_hand[name], name
+        splits = sum(axis == "model" for axis in leaf.sharding.spec)
+        assert math.prod(leaf.addressable_shards[0].data.shape) == math.prod(t.shape) // tp**splits, name
+    assert seen == set(by_hand)
+
+    expected, _ = _run(unsharded)
+    results, committed = _run(target)
+    for conv in committed.conv:  # the conv state in three, by head; the recurrent state by value head
+        assert all(w.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "model")), 3) for w in conv)
+    assert target.layout.spec(CONV_AXES, 4) == P(("data",), None, "model")
+    for state in committed.state:
+        assert state.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4)
+    # The tensor-parallel sums (out_proj, o_proj, down_proj, the experts' down projections) add in another order:
+    # measured 8.5e-5 at most (dense; |values| <= 4.5) and 7.2e-4 (MoE: the one-token sequence, whose first
+    # delta-net output `(q.k) beta v` is small and divided by its size in the gated RMSNorm, amplifying rounding;
+    # the other sequences 1.8e-5)
+    for a, b in zip(expected, results, strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-3 if target.config.is_moe else 1.5e-4,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-moe-tp", (2, 4))],
+                         indirect=["model"], ids=["dense-4x2", "moe-2x4"])
+def test_speculative_tokens_equal_unsharded_greedy(model, shape):
+    root, unsharded = model
+    prompts = [p[:n].tolist() for p, n in zip(PROMPTS, LENGTHS)]
+    greedy = greedy_generate(unsharded, prompts, MAX_NEW).tokens
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
+    drafter = load_drafter(root / "drafter", mesh=mesh, dtype=jnp.float32)
+    assert speculative_generate(target, drafter, prompts, max_new_tokens=MAX_NEW).tokens == greedy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2+ CUDA GPUs")
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_hybrid_split_over_every_gpu(tmp_path, moe):
+    """Tensor-parallel over all the GPUs (2, 4 or 8; float32, so that greedy tokens are exact): prefill and a verify
+    block agree with one GPU, the verify program gathers no delta-net q/k/v weight (each GPU reads only its heads), and
+    speculative decoding on the mesh returns the mesh's own greedy tokens."""
+    from dflash_jax.target.qwen3_5 import _forward
+    from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5
+
+    n = jax.device_count()
+    raw = {**QWEN3_5_TINY_CONFIGS["tiny-qwen3_5-moe-tp" if moe else "tiny-qwen3_5-tp"], "linear_num_key_heads": 8,
+           "linear_num_value_heads": 16, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    single = random_qwen3_5(raw, seed=1, dtype=jnp.float32)
+    mesh = jax.make_mesh((1, n), ("data", "model"))
+    target = single.shard(mesh)
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 40)), jnp.int32)
+    lengths = jnp.asarray([40, 23], jnp.int32)
+    outs = []
+    for t in (single, target):
+        out = t.prefill(prompts, t.init_cache(2, 64), lengths, layer_ids=(1, 3), chunk=16)
+        block = t(prompts[:, :5], out.cache, lengths, layer_ids=(1, 3))
+        outs.append([out.logits, block.logits, block.features])
+    for a, b in zip(*outs):  # sums in another order across devices (1e-4 on the CPU, this file's test above)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-3, rtol=0)
+    hlo = _forward.lower(target, prompts[:, :5], target.init_cache(2, 64), lengths, (1, 3)).compile().as_text()
+    c = target.config
+    whole = (f"[{c.key_dim},{c.hidden_size}]", f"[{c.value_dim},{c.hidden_size}]")  # a q/k or v weight, gathered
+    gathered = [line for line in hlo.splitlines() if " all-gather" in line and any(w in line for w in whole)]
+    assert not gathered, gathered[:3]
+    write_checkpoint(tmp_path, {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)
+    drafter = load_drafter(tmp_path, mesh=mesh, dtype=jnp.float32)
+    rows = [prompts[0].tolist(), prompts[1, :23].tolist()]
+    greedy = greedy_generate(target, rows, MAX_NEW).tokens
+    assert speculative_generate(target, drafter, rows, max_new_tokens=MAX_NEW).tokens == greedy
