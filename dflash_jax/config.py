@@ -535,6 +535,11 @@ def check(config: DflashConfig, source: str) -> None:
         fail("dflash_config declares only one of selector_rank / selector_top_k; expected both or neither")
     if not config.sample_from_anchor and config.effective_block_size < 2:
         fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
+    dflash2 = [f"dflash_config.{k}" for k in ("conv_kernel_size", "selector_rank") if getattr(sub, k, 0)]
+    dflash2 += [f"architectures {a!r}" for a in config.architectures if "DFlash2" in a]
+    if dflash2 and config.family == "dspark":
+        fail(f"{' and '.join(dflash2)} (DFlash2) in a DSpark config (markov_rank, dspark_config, a "
+             "DSpark architecture or projector): half one family and half another; expected one family's fields")
     if config.sample_from_anchor and config.family == "dflash2":
         fail("sample_from_anchor: true with a DFlash2 drafter: its candidate selector was trained on rows 1..B-1 "
              "(SpecForge dflash2.py, vLLM qwen3_dflash2.py); drafting from the anchor's row is not implemented")

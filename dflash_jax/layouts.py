@@ -171,6 +171,10 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
             problems.append(f"`{key}` {raw[key]} (a mixture-of-experts MLP; the drafter's is dense)")
     if raw.get("block_pattern"):
         problems.append("`block_pattern` (a Mamba / attention hybrid drafter, Nemotron-style)")
+    if _nemotron_35(raw):
+        problems.append("`has_embed_tokens: true` without an LM head, W4A16_NVFP4 (NVIDIA's Nemotron 3.5 drafter "
+                        "layout, as SGLang's `is_nemotron_35_draft_config` recognises it: a non-anchor query layout, "
+                        "its own embedding and Markov head)")
     for key in ("is_neox_style", "rope_is_neox_style"):
         if raw.get(key) is False:
             problems.append(f"`{key}: false` (interleaved RoPE; this package rotates halves, the neox layout)")
@@ -181,6 +185,16 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
         f"(architectures {', '.join(ARCHITECTURES)}; model_type {' or '.join(map(repr, MODEL_TYPES))} when no "
         "architecture is stated); loading this one would run a different network"
     )
+
+
+def _nemotron_35(raw: dict[str, Any]) -> bool:
+    """The published Nemotron 3.5 DFlash / DSpark layout: a DFlash or Qwen3-DSpark architecture with its own
+    embedding (`has_embed_tokens`), no LM head, NVFP4 weights with 16-bit activations (SGLang
+    `python/sglang/srt/speculative/dflash_utils.py`, `is_nemotron_35_draft_config`)."""
+    quant = raw.get("quantization_config")
+    algo = quant.get("quant_algo") if isinstance(quant, dict) else None
+    return (bool({"DFlashDraftModel", "Qwen3DSparkModel"} & set(architecture_names(raw)))
+            and raw.get("has_embed_tokens") is True and not raw.get("has_lm_head") and algo == "W4A16_NVFP4")
 
 
 def _attention_problems(raw: dict[str, Any], sub: dict[str, Any]) -> list[str]:

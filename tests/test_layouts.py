@@ -341,7 +341,10 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
      ("`kv_lora_rank` (multi-head latent attention)",)),
     (lambda r: r.update(architectures=["K3DSparkModel"]), ("K3DSparkModel", "Kimi-K3")),
     (lambda r: r.update(n_routed_experts=64), ("`n_routed_experts` 64", "mixture-of-experts")),
-], ids=["laguna", "gate", "gemma4", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe"])
+    (lambda r: r.update(has_embed_tokens=True, quantization_config={"quant_algo": "W4A16_NVFP4"}),
+     ("has_embed_tokens", "Nemotron 3.5")),
+], ids=["laguna", "gate", "gemma4", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
+        "nemotron-3.5"])
 def test_other_networks_refused_by_name(change, says):
     raw = copy.deepcopy(TINY_CONFIGS["tiny-dflash"])
     change(raw)
@@ -367,4 +370,20 @@ def test_other_networks_tensors_refused_by_name(tmp_path, name, shape, says):
     with pytest.raises(CheckpointError) as err:
         load_drafter(tmp_path)
     for word in (file, repr(name), says):
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize("preset, change, says", [
+    ("tiny-dflash2", lambda r: r.update(markov_rank=8),
+     "dflash_config.conv_kernel_size and dflash_config.selector_rank"),
+    ("tiny-dspark", lambda r: r.update(architectures=["DSparkDraftModel", "DFlash2DraftModel"]),
+     "architectures 'DFlash2DraftModel'"),
+], ids=["dflash2-with-markov", "two-architectures"])
+def test_half_one_family_refused(preset, change, says):
+    """A config that is half DFlash2 and half DSpark runs neither network: refused naming the fields of both."""
+    raw = copy.deepcopy(TINY_CONFIGS[preset])
+    change(raw)
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, source="drafter/config.json")
+    for word in ("drafter/config.json", says, "half one family and half another"):
         assert word in str(err.value)
