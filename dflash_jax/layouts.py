@@ -99,7 +99,7 @@ def _fold_assistant(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
     kind = raw["speculators_model_type"]
-    if kind not in SPECULATORS:
+    if not isinstance(kind, str) or kind not in SPECULATORS:
         raise ConfigError(
             f"{source}: `speculators_model_type` {kind!r}: not a drafter dflash_jax runs; expected a speculators "
             f"export of {' or '.join(map(repr, SPECULATORS))} (a DFlash or DSpark drafter)")
@@ -128,9 +128,10 @@ def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
                           "another width is not implemented")
     draft_vocab, vocab = out.get("draft_vocab_size"), out.get("vocab_size")
     reduced = isinstance(draft_vocab, int) and isinstance(vocab, int) and draft_vocab < vocab
-    if kind == "dspark" and reduced and out.get("markov_rank"):
+    rank = out.get("markov_rank")
+    if kind == "dspark" and reduced and isinstance(rank, int) and rank > 0:
         raise ConfigError(
-            f"{source}: draft_vocab_size={draft_vocab} < vocab_size={vocab} with markov_rank={out['markov_rank']}: "
+            f"{source}: draft_vocab_size={draft_vocab} < vocab_size={vocab} with markov_rank={rank}: "
             "a speculators DSpark Markov head over a reduced draft vocabulary (markov_w1 indexed by target ids, "
             "markov_w2 over draft ids) is not implemented")
     return out

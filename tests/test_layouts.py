@@ -300,11 +300,12 @@ def test_sample_from_anchor_decides_the_draft_rows(tmp_path, preset, stated, dra
 
 @pytest.mark.parametrize("change, says", [
     (lambda r: r.update(speculators_model_type="eagle3"), ("speculators_model_type", "eagle3")),
+    (lambda r: r.update(speculators_model_type=["dflash"]), ("speculators_model_type", "['dflash']")),
     (lambda r: r.pop("transformer_layer_config"), ("transformer_layer_config", "missing")),
     (lambda r: r.pop("aux_hidden_state_layer_ids"), ("aux_hidden_state_layer_ids",)),
     (lambda r: r.update(target_hidden_size=2048), ("target_hidden_size", "2048", "4096")),
     (lambda r: r["transformer_layer_config"].update(hidden_act="gelu"), ("hidden_act", "gelu")),
-], ids=["eagle3", "no-layer-config", "no-aux-ids", "target-hidden", "activation"])
+], ids=["eagle3", "unhashable", "no-layer-config", "no-aux-ids", "target-hidden", "activation"])
 def test_speculators_exports_refused_by_field(change, says):
     raw = copy.deepcopy(SPEC_DFLASH)
     change(raw)
