@@ -281,7 +281,6 @@ def _raw_rules(c):
 
 @pytest.mark.parametrize("preset, stated, drafts, rows", [
     ("tiny-dflash", True, 8, slice(0, None)),   # the anchor's row drafts too: B drafts
-    ("tiny-dflash", False, 7, slice(1, None)),  # z-lab's convention, stated
     ("tiny-dspark", False, 6, slice(1, None)),  # DSpark trained the DFlash way: B-1 drafts, walk from the anchor
 ])
 def test_sample_from_anchor_decides_the_draft_rows(tmp_path, preset, stated, drafts, rows):
