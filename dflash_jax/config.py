@@ -22,6 +22,7 @@ import numpy as np
 from ._json import NotUTF8
 from ._json import loads as json_loads
 from .errors import ConfigError
+from .layouts import fold, not_implemented
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -47,9 +48,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFl
 # Markov / confidence fields that SpecForge and DeepSpec exports put nested or top-level.
 _HOISTED = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
-# What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
-MODEL_TYPES = ("qwen3",)
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel")
 DEFAULT_ROPE_THETA = 1e7  # the original design's default; transformers' Qwen3Config would use 1e4, vLLM 1e6
 
 
@@ -135,6 +133,7 @@ class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     output_multiplier: float | None = None
     use_swa: bool = False  # MiMo-style: every layer sliding (vLLM `_resolve_layer_attention`), see `attention_layout`
     swa_window_size: Positive | None = None  # the window of sliding layers, over the top-level `sliding_window`
+    sample_from_anchor: bool | None = None  # vLLM's form of a speculators export's flag (`sample_from_anchor`)
 
 
 class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -195,6 +194,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     stated_is_causal: bool | None = msgspec.field(default=None, name="is_causal")
     stated_sliding_window: Positive | None = msgspec.field(default=None, name="sliding_window")
     stated_use_sliding_window: bool = msgspec.field(default=False, name="use_sliding_window")
+    stated_sample_from_anchor: bool | None = msgspec.field(default=None, name="sample_from_anchor")
 
     # --- values with several sources, resolved: one answer for every reader ---------------------------------
 
@@ -225,6 +225,13 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         layer_ids = self.target_layer_ids
         assert layer_ids is not None, "an unchecked DflashConfig: `check` refuses one without target_layer_ids"
         return layer_ids
+
+    @property
+    def sample_from_anchor(self) -> bool:
+        """Whether the anchor's row drafts too (all B rows predict the next position) or only rows 1..B-1 do:
+        stated as `mask_token_id` is (speculators, vLLM), else DSpark's convention for DSpark, z-lab's otherwise."""
+        stated = self._first_stated("sample_from_anchor")
+        return self.family == "dspark" if stated is None else stated
 
     @property
     def markov_rank(self) -> int:
@@ -305,9 +312,10 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @property
     def num_draft_tokens(self) -> int:
-        """Drafts one step proposes: B-1 (row 0 echoes the anchor) or B for DSpark's shifted rows."""
+        """Drafts one step proposes: B with `sample_from_anchor` (DSpark's shifted rows), else B-1 (row 0 echoes
+        the anchor)."""
         block = self.effective_block_size
-        return block if self.family == "dspark" else block - 1
+        return block if self.sample_from_anchor else block - 1
 
     @property
     def rope_type(self) -> Literal["default", "yarn"]:
@@ -357,6 +365,7 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
     """
     try:
         raw = decode_config_json(raw, source, "a drafter config.json")
+        raw = fold(raw, source)  # speculators nesting, the assistant's defaults (`dflash_jax.layouts`)
         refusal = not_a_drafter(raw) or not_implemented(raw)
         if refusal:
             raise ConfigError(f"{source}: {refusal}")
@@ -413,52 +422,6 @@ def not_a_drafter(raw: dict[str, Any]) -> str | None:
     if "draft_vocab_size" in raw and "dflash_config" not in raw and "dspark_config" not in raw:
         return f"`draft_vocab_size` and no mask token: this looks like an EAGLE-3 drafter config; {expected}"
     return None
-
-
-def not_implemented(raw: dict[str, Any]) -> str | None:
-    """Why a drafter config describes a network this package does not run, or None.
-
-    Judged on the raw dict, before decoding, so that another architecture is named as what it is (a Gemma 4
-    DSpark drafter, `gemma4_text` / `Gemma4DSparkModel`, has a GELU-tanh MLP, pre/post feed-forward norms, a
-    layer scalar and partial RoPE) instead of loading as a Qwen3 drafter with a warning about its tensors.
-    Extensions some checkpoints declare and this package does not implement are refused by name, never
-    ignored: each would change the network (docs/references.md).
-    """
-    stated_sub = raw.get("dflash_config")
-    sub: dict[str, Any] = stated_sub if isinstance(stated_sub, dict) else {}
-    problems = []
-    model_type = raw.get("model_type")
-    if isinstance(model_type, str) and model_type not in MODEL_TYPES:
-        problems.append(f"model_type {model_type!r}")
-    architectures = raw.get("architectures")
-    names = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
-    unknown = [a for a in names if a not in ARCHITECTURES]
-    if unknown:
-        problems.append(f"architectures [{', '.join(unknown)}]")
-    for key in ("hidden_act", "hidden_activation"):
-        if isinstance(raw.get(key), str) and raw[key] != "silu":
-            problems.append(f"`{key}` {raw[key]!r} (the drafter MLP is SwiGLU, silu)")
-    projector = sub.get("projector_type")
-    if projector is not None and projector not in ("dflash", "dspark"):
-        what = " (SpecForge's DFlash backbone with a causal correction head)" if projector == "domino" else ""
-        problems.append(f"`dflash_config.projector_type` {projector!r}{what}")
-    mode = sub.get("attention_mode")
-    if mode is not None and mode not in ("gqa", "mha"):
-        problems.append(f"`dflash_config.attention_mode` {mode!r} (only grouped-query / multi-head attention)")
-    for where, block, key in (("dflash_config.", sub, "attention_sink_bias"), ("", raw, "attention_sink_bias"),
-                              ("", raw, "add_swa_attention_sink_bias")):
-        if block.get(key):
-            problems.append(f"`{where}{key}` (a learned per-head attention sink, MiMo-style)")
-    for key in ("is_neox_style", "rope_is_neox_style"):
-        if raw.get(key) is False:
-            problems.append(f"`{key}: false` (interleaved RoPE; this package rotates halves, the neox layout)")
-    if not problems:
-        return None
-    return (
-        f"{'; '.join(problems)}: not implemented. dflash_jax runs Qwen3-style DFlash, DFlash2 and DSpark drafters "
-        f"(model_type {' or '.join(map(repr, MODEL_TYPES))}; architectures {', '.join(ARCHITECTURES)}); "
-        "loading this one would run a different network"
-    )
 
 
 def normalise_raw(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -580,8 +543,16 @@ def check(config: DflashConfig, source: str) -> None:
         fail("dflash_config declares only one of conv_kernel_size / conv_group_size; expected both or neither")
     if sub is not None and bool(sub.selector_rank) != bool(sub.selector_top_k):
         fail("dflash_config declares only one of selector_rank / selector_top_k; expected both or neither")
-    if config.family != "dspark" and config.effective_block_size < 2:
+    if not config.sample_from_anchor and config.effective_block_size < 2:
         fail(f"block size {config.effective_block_size} leaves no draft rows (z-lab convention needs >= 2)")
+    dflash2 = [f"dflash_config.{k}" for k in ("conv_kernel_size", "selector_rank") if getattr(sub, k, 0)]
+    dflash2 += [f"architectures {a!r}" for a in config.architectures if "DFlash2" in a]
+    if dflash2 and config.family == "dspark":
+        fail(f"{' and '.join(dflash2)} (DFlash2) in a DSpark config (markov_rank, dspark_config, a "
+             "DSpark architecture or projector): half one family and half another; expected one family's fields")
+    if config.sample_from_anchor and config.family == "dflash2":
+        fail("sample_from_anchor: true with a DFlash2 drafter: its candidate selector was trained on rows 1..B-1 "
+             "(SpecForge dflash2.py, vLLM qwen3_dflash2.py); drafting from the anchor's row is not implemented")
     if sub is not None and sub.selector_top_k > (config.draft_vocab_size or config.vocab_size):
         fail(f"dflash_config.selector_top_k={sub.selector_top_k} exceeds the draft vocabulary")
     factor = config.rope_scaling.factor if config.rope_scaling else None

@@ -561,7 +561,7 @@ def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, nu
         cache = _append(cache, [None if a else kv for kv, a in zip(new_kv, absorbs)], num_new)
     proposal = sample_drafts(
         drafter,
-        hidden[:, B - n_draft :],  # the draft rows: 1..B-1 (z-lab) or all B (DSpark)
+        hidden[:, B - n_draft :],  # the draft rows: 1..B-1 (z-lab) or all B (`sample_from_anchor`, DSpark)
         anchor_ids,
         lm_head=lm_head,
         key=key,

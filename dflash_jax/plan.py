@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from .config import DflashConfig, replace
 from .errors import CheckpointError
 from .fp8.checkpoint import check_declared, check_fp8
+from .layouts import ENCODER, PUBLISHED_NAMES, check_context_layout
 from .nvfp4.checkpoint import check_packed, check_quant_config, declared_quantization, nvfp4_companions
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
 from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
@@ -37,6 +38,15 @@ UNIMPLEMENTED_TENSORS = (
     ("markov_head.gate_proj.", "a gated Markov head (SpecForge / DeepSpec `markov_head_type: gated`)"),
     ("markov_head.joint_proj.", "an RNN Markov head (SpecForge / DeepSpec `markov_head_type: rnn`)"),
     ("mask_embedding", "a separately trained mask embedding (vLLM `_read_mask_embedding`)"),
+    (".g_proj.", "Laguna's per-head softplus gate on the attention output (poolside DFlash; SGLang dflash.py)"),
+    ("aux_hidden_norms.", "Laguna's per-feature norms before fc (poolside DFlash; SGLang dflash.py)"),
+    ("fc_norm", "a norm of the fc input (Laguna / hybrid DFlash exports)"),
+    (".qkv_proj.", "a fused QKV projection (Laguna / Nemotron exports), which the drafter's layer stores split"),
+    (".self_attn.sinks", "a learned per-head attention sink (Nemotron-style)"),
+    ("kv_a_proj_with_mqa", "multi-head latent attention (MLA: Kimi-K3 / DeepSeek-V4 drafters)"),
+    (".mlp.experts.", "a mixture-of-experts MLP (DeepSeek-V4 DSpark)"),
+    ("pre_feedforward_layernorm", "Gemma 4's sandwich norms (DeepSpec Gemma 4 DSpark)"),
+    ("layer_scalar", "Gemma 4's per-layer output scale (DeepSpec Gemma 4 DSpark)"),
 )
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's override of the mask token's embedding row (MiMo)
 # Optional parts a config declares that a checkpoint may still lack: drafting goes on without them, warned.
@@ -97,11 +107,15 @@ def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = 
     """Every tensor a released checkpoint of this config carries: the heads the config declares, `d2t` when the
     draft vocabulary is reduced, and `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style)."""
     reduced = config.draft_vocab_size is not None and config.draft_vocab_size != config.vocab_size
+    published = {stored for a in config.architectures for stored in PUBLISHED_NAMES.get(a, {}).values()}
+    renamed = {spec for a in config.architectures for spec in PUBLISHED_NAMES.get(a, {})}
 
     def contains(name: str) -> bool:
         name = name.removeprefix(prefix)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return own_embeddings
+        if name in published or name in renamed:  # stored under the architecture's published name
+            return name in published
         return reduced if name == "d2t" else name != "draft_id_to_target_id"
 
     return plan_tensors(config, contains, prefix)
@@ -135,23 +149,25 @@ def build_tree(plan: list[TensorPlan], leaves: list[Any]) -> dict[str, Any]:
 
 
 def find_prefix(checkpoint: Checkpoint, where: str) -> str:
-    """`""` or `"model."`: the layout of the checkpoint, detected by its `fc.weight`."""
+    """`""` or `"model."`: the layout of the checkpoint, detected by its `fc.weight` (or `encoder.fc.weight`, whose
+    set `layouts.check_context_layout` checks whole)."""
     names = set(checkpoint)
     if any(n.startswith(("midlayer.", "model.midlayer.")) for n in names):  # EAGLE-3 has an fc.weight too
         raise CheckpointError(
             f"{where}: tensors `midlayer.*`: this is an EAGLE-3 drafter, not a DFlash-family drafter; "
             "expected `fc.weight` with `layers.*`"
         )
-    if "fc.weight" in checkpoint:
-        return ""
-    if "model.fc.weight" in checkpoint:
-        return "model."
+    for prefix in ("", "model."):
+        if any(prefix + fc in checkpoint for fc in ("fc.weight", *ENCODER)):
+            check_context_layout(names, prefix, where)
+            return prefix
     if "model.embed_tokens.weight" in names or "lm_head.weight" in names:
         what = "a full language model (it has embed_tokens/lm_head but no fc)"
     else:
         what = f"a checkpoint of {len(names)} tensors without one"
     raise CheckpointError(
-        f"{where}: no `fc.weight` or `model.fc.weight`: this is {what}; expected a DFlash-family drafter"
+        f"{where}: no `fc.weight` or `model.fc.weight` (nor the assistant's `encoder.*`): this is {what}; "
+        "expected a DFlash-family drafter"
     )
 
 

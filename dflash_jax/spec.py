@@ -151,8 +151,9 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     attn, mlp = "layers.{i}.self_attn.", "layers.{i}.mlp."
     projections = {"q_proj": (q_dim, H), "k_proj": (kv_dim, H), "v_proj": (kv_dim, H), "o_proj": (H, q_dim)}
     specs = [
-        ParamSpec("fc.weight", (H, len(c.checked_target_layer_ids) * H), LINEAR),
-        ParamSpec("hidden_norm.weight", (H,), NORM, init=Gain()),
+        # the Muse-Glimmer assistant stores these two as `encoder.*` (`dflash_jax.layouts.ENCODER`)
+        ParamSpec("fc.weight", (H, len(c.checked_target_layer_ids) * H), LINEAR, aliases=("{p}encoder.fc.weight",)),
+        ParamSpec("hidden_norm.weight", (H,), NORM, init=Gain(), aliases=("{p}encoder.output_norm_enc.weight",)),
         ParamSpec("norm.weight", (H,), NORM, init=Gain()),
         ParamSpec("layers.{i}.input_layernorm.weight", (H,), NORM, init=Gain()),
         ParamSpec("layers.{i}.post_attention_layernorm.weight", (H,), NORM, init=Gain()),

@@ -148,6 +148,14 @@ def zlab_rules(raw: dict):
     return [(False, None, 0)] * raw["num_hidden_layers"]
 
 
+def assistant_rules(raw: dict):
+    """transformers' Muse-Glimmer assistant (`MuseGlimmerAssistantAttention.is_causal = False`, masks from
+    `create_bidirectional_sliding_window_mask`): on a sliding layer a query sees the keys within `sliding_window`
+    positions on either side (|q - k| < w), on a full one every key; z-lab's MLX loader reads it so too
+    (`dflash/model_mlx.py`, `is_causal=False` for this architecture, window on the context)."""
+    return [(False, raw["sliding_window"] if kind == "sliding_attention" else None, 0) for kind in raw["layer_types"]]
+
+
 def vllm_v1_rules(raw: dict):
     """vLLM's v1 proposer (`vllm/v1/spec_decode/dflash.py`): one causal flag for every layer, False as soon as
     `_dflash_layer_causal` makes any layer non-causal; windows stay per layer."""

@@ -1,0 +1,244 @@
+"""Published drafter layouts: folded into the one layout `DflashConfig` and `spec.drafter_spec` read, or refused by
+name. The architecture and the tensors decide which network a checkpoint holds, never `model_type` alone.
+
+Config side (`fold`, run by `config.parse_config` before anything is decoded):
+- vLLM `speculators` exports (`speculators_model_type` "dflash" / "dspark"; vllm-project/speculators
+  `src/speculators/models/{dflash,dspark}/config.py`): the decoder config nested in `transformer_layer_config`,
+  the target layers as `aux_hidden_state_layer_ids` (hidden-state indices: z-lab's id + 1, as speculators'
+  DFlash converter and vLLM's `update_dflash` map them), `sample_from_anchor`, `sliding_window_non_causal`, the
+  class defaults for fields an export leaves out.
+- Muse-Glimmer's assistant (`MuseGlimmerAssistantModel`): a DFlash drafter whose config states no vocabulary
+  (its target's, 202048, is what transformers', vLLM's, SGLang's and z-lab's loaders default to), whose layers
+  are bidirectional (transformers' `MuseGlimmerAssistantAttention.is_causal` is False; vLLM's config sets
+  `dflash_config.causal: false`) and whose sliding windows are applied (`use_sliding_window` defaults to True).
+`not_implemented` names what a config describes and this package does not run (other architectures, MLA, MoE,
+Laguna's gate, Nemotron's hybrid blocks, ...).
+
+Tensor side: `PUBLISHED_NAMES` (the names an architecture's checkpoints store tensors under, for the test
+writers), `ENCODER` and `check_context_layout` (the assistant's `encoder.*` set, whole or not at all).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import CheckpointError, ConfigError
+
+# What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
+MODEL_TYPES = ("qwen3",)
+ASSISTANT = ("MuseGlimmerAssistantModel", "DFlashMuseGlimmerAssistantModel")  # vLLM registers both names
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel", *ASSISTANT)
+MUSE_GLIMMER_VOCAB = 202048  # the Muse-Glimmer target's vocabulary, which the assistant's config leaves out
+
+# Drafter networks that differ from the Qwen3-style one, by architecture and by model_type prefix: named in
+# the refusal so that a user learns what the checkpoint is, not only that it is refused.
+OTHER_ARCHITECTURES = {
+    "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark drafter (deepspec/modeling/dspark/gemma4/: V from the K "
+                         "projection, layer scalars, sandwich norms, GELU-tanh MLP, embedding scale, logit softcap, "
+                         "global and local heads)",
+    "DFlashLagunaForCausalLM": "poolside's Laguna DFlash drafter (a per-head softplus output gate `g_proj`, "
+                               "per-feature `aux_hidden_norms` before `fc`, context rows through each layer's "
+                               "input norm)",
+    "K3DSparkModel": "the Kimi-K3 DSpark drafter (multi-head latent attention)",
+}
+OTHER_MODEL_TYPES = {
+    "gemma": "a Gemma drafter network", "laguna": "poolside's Laguna DFlash network",
+    "nemotron": "an NVIDIA Nemotron drafter network", "deepseek": "a DeepSeek (MLA / MoE) drafter network",
+    "kimi": "a Kimi (MLA) drafter network",
+}
+MLA_RANKS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # what an MLA layer is built from
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+# vLLM speculators: the architecture each exported algorithm runs as, and the class defaults of the fields an
+# export may leave out (`DFlashSpeculatorConfig`, `DSparkSpeculatorConfig`).
+SPECULATORS = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+SPECULATORS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dflash": {"block_size": 8, "sample_from_anchor": False},
+    "dspark": {"block_size": 8, "sample_from_anchor": True, "markov_rank": 256, "markov_head_type": "vanilla",
+               "enable_confidence_head": True, "confidence_head_with_markov": True},
+}
+SPECULATORS_FIELDS = ("draft_vocab_size", "mask_token_id", "block_size", "sample_from_anchor", "markov_rank",
+                      "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+# Attention fields vLLM's speculators reader takes from the top level over the nested decoder config's.
+SPECULATORS_ATTENTION = ("layer_types", "sliding_window", "use_sliding_window", "max_window_layers")
+
+# The assistant's context projection, stored as `encoder.*` (z-lab dflash `model_mlx.py` maps it onto fc /
+# hidden_norm): stored name -> spec name.
+ENCODER = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+PUBLISHED_NAMES: dict[str, dict[str, str]] = {  # architecture -> {spec name: stored name}
+    name: {spec: stored for stored, spec in ENCODER.items()} for name in ASSISTANT}
+
+
+def architecture_names(raw: dict[str, Any]) -> list[str]:
+    """The strings of a raw config's `architectures` list (anything else there is ignored)."""
+    stated = raw.get("architectures")
+    return [a for a in stated if isinstance(a, str)] if isinstance(stated, list) else []
+
+
+def fold(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`raw` in the layout `DflashConfig` reads: a speculators export unnested, the assistant's defaults filled in.
+
+    Raises `ConfigError` naming `source` and the field for a speculators export this package cannot run.
+    """
+    if "speculators_model_type" in raw:
+        raw = _fold_speculators(raw, source)
+    if any(a in ASSISTANT for a in architecture_names(raw)):
+        raw = _fold_assistant(raw)
+    return raw
+
+
+def _fold_assistant(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    out.setdefault("vocab_size", MUSE_GLIMMER_VOCAB)
+    out.setdefault("use_sliding_window", True)
+    sub = out.get("dflash_config")
+    if sub is None or isinstance(sub, dict):  # anything else is msgspec's to refuse
+        out["dflash_config"] = {"causal": False, **(sub or {})}
+    return out
+
+
+def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    kind = raw["speculators_model_type"]
+    if not isinstance(kind, str) or kind not in SPECULATORS:
+        raise ConfigError(
+            f"{source}: `speculators_model_type` {kind!r}: not a drafter dflash_jax runs; expected a speculators "
+            f"export of {' or '.join(map(repr, SPECULATORS))} (a DFlash or DSpark drafter)")
+    layer = raw.get("transformer_layer_config", raw.get("transformer_config"))
+    if not isinstance(layer, dict):
+        what = "missing" if layer is None else f"a JSON {type(layer).__name__}"
+        raise ConfigError(f"{source}: `transformer_layer_config` is {what}; a speculators {kind} export nests the "
+                          "drafter's decoder config (hidden_size, layers, heads, ...) there, as an object")
+    # speculators builds Qwen3-style layers whatever the nested model_type (often the verifier's) says
+    out = {k: v for k, v in layer.items() if k not in ("model_type", "architectures")}
+    out.update({k: raw[k] for k in SPECULATORS_ATTENTION if raw.get(k) is not None})
+    out["architectures"] = [SPECULATORS[kind]]
+    defaults = SPECULATORS_DEFAULTS[kind]
+    out.update({k: raw.get(k, defaults.get(k)) for k in SPECULATORS_FIELDS if raw.get(k, defaults.get(k)) is not None})
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        raise ConfigError(f"{source}: `aux_hidden_state_layer_ids` is {aux!r}; a speculators {kind} export lists "
+                          "the target hidden states it reads there, as a list of integers")
+    out["target_layer_ids"] = [i - 1 for i in aux]  # hidden_states[i] is the output of layer i - 1
+    if raw.get("sliding_window_non_causal") is True and "is_causal" not in out:
+        out["is_causal"] = False  # sliding layers bidirectional; full layers are so anyway
+    target_hidden, hidden = raw.get("target_hidden_size"), out.get("hidden_size")
+    if target_hidden is not None and target_hidden != hidden:
+        raise ConfigError(f"{source}: `target_hidden_size`={target_hidden!r} differs from "
+                          f"transformer_layer_config.hidden_size={hidden!r}: a drafter reading target features of "
+                          "another width is not implemented")
+    draft_vocab, vocab = out.get("draft_vocab_size"), out.get("vocab_size")
+    reduced = isinstance(draft_vocab, int) and isinstance(vocab, int) and draft_vocab < vocab
+    rank = out.get("markov_rank")
+    if kind == "dspark" and reduced and isinstance(rank, int) and rank > 0:
+        raise ConfigError(
+            f"{source}: draft_vocab_size={draft_vocab} < vocab_size={vocab} with markov_rank={rank}: "
+            "a speculators DSpark Markov head over a reduced draft vocabulary (markov_w1 indexed by target ids, "
+            "markov_w2 over draft ids) is not implemented")
+    return out
+
+
+def not_implemented(raw: dict[str, Any]) -> str | None:
+    """Why a (folded) drafter config describes a network this package does not run, or None.
+
+    Judged on the raw dict, before decoding, so that another network is named as what it is instead of loading
+    as a Qwen3 drafter with a warning about its tensors. The architecture decides: a known drafter architecture
+    runs whatever `model_type` says (exports for other targets carry the target's); without one, a model_type
+    naming another drafter network is refused. Extensions this package does not implement are refused by the
+    field that declares them, never ignored: each would change the network (docs/references.md).
+    """
+    stated_sub = raw.get("dflash_config")
+    sub: dict[str, Any] = stated_sub if isinstance(stated_sub, dict) else {}
+    problems = []
+    names = architecture_names(raw)
+    unknown = [a for a in names if a not in ARCHITECTURES]
+    model_type = raw.get("model_type")
+    other_type = next((what for prefix, what in OTHER_MODEL_TYPES.items()
+                       if isinstance(model_type, str) and model_type.startswith(prefix)), None)
+    if isinstance(model_type, str) and model_type not in MODEL_TYPES and (unknown or (not names and other_type)):
+        problems.append(f"model_type {model_type!r}" + (f" ({other_type})" if other_type and not unknown else ""))
+    if unknown:
+        known = [OTHER_ARCHITECTURES[a] for a in unknown if a in OTHER_ARCHITECTURES]
+        problems.append(f"architectures [{', '.join(unknown)}]" + (f": {'; '.join(known)}" if known else ""))
+    for key in ("hidden_act", "hidden_activation"):
+        if isinstance(raw.get(key), str) and raw[key] != "silu":
+            problems.append(f"`{key}` {raw[key]!r} (the drafter MLP is SwiGLU, silu)")
+    projector = sub.get("projector_type")
+    if projector is not None and projector not in ("dflash", "dspark"):
+        what = " (SpecForge's DFlash backbone with a causal correction head)" if projector == "domino" else ""
+        problems.append(f"`dflash_config.projector_type` {projector!r}{what}")
+    problems += _attention_problems(raw, sub)
+    for key in EXPERT_COUNTS:
+        if isinstance(raw.get(key), int) and raw[key] > 0:
+            problems.append(f"`{key}` {raw[key]} (a mixture-of-experts MLP; the drafter's is dense)")
+    if raw.get("block_pattern"):
+        problems.append("`block_pattern` (a Mamba / attention hybrid drafter, Nemotron-style)")
+    if _nemotron_35(raw):
+        problems.append("`has_embed_tokens: true` without an LM head, W4A16_NVFP4 (NVIDIA's Nemotron 3.5 drafter "
+                        "layout, as SGLang's `is_nemotron_35_draft_config` recognises it: a non-anchor query layout, "
+                        "its own embedding and Markov head)")
+    for key in ("is_neox_style", "rope_is_neox_style"):
+        if raw.get(key) is False:
+            problems.append(f"`{key}: false` (interleaved RoPE; this package rotates halves, the neox layout)")
+    if not problems:
+        return None
+    return (
+        f"{'; '.join(problems)}: not implemented. dflash_jax runs Qwen3-style DFlash, DFlash2 and DSpark drafters "
+        f"(architectures {', '.join(ARCHITECTURES)}; model_type {' or '.join(map(repr, MODEL_TYPES))} when no "
+        "architecture is stated); loading this one would run a different network"
+    )
+
+
+def _nemotron_35(raw: dict[str, Any]) -> bool:
+    """The published Nemotron 3.5 DFlash / DSpark layout: a DFlash or Qwen3-DSpark architecture with its own
+    embedding (`has_embed_tokens`), no LM head, NVFP4 weights with 16-bit activations (SGLang
+    `python/sglang/srt/speculative/dflash_utils.py`, `is_nemotron_35_draft_config`)."""
+    quant = raw.get("quantization_config")
+    algo = quant.get("quant_algo") if isinstance(quant, dict) else None
+    return (bool({"DFlashDraftModel", "Qwen3DSparkModel"} & set(architecture_names(raw)))
+            and raw.get("has_embed_tokens") is True and not raw.get("has_lm_head") and algo == "W4A16_NVFP4")
+
+
+def _attention_problems(raw: dict[str, Any], sub: dict[str, Any]) -> list[str]:
+    """The attention variants a config declares that the drafter's GQA layer is not: MLA (with the ranks it
+    lacks), learned sinks, Laguna's output gate, Gemma 4's shared K/V."""
+    problems = []
+    mode = sub.get("attention_mode")
+    mla = mode == "mla" or any(raw.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank"))
+    if mode is not None and mode not in ("gqa", "mha", "mla"):
+        problems.append(f"`dflash_config.attention_mode` {mode!r} (only grouped-query / multi-head attention)")
+    if mla:
+        field = "`dflash_config.attention_mode` 'mla'" if mode == "mla" else "`kv_lora_rank`"
+        missing = [k for k in MLA_RANKS if raw.get(k) is None and sub.get(k) is None]
+        lacks = f"; the config also lacks {', '.join(missing)}, which an MLA layer is built from" if missing else ""
+        problems.append(f"{field} (multi-head latent attention{lacks})")
+    for where, block, key in (("dflash_config.", sub, "attention_sink_bias"), ("", raw, "attention_sink_bias"),
+                              ("", raw, "add_swa_attention_sink_bias")):
+        if block.get(key):
+            problems.append(f"`{where}{key}` (a learned per-head attention sink, MiMo-style)")
+    gating = raw.get("gating")
+    if gating not in (None, False, "disabled"):
+        problems.append(f"`gating` {gating!r} (Laguna's softplus gate on the attention output)")
+    if raw.get("attention_k_eq_v"):
+        problems.append("`attention_k_eq_v` (V taken from the K projection, Gemma 4)")
+    return problems
+
+
+def check_context_layout(names: set[str], prefix: str, where: str) -> None:
+    """Refuse a checkpoint whose context projection is half one layout and half another: an `encoder.*` set
+    (the assistant's) must be whole, hold nothing else, and not sit beside `fc` / `hidden_norm`."""
+    stored = {n.removeprefix(prefix) for n in names if n.startswith(prefix + "encoder.")}
+    if not stored:
+        return
+    layout = f"the Muse-Glimmer assistant's encoder ({', '.join(prefix + n for n in ENCODER)})"
+    extra = sorted(stored - ENCODER.keys())
+    if extra:
+        raise CheckpointError(f"{where}: tensor {prefix + extra[0]!r} is not part of {layout}; an encoder that "
+                              "differs would run a different network")
+    missing = [n for n in ENCODER if n not in stored]
+    if missing:
+        raise CheckpointError(f"{where}: missing tensor {prefix + missing[0]!r}: the checkpoint has "
+                              f"{', '.join(repr(prefix + n) for n in sorted(stored))} of {layout}")
+    both = [prefix + spec for spec in ENCODER.values() if prefix + spec in names]
+    if both:
+        raise CheckpointError(f"{where}: tensor {both[0]!r} beside {layout}: half one layout and half the other; "
+                              "expected fc.weight / hidden_norm.weight or the encoder.* pair, not both")
