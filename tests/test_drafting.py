@@ -43,7 +43,9 @@ def _uncached(drafter, feats, length, anchor, attention=AttentionOptions()):
 
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_cached_propose_matches_uncached(preset):
-    """Token for token over several steps, batch 2 with different lengths. A second cache that first takes
+    """Over several steps, batch 2 with different lengths, sequence 0 sampled at T = 0.8 and sequence 1 greedy:
+    the same drafts and the same draft distributions q as `sample_drafts` with the same key on the uncached
+    forward's hidden states (measured 4.5e-6 on q, 6e-7 on DSpark's confidences). A second cache that first takes
     rows it then rejects (`trim` back to the old lengths) gives the same drafts: rejection leaves no trace."""
     drafter = tiny_drafter(preset)
     feats = features(drafter, 2, sum(n for n, _ in STEPS) + PAD, seed=1)
@@ -51,23 +53,27 @@ def test_cached_propose_matches_uncached(preset):
     rng = np.random.default_rng(3)
     exact, rewound = init_cache(drafter, 2, 32), init_cache(drafter, 2, 32)
     lengths = np.zeros(2, int)
+    temperature = jnp.asarray([0.8, 0.0])
     programs = _propose._cache_size()  # the jitted step behind `propose`
-    for num_new in map(np.array, STEPS):
+    for step, num_new in enumerate(map(np.array, STEPS)):
         new = garbage.copy()  # rows past num_new are padding: never seen, never kept
         for b in range(2):
             new[b, : num_new[b]] = feats[b, lengths[b] : lengths[b] + num_new[b]]
         anchors = rng.integers(0, drafter.config.vocab_size, 2).astype(np.int32)
-        got, exact = propose(drafter, exact, new, num_new, anchors)
-        _, rewound = propose(drafter, rewound, garbage, np.full(2, PAD), anchors)  # rows then rejected
-        also, rewound = propose(drafter, rewound.trim(lengths), new, num_new, anchors)
+        drawn = dict(key=jax.random.key(step), temperature=temperature)
+        got, exact = propose(drafter, exact, new, num_new, anchors, **drawn)
+        _, rewound = propose(drafter, rewound, garbage, np.full(2, PAD), anchors, **drawn)  # rows then rejected
+        also, rewound = propose(drafter, rewound.trim(lengths), new, num_new, anchors, **drawn)
         lengths += num_new
         np.testing.assert_array_equal(np.asarray(exact.lengths), lengths)
         np.testing.assert_array_equal(np.asarray(also.tokens), np.asarray(got.tokens))
-        for b in range(2):
-            _, want = _uncached(drafter, feats[b], lengths[b], anchors[b])
-            np.testing.assert_array_equal(np.asarray(got.tokens[b]), np.asarray(want.tokens[0]))
-            if want.confidence is not None:
-                np.testing.assert_allclose(np.asarray(got.confidence[b]), np.asarray(want.confidence[0]), atol=1e-5)
+        uncached = [_uncached(drafter, feats[b], lengths[b], anchors[b]) for b in range(2)]
+        want = sample(drafter, jnp.concatenate([h for h, _ in uncached]), jnp.asarray(anchors), **drawn)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(got.tokens[1]), np.asarray(uncached[1][1].tokens[0]))  # greedy
+        np.testing.assert_allclose(np.asarray(got.probs), np.asarray(want.probs), rtol=0, atol=1.5e-5)
+        if want.confidence is not None:
+            np.testing.assert_allclose(np.asarray(got.confidence), np.asarray(want.confidence), rtol=0, atol=2e-6)
     assert len(set(np.asarray(got.tokens).ravel().tolist())) > 2, "degenerate drafts prove little"
     assert _propose._cache_size() - programs <= 1, "every step, first and rewound ones included, is one program"
 
