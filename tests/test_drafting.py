@@ -83,7 +83,7 @@ def test_dspark_markov_and_confidence_match_reference():
     drafter = tiny_drafter("tiny-dspark")
     hidden, proposal = _uncached(drafter, features(drafter, 1, 5, seed=1)[0], 5, anchor=11)
     params, h = ref.to_numpy(drafter.params), np.asarray(hidden[0], np.float64)
-    base = ref.unary_logits(drafter.config, h, ref.to_numpy(drafter.lm_head))
+    base = ref.unary_logits(preset_dict("tiny-dspark"), h, ref.to_numpy(drafter.lm_head))
     tokens = ref.markov_greedy(params, base, 11)
     np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), tokens)
     assert (tokens != base.argmax(-1)).any(), "the Markov bias should change some drafts"
@@ -108,8 +108,9 @@ def test_dflash2_selector_matches_reference():
     drafter = tiny_drafter("tiny-dflash2")
     hidden, proposal = _uncached(drafter, features(drafter, 1, 9, seed=1)[0], 9, anchor=11)
     h = np.asarray(hidden[0], np.float64)
-    unary = ref.unary_logits(drafter.config, h, ref.to_numpy(drafter.lm_head))
-    tokens = ref.selector_greedy(ref.to_numpy(drafter.params), drafter.config, h, unary, 11)
+    raw = preset_dict("tiny-dflash2")  # config.json as written
+    unary = ref.unary_logits(raw, h, ref.to_numpy(drafter.lm_head))
+    tokens = ref.selector_greedy(ref.to_numpy(drafter.params), raw, h, unary, 11)
     np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), tokens)
     assert (tokens != unary.argmax(-1)).any(), "the transition scores should change some drafts"
 
@@ -132,7 +133,7 @@ def test_sampling_returns_the_proposal_distribution(preset):
     np.testing.assert_array_equal(q[1], np.eye(c.vocab_size)[tokens[1]])
 
     h = np.asarray(hidden[0], np.float64)
-    logits = ref.unary_logits(c, h, ref.to_numpy(drafter.lm_head))
+    logits = ref.unary_logits(preset_dict(preset), h, ref.to_numpy(drafter.lm_head))
     if preset == "tiny-dspark":
         expected = ref.markov_distributions(ref.to_numpy(drafter.params), logits, 11, tokens[0], 0.7)
         np.testing.assert_allclose(q[0], expected, atol=1e-5)
@@ -246,9 +247,9 @@ def test_gpu_kernel_reads_rings_as_the_xla_path_does():
     equals the blocked XLA path's."""
     raw = preset_dict("tiny-dflash2") | {"sliding_window": 200}
     drafter = random_drafter(raw, seed=3, dtype=jnp.bfloat16)
-    batch = RING_SPANS_MIN_BATCH
+    c, batch = drafter.config, RING_SPANS_MIN_BATCH
     cache = init_cache(drafter, batch, 1024)
-    assert cache.rings[0] and cache.ring_spans and cache.keys[0].shape[2] == 512
+    assert cache.rings[0] and cache.ring_spans and cache.keys[0].shape[2] == span_capacity(200 + c.effective_block_size)
     rng = np.random.default_rng(0)
     for seed in range(3):
         new = jnp.asarray(features(drafter, batch, 310, seed=seed), jnp.bfloat16)
@@ -270,7 +271,7 @@ def test_the_draft_window_is_the_numpy_rule():
                           block_positions=(30 + np.arange(B))[None],
                           attention=AttentionOptions(draft_window=7, draft_sinks=3))
     rules = ref.layer_rules(preset_dict("tiny-dflash"), draft_window=7, draft_sinks=3)
-    want = ref.hidden_states(ref.to_numpy(drafter.params), c, feats.astype(np.float64),
+    want = ref.hidden_states(ref.to_numpy(drafter.params), preset_dict("tiny-dflash"), feats.astype(np.float64),
                              np.asarray(block(drafter, [3]))[0], np.arange(30), 30 + np.arange(B),
                              np.asarray(drafter.embedding, np.float64), rules)
     np.testing.assert_allclose(np.asarray(hidden[0]), want, rtol=0, atol=2e-4)
@@ -324,10 +325,14 @@ def test_long_rings_are_aligned_for_the_gpu():
     raw, drafter = preset_dict("tiny-dflash2"), tiny_drafter("tiny-dflash2")
     with_window = lambda w: dataclasses.replace(drafter, config=parse_config(raw | {"sliding_window": w}))  # noqa: E731
     block = drafter.config.effective_block_size
-    for window, batch, rows in ((8, 2, 8 + block), (200, 2, 256), (200, RING_SPANS_MIN_BATCH, 512), (240, 1, 256)):
-        cache = init_cache(with_window(window), batch, 1024)
+    aligned = lambda rows: -(-rows // SPAN_ALIGN) * SPAN_ALIGN  # noqa: E731
+    for window, batch, max_context in ((8, 2, 1024), (200, 2, 1024), (200, RING_SPANS_MIN_BATCH, 1024),
+                                       (240, 1, 1024), (200, 2, 150)):
+        cache = init_cache(with_window(window), batch, max_context)
+        needed = min(window + block, max_context)  # the window and a block, or the whole context if shorter
+        rows = needed if needed <= SPAN_ALIGN else span_capacity(needed) if cache.ring_spans else aligned(needed)
+        assert cache.ring_spans == (batch >= RING_SPANS_MIN_BATCH)
         assert cache.rings[0] and cache.keys[0].shape[2] == rows and cache.values[0].shape == cache.keys[0].shape
-    assert init_cache(with_window(200), 2, 150).keys[0].shape[2] == 256
 
 
 @pytest.mark.parametrize("append_chunk", [2048, 32], ids=["one append", "chunked"])
@@ -372,11 +377,12 @@ def test_full_layers_are_aligned_for_the_gpu_kernel():
     assert keys[1, :, : 6 + B].all() and not keys[1, :, 6 + B :].any()  # lengths 6
     for rows in (1, 128, 129, 1024, 1025, 2848, 8992, 16384, 16385, 33568, 65537, 131872):  # the benchmark's 2k..128k
         capacity = span_capacity(rows)
-        assert capacity >= rows and capacity % SPAN_ALIGN == 0 and capacity - rows < 4096
-        for tile in (16, 64, 128):
+        longest = max(split_keys(capacity, tile) for tile in (16, 64, 128))
+        # aligned, and rounded up by less than one of the kernel's longest splits
+        assert capacity >= rows and capacity % SPAN_ALIGN == 0 and capacity - rows < max(longest, SPAN_ALIGN)
+        for tile in (16, 64, 128):  # read in splits of exactly the tuned length (for more than one block)
             expected = split_keys(capacity, tile) if rows > SPAN_ALIGN else capacity
             assert capacity // _splits(capacity, tile) == expected, (rows, tile)
-    assert span_capacity(2848) == 3072 and split_keys(3072, 64) == 512  # 6 splits, not 23 of 128 keys
 
 
 def test_init_cache_where_the_params_carry_a_two_axis_sharding(cpu_mesh):

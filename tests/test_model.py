@@ -35,9 +35,8 @@ def _against_reference(preset, *, context_start, S, causal=None, sliding_window=
     params = ref.to_numpy(drafter.params)
     rules = ref.layer_rules(preset_dict(preset), causal, sliding_window)
     for b in range(2):
-        expected = ref.hidden_states(
-            params, c, th[b].astype(np.float64), ids[b], ctx_pos[b], blk_pos[b], ref.to_numpy(drafter.embedding), rules
-        )
+        expected = ref.hidden_states(params, preset_dict(preset), th[b].astype(np.float64), ids[b], ctx_pos[b],
+                                     blk_pos[b], ref.to_numpy(drafter.embedding), rules)
         np.testing.assert_allclose(np.asarray(hidden[b]), expected, rtol=0, atol=atol)
 
 
@@ -64,7 +63,7 @@ def test_dflash_causal_matches_reference():
 def test_rope_frequencies_match_reference(config):
     c = parse_config(preset_dict(config))
     freq, scale = rope_frequencies(c)
-    expected, expected_scale = ref.inv_freq(c)
+    expected, expected_scale = ref.inv_freq(preset_dict(config))  # config.json as written
     assert freq.dtype == np.float32
     np.testing.assert_allclose(freq, expected, rtol=2e-7)
     assert scale == pytest.approx(expected_scale)
