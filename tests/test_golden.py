@@ -8,33 +8,17 @@ it): a change of semantics moves these outputs by 0.9 to 5 (the README's "plausi
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import init_cache, propose, sample_drafts
-from dflash_jax.loader import load_drafter
-from dflash_jax.model import AttentionOptions, draft_hidden, lm_logits
+from dflash_jax.model import draft_hidden, lm_logits
 
-from ._drafters import GOLDEN
-from ._io import load_file
+from ._golden import CASES, golden
 
-# The reference's generate helper runs DFlash2's sliding layers unwindowed and bidirectional (z-lab's rule);
-# `*_masked` outputs are SpecForge's training masks, dflash_jax's default rule for `is_causal: false`.
-UNWINDOWED = AttentionOptions(causal=False, sliding_window=False)
-CASES = {  # case: (golden directory, io suffix, attention)
-    "dflash-tiny-a": ("dflash-tiny-a", "", AttentionOptions()),
-    "dflash-tiny-b": ("dflash-tiny-b", "", AttentionOptions()),
-    "dspark-tiny-a": ("dspark-tiny-a", "", AttentionOptions()),
-    "dspark-tiny-b": ("dspark-tiny-b", "", AttentionOptions()),
-    "dflash2-tiny-a": ("dflash2-tiny-a", "", UNWINDOWED),
-    "dflash2-tiny-b": ("dflash2-tiny-b", "", UNWINDOWED),
-    "dflash2-tiny-b-masked": ("dflash2-tiny-b", "_masked", AttentionOptions()),
-}
 # max abs error on (hidden, logits), float32, measured:  1.4e-6 / 3.1e-6, 9.6e-6 / 1.6e-5, 2.0e-6 / 3.6e-6,
 # 3.8e-6 / 7.0e-6, 5.1e-6 / 8.0e-6, 1.3e-5 / 2.8e-5, 1.3e-5 / 2.1e-5 (in CASES' order)
 FLOAT32_ATOL = {
@@ -52,24 +36,9 @@ BFLOAT16_ATOL = {
 
 
 @functools.cache
-def _golden(case: str, dtype=jnp.float32) -> tuple[Drafter, dict[str, np.ndarray]]:
-    """(the drafter, with the golden embedding and LM head attached unless it ships its own; the io tensors with
-    the case's suffix dropped from its `expected_*` names)."""
-    directory, suffix, _ = CASES[case]
-    io = load_file(os.path.join(GOLDEN, directory, "io.safetensors"))
-    if suffix:  # the lattice is stored for the unmasked rule only
-        io = {k: v for k, v in io.items() if k != "expected_lattice"}
-        io.update({k.removesuffix(suffix): v for k, v in io.items() if k.endswith(suffix)})
-    drafter = load_drafter(os.path.join(GOLDEN, directory), dtype=dtype)
-    if "embed_tokens" not in drafter.params:  # z-lab and DFlash2 drafters use the target's
-        drafter = drafter.attach(embed=jnp.asarray(io["embed"]), lm_head=jnp.asarray(io["lm_head"]))
-    return drafter, io
-
-
-@functools.cache
 def _hidden(case: str, dtype=jnp.float32) -> np.ndarray:
     """The drafter's final hidden states for the golden block, float32 `[1, B, H]`."""
-    drafter, io = _golden(case, dtype)
+    drafter, io = golden(case, dtype)
     hidden = draft_hidden(drafter, io["target_hidden"], io["block_ids"], context_positions=io["context_positions"],
                           block_positions=io["block_positions"], attention=CASES[case][2])
     return np.asarray(hidden, np.float32)
@@ -77,19 +46,19 @@ def _hidden(case: str, dtype=jnp.float32) -> np.ndarray:
 
 def _draft_rows(case: str) -> tuple[jax.Array, jax.Array]:
     """(the draft rows' hidden states `[1, n, H]` (rows 1..B-1, or all B for DSpark), the anchors `[1]`)."""
-    drafter, io = _golden(case)
+    drafter, io = golden(case)
     return jnp.asarray(_hidden(case)[:, -drafter.config.num_draft_tokens:]), jnp.asarray(io["block_ids"][:, 0])
 
 
 def _expected_drafts(case: str) -> np.ndarray:
-    _, io = _golden(case)
+    _, io = golden(case)
     return io["expected_draft_tokens"] if "expected_draft_tokens" in io else io["expected_logits"][:, 1:].argmax(-1)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_forward_float32(case):
     """Float32 with full-precision matmuls: hidden states and plain LM-head logits of every block row."""
-    drafter, io = _golden(case)
+    drafter, io = golden(case)
     hidden = _hidden(case)
     logits = np.asarray(lm_logits(jnp.asarray(hidden), drafter.output_head))
     assert hidden.shape == io["expected_hidden"].shape
@@ -103,7 +72,7 @@ def test_forward_bfloat16(case):
     """bf16 weights as stored and bf16 activations. Drafts are compared for DFlash and DSpark (margins of 0.18 or
     more); DFlash2's selector margins are below bf16 noise (the reference's own bf16 run keeps 1 of 7 in
     dflash2-tiny-a), so its drafts are compared in float32 only."""
-    drafter, io = _golden(case, jnp.bfloat16)
+    drafter, io = golden(case, jnp.bfloat16)
     hidden = _hidden(case, jnp.bfloat16)
     logits = np.asarray(lm_logits(jnp.asarray(hidden, jnp.bfloat16), drafter.output_head))
     hidden_atol, logits_atol = BFLOAT16_ATOL[case]
@@ -124,7 +93,7 @@ def test_dspark_markov_walk_and_confidence(case):
     """Greedy: the Markov walk's drafts, the confidences (measured 1.2e-7 / 9.2e-7) and the cut at the stored
     threshold. Sampled at T = 0.5 over a batch of 64 copies: wherever a sequence's earlier drafts are the
     reference's walk, its q row is `softmax(markov_logits / T)` of the reference (measured 4.8e-7 / 1.5e-6)."""
-    drafter, io = _golden(case)
+    drafter, io = golden(case)
     rows, anchors = _draft_rows(case)
     threshold = float(io["confidence_threshold"][0])
     greedy = sample_drafts(drafter, rows, anchors, confidence_threshold=threshold)
@@ -154,7 +123,7 @@ def test_dflash2_selector(case):
     top-K candidates, and is the softmax of the reference's scores given the predecessor drawn (the anchor's
     scores for row 0; the lattice row of the candidate drawn, or the greedy walk's scores where the masked
     outputs, which have no lattice, followed it): measured 7.9e-7 / 2.9e-6 / 9.2e-7."""
-    drafter, io = _golden(case)
+    drafter, io = golden(case)
     rows, anchors = _draft_rows(case)
     greedy = sample_drafts(drafter, rows, anchors)
     drafts = io["expected_draft_tokens"][0]
@@ -189,7 +158,7 @@ def test_propose_from_an_empty_cache(case):
     """`propose` with the golden context as its first step: the reference's drafts, and DSpark's confidences
     (measured 1.2e-7 / 1.5e-6) and cut. (z-lab's `propose` equals its uncached forward:
     test_drafting.py.) Its context starts at position 0, not the golden's (RoPE is relative: the same function)."""
-    drafter, io = _golden(case)
+    drafter, io = golden(case)
     attention = CASES[case][2]
     target_hidden = io["target_hidden"]
     S = target_hidden.shape[1]
