@@ -353,7 +353,8 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
     """(logits [S, V], hidden_states) of one sequence: `weights` the checkpoint's tensors by HF name (`model.`
     prefix), transformers' `output_hidden_states` convention (entry 0 the embedding output, entry i the output of
     layer i - 1, the last entry after the final norm). Qwen3's q/k norms where the checkpoint has them (Llama has
-    none); causal attention over the whole sequence."""
+    none), and the projections' biases where it has them (`attention_bias`, `mlp_bias`); causal attention over
+    the whole sequence."""
     w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
     eps, n_h, n_kv = raw["rms_norm_eps"], raw["num_attention_heads"], raw["num_key_value_heads"]
     d = raw.get("head_dim") or raw["hidden_size"] // n_h
@@ -366,14 +367,18 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
         def p(name, i=i):
             return w[f"model.layers.{i}.{name}.weight"]
 
+        def linear(name, y, i=i):
+            bias = w.get(f"model.layers.{i}.{name}.bias")
+            return y @ p(name).T + (0 if bias is None else bias)
+
         def norm(name, y, i=i):
             key = f"model.layers.{i}.self_attn.{name}.weight"
             return rms_norm(y, w[key], eps) if key in w else y
 
         xn = rms_norm(x, p("input_layernorm"), eps)
-        q = rotate(norm("q_norm", (xn @ p("self_attn.q_proj").T).reshape(S, n_h, d)), positions, inv)
-        k = rotate(norm("k_norm", (xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d)), positions, inv)
-        v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
+        q = rotate(norm("q_norm", linear("self_attn.q_proj", xn).reshape(S, n_h, d)), positions, inv)
+        k = rotate(norm("k_norm", linear("self_attn.k_proj", xn).reshape(S, n_kv, d)), positions, inv)
+        v = linear("self_attn.v_proj", xn).reshape(S, n_kv, d)
         heads = []
         for h in range(n_h):
             g = h // (n_h // n_kv)
@@ -381,9 +386,9 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
             scores[np.triu_indices(S, 1)] = -np.inf
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             heads.append((probs / probs.sum(-1, keepdims=True)) @ v[:, g])
-        x = x + np.concatenate(heads, axis=-1) @ p("self_attn.o_proj").T
+        x = x + linear("self_attn.o_proj", np.concatenate(heads, axis=-1))
         hn = rms_norm(x, p("post_attention_layernorm"), eps)
-        x = x + (silu(hn @ p("mlp.gate_proj").T) * (hn @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+        x = x + linear("mlp.down_proj", silu(linear("mlp.gate_proj", hn)) * linear("mlp.up_proj", hn))
         states.append(x)
     states[-1] = rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if raw["tie_word_embeddings"] else w["lm_head.weight"]

@@ -3,18 +3,21 @@ test_golden.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.config import parse_config
+from dflash_jax.loader import load_drafter
 from dflash_jax.model import AttentionOptions, LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
-from dflash_jax.testing import preset_dict
+from dflash_jax.testing import preset_dict, write_checkpoint
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
@@ -57,6 +60,31 @@ def test_dspark_yarn_matches_reference():
 
 def test_dflash_causal_matches_reference():
     _against_reference("tiny-dflash", context_start=40, S=6, causal=True)
+
+
+def test_attention_biases_match_reference(tmp_path):
+    """q/k/v/o biases (`attention_bias: true`), drawn 25x their initialiser's 0.02 so that they matter (dropping
+    them moves the hidden states by over 0.05): the NumPy reference's hidden states."""
+    raw = {**preset_dict("tiny-dflash"), "attention_bias": True}
+    write_checkpoint(tmp_path, raw, seed=2)
+    drafter = load_drafter(tmp_path, dtype=jnp.float32)
+    biased = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 25 if jax.tree_util.keystr(path).endswith("['bias']") else x, drafter.params)
+    assert all("bias" in layer["self_attn"][p] for layer in biased["layers"] for p in ("q_proj", "k_proj", "o_proj"))
+    embed = jnp.asarray(np.random.default_rng(3).standard_normal((raw["vocab_size"], raw["hidden_size"])), jnp.float32)
+    drafter = dataclasses.replace(drafter, params=biased).attach(embed=embed, lm_head=embed)
+    S, B = 6, drafter.config.effective_block_size
+    th, ids = features(drafter, 1, S), block(drafter, [3])
+    ctx_pos, blk_pos = np.arange(S), S + np.arange(B)
+    hidden = draft_hidden(drafter, th, ids, context_positions=ctx_pos[None], block_positions=blk_pos[None])
+    params = ref.to_numpy(drafter.params)
+    inputs = (th[0].astype(np.float64), ids[0], ctx_pos, blk_pos, ref.to_numpy(embed), ref.layer_rules(raw))
+    expected = ref.hidden_states(params, raw, *inputs)
+    np.testing.assert_allclose(np.asarray(hidden[0]), expected, rtol=0, atol=2e-6)  # measured 6.9e-7
+    for layer in params["layers"]:
+        for p in layer["self_attn"].values():
+            p.pop("bias", None)
+    assert np.abs(ref.hidden_states(params, raw, *inputs) - expected).max() > 0.05
 
 
 @pytest.mark.parametrize("config", ["tiny-dspark", "radixark-qwen3.8-27b-dspark", "zlab-qwen3-8b-dflash-b16"])
