@@ -10,6 +10,7 @@ Each step is timed alone, host-synchronised (what a decoding loop waits for), me
 Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
+    python benchmarks/draft_step.py --small       # tiny shapes, a CPU check of the script (tests run it)
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
 reference; ours runs on whatever JAX backend is present.
@@ -218,7 +219,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--reference", help="path to z-lab dflash/model.py (omit to time ours only)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--small", action="store_true", help="the tiny-dflash preset, batch 1, one timed step (a CPU "
+                        "check of the script)")
     args = parser.parse_args()
+    if args.small:
+        args.preset, args.batch, args.iters = "tiny-dflash", [1], 1
 
     raw = preset_dict(args.preset)
     config = parse_config(raw)
