@@ -36,7 +36,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, Unpack
+from typing import Any, ClassVar, Literal, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -278,7 +278,7 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
 
 
 def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
-               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: str | None):
+               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None):
     """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
     K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[batch, n_kv, T, d_h]`.
 
@@ -320,7 +320,7 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
 
 
 def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
-            fused: str | None = None):
+            fused: Literal["cudnn", "xla"] | None = None):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
     to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
@@ -381,7 +381,7 @@ def _prefill(
 
 
 def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                  layer_ids: tuple[int, ...], implementation: str) -> TargetOutput:
+                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"]) -> TargetOutput:
     """The whole prompt at once into an empty cache, each layer's attention `causal_self_attention` of
     `implementation` ("cudnn"; "xla" runs the same masking and last-row gather on any backend, as the tests do)."""
     batch = tokens.shape[0]
