@@ -1,5 +1,5 @@
 """The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot); the GPU-only ones
-(pallas_tiles.py, nvfp4_dequant.py) in small forms marked `gpu`."""
+(pallas_tiles.py) in a small form marked `gpu`; those that take minutes on 2 cores need DFLASH_JAX_SLOW_TESTS=1."""
 
 import json
 import os
@@ -8,6 +8,8 @@ import sys
 
 import jax
 import pytest
+
+from ._slow import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +61,7 @@ def test_hybrid_decode_small(tmp_path):
     assert decode["zero acceptance"]["mean_acceptance"] == 1
 
 
+@slow
 def test_spec_decode_small(tmp_path):
     """Greedy and three drafters on tiny shapes: lossless, the right successor map accepted, the wrong one not."""
     out = tmp_path / "out.json"
@@ -72,6 +75,7 @@ def test_spec_decode_small(tmp_path):
     assert rows["dspark-b16, right map"]["mean_acceptance"] > rows["dspark-b16, wrong map"]["mean_acceptance"]
 
 
+@slow
 def test_tp_target_small(tmp_path):
     """A step of the unsharded target and of the same target `shard`ed onto a 1-device mesh, and both loaders."""
     out = tmp_path / "out.json"
@@ -84,6 +88,7 @@ def test_tp_target_small(tmp_path):
     assert rows[1]["target_gbps"] > 0 and rows[1]["drafter_gbps"] > 0
 
 
+@slow
 def test_draft_step_small(tmp_path):
     """`propose` timed at the tiny preset (the PyTorch comparison needs the reference file and a GPU)."""
     out = tmp_path / "out.json"
@@ -94,6 +99,7 @@ def test_draft_step_small(tmp_path):
     assert all(r["ours_ms"] > 0 and r["ours_back_to_back_ms"] > 0 for r in results["rows"])
 
 
+@slow
 def test_load_small(tmp_path):
     """Our loader and the naive one, each in its own process, on tiny BF16 and NVFP4 checkpoints."""
     run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "load.py"), "--small",
@@ -101,7 +107,7 @@ def test_load_small(tmp_path):
                          check=True, timeout=600, capture_output=True, text=True)
     rows = [line.split() for line in run.stdout.splitlines()[1:] if line.split()[:1] in (["ours"], ["naive"])]
     assert sorted((r[0], r[1]) for r in rows) == [("naive", "bf16"), ("ours", "bf16"), ("ours", "nvfp4")], run.stdout
-    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)  # seconds, GB/s
+    assert all(float(r[3]) > 0 and float(r[4]) >= 0 for r in rows)  # seconds, GB/s (0.00 for a tiny checkpoint)
 
 
 @pytest.mark.gpu
