@@ -19,6 +19,7 @@ LM head, the cached context's keys and values) at the read rate of a `jnp.sum` o
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
     python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-mosaic fp8 --batch 1 8 32 --contexts 2048 131072
+    python benchmarks/draft_step.py --small       # tiny shapes, a CPU check of the script (tests run it)
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
 reference; ours runs on whatever JAX backend is present.
@@ -265,7 +266,11 @@ def main() -> None:
                         help="forms of the linear weights to time (see above)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="cached context rows")
     parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
+    parser.add_argument("--small", action="store_true", help="the tiny-dflash preset, batch 1, one timed step (a CPU "
+                        "check of the script)")
     args = parser.parse_args()
+    if args.small:
+        args.preset, args.batch, args.iters = "tiny-dflash", [1], 1
 
     raw = preset_dict(args.preset)
     config = parse_config(raw)

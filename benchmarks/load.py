@@ -1,6 +1,7 @@
 """Load benchmark: our `load_drafter` against the naive path and the ceiling, each in a fresh process.
 
     python benchmarks/load.py [--dir /tmp/dflash_load_bench] [--devices 1 2] [--repeat 3]
+    python benchmarks/load.py --small --methods ours naive   # a tiny checkpoint: a CPU check of the script
 
 The workload is a checkpoint with the Qwen3.6-35B-A3B-DFlash shapes (preset
 `zlab-qwen3.6-35b-a3b-dflash-v2`: 91 BF16 tensors, 948 MB) and its NVFP4 twin, written once by
@@ -144,16 +145,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=None, help="only these methods (default: all)")
     parser.add_argument("--child", nargs=3, metavar=("METHOD", "PATH", "DEVICES"), help=argparse.SUPPRESS)
+    parser.add_argument("--small", action="store_true", help="a tiny-dflash checkpoint, one process per method (a CPU "
+                        "check of the script; compile-pallas needs a GPU)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1], int(args.child[2]))))
         return
     from dflash_jax.testing import write_checkpoint
 
+    preset = "tiny-dflash" if args.small else PRESET
+    if args.small:
+        args.dir, args.repeat = os.path.join(args.dir, "small"), 1
     bf16, nvfp4 = os.path.join(args.dir, "bf16"), os.path.join(args.dir, "nvfp4")
     for directory, quantized in ((bf16, False), (nvfp4, True)):
         if not os.path.isfile(os.path.join(directory, "config.json")):
-            write_checkpoint(directory, PRESET, nvfp4=quantized)
+            write_checkpoint(directory, preset, nvfp4=quantized)
         warm_page_cache(directory)
     runs = [("ceiling", bf16, 1), ("naive", bf16, 1), ("ours", bf16, 1), ("ours", nvfp4, 1),
             ("compile-pallas", nvfp4, 1), ("compile-xla", nvfp4, 1)]

@@ -223,13 +223,16 @@ def use_pallas(q: jax.Array, span: Span) -> bool:
     )
 
 
-def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          implementation: Literal["cudnn", "xla"] = "cudnn") -> jax.Array:
     """Causal attention of a sequence over itself (a prompt into an empty cache) with cuDNN's fused flash kernel
     (`jax.nn.dot_product_attention(implementation="cudnn")`): `q [batch, S, n_h, d_h]`, `k, v [batch, n_kv, S,
     d_h]` heads-major -> `[batch, S, n_h, d_h]`. Row i sees keys 0..i: right-padded rows only reach the padding
-    behind them. GPU only, 16-bit operands."""
+    behind them. cuDNN: GPU only, 16-bit operands; `implementation="xla"` is the same function on any backend
+    (how the tests run the fused prefill on a CPU)."""
     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, S, n_kv, d_h]
-    return jax.nn.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True, implementation="cudnn")
+    return jax.nn.dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=True,
+                                        implementation=implementation)
 
 
 def use_cudnn(dtype: jnp.dtype, head_dim: int) -> bool:

@@ -39,20 +39,33 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def inv_freq(config) -> tuple[np.ndarray, float]:
-    """RoPE inverse frequencies (float32) and the cos/sin scaling: plain RoPE, or YaRN (arXiv 2309.00071 as
-    transformers implements it: ramp between interpolated and original frequencies over a correction range)."""
-    d = config.head_dim
-    base = np.float32(config.rope_theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
+def head_dim(raw: dict) -> int:
+    """config.json's `head_dim`, else hidden_size / num_attention_heads (transformers' Qwen3 default)."""
+    return raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+
+
+def rope_block(raw: dict) -> dict:
+    """The RoPE block as written: transformers 5's `rope_parameters`, else the legacy `rope_scaling` (or {})."""
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
+def inv_freq(raw: dict) -> tuple[np.ndarray, float]:
+    """RoPE inverse frequencies (float32) and the cos/sin scaling of config.json `raw`: plain RoPE, or YaRN (arXiv
+    2309.00071 as transformers implements it: ramp between interpolated and original frequencies over a
+    correction range)."""
+    d, scaling = head_dim(raw), rope_block(raw)
+    # no theta stated: 1e7, the default of the loader dflash_jax was designed from (a convention, warned at load;
+    # transformers' Qwen3Config would take 1e4, vLLM 1e6)
+    theta = raw.get("rope_theta", scaling.get("rope_theta", 1e7))
+    base = np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
     plain = (np.float32(1.0) / base).astype(np.float32)
-    scaling = config.rope_scaling
-    if scaling is None or (scaling.rope_type or scaling.type) != "yarn":
+    if (scaling.get("rope_type") or scaling.get("type")) != "yarn":
         return plain, 1.0
-    factor = scaling.factor
-    original = scaling.original_max_position_embeddings or config.max_position_embeddings or 32768
-    fast, slow = scaling.beta_fast or 32.0, scaling.beta_slow or 1.0
+    factor = scaling["factor"]
+    original = scaling.get("original_max_position_embeddings") or raw.get("max_position_embeddings") or 32768
+    fast, slow = scaling.get("beta_fast") or 32.0, scaling.get("beta_slow") or 1.0
     # dimension index at which a frequency completes `n` rotations over the original context
-    dim_of = lambda n: d * math.log(original / (2 * math.pi * n)) / (2 * math.log(config.rope_theta))  # noqa: E731
+    dim_of = lambda n: d * math.log(original / (2 * math.pi * n)) / (2 * math.log(theta))  # noqa: E731
     lo, hi = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
     hi = hi + 0.001 if lo == hi else hi
     keep = np.float32(1.0) - np.clip((np.arange(d // 2, dtype=np.float32) - lo) / np.float32(hi - lo), 0, 1)
@@ -71,9 +84,9 @@ def rotate(x, positions, freq, scale=1.0):
     return x * cos + rotated * sin
 
 
-def rope(x, positions, config):
+def rope(x, positions, raw: dict):
     """A drafter's RoPE (plain or YaRN, `inv_freq`) on x: [rows, heads, d]."""
-    return rotate(x, positions, *inv_freq(config))
+    return rotate(x, positions, *inv_freq(raw))
 
 
 def grouped_conv(z, delta, base):
@@ -193,15 +206,17 @@ def allowed(query_positions, key_positions, causal, window, sinks=0):
     return ok
 
 
-def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, embed, rules):
-    """One sequence: target_hidden [S, Lf*H], block_ids [B] -> final-normed hidden [B, H]."""
-    eps = config.rms_norm_eps
-    n_h, n_kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+def hidden_states(params, raw: dict, target_hidden, block_ids, ctx_pos, blk_pos, embed, rules):
+    """One sequence of a drafter of config.json `raw`: target_hidden [S, Lf*H], block_ids [B] -> final-normed
+    hidden [B, H]."""
+    eps = raw["rms_norm_eps"]
+    n_h, n_kv, d = raw["num_attention_heads"], raw["num_key_value_heads"], head_dim(raw)
     group = n_h // n_kv
     ctx = rms_norm(target_hidden @ params["fc"]["weight"].T, params["hidden_norm"]["weight"], eps)
     x = embed[block_ids].astype(np.float64)
-    if config.input_embedding_scale is not None:
-        x = x * config.input_embedding_scale
+    scale = (raw.get("dflash_config") or {}).get("input_embedding_scale")
+    if scale is not None:
+        x = x * scale
     B, S = len(block_ids), len(ctx_pos)
     key_pos = np.concatenate([ctx_pos, blk_pos])
 
@@ -215,10 +230,10 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
         if "attention_conv" in lp:
             xn, attn_kernel = conv_pair(lp["attention_conv"], xn)
         q = rms_norm(proj(a, "q_proj", xn).reshape(B, n_h, d), a["q_norm"]["weight"], eps)
-        q = rope(q, blk_pos, config)
+        q = rope(q, blk_pos, raw)
         both = np.concatenate([ctx, xn], axis=0)  # context then block, as the reference concatenates
         k = rms_norm(proj(a, "k_proj", both).reshape(S + B, n_kv, d), a["k_norm"]["weight"], eps)
-        k = rope(k, key_pos, config)
+        k = rope(k, key_pos, raw)
         v = proj(a, "v_proj", both).reshape(S + B, n_kv, d)
         visible = allowed(blk_pos, key_pos, causal, window, sinks)
         out = np.zeros((B, n_h, d))
@@ -244,17 +259,25 @@ def hidden_states(params, config, target_hidden, block_ids, ctx_pos, blk_pos, em
     return rms_norm(x, params["norm"]["weight"], eps)
 
 
-def unary_logits(config, hidden, lm_head):
+def is_dflash2(raw: dict) -> bool:
+    """A DFlash2 drafter: so named in `architectures`, or `dflash_config` declares its convs or selector."""
+    sub = raw.get("dflash_config") or {}
+    named = any("DFlash2" in a for a in raw.get("architectures") or [])
+    return named or any(sub.get(k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank"))
+
+
+def unary_logits(raw: dict, hidden, lm_head):
     """`lm_head(h)`; for DFlash2, `softcap(. * output_multiplier)` with the values of `dflash_config` (SpecForge
     `dflash2.py` `transform_unary_logits`, vLLM `qwen3_dflash2.py`), identity for the ones it does not set."""
     z = hidden @ lm_head.T
-    sub = config.dflash_config
-    if config.family != "dflash2" or sub is None:
+    sub = raw.get("dflash_config") or {}
+    if not is_dflash2(raw):
         return z
-    if sub.output_multiplier is not None:
-        z = z * sub.output_multiplier
-    if sub.final_logit_softcapping is not None:
-        z = sub.final_logit_softcapping * np.tanh(z / sub.final_logit_softcapping)
+    if sub.get("output_multiplier") is not None:
+        z = z * sub["output_multiplier"]
+    cap = sub.get("final_logit_softcapping")
+    if cap is not None:
+        z = cap * np.tanh(z / cap)
     return z
 
 
@@ -291,11 +314,11 @@ def confidence(params, hidden, anchor, tokens):
     return np.array(out)
 
 
-def selector_greedy(params, config, hidden, unary, anchor):
+def selector_greedy(params, raw: dict, hidden, unary, anchor):
     """DFlash2 walk: per row, the top-K unary candidates scored u + sum_r A[pred, r] p[r] Bc[cand, r]."""
     sel = params["candidate_selector"]
     A, Bc, P = sel["predecessor_codebook"], sel["successor_codebook"], sel["hidden_projection"]["weight"]
-    K = config.dflash_config.selector_top_k
+    K = raw["dflash_config"]["selector_top_k"]
     pred, tokens = anchor, []
     for h, u in zip(hidden, unary):
         cand = np.argsort(-u, kind="stable")[:K]
@@ -338,7 +361,8 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
     """(logits [S, V], hidden_states) of one sequence: `weights` the checkpoint's tensors by HF name (`model.`
     prefix), transformers' `output_hidden_states` convention (entry 0 the embedding output, entry i the output of
     layer i - 1, the last entry after the final norm). Qwen3's q/k norms where the checkpoint has them (Llama has
-    none); causal attention over the whole sequence."""
+    none), and the projections' biases where it has them (`attention_bias`, `mlp_bias`); causal attention over
+    the whole sequence."""
     w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
     eps, n_h, n_kv = raw["rms_norm_eps"], raw["num_attention_heads"], raw["num_key_value_heads"]
     d = raw.get("head_dim") or raw["hidden_size"] // n_h
@@ -351,14 +375,18 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
         def p(name, i=i):
             return w[f"model.layers.{i}.{name}.weight"]
 
+        def linear(name, y, i=i):
+            bias = w.get(f"model.layers.{i}.{name}.bias")
+            return y @ p(name).T + (0 if bias is None else bias)
+
         def norm(name, y, i=i):
             key = f"model.layers.{i}.self_attn.{name}.weight"
             return rms_norm(y, w[key], eps) if key in w else y
 
         xn = rms_norm(x, p("input_layernorm"), eps)
-        q = rotate(norm("q_norm", (xn @ p("self_attn.q_proj").T).reshape(S, n_h, d)), positions, inv)
-        k = rotate(norm("k_norm", (xn @ p("self_attn.k_proj").T).reshape(S, n_kv, d)), positions, inv)
-        v = (xn @ p("self_attn.v_proj").T).reshape(S, n_kv, d)
+        q = rotate(norm("q_norm", linear("self_attn.q_proj", xn).reshape(S, n_h, d)), positions, inv)
+        k = rotate(norm("k_norm", linear("self_attn.k_proj", xn).reshape(S, n_kv, d)), positions, inv)
+        v = linear("self_attn.v_proj", xn).reshape(S, n_kv, d)
         heads = []
         for h in range(n_h):
             g = h // (n_h // n_kv)
@@ -366,9 +394,9 @@ def decoder(raw: dict, weights: dict, tokens) -> tuple[np.ndarray, list[np.ndarr
             scores[np.triu_indices(S, 1)] = -np.inf
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             heads.append((probs / probs.sum(-1, keepdims=True)) @ v[:, g])
-        x = x + np.concatenate(heads, axis=-1) @ p("self_attn.o_proj").T
+        x = x + linear("self_attn.o_proj", np.concatenate(heads, axis=-1))
         hn = rms_norm(x, p("post_attention_layernorm"), eps)
-        x = x + (silu(hn @ p("mlp.gate_proj").T) * (hn @ p("mlp.up_proj").T)) @ p("mlp.down_proj").T
+        x = x + linear("mlp.down_proj", silu(linear("mlp.gate_proj", hn)) * linear("mlp.up_proj", hn))
         states.append(x)
     states[-1] = rms_norm(x, w["model.norm.weight"], eps)
     head = w["model.embed_tokens.weight"] if raw["tie_word_embeddings"] else w["lm_head.weight"]

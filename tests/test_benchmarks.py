@@ -1,9 +1,15 @@
-"""The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot)."""
+"""The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot); the GPU-only ones
+(pallas_tiles.py) in a small form marked `gpu`; those that take minutes on 2 cores need DFLASH_JAX_SLOW_TESTS=1."""
 
 import json
 import os
 import subprocess
 import sys
+
+import jax
+import pytest
+
+from ._slow import slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,3 +72,61 @@ def test_packed_gemm_small(tmp_path):
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["bytes"] > 0 for r in rows.values())
     assert rows["xla bf16"]["identical_to_xla_packed"] == 1.0
     assert rows["mosaic"]["max_diff"] < 2.0**-6
+
+
+@slow
+def test_spec_decode_small(tmp_path):
+    """Greedy and three drafters on tiny shapes: lossless, the right successor map accepted, the wrong one not."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "spec_decode.py"), "--small",
+                    "--prompt-len", "8", "--max-new", "16", "--repeats", "1", "--json", str(out)],
+                   check=True, timeout=600, capture_output=True)
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"greedy", "dspark-b16, right map", "dspark-b16, wrong map", "dflash-b16, random"}
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(r["same_tokens"] for name, r in rows.items() if name != "greedy")
+    assert rows["dspark-b16, right map"]["mean_acceptance"] > rows["dspark-b16, wrong map"]["mean_acceptance"]
+
+
+@slow
+def test_tp_target_small(tmp_path):
+    """A step of the unsharded target and of the same target `shard`ed onto a 1-device mesh, and both loaders."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "tp_target.py"), "--small",
+                    "--batch", "1", "--rows", "1", "--repeats", "1", "--dir", str(tmp_path / "ckpt"),
+                    "--json", str(out)], check=True, timeout=600, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["part"] for r in rows] == ["step", "load"]
+    assert rows[0]["unsharded_ms"] > 0 and rows[0]["mesh_ms"] > 0
+    assert rows[1]["target_gbps"] > 0 and rows[1]["drafter_gbps"] > 0
+
+
+@slow
+def test_draft_step_small(tmp_path):
+    """`propose` timed at the tiny preset (the PyTorch comparison needs the reference file and a GPU)."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "draft_step.py"), "--small",
+                    "--json", str(out)], check=True, timeout=600, capture_output=True)
+    results = json.loads(out.read_text())
+    assert results["preset"] == "tiny-dflash" and [r["batch"] for r in results["rows"]] == [1]
+    assert all(r["ours_ms"] > 0 and r["ours_back_to_back_ms"] > 0 for r in results["rows"])
+
+
+@slow
+def test_load_small(tmp_path):
+    """Our loader and the naive one, each in its own process, on tiny BF16 and NVFP4 checkpoints."""
+    run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "load.py"), "--small",
+                          "--dir", str(tmp_path), "--methods", "ours", "naive"],
+                         check=True, timeout=600, capture_output=True, text=True)
+    rows = [line.split() for line in run.stdout.splitlines()[1:] if line.split()[:1] in (["ours"], ["naive"])]
+    assert sorted((r[0], r[1]) for r in rows) == [("naive", "bf16"), ("ours", "bf16"), ("ours", "nvfp4")], run.stdout
+    assert all(float(r[3]) > 0 and float(r[4]) >= 0 for r in rows)  # seconds, GB/s (0.00 for a tiny checkpoint)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+def test_pallas_tiles_small():
+    """The GPU kernel's tuning sweep on one short span and one setting per knob."""
+    run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "pallas_tiles.py"),
+                          "--spans", "4096", "--rows", "4"], check=True, timeout=600, capture_output=True, text=True)
+    assert "4096" in run.stdout, run.stdout

@@ -240,6 +240,19 @@ def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory
         speculative_generate(target, drafter, [[1] * 190], max_new_tokens=20)
 
 
+def test_beyond_max_positions_runs_on():
+    """`beyond_max_positions=True` runs past a target declaring 16 positions (RoPE continues): greedy decoding is
+    the NumPy forward's. (`speculative_generate` shares the check, `_check_positions`.)"""
+    raw = {**QWEN3_TINY_CONFIGS["tiny-qwen3"], "max_position_embeddings": 16}
+    short = random_qwen3(raw, seed=1, dtype=jnp.float32)
+    prompt = PROMPTS[5]  # 8 tokens, + 12 reaches position 20
+    with pytest.raises(ValueError, match="max_position_embeddings=16"):
+        greedy_generate(short, [prompt], 12)
+    plain = greedy_generate(short, [prompt], 12, beyond_max_positions=True)
+    weights = {t.name: leaf(short.params, t.path) for t in plan_decoder(short.config)}
+    assert plain.tokens[0] == ref.greedy(raw, weights, prompt, 12)
+
+
 # --- Backoff: plain target steps while drafts are rarely accepted ----------------------------------------------
 
 

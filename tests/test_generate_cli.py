@@ -258,3 +258,19 @@ def test_the_progress_display_shows_compiling_then_tokens():
     assert (task.description, task.completed) == ("compiling and prefilling", 0)
     report(np.array([3, 5]))
     assert (task.description, task.completed) == ("generating", 5)
+
+
+def test_generate_verb_samples_at_a_temperature(checkpoints, capsys):
+    """`--temperature 1 --seed N` reaches the sampler: a seed gives the same continuation twice, another seed
+    another (12 tokens drawn over 128 ids by a random target: equal only by a near-impossible chance)."""
+    target_dir, drafter_dir = checkpoints
+    runs = []
+    for seed in (3, 3, 4):
+        code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
+                     "--dtype", "float32", "--temperature", "1", "--seed", str(seed), "--stop-token-ids", "127"])
+        out, err = capsys.readouterr()
+        assert code == 0 and "mean acceptance length" in err
+        runs.append([int(t) for t in out.strip().split(",")])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2], runs
+    assert all(0 <= t < 128 for r in runs for t in r) and all(len(r) == 12 or r[-1] == 127 for r in runs)

@@ -1,5 +1,5 @@
 """`dflash_jax.nnx.DFlashDrafter`: the loaded arrays as nnx.Params (no copy, shardings kept), logits and drafts
-equal to `draft_logits` / `propose`, and the NNX transforms (split / merge / jit / eval_shape)."""
+of the PyTorch goldens, the NNX transforms (split / merge / jit / eval_shape) and its random initialisation."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax import AttentionOptions, draft_logits, init_cache, load_drafter, propose
+from dflash_jax import load_drafter
 from dflash_jax.config import parse_config
-from dflash_jax.linen import init_params
 from dflash_jax.nnx import DFlashDrafter, TargetWeight
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 from ._drafters import block, features, tiny_drafter
+from ._golden import CASES, golden
 
 
 def inputs(drafter, batch=2, rows=6):
@@ -34,27 +34,37 @@ def leaves_of(module, kind=nnx.Param):
     return jax.tree.leaves(nnx.state(module, kind))
 
 
-def test_logits_equal_draft_logits():
-    """A pass-through: one family shows it (dflash2, whose sliding layer makes the attention options count)."""
-    drafter = tiny_drafter("tiny-dflash2")
+def test_logits_match_the_golden_logits():
+    """The module over a loaded DFlash2 golden (a windowed sliding layer, so the attention options count): the
+    PyTorch reference's logits under both of its rules (test_golden.py's tolerance; measured 2.8e-5 / 2.1e-5)."""
+    drafter, io = golden("dflash2-tiny-b")
     module = DFlashDrafter.from_drafter(drafter)
-    hidden, ids, positions = inputs(drafter)
-    np.testing.assert_array_equal(module(hidden, ids, **positions), draft_logits(drafter, hidden, ids, **positions))
-    attention = AttentionOptions(causal=True, sliding_window=False)
-    np.testing.assert_array_equal(module(hidden, ids, **positions, attention=attention),
-                                  draft_logits(drafter, hidden, ids, **positions, attention=attention))
+    positions = dict(context_positions=io["context_positions"], block_positions=io["block_positions"])
+    for case, expected, atol in (("dflash2-tiny-b", io["expected_logits"], 8.5e-5),
+                                 ("dflash2-tiny-b-masked", io["expected_logits_masked"], 6.5e-5)):
+        logits = module(io["target_hidden"], io["block_ids"], **positions, attention=CASES[case][2])
+        np.testing.assert_allclose(np.asarray(logits), expected, rtol=0, atol=atol, err_msg=case)
 
 
-def test_propose_equals_propose():
-    """DSpark, sampled: every option reaches `dflash_jax.propose` (the Markov walk, the confidence head)."""
-    drafter = tiny_drafter("tiny-dspark")
+def test_propose_matches_the_golden_drafts():
+    """DSpark (a Markov walk and a confidence head with its Markov input), the golden block as a first step, a
+    key and per-sequence temperatures: the greedy sequence has the reference's drafts, confidences (measured
+    1.2e-7) and cut at its threshold; the sampled one's first q row is the reference's `softmax(markov_logits /
+    T)` (its predecessor is the anchor whatever is drawn)."""
+    drafter, io = golden("dspark-tiny-a")
     module = DFlashDrafter.from_drafter(drafter)
-    hidden, _, _ = inputs(drafter)
-    mine, theirs = module.init_cache(2, 32), init_cache(drafter, 2, 32)
-    args = (hidden, jnp.asarray([6, 4]), jnp.asarray([5, 9]))
-    options = dict(key=jax.random.key(0), temperature=jnp.asarray([0.7, 0.0]), confidence_threshold=0.3)
-    (p1, mine), (p2, theirs) = module.propose(mine, *args, **options), propose(drafter, theirs, *args, **options)
-    chex.assert_trees_all_equal((p1, mine), (p2, theirs))
+    S, T = io["target_hidden"].shape[1], 0.7
+    proposal, cache = module.propose(
+        module.init_cache(2, 16), np.repeat(io["target_hidden"], 2, 0), np.full(2, S),
+        np.repeat(io["block_ids"][:, 0].astype(np.int32), 2), key=jax.random.key(0),
+        temperature=jnp.asarray([T, 0.0]), confidence_threshold=float(io["confidence_threshold"][0]))
+    np.testing.assert_array_equal(np.asarray(proposal.tokens[1]), io["expected_draft_tokens"][0])
+    np.testing.assert_allclose(np.asarray(proposal.confidence[1]), io["expected_confidence"][0], rtol=0, atol=5e-7)
+    assert int(proposal.num_tokens[1]) == int(io["expected_num_tokens"][0])
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [S, S])
+    scaled = io["expected_markov_logits"][0, 0] / T
+    q = np.exp(scaled - scaled.max())
+    np.testing.assert_allclose(np.asarray(proposal.probs[0, 0]), q / q.sum(), rtol=0, atol=5e-6)
 
 
 def test_state_holds_the_loaded_arrays_without_copies(tmp_path, cpu_mesh):
@@ -80,7 +90,7 @@ def test_split_merge_jit_eval_shape():
     drafter = tiny_drafter("tiny-dflash2")
     module = DFlashDrafter.from_drafter(drafter)
     hidden, ids, positions = inputs(drafter)
-    expected = draft_logits(drafter, hidden, ids, **positions)
+    expected = module(hidden, ids, **positions)  # the transforms below leave it unchanged
 
     graphdef, state = nnx.split(module)
     merged = nnx.merge(graphdef, state)
@@ -107,17 +117,42 @@ def test_split_merge_jit_eval_shape():
     assert jax.tree.structure(nnx.state(abstract, nnx.Param)) == jax.tree.structure(nnx.state(module, nnx.Param))
 
 
-def test_init_draws_a_trainable_tree():
-    config = parse_config(preset_dict("tiny-dspark"))
+@pytest.mark.parametrize("preset", ["tiny-dspark", "tiny-dflash2"])
+def test_init_draws_a_trainable_tree(preset):
+    """The loader's tree (its shapes, from a written checkpoint), bf16, drawn as the spec's initialisers say
+    (`spec.Gain`, `Bias`, `ConvIdentity`; linear weights, codebooks and embeddings N(0, 1/fan_in)), each leaf its own
+    draw. The same key draws the same tree, another key another."""
+    config = parse_config(preset_dict(preset))
     module = DFlashDrafter.init(config, rngs=nnx.Rngs(1), own_embeddings=True)
     params = module.drafter.params
-    chex.assert_trees_all_equal(params, init_params(config, nnx.Rngs(1).params(), own_embeddings=True))
-    gain = params["norm"]["weight"].astype(jnp.float32)  # the spec's `Gain`, as every random drafter draws it
-    assert params["norm"]["weight"].dtype == jnp.bfloat16 and 0.05 < float(jnp.std(gain)) < 0.2
-    assert abs(float(jnp.mean(gain)) - 1) < 0.05
-    fc = params["fc"]["weight"].astype(jnp.float32)
-    assert 0.5 < float(jnp.std(fc)) * np.sqrt(fc.shape[1]) < 2  # N(0, 1/fan_in)
-    assert params["embed_tokens"]["weight"].shape == (config.vocab_size, config.hidden_size)
+    loaded = tiny_drafter(preset).params
+    chex.assert_trees_all_equal_shapes({k: v for k, v in params.items() if k not in ("embed_tokens", "lm_head")},
+                                       loaded)
+    assert params["embed_tokens"]["weight"].shape == params["lm_head"]["weight"].shape == (config.vocab_size,
+                                                                                          config.hidden_size)
+
+    def normal(z, mean, std, name):  # mean and std within four standard errors (at least 5% of the std)
+        bound = 4 / np.sqrt(z.size)
+        assert abs(z.std() / std - 1) < max(bound, 0.05) and abs(z.mean() - mean) < 4 * bound * std, (name, z.std())
+
+    draws = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name, x = jax.tree_util.keystr(path), np.asarray(leaf, np.float32)
+        assert leaf.dtype == jnp.bfloat16, name
+        if "base_kernel" in name:  # [2, taps, H]: the identity first tap plus N(0, 0.1^2)
+            normal(x - (np.arange(x.shape[1]) == 0)[None, :, None], 0, 0.1, name)
+        elif "bias" in name:
+            normal(x, 0, 0.02, name)
+        elif x.ndim == 1:  # RMSNorm gains
+            normal(x, 1, 0.1, name)
+        else:  # N(0, 1/fan_in), fan_in the last axis
+            normal(x * np.sqrt(x.shape[-1]), 0, 1, name)
+        draws.append(x.ravel()[:16])
+    assert len({d.tobytes() for d in draws}) == len(draws), "two leaves share a draw"
+    again = DFlashDrafter.init(config, rngs=nnx.Rngs(1), own_embeddings=True).drafter.params
+    other = DFlashDrafter.init(config, rngs=nnx.Rngs(2), own_embeddings=True).drafter.params
+    chex.assert_trees_all_equal(again, params)
+    assert not np.array_equal(other["fc"]["weight"], params["fc"]["weight"])
 
 
 def _compiles(caplog, name: str) -> int:

@@ -64,7 +64,7 @@ def test_zlab_rule_is_causal_false_without_windows(tmp_path):
     zlab_options = AttentionOptions(causal=False, sliding_window=False)
     assert attention_rules(c, zlab_options) == (LayerRule(False, None),) * 3
     zlab, inputs = _forward(drafter, attention=zlab_options)
-    expected = ref.hidden_states(ref.to_numpy(drafter.params), c, *inputs, ref.zlab_rules(TINY_TF5))
+    expected = ref.hidden_states(ref.to_numpy(drafter.params), TINY_TF5, *inputs, ref.zlab_rules(TINY_TF5))
     np.testing.assert_allclose(zlab, expected, rtol=0, atol=1e-4)
     default, _ = _forward(drafter)
     assert np.linalg.norm(default - zlab) / np.linalg.norm(zlab) > 0.05  # the choice matters on this layout

@@ -189,3 +189,26 @@ def test_load_target_refuses(tmp_path):
     with pytest.raises(ConfigError, match="model_type is 'llama', expected 'qwen3'"):
         Qwen3Target.from_pretrained(tmp_path / "llama")
     assert os.path.isfile(tmp_path / "llama" / "model.safetensors")
+
+
+def test_shard_places_as_from_pretrained(pair):
+    """`DecoderTarget.shard(mesh)` of a target loaded on one device: every leaf the value and sharding that
+    loading onto the mesh gives, a forward equal to the NumPy reference's; a tensor axis that does not divide
+    the heads is refused by name, as at load."""
+    root, _ = pair
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    sharded = load_target(root / "target", dtype=jnp.float32).shard(mesh)
+    loaded = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
+    assert sharded.layout == loaded.layout
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(sharded.params)[0], jax.tree.leaves(loaded.params)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["weight"]
+    assert q.sharding.spec[0] == "model" and q.addressable_shards[0].data.shape[0] == q.shape[0] // 2
+    prompt = PROMPTS[0]
+    out = sharded(jnp.asarray([prompt] * 4), sharded.init_cache(4, 8), jnp.zeros(4, jnp.int32))
+    logits, _ = numpy_decoder(str(root / "target"), prompt)
+    np.testing.assert_allclose(np.asarray(out.logits[0]), logits, rtol=0, atol=2e-4)
+    three = jax.make_mesh((1, 3), ("data", "model"), devices=jax.devices()[:3])
+    with pytest.raises(ConfigError, match=r"shard: tensor axis 'model' has 3 devices.*num_attention_heads=8"):
+        load_target(root / "target", dtype=jnp.float32).shard(three)

@@ -36,7 +36,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Any, ClassVar, Unpack
+from typing import Any, ClassVar, Literal, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -297,12 +297,12 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
 
 
 def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
-               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: bool):
+               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None):
     """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
     K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[batch, n_kv, T, d_h]`.
 
-    The new rows attend to the cache's slots `[0, start)` (a span) and causally to themselves; `fused`: the
-    cache is empty and cuDNN's flash kernel runs the rows over themselves.
+    The new rows attend to the cache's slots `[0, start)` (a span) and causally to themselves; `fused` ("cudnn",
+    or "xla" for the CPU twin): the cache is empty and `causal_self_attention` runs the rows over themselves.
 
     On a mesh this runs under `shard_map`, each device on its own sequences and heads: attention needs no
     communication between heads, and the kernels it may use (the Pallas span kernel, cuDNN) are custom calls
@@ -319,7 +319,7 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
             group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
             k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
         if fused:
-            return causal_self_attention(q, k, v), new_k, new_v
+            return causal_self_attention(q, k, v, fused), new_k, new_v
         past = Span(past_k, past_v, jnp.zeros_like(start), start)
         out = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, jnp.ones(positions.shape, bool)),), (past,))
         return out, new_k, new_v
@@ -337,11 +337,11 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
 
 
 def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
-            fused: bool = False):
+            fused: Literal["cudnn", "xla"] | None = None):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
     to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
-    empty (start = 0) and the new rows attend to themselves with cuDNN's flash kernel."""
+    empty (start = 0) and the new rows attend to themselves with `causal_self_attention` of that implementation."""
     params, c, layout = target.params, target.config, target.layout
     N = c.num_hidden_layers
     batch, S = tokens.shape
@@ -386,12 +386,10 @@ def _prefill(
     chunk: int, impl: Impl,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
-    batch, P = tokens.shape
+    batch = tokens.shape[0]
 
-    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once
-        hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids, True)
-        last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [batch, H]
+    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once, cuDNN's kernel
+        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn")
 
     def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
         return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
@@ -403,6 +401,26 @@ def _prefill(
         last_hidden, features, cache = on_gpu(fused, chunked, cache)
     else:
         last_hidden, features, cache = chunked(cache)
+    return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
+
+
+def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
+                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"]
+                ) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The whole prompt at once into an empty cache: `(last_hidden [batch, H], features, cache)`."""
+    batch = tokens.shape[0]
+    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
+    hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids,
+                                      implementation)
+    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [batch, H]
+
+
+def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
+                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"]) -> TargetOutput:
+    """The whole prompt at once into an empty cache, each layer's attention `causal_self_attention` of
+    `implementation` ("cudnn", as `prefill` runs it; "xla" runs the same masking and last-row gather on any
+    backend, as the tests do)."""
+    last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 

@@ -414,7 +414,7 @@ def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope
                       rope)
     v = linear(xn, p["v_proj"]).reshape(batch, S, n_kv, d_h)
     out, past_k, past_v = _attention(target.layout, n_h, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                     past_k, past_v, positions, start, False)
+                                     past_k, past_v, positions, start, None)
     out = out.reshape(batch, S, n_h * d_h) * jax.nn.sigmoid(gate.reshape(batch, S, n_h * d_h))
     return linear(out, p["o_proj"]), past_k, past_v
 

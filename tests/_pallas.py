@@ -1,0 +1,40 @@
+"""Running the GPU kernels' Pallas code on a CPU, in interpret mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+def interpreted(run: Callable[[], T]) -> T:
+    """`run()` with every Pallas kernel it traces run in interpret mode on the CPU: JAX's generic interpreter
+    (which runs Triton-style kernels such as the split-K decode kernel), else its Mosaic GPU interpreter (for
+    kernels written with Mosaic GPU primitives). Skips, naming each interpreter's error, where none runs the
+    kernel; `run` should only compute (check its results outside), so that a wrong result fails, never skips."""
+    from jax._src import config  # the switch behind pallas' force_*_interpret_mode; JAX has no public generic one
+
+    switch = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+    if switch is None:
+        pytest.skip("this JAX has no Pallas interpret-mode switch (jax._src.config."
+                    "pallas_tpu_interpret_mode_context_manager)")
+    modes: list[object] = [True]
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError:
+        pass
+    else:
+        modes.append(InterpretGPUParams())
+    errors = []
+    for mode in modes:
+        previous = switch.swap_local(mode)
+        try:
+            return run()
+        except Exception as e:  # noqa: BLE001 (a kernel this interpreter cannot run: try the next)
+            errors.append(f"{type(mode).__name__}: {type(e).__name__}: {str(e)[:200]}")
+        finally:
+            switch.set_local(previous)
+    pytest.skip("no Pallas interpreter runs the kernel on this CPU: " + "; ".join(errors))
