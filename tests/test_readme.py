@@ -82,7 +82,8 @@ def instrument(code: str, where: str) -> tuple[ast.Module, int]:
         if not lines:
             continue
         line = lines[-1]
-        assert isinstance(stmt, ast.Expr), f"{where} line {line}: a shown result on a statement that is not an expression"
+        assert isinstance(stmt, ast.Expr), (
+            f"{where} line {line}: a shown result on a statement that is not an expression")
         value = stmt.value
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
             value.func.id = "__printed__"
@@ -121,7 +122,8 @@ def test_hub_examples_compile():
 
 def test_the_checker_fails_on_a_wrong_result():
     """The mechanism can fail: a wrong value, a wrong print and a result shown on an assignment."""
-    for code in ("1 + 1  # -> 3\n", "print('a', 2)  # -> a 3\n", "(0.5, 2)  # -> (0.5, 3)\n", "0.2  # -> 0.1 +- 0.05\n"):
+    wrong = ("1 + 1  # -> 3\n", "print('a', 2)  # -> a 3\n", "(0.5, 2)  # -> (0.5, 3)\n", "0.2  # -> 0.1 +- 0.05\n")
+    for code in wrong:
         tree, n = instrument(code, "t")
         assert n == 1
         with pytest.raises(AssertionError):
