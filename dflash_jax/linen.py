@@ -2,7 +2,7 @@
 
 `DrafterModule(config).init(key, target_hidden, block_ids, context_positions=..., block_positions=...)` returns
 `{"params": tree}` with exactly the tree `load_drafter` builds for a checkpoint of that config (the same
-nesting, names, shapes and dtypes: README "Parameter tree"), randomly initialised, so that a pipeline can
+nesting, names, shapes and dtypes: docs/loading.md "Parameter tree"), randomly initialised, so that a pipeline can
 init the whole model, then put a loaded checkpoint in the drafter's place (`params["drafter"] =
 drafter.params`); `apply` with loaded params computes `draft_logits`. `init_params(config, key)` is the same
 tree without a module (the NNX module draws its random initialisation from it too).

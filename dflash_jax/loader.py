@@ -8,7 +8,7 @@ Loading runs in two phases, so that nothing is half-loaded:
 2. Place (`placement.place_all`): read each tensor from the memory map and put it straight onto its
    devices; NVFP4 tensors cross the host->device link packed and are dequantized there.
 
-The tree mirrors the Hugging Face names (docs/design.md, README "Parameter tree").
+The tree mirrors the Hugging Face names (docs/design.md, docs/loading.md "Parameter tree").
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def load_drafter(
 
     Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
     stays integer (int32). `weights="packed"` keeps NVFP4 and FP8 linear weights as stored instead, as
-    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (README "Packed weights and FP8 drafters"); a
+    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (docs/nvfp4.md "Packed weights and FP8 drafters"); a
     checkpoint without quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is
     replicated over it (`NamedSharding(mesh, P())`); without, it lands on the default device. Under a
     multi-process runtime each process reads and places only its own devices' copies. `progress`: a progress

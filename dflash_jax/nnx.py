@@ -5,7 +5,7 @@
                     embed=target.embed, lm_head=target.lm_head)                      # = draft_logits
     proposal, cache = module.propose(cache, target_hidden, num_new, anchor_ids)      # = drafting.propose
 
-The state mirrors the loader's tree (README "Parameter tree"): `module.params["layers"][0]["mlp"]["up_proj"]
+The state mirrors the loader's tree (docs/loading.md "Parameter tree"): `module.params["layers"][0]["mlp"]["up_proj"]
 ["weight"]` is an `nnx.Param` holding the very array `load_drafter` placed, with its sharding (nothing is
 copied); a weight kept quantized (`weights="packed"`: `nvfp4.Packed`, `fp8.Fp8`) is one `nnx.Param` holding
 the whole leaf, so that `nnx.split` / `nnx.merge` hand it back packed. The target's embedding and LM head,

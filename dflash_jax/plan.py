@@ -3,7 +3,7 @@
 From the config's parameter spec (`spec.drafter_spec`, `target.parameter_spec`) and the checkpoint's headers
 alone: `plan_tensors` decides which tensors make up the drafter (the optional parts the checkpoint carries),
 `check_tensors` checks the presence, dtype and shape of every one (NVFP4 companions included), and
-`build_tree` nests the placed leaves at their paths (README "Parameter tree"). `open_checked` does all of it
+`build_tree` nests the placed leaves at their paths (docs/loading.md "Parameter tree"). `open_checked` does all of it
 for a drafter directory: the one way the loader, the CLI, the NVFP4 converter and the tests open a checkpoint.
 Any problem raises `CheckpointError` naming the file and the tensor.
 """

@@ -3,7 +3,7 @@
 One `ParamSpec` per checkpoint tensor (jax-llm-examples' `abstract(cfg) -> ArrayInfo(shape, dtype, logical_axes,
 init)`, with the Hugging Face name added). Everything else derives from these lists: the loader's plan
 (`plan.plan_tensors`, `target.plan_decoder`), the random drafters, targets and test checkpoints of
-`dflash_jax.testing`, and the README's "Parameter tree" table (`tests/test_readme.py` renders and compares it).
+`dflash_jax.testing`, and docs/loading.md's "Parameter tree" table (`tests/test_readme.py` renders and compares it).
 `drafter_spec` declares the DFlash-family drafters; `target.parameter_spec` the Qwen3 / Llama targets.
 
 Names are HF names without the layout prefix (`model.` of a prefixed drafter); `{i}` marks a per-layer

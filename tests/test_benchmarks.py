@@ -1,6 +1,7 @@
 """The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot); the GPU-only ones
 (pallas_tiles.py) in a small form marked `gpu`; those that take minutes on 2 cores need DFLASH_JAX_SLOW_TESTS=1."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -130,3 +131,59 @@ def test_pallas_tiles_small():
     run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "pallas_tiles.py"),
                           "--spans", "4096", "--rows", "4"], check=True, timeout=600, capture_output=True, text=True)
     assert "4096" in run.stdout, run.stdout
+
+
+def _plot_module():
+    spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "benchmarks", "plot.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The three scripts' JSON layouts (long_context.py, hybrid_decode.py, spec_decode.py), two rows of each kind.
+SYNTHETIC = [
+    {"device": "NVIDIA H200", "rows": [
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 8192, "impl": "auto", "ms": 1.2, "floor_ms": 1.1},
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "auto", "ms": 1.0, "floor_ms": 0.9},
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "xla", "ms": 9.0, "floor_ms": 0.9},
+        {"part": "decode", "run": "greedy", "prompt": 8192, "batch": 1, "tokens_per_s": 180.0},
+        {"part": "decode", "run": "full acceptance", "prompt": 8192, "batch": 1, "tokens_per_s": 1900.0,
+         "mean_acceptance": 17.0},
+        {"part": "decode", "run": "zero acceptance", "prompt": 8192, "batch": 1, "tokens_per_s": 120.0,
+         "mean_acceptance": 1.0}]},
+    {"device": "NVIDIA H200", "rows": [
+        {"part": "step", "target": "27B", "greedy step": 15.0},
+        {"part": "decode", "target": "27B", "run": "greedy", "prompt": 8192, "batch": 1, "tokens_per_s": 63.5},
+        {"part": "decode", "target": "27B", "run": "full acceptance", "prompt": 8192, "batch": 1,
+         "tokens_per_s": 400.8, "mean_acceptance": 8.0}]},
+    {"device": "NVIDIA H200", "args": {"prompt_len": 128}, "rows": [
+        {"batch": 1, "name": "greedy", "tokens_per_s": 192.5, "follows_map": 1.0},
+        {"batch": 1, "name": "dspark-b16, right map", "tokens_per_s": 2162.4, "speedup": 11.2,
+         "mean_acceptance": 17.0, "same_tokens": True}]},
+]
+
+
+def test_plot_reads_every_benchmark_layout():
+    """plot.py's series: propose rows by drafter and batch (the `auto` path only, sorted by context), decode rows
+    by target, prompt and batch, greedy apart; each of the three JSON layouts."""
+    plot = _plot_module()
+    assert plot.draft_step_series(SYNTHETIC) == {"d, batch 1": [(2048, 1.0, 0.9), (8192, 1.2, 1.1)]}
+    runs, greedy = plot.decode_series(SYNTHETIC)
+    assert runs == {"Qwen3-8B shapes, prompt 8192, batch 1": [(1.0, 120.0), (17.0, 1900.0)],
+                    "27B, prompt 8192, batch 1": [(8.0, 400.8)],
+                    "Qwen3-8B shapes, prompt 128, batch 1": [(17.0, 2162.4)]}
+    assert greedy == {"Qwen3-8B shapes, prompt 8192, batch 1": 180.0, "27B, prompt 8192, batch 1": 63.5,
+                      "Qwen3-8B shapes, prompt 128, batch 1": 192.5}
+
+
+def test_plot_writes_the_figures(tmp_path):
+    """The command writes both PNGs from JSON files (skipped without the `plots` extra)."""
+    pytest.importorskip("matplotlib")
+    paths = []
+    for i, doc in enumerate(SYNTHETIC):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), *map(str, paths), "--out",
+                    str(tmp_path / "docs")], check=True, timeout=120, capture_output=True)
+    for name in ("draft_step_vs_context.png", "decode_vs_acceptance.png"):
+        assert (tmp_path / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

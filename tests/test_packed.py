@@ -2,7 +2,7 @@
 dequantized drafters compute the same, greedy speculative decoding, NNX / mesh / orbax keep the leaves packed,
 FP8 checkpoints in both modes, parameter bytes, and bad input.
 
-The NumPy references decode the formats from their specifications (README "NVFP4 drafters", ModelOpt's FP8
+The NumPy references decode the formats from their specifications (docs/nvfp4.md, ModelOpt's FP8
 export: E4M3 = sign, 4 exponent bits of bias 7, 3 mantissa bits, no Inf, S.1111.111 NaN), not from the package.
 """
 

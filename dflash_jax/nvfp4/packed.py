@@ -35,7 +35,7 @@ def _is_array_like(x: Any) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """One NVFP4 linear weight `[N, K]` as ModelOpt stores it (README "NVFP4 drafters").
+    """One NVFP4 linear weight `[N, K]` as ModelOpt stores it (docs/nvfp4.md).
 
     codes   uint8 [N, K/2]            two E2M1 codes per byte, element 2j in the low nibble
     scale   float8_e4m3fn [N, K/16]   one scale per 16 consecutive values of a row
