@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dflash_jax.attention import SPAN_ALIGN, KeyValues, LayerRule, Span, attend
-
-from ._pallas import interpreted
+from dflash_jax.attention import KeyValues, LayerRule, Span, attend
 
 
 def rule_mask(q_pos, k_pos, rule):
@@ -146,29 +144,6 @@ def test_mosaic_kernel_in_the_gpu_interpreter():
     np.testing.assert_allclose(out, expected, rtol=5e-3, atol=2e-3)
     assert np.all(np.asarray(m)[1] == -np.inf) and np.all(np.asarray(l)[1] == 0) and np.all(out[1] == 0)
     assert np.all(np.isfinite(np.asarray(m)[[0, 2]]))
-
-
-def test_pallas_span_path_interpreted():
-    """`impl="pallas"` with the GPU kernel run by Pallas' interpreter on the CPU: ragged spans over a cache of two
-    aligned blocks (a whole one, one inside, an empty one) merged with dense rows under a causal rule, float32,
-    against the float64 softmax over the explicit mask (measured 9.7e-7; a sequence whose span is empty sees only
-    its dense rows)."""
-    rng = np.random.default_rng(5)
-    T, dense_rows = 2 * SPAN_ALIGN, 3
-    q, k, v = _inputs(rng, 3, 4, 4, 2, T + dense_rows)
-    start, stop = np.array([0, 100, 7]), np.array([T, 200, 7])
-    q_pos = np.broadcast_to(T + np.arange(4), (3, 4))  # the block after the cache
-    dense_pos = np.broadcast_to(T + np.array([0, 2, 5]), (3, dense_rows))  # row 5 is causally hidden from all
-    span = Span(jnp.asarray(k[:, :, :T]), jnp.asarray(v[:, :, :T]), jnp.asarray(start), jnp.asarray(stop))
-    rows = KeyValues(jnp.asarray(k[:, :, T:]), jnp.asarray(v[:, :, T:]), jnp.asarray(dense_pos),
-                     jnp.ones((3, dense_rows), bool))
-    rule = LayerRule(True, None)
-    run = lambda: attend(jnp.asarray(q), jnp.asarray(q_pos), rule, (rows,), (span,), impl="pallas")  # noqa: E731
-    assert "pallas_call" in str(jax.make_jaxpr(run)()), "impl='pallas' did not reach a Pallas kernel"
-    got = interpreted(lambda: np.asarray(run()))
-    in_span = (np.arange(T) >= start[:, None]) & (np.arange(T) < stop[:, None])  # [b, T]
-    mask = np.concatenate([np.broadcast_to(in_span[:, None], (3, 4, T)), rule_mask(q_pos, dense_pos, rule)], -1)
-    np.testing.assert_allclose(got, naive(q, k, v, mask), rtol=0, atol=3e-6)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,6 @@ from dflash_jax.tuning import tuning
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
-from ._pallas import interpreted
 
 FAMILIES = ["tiny-dflash", "tiny-dflash2", "tiny-dspark"]
 # (num_new per sequence) for three steps of a batch of 2: different lengths, an idle sequence (0 new rows);
@@ -275,32 +274,6 @@ def test_gpu_kernel_reads_rings_as_the_xla_path_does():
     runs = [propose(drafter, jax.tree.map(jnp.copy, cache), new, num_new, anchors, key=jax.random.key(0),
                     temperature=1.0, impl=impl)[0] for impl in ("auto", "xla")]
     np.testing.assert_allclose(np.asarray(runs[0].probs), np.asarray(runs[1].probs), atol=2e-2)
-
-
-def test_propose_reads_ring_spans_with_the_kernel_interpreted():
-    """The GPU kernel (`impl="pallas"`, run by Pallas' interpreter on the CPU) reading a sliding layer's ring as
-    spans: tiny DFlash2 with a window of 120 (a ring of exactly `SPAN_ALIGN` rows), 300 and 260 context rows (the
-    ring wrapped twice), then a sampled step: the drafts and q of `sample_drafts` with the same key on the
-    uncached forward over the whole context (measured 7.7e-7 on q)."""
-    raw = preset_dict("tiny-dflash2") | {"sliding_window": 120}
-    drafter = dataclasses.replace(tiny_drafter("tiny-dflash2"), config=parse_config(raw))
-    feats = features(drafter, 2, 309, seed=11)
-    cache = dataclasses.replace(init_cache(drafter, 2, 320), ring_spans=True)
-    assert cache.rings[0] and cache.keys[0].shape[2] == SPAN_ALIGN
-    first = np.array([300, 260])
-    _, cache = propose(drafter, cache, feats[:, :300], first, np.zeros(2, np.int32), append_chunk=128)
-    num_new, anchors = np.array([9, 4]), np.array([5, 77], np.int32)
-    new = np.stack([feats[b, first[b] : first[b] + 9] for b in range(2)])
-    drawn = dict(key=jax.random.key(3), temperature=jnp.asarray([1.0, 0.0]))
-    traced = _propose.trace(drafter, cache, new, num_new, anchors, **drawn, confidence_threshold=0.0, embed=None,
-                            lm_head=None, attention=AttentionOptions(), impl="pallas", append_chunk=128)
-    assert "pallas_call" in str(traced.jaxpr), "impl='pallas' did not reach the kernel"
-    got = interpreted(lambda: propose(drafter, cache, new, num_new, anchors, impl="pallas", **drawn)[0])
-    lengths = first + num_new
-    hidden = jnp.concatenate([_uncached(drafter, feats[b], lengths[b], anchors[b])[0] for b in range(2)])
-    want = sample(drafter, hidden, jnp.asarray(anchors), **drawn)
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    np.testing.assert_allclose(np.asarray(got.probs), np.asarray(want.probs), rtol=0, atol=2.5e-6)
 
 
 def test_the_draft_window_is_the_numpy_rule():

@@ -247,8 +247,8 @@ def test_beyond_max_positions_runs_on():
     short = random_qwen3(raw, seed=1, dtype=jnp.float32)
     prompt = PROMPTS[5]  # 8 tokens, + 12 reaches position 20
     with pytest.raises(ValueError, match="max_position_embeddings=16"):
-        greedy_generate(short, [prompt], 12)
-    plain = greedy_generate(short, [prompt], 12, beyond_max_positions=True)
+        greedy_generate(short, [prompt], max_new_tokens=12)
+    plain = greedy_generate(short, [prompt], max_new_tokens=12, beyond_max_positions=True)
     weights = {t.name: leaf(short.params, t.path) for t in plan_decoder(short.config)}
     assert plain.tokens[0] == ref.greedy(raw, weights, prompt, 12)
 

@@ -38,6 +38,8 @@ def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     CPU, within one process (`tuning.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
     for the CPU (as if this process had a GPU too), the result equals the XLA path's exactly."""
     monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
+    for module in (attention, nvfp4):  # the Mosaic GPU kernels compile for Hopper or newer
+        monkeypatch.setattr(module, "hopper_or_newer", lambda: True)
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 4, 64)), jnp.bfloat16)  # 2 rows, 4 query heads
     k, v = (jnp.asarray(rng.standard_normal((1, 2, 256, 64)), jnp.bfloat16) for _ in range(2))  # 2 KV heads
@@ -46,8 +48,8 @@ def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
                                                impl=impl), static_argnames="impl")
     np.testing.assert_array_equal(run(q, span, "auto"), run(q, span, "xla"))
     traced = run.trace(q, span, "auto")
-    assert "triton" not in traced.lower().as_text()
-    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" not in traced.lower().as_text()
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_caches_are_made_on_their_devices_without_a_transfer():
@@ -92,10 +94,12 @@ def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
     dequantization for the CPU, in one process."""
     monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
+    for module in (attention, nvfp4):  # the Mosaic GPU kernels compile for Hopper or newer
+        monkeypatch.setattr(module, "hopper_or_newer", lambda: True)
     packed, scale = jnp.zeros((32, 8), jnp.uint8), jnp.zeros((32, 1), jnp.uint8)
     traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16)).trace(packed, scale)
-    assert "triton" not in traced.lower().as_text()
-    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" not in traced.lower().as_text()
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
@@ -108,4 +112,4 @@ def test_on_a_gpu_auto_lowers_the_kernels():
     prefill = jax.jit(lambda t, c, n: target.prefill(t, c, n)).trace(tokens, target.init_cache(2, 64), lengths)
     assert "cudnn" in prefill.lower().as_text()
     step = jax.jit(lambda t, c, n: target(t, c, n)).trace(tokens[:, :1], target.init_cache(2, 64), lengths)
-    assert "triton" in step.lower().as_text()
+    assert "mosaic_gpu" in step.lower().as_text()

@@ -15,6 +15,7 @@ import pytest
 from dflash_jax import CheckpointError, ConfigError, load_drafter
 from dflash_jax.config import parse_config
 from dflash_jax.drafting import init_cache, propose
+from dflash_jax.layouts import fold
 from dflash_jax.model import LayerRule, attention_rules, draft_hidden
 from dflash_jax.plan import full_plan, plan_tensors
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
@@ -66,13 +67,19 @@ def attach_random(drafter, seed=5):
                           lm_head=jnp.asarray(rng.standard_normal(shape), jnp.float32))
 
 
-def forward_and_reference(drafter, tensors, renames, rules, S=14):
+def folded(directory) -> dict:
+    """The written config.json as the package reads it (`layouts.fold`), raw: what the NumPy reference reads."""
+    with open(os.path.join(directory, "config.json")) as f:
+        return fold(json.load(f), "config.json")
+
+
+def forward_and_reference(drafter, tensors, renames, rules, raw, S=14):
     """The package's uncached hidden states and the NumPy reference's, for one block after S context rows."""
     c = drafter.config
     th, ids = features(drafter, 1, S), block(drafter, [7])
     ctx_pos, blk_pos = np.arange(S)[None], S + np.arange(c.effective_block_size)[None]
     got = draft_hidden(drafter, th, ids, context_positions=ctx_pos, block_positions=blk_pos)
-    expected = ref.hidden_states(nested(tensors, renames), c, th[0].astype(np.float64), ids[0], ctx_pos[0],
+    expected = ref.hidden_states(nested(tensors, renames), raw, th[0].astype(np.float64), ids[0], ctx_pos[0],
                                  blk_pos[0], ref.to_numpy(drafter.embedding), rules)
     return np.asarray(got[0]), expected
 
@@ -130,9 +137,11 @@ def test_assistant_scaled_down_loads_and_matches_the_reference(tmp_path):
         warnings.simplefilter("error")  # no tensor left over, nothing unsaid
         drafter = attach_random(load_drafter(tmp_path, dtype=jnp.float32))
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
-    got, expected = forward_and_reference(drafter, tensors, ENCODER_NAMES, ref.assistant_rules(ASSISTANT_SMALL))
+    got, expected = forward_and_reference(drafter, tensors, ENCODER_NAMES, ref.assistant_rules(ASSISTANT_SMALL),
+                                          folded(tmp_path))
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
-    _, causal = forward_and_reference(drafter, tensors, ENCODER_NAMES, ref.layer_rules(ASSISTANT_SMALL))
+    _, causal = forward_and_reference(drafter, tensors, ENCODER_NAMES, ref.layer_rules(ASSISTANT_SMALL),
+                                      folded(tmp_path))
     assert np.abs(causal - got).max() > 1e-2  # the assistant's rule is not the default one: it was tested
 
 
@@ -237,7 +246,8 @@ def test_speculators_dflash_export_loads_and_matches_the_reference(tmp_path):
         drafter = load_drafter(tmp_path, dtype=jnp.float32)
     assert drafter.params["lm_head"]["weight"].shape == (48, 64) and drafter.params["d2t"].shape == (48,)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
-    got, expected = forward_and_reference(drafter, tensors, {}, ref.layer_rules(raw["transformer_layer_config"]))
+    got, expected = forward_and_reference(drafter, tensors, {}, ref.layer_rules(raw["transformer_layer_config"]),
+                                          folded(tmp_path))
     np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
 
 
@@ -248,13 +258,13 @@ def test_speculators_dspark_export_drafts_every_row(tmp_path):
     write_checkpoint(tmp_path, raw, seed=4, own_embeddings=True)
     drafter = load_drafter(tmp_path, dtype=jnp.float32)
     assert {"markov_head", "confidence_head", "embed_tokens", "lm_head"} <= drafter.params.keys()
-    proposal, tokens = _propose_once(drafter)
+    proposal, tokens = _propose_once(drafter, folded(tmp_path))
     c = drafter.config
     assert proposal.tokens.shape == (1, c.effective_block_size) == (1, c.num_draft_tokens)
     np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), tokens(rows=slice(0, None), markov=True))
 
 
-def _propose_once(drafter, S=10, anchor=7):
+def _propose_once(drafter, raw, S=10, anchor=7):
     """One greedy `propose` after S context rows, and a function giving the reference's greedy drafts over chosen
     block rows (the Markov walk when the drafter has the head)."""
     c = drafter.config
@@ -263,7 +273,7 @@ def _propose_once(drafter, S=10, anchor=7):
     proposal, _ = propose(drafter, cache, th, np.array([S], np.int32), np.array([anchor], np.int32))
     ctx_pos, blk_pos = np.arange(S), S + np.arange(c.effective_block_size)
     params = ref.to_numpy(drafter.params)
-    hidden = ref.hidden_states(params, c, th[0].astype(np.float64), block(drafter, [anchor])[0], ctx_pos, blk_pos,
+    hidden = ref.hidden_states(params, raw, th[0].astype(np.float64), block(drafter, [anchor])[0], ctx_pos, blk_pos,
                                ref.to_numpy(drafter.embedding), ref.layer_rules(_raw_rules(c)))
 
     def tokens(rows, markov=False):
@@ -291,7 +301,7 @@ def test_sample_from_anchor_decides_the_draft_rows(tmp_path, preset, stated, dra
     write_checkpoint(tmp_path, raw, seed=6)
     drafter = attach_random(load_drafter(tmp_path, dtype=jnp.float32))
     assert drafter.config.sample_from_anchor is stated and drafter.config.num_draft_tokens == drafts
-    proposal, tokens = _propose_once(drafter)
+    proposal, tokens = _propose_once(drafter, folded(tmp_path))
     assert proposal.tokens.shape == (1, drafts)
     expected = tokens(rows, markov="markov_head" in drafter.params)
     np.testing.assert_array_equal(np.asarray(proposal.tokens[0]), expected)

@@ -154,8 +154,15 @@ def tree_table() -> str:
     from dflash_jax.config import parse_config
     from dflash_jax.spec import drafter_spec
 
+    # every part: a DSpark config (Markov and confidence heads) and a DFlash2 one (convolutions, selector); one
+    # config with both is refused as half one family and half another
+    dspark = {k: v for k, v in EVERY_PART.items() if k != "dflash_config"} | {"dflash_config": {
+        k: v for k, v in EVERY_PART["dflash_config"].items() if not k.startswith(("conv_", "selector_"))}}
+    dflash2 = {k: v for k, v in EVERY_PART.items() if k not in ("markov_rank", "enable_confidence_head",
+                                                                  "confidence_head_with_markov")}
+    specs = {s.name: s for config in (dspark, dflash2) for s in drafter_spec(parse_config(config))}
     rows = [(s.name, "[" + ", ".join(SYMBOLS[d] for d in s.shape) + "]", s.kind, s.optional or "")
-            for s in drafter_spec(parse_config(EVERY_PART))]
+            for s in specs.values()]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     return "".join(f"{n:<{widths[0]}}  {shape:<{widths[1]}}  {kind:<{widths[2]}}  {part}".rstrip() + "\n"
                    for n, shape, kind, part in rows)

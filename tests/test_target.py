@@ -118,9 +118,9 @@ def test_stale_cache_slots_never_read(tiny):
     dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)
     nxt = jnp.asarray([[11, 12]], jnp.int32)
     length = jnp.asarray([len(PROMPTS[0])], jnp.int32)
+    assert not np.array_equal(np.asarray(dirty_cache.k), np.asarray(clean.cache.k))  # before the calls donate them
     a = target(nxt, clean.cache, length, layer_ids=(1,))
     b = target(nxt, dirty_cache, length, layer_ids=(1,))
-    assert not np.array_equal(np.asarray(dirty_cache.k), np.asarray(clean.cache.k))
     np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
     np.testing.assert_array_equal(np.asarray(a.features), np.asarray(b.features))
 

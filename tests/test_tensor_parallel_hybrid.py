@@ -125,7 +125,7 @@ def test_sharded_equals_unsharded(model, shape):
 def test_speculative_tokens_equal_unsharded_greedy(model, shape):
     root, unsharded = model
     prompts = [p[:n].tolist() for p, n in zip(PROMPTS, LENGTHS)]
-    greedy = greedy_generate(unsharded, prompts, MAX_NEW).tokens
+    greedy = greedy_generate(unsharded, prompts, max_new_tokens=MAX_NEW).tokens
     mesh = jax.make_mesh(shape, ("data", "model"))
     target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", mesh=mesh, dtype=jnp.float32)
@@ -165,5 +165,5 @@ def test_hybrid_split_over_every_gpu(tmp_path, moe):
     write_checkpoint(tmp_path, {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)
     drafter = load_drafter(tmp_path, mesh=mesh, dtype=jnp.float32)
     rows = [prompts[0].tolist(), prompts[1, :23].tolist()]
-    greedy = greedy_generate(target, rows, MAX_NEW).tokens
+    greedy = greedy_generate(target, rows, max_new_tokens=MAX_NEW).tokens
     assert speculative_generate(target, drafter, rows, max_new_tokens=MAX_NEW).tokens == greedy
