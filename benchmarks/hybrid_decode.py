@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop and the rates
 
-from timing import call_seconds  # noqa: E402
+from timing import call_seconds, read_rate  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
@@ -69,13 +69,6 @@ SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "n
          "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128, "num_experts": 8,
          "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
          "max_position_embeddings": 4096}
-
-
-def read_rate(gib: float) -> float:
-    """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read)."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    return x.nbytes / min(call_seconds(lambda: f(x), 5))
 
 
 def peak_gb() -> float:

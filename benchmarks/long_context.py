@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
-from timing import call_seconds  # noqa: E402
+from timing import call_seconds, matmul_rate  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
@@ -72,11 +72,6 @@ def copy_bandwidth(gib: float) -> float:
     """Bytes/s of `x + 1` over a bf16 array of `gib` GiB (read + write)."""
     x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
     return 2 * x.nbytes / fastest(jax.jit(lambda x: x + 1), x)
-
-
-def matmul_rate(n: int) -> float:
-    """FLOP/s of one bf16 `[n, n] @ [n, n]`."""
-    return 2 * n**3 / fastest(jax.jit(lambda a: a @ a), jnp.ones((n, n), jnp.bfloat16))
 
 
 def nbytes(tree) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop
 
-from timing import call_seconds  # noqa: E402
+from timing import call_seconds, read_rate  # noqa: E402
 
 from dflash_jax.target import moe  # noqa: E402
 
@@ -43,13 +43,6 @@ QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
 VARIANTS = ("ragged_dot", "gather", "tiled", "grouped")
-
-
-def read_rate(gib: float) -> float:
-    """Bytes/s of `jnp.sum` over a bf16 array of `gib` GiB (one read)."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-    return x.nbytes / min(call_seconds(lambda: f(x), 5))
 
 
 def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> dict:

@@ -172,18 +172,24 @@ def test_generate_reports_an_absurd_layer_count(checkpoints, tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and "num_hidden_layers" in err
 
 
-def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
-    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its options;
-    options `AttentionOptions` refuses are one error line."""
+def capture_speculative_keywords(monkeypatch) -> dict:
+    """`speculative_generate` replaced by a stub that records its keyword arguments (the dict returned)."""
     import dflash_jax.generate
 
-    seen = {}
+    seen: dict = {}
 
     def fake(target, drafter, prompt, **kwargs):
         seen.update(kwargs)
         return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
 
     monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    return seen
+
+
+def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
+    """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its options;
+    options `AttentionOptions` refuses are one error line."""
+    seen = capture_speculative_keywords(monkeypatch)
     target_dir, drafter_dir = checkpoints
     assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
                  "--draft-window", "8", "--draft-sinks", "2"]) == 0
@@ -226,15 +232,7 @@ def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
 
 
 def test_generate_passes_the_sampling_controls(checkpoints, monkeypatch, capsys):
-    import dflash_jax.generate
-
-    seen = {}
-
-    def fake(target, drafter, prompt, **kwargs):
-        seen.update(kwargs)
-        return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
-
-    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    seen = capture_speculative_keywords(monkeypatch)
     target_dir, drafter_dir = checkpoints
     assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--temperature", "0.7", "--top-k", "20",
                  "--top-p", "0.9", "--min-p", "0.05", "--seed", "7"]) == 0
