@@ -19,6 +19,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from .._gpu import hopper
 from .._precision import weight_dot
 from ..tuning import has_cuda
 from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
@@ -141,9 +142,7 @@ AUTO_MOSAIC = False  # `backend="auto"` runs the Mosaic kernel on Hopper: set on
 def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
     """The one place `backend="auto"` is decided: "mosaic" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
     and the kernel takes the operands (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
-    device = jax.devices()[0]
-    hopper = device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-    return "mosaic" if AUTO_MOSAIC and hopper and mosaic_takes(x, w) else "xla"
+    return "mosaic" if AUTO_MOSAIC and hopper() and mosaic_takes(x, w) else "xla"
 
 
 def mosaic_takes(x: jax.Array, w: Packed) -> bool:
