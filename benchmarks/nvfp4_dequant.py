@@ -51,8 +51,7 @@ SHAPES = {  # name: (N, K)
 }
 SWEEP_SHAPES = ("k/v_proj", "8192^2", "32768x16384")
 TRITON_SWEEP = [(256, 4), (512, 4), (1024, 4)]  # (blocks per program, warps); the default is (128, 4)
-MOSAIC_SWEEP = [(128, 8, 2), (256, 4, 2), (256, 16, 2), (256, 8, 3)]  # (tile, steps, stages); the default is the
-# device kind's `tuning.Tuning.nvfp4_tile` / `nvfp4_steps`, 2 stages
+MOSAIC_SWEEP = [128]  # blocks per CTA; the default is the device kind's `tuning.Tuning.nvfp4_tile`
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
@@ -114,9 +113,8 @@ def xla_path(packed, scale, scale_2):
     return dequantize_xla(packed, lax.bitcast_convert_type(scale, jnp.float8_e4m3fn), scale_2, jnp.bfloat16)
 
 
-def mosaic_path(tile=None, steps=None, stages=2):
-    return lambda packed, scale, scale_2: _mosaic_gpu.dequantize_mosaic_gpu(packed, scale, scale_2, tile=tile,
-                                                                           steps=steps, stages=stages)
+def mosaic_path(tile=None):
+    return lambda packed, scale, scale_2: _mosaic_gpu.dequantize_mosaic_gpu(packed, scale, scale_2, tile=tile)
 
 
 def triton_path(rows=128, warps=4):
@@ -172,7 +170,7 @@ def bench(name, n, k, key, sweep, rate):
     paths = {"xla": xla_path, "triton": triton_path(), "mosaic": mosaic_path()}
     if sweep and name in SWEEP_SHAPES:
         paths.update({f"triton r{rows} w{warps}": triton_path(rows, warps) for rows, warps in TRITON_SWEEP})
-        paths.update({f"mosaic t{t} s{n} p{p}": mosaic_path(t, n, p) for t, n, p in MOSAIC_SWEEP})
+        paths.update({f"mosaic t{tile}": mosaic_path(tile) for tile in MOSAIC_SWEEP})
     us = {label: time_per_tensor(fn, inputs, moved, repeats) * 1e6 for label, fn in paths.items()}
     floor_us = moved / rate * 1e6
     print(f"\n{name} [{n}, {k}]  {moved / 1e6:.1f} MB moved, floor {floor_us:.1f} us")

@@ -37,8 +37,6 @@ class Tuning:
     ring_spans_min_batch: int
     # The NVFP4 dequantizer's 16-value blocks per program (`nvfp4._mosaic_gpu`: 128 or 256).
     nvfp4_tile: int
-    # Tiles each CTA of the dequantizer decodes, pipelined (at least one tile's copies in flight beside the decode).
-    nvfp4_steps: int
     # The MoE block gathers each token's experts up to this many (token, expert) pairs (decode and verify
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
     moe_gather_max_rows: int
@@ -49,7 +47,6 @@ H200 = Tuning(
     span_splits=((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096)),
     ring_spans_min_batch=8,
     nvfp4_tile=256,
-    nvfp4_steps=8,
     moe_gather_max_rows=256,
     moe_tile_rows=128,
 )

@@ -379,18 +379,15 @@ def test_gpu_pallas_matches_xla_extreme_scale_2(scale_2):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("tile, steps, stages", [(128, None, 2), (256, None, 2), (256, 1, 1), (256, 3, 3)])
+@pytest.mark.parametrize("tile", [128, 256])
 @pytest.mark.parametrize("shape", [(3, 80), (5, 272), (1, 16), (2, 3, 4112), (300, 2064)])
-def test_gpu_mosaic_tiles_ragged_counts_and_nan_scales(tile, steps, stages, shape):
-    """Both tile sizes on block counts below one tile (15, 85, 1: decoded by XLA), leading dims and a count that is
-    no multiple of 16 (1542: padded), a last tile shifted back over its neighbour's (300 x 129 blocks), pipelines
-    of 1 to 8 tiles a CTA with 1 to 3 in flight, and NaN scale bytes (0x7F, 0xFF) left in: NaN wherever XLA gives
-    NaN."""
-    rng = np.random.default_rng(sum(shape) + tile + stages)
+def test_gpu_mosaic_tiles_ragged_counts_and_nan_scales(tile, shape):
+    """Both tile sizes on odd block counts (15, 85, 1: padded), leading dims, a last tile shifted back over its
+    neighbour (300 x 129 blocks), and NaN scale bytes (0x7F, 0xFF) left in: NaN wherever XLA gives NaN."""
+    rng = np.random.default_rng(sum(shape) + tile)
     packed, scale = random_nvfp4(rng, (int(np.prod(shape[:-1])), shape[-1]), finite=False)
     packed, scale = packed.reshape(*shape[:-1], -1), scale.reshape(*shape[:-1], -1)
-    out = _mosaic_gpu.dequantize_mosaic_gpu(jnp.asarray(packed), jnp.asarray(scale), jnp.float32(0.02), tile=tile,
-                                            steps=steps, stages=stages)
+    out = _mosaic_gpu.dequantize_mosaic_gpu(jnp.asarray(packed), jnp.asarray(scale), jnp.float32(0.02), tile=tile)
     xla = nvfp4.dequantize(packed, scale, np.float32(0.02), backend="xla")
     assert out.shape == xla.shape == shape
     out, xla = np.asarray(out).astype(np.float32), np.asarray(xla).astype(np.float32)

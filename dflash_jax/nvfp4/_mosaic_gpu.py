@@ -1,15 +1,11 @@
 """NVFP4 -> bf16/f16 dequantization as a Pallas Mosaic GPU kernel, for the H100/H200.
 
-The tensor is flattened to a list of 16-value blocks, 8 packed bytes and one E4M3 scale byte each, cut in tiles of
-`tile` blocks (`tuning.Tuning.nvfp4_tile`). One CTA (one warpgroup) decodes `steps` consecutive tiles
-(`tuning.Tuning.nvfp4_steps`) in a pipeline (`plgpu.emit_pipeline`, `stages` tiles in flight): TMA copies a tile's
-bytes (viewed `[tile/2, 16]`: TMA needs rows of 16 bytes or more) and scale bytes GMEM -> SMEM while the tile
-before is decoded, the bytes are read back as `[tile, 8]` in the WGMMA register layout (a thread holds 2 bytes of a
-row, so a row's scale is one WGMMA row value broadcast along it), decoded in registers, written to SMEM and copied
-to GMEM by TMA. One CTA per tile without a pipeline ran at 0.35-0.9x the Triton kernel it replaced
-(docs/benchmarks.md). Where the blocks do not fill whole tiles, one more CTA decodes the last `tile` blocks, its
-tile shifted back over its neighbour's (rewriting some words with the same values), so no copy runs past an edge.
-Tensors of less than one tile are decoded by XLA (`decode`, the same arithmetic): a kernel launch costs more.
+The tensor is flattened to a list of 16-value blocks, 8 packed bytes and one E4M3 scale byte each; one CTA (one
+warpgroup) decodes `tile` consecutive blocks (`tuning.Tuning.nvfp4_tile`): TMA copies the bytes (viewed `[tile/2,
+16]`: TMA needs rows of 16 bytes or more) and the scale bytes GMEM -> SMEM, the bytes are read back as `[tile, 8]`
+in the WGMMA register layout (a thread holds 2 bytes of a row, so a row's scale is one WGMMA row value broadcast
+along it), decoded in registers, written to SMEM and copied to GMEM by TMA. The last CTA's tile is shifted back to
+end at the last block (it rewrites some of its neighbour's words with the same values), so no copy runs past an edge.
 
 One output word per packed byte: byte j holds codes 2j (low nibble) and 2j+1 (high nibble); the kernel writes
 both 16-bit results into one u32, low half = element 2j, and the u32 array is bitcast to `[..., K]` outside the
@@ -75,54 +71,20 @@ def decode(w: jax.Array, s: jax.Array, scale_2: jax.Array, dtype) -> jax.Array:
     return to_bits(e2m1_to_f32(w & 15) * block_scale, dtype) | (to_bits(e2m1_to_f32(w >> 4) * block_scale, dtype) << 16)
 
 
-def _decode_tile(w_smem, s_smem, o_smem, scale_2, dtype):
-    """Decode one tile in SMEM: `w_smem [tile/2, 16]` u8, `s_smem [tile]` u8 -> `o_smem [tile, 8]` u32."""
-    tile = s_smem.shape[0]
+def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *, n_blocks, tile, dtype):
+    # w_gmem [n_blocks/2, 16] u8, s_gmem [n_blocks] u8, g_gmem [1] f32 (scale_2), o_gmem [n_blocks, 8] u32
+    start = jnp.minimum(lax.axis_index("tiles") * tile, n_blocks - tile)  # even: n_blocks and tile are
+    plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start // 2, tile // 2)], w_smem, barriers.at[0])
+    plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(start, tile)], s_smem, barriers.at[1])
+    scale_2 = g_gmem[0]  # read from GMEM by every thread (a TMA copy would have to move 128 bytes)
+    for i in range(2):
+        plgpu.barrier_wait(barriers.at[i])
     w = plgpu.layout_cast(w_smem.reshape(tile, BLOCK_BYTES)[...], plgpu.Layout.WGMMA)  # [tile, 8] u8
     s = plgpu.layout_cast(s_smem[...], plgpu.Layout.WGMMA.reduce(1))  # [tile] u8: one value per WGMMA row
     o_smem[...] = decode(w, s, scale_2, dtype)
-
-
-def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, *, n_blocks, tile, steps, stages, dtype):
-    # w_gmem [n_blocks/2, 16] u8, s_gmem [n_blocks] u8, g_gmem [1] f32 (scale_2), o_gmem [n_blocks, 8] u32
-    cta = lax.axis_index("ctas")
-    full_tiles = n_blocks // tile
-    pipelined_ctas = pl.cdiv(full_tiles, steps)
-    scale_2 = g_gmem[0]  # read from GMEM by every thread (a TMA copy would have to move 128 bytes)
-
-    @pl.when(cta < pipelined_ctas)
-    def _():
-        first = cta * steps
-
-        def body(_, w_smem, s_smem, o_smem):
-            _decode_tile(w_smem, s_smem, o_smem, scale_2, dtype)
-
-        plgpu.emit_pipeline(
-            body,
-            grid=(jnp.minimum(steps, full_tiles - first),),  # [] the last CTA may have fewer tiles
-            in_specs=[plgpu.BlockSpec((tile // 2, 2 * BLOCK_BYTES), lambda i: (first + i, 0)),
-                      plgpu.BlockSpec((tile,), lambda i: (first + i,))],
-            out_specs=[plgpu.BlockSpec((tile, BLOCK_BYTES), lambda i: (first + i, 0))],
-            max_concurrent_steps=stages,
-        )(w_gmem, s_gmem, o_gmem)
-
-    if n_blocks % tile:  # the tail: one tile ending at the last block (its start a multiple of 16: `padded_blocks`)
-        @pl.when(cta == pipelined_ctas)
-        def _():
-            start = n_blocks - tile
-
-            def scoped(w_smem, s_smem, o_smem, barriers):
-                plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(start // 2, tile // 2)], w_smem, barriers.at[0])
-                plgpu.copy_gmem_to_smem(s_gmem.at[pl.ds(start, tile)], s_smem, barriers.at[1])
-                for i in range(2):
-                    plgpu.barrier_wait(barriers.at[i])
-                _decode_tile(w_smem, s_smem, o_smem, scale_2, dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(start, tile)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the copy's reads
-
-            pl.run_scoped(scoped, plgpu.SMEM((tile // 2, 2 * BLOCK_BYTES), jnp.uint8), plgpu.SMEM((tile,), jnp.uint8),
-                          plgpu.SMEM((tile, BLOCK_BYTES), jnp.uint32), plgpu.Barrier(num_barriers=2))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(start, tile)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM must outlive the copy's reads, not its writes
 
 
 def padded_blocks(n_real: int, tile: int) -> int:
@@ -133,37 +95,36 @@ def padded_blocks(n_real: int, tile: int) -> int:
     return max(tile, round_up(n_real, 16))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "tile", "steps", "stages"))
+@functools.partial(jax.jit, static_argnames=("dtype", "tile"))
 def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, dtype=jnp.bfloat16,
-                          tile: int | None = None, steps: int | None = None, stages: int = 2) -> jax.Array:
+                          tile: int | None = None) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [] or [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values a pipeline step: 128 or 256) and `steps` (tiles per
-    CTA) override the device kind's (`tuning.Tuning`), `stages`: tiles in flight in a CTA. GPU only (Hopper or newer).
+    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values per CTA: 128 or 256) overrides the device kind's
+    (`tuning.Tuning.nvfp4_tile`). GPU only (Hopper or newer).
     """
-    tile, steps = tile or tuning().nvfp4_tile, steps or tuning().nvfp4_steps
+    tile = tile or tuning().nvfp4_tile
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Mosaic GPU kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
     if tile not in (128, 256):
         raise ValueError(f"tile must be 128 or 256 blocks, got {tile}")
-    if steps < 1 or stages < 1:
-        raise ValueError(f"steps and stages must be >= 1, got {steps} and {stages}")
     *lead, half_k = packed.shape
     n_real = packed.size // BLOCK_BYTES
-    w, s = packed.reshape(n_real, BLOCK_BYTES), scale_bits.reshape(n_real)
-    if n_real < tile:  # less than one tile: a launch costs more than the work; the same arithmetic in XLA
-        words = decode(w, s, scale_2.reshape(()), dtype)  # [n_real, 8] u32
-        return lax.bitcast_convert_type(words, dtype).reshape(*lead, 2 * half_k)
     n_blocks = padded_blocks(n_real, tile)
-    if n_blocks != n_real:  # a count of blocks that is not a multiple of 16: never a drafter's weight
+    w, s = packed.reshape(n_real, BLOCK_BYTES), scale_bits.reshape(n_real)
+    if n_blocks != n_real:  # only tensors under 4096 values, or whose count of blocks is not a multiple of 16
         w, s = jnp.pad(w, ((0, n_blocks - n_real), (0, 0))), jnp.pad(s, (0, n_blocks - n_real))
-    ctas = pl.cdiv(n_blocks // tile, steps) + (n_blocks % tile > 0)
     words = plgpu.kernel(
-        functools.partial(_kernel, n_blocks=n_blocks, tile=tile, steps=steps, stages=stages, dtype=dtype),
+        functools.partial(_kernel, n_blocks=n_blocks, tile=tile, dtype=dtype),
         out_type=jax.ShapeDtypeStruct((n_blocks, BLOCK_BYTES), jnp.uint32),
-        grid=(ctas,),
-        grid_names=("ctas",),
+        scratch_types=[
+            plgpu.SMEM((tile // 2, 2 * BLOCK_BYTES), jnp.uint8),
+            plgpu.SMEM((tile,), jnp.uint8),
+            plgpu.SMEM((tile, BLOCK_BYTES), jnp.uint32),
+            plgpu.Barrier(num_barriers=2),
+        ],
+        grid=(pl.cdiv(n_blocks, tile),),
+        grid_names=("tiles",),
     )(w.reshape(n_blocks // 2, 2 * BLOCK_BYTES), s, scale_2.reshape(1))
-    if n_blocks != n_real:
-        words = words[:n_real]  # [n_real, 8] u32
+    words = words[:n_real]  # [n_real, 8] u32
     return lax.bitcast_convert_type(words, dtype).reshape(*lead, 2 * half_k)  # u32 -> 2 x 16 bit, low first
