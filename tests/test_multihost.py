@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 
 from dflash_jax import load_drafter, load_target, speculative_generate
@@ -19,6 +20,7 @@ from dflash_jax.testing import preset_dict, write_checkpoint
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, MAX_NEW = [[5, 17, 99, 3], [120, 4], [9, 9, 9]], 6
+TEMPERATURE, TOP_K, SEED = 1.5, 40, 11  # hot enough that the sampled tokens differ from the greedy ones
 
 
 def free_port() -> int:
@@ -37,7 +39,7 @@ def test_two_process_load(tmp_path):
     env["PYTHONPATH"] = ROOT  # this checkout's package, whatever is installed
     procs = [
         subprocess.Popen([sys.executable, WORKER, str(i), port, str(tmp_path), str(target), json.dumps(PROMPTS),
-                          str(MAX_NEW)], env=env,
+                          str(MAX_NEW), str(TEMPERATURE), str(TOP_K), str(SEED)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
@@ -56,5 +58,9 @@ def test_two_process_load(tmp_path):
     one_target = load_target(target, dtype=jnp.float32)
     one_drafter = load_drafter(tmp_path, dtype=jnp.float32)
     expected = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
+                                   top_k=TOP_K, key=jax.random.key(SEED)).tokens
+    assert sampled != expected
     for i, out in enumerate(outputs):
         assert json.loads(re.search(rf"process {i}: tokens (.*)", out).group(1)) == expected, f"process {i}"
+        assert json.loads(re.search(rf"process {i}: sampled (.*)", out).group(1)) == sampled, f"process {i}"
