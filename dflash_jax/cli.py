@@ -504,9 +504,9 @@ def generate(args: argparse.Namespace) -> int:
             attention=attention, backoff=args.backoff,
         )
     if shows:
-        print(",".join(map(str, result.tokens)))
-        plain = f", {result.plain_tokens} from plain steps" if args.backoff else ""
-        print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths)} verify steps, mean acceptance "
+        print(",".join(map(str, result.tokens[0])))
+        plain = f", {result.plain_tokens[0]} from plain steps" if args.backoff else ""
+        print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths[0])} verify steps, mean acceptance "
               f"length {result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
               f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
               file=sys.stderr)
