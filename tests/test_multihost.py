@@ -1,7 +1,8 @@
 """Two JAX processes on this machine (CPU devices, loopback coordinator) load a drafter replicated and a target
 tensor-parallel onto a global 2-process mesh; each reads and places only its own devices' copies and shards
 (the audit of the byte ranges each process read: tests/multihost_worker.py). Then both decode the same prompts
-with the target split across them and the drafter replicated, and get the tokens one process gets."""
+with the target split across them and the drafter replicated, greedily and sampled with one key, and get the tokens
+one process gets. `dflash-jax generate --distributed` does the same from the shell."""
 
 import json
 import os
