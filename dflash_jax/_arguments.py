@@ -174,9 +174,9 @@ def _is_row(x: Any) -> bool:
     return isinstance(x, (Sequence, np.ndarray, jax.Array)) and not (getattr(x, "ndim", 1) == 0)
 
 
-def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
-    """`(prompts, single)`: a batch of non-empty prompts of token ids in `[0, vocab_size)`, and whether one bare
-    prompt was given. A string (`"567"` would read as three prompts), floats (truncated), bools, nested
+def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> list[list[int]]:
+    """A batch of non-empty prompts of token ids in `[0, vocab_size)` (one bare prompt: a batch of one). A
+    string (`"567"` would read as three prompts), floats (truncated), bools, nested
     deeper than a batch or ids outside the vocabulary are refused, naming `prompt_ids` and the first bad entry."""
     refuse_traced(where, prompt_ids)
     if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, (Sequence, np.ndarray, jax.Array)):
@@ -200,7 +200,7 @@ def check_prompt_ids(where: str, prompt_ids: Any, vocab_size: int) -> tuple[list
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"{where}: prompt_ids is empty; every prompt needs at least one token")
-    return prompts, single
+    return prompts
 
 
 def _prompt(where: str, name: str, row: Any, vocab_size: int) -> list[int]:
@@ -290,15 +290,15 @@ def check_params(config: DflashConfig, params: Any, where: str) -> None:
 
 def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: Any, prefill_chunk: Any,
                    stop_token_ids: Any, drafter: Any = None,
-                   confidence_threshold: Any = 0.0) -> tuple[list[list[int]], bool]:
-    """The arguments of `speculative_generate` / `greedy_generate` / `sample_generate`: `(prompts, single)` once
+                   confidence_threshold: Any = 0.0) -> list[list[int]]:
+    """The arguments of `speculative_generate` / `greedy_generate` / `sample_generate`: the batch of prompts once
     each is of the right type and in range (`check_prompt_ids`, ints >= 1 for `max_new_tokens` and
     `prefill_chunk`, stop ids as non-negative int32s, a finite number for the threshold; the sampling controls
     and the key are `sampling`'s). Called under `jax.jit` it refuses at once (`refuse_traced`)."""
     refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, confidence_threshold)
     check_integer(where, "max_new_tokens", max_new_tokens, 1)
     check_integer(where, "prefill_chunk", prefill_chunk, 1)
-    prompts, single = check_prompt_ids(where, prompt_ids, target.vocab_size)
+    prompts = check_prompt_ids(where, prompt_ids, target.vocab_size)
     if stop_token_ids is not None:
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (Sequence, np.ndarray)):
             raise TypeError(f"{where}: stop_token_ids is a {type(stop_token_ids).__name__}; expected a list of int "
@@ -310,7 +310,7 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
     threshold = check_number(where, "confidence_threshold", confidence_threshold)
     if not np.isfinite(threshold):
         raise ValueError(f"{where}: confidence_threshold={threshold} must be finite (0 verifies every draft)")
-    return prompts, single
+    return prompts
 
 
 def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity: int) -> None:

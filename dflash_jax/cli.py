@@ -154,15 +154,26 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
     v.add_argument("--cache-dir", default=None, help="hub cache directory (default: huggingface_hub's, under HF_HOME)")
-    v.add_argument("--tensor-parallel", type=positive_int, default=1, metavar="N",
-                   help="split the target over the first N devices (a (1, N) mesh over (\"data\", \"model\")), "
-                        "the drafter replicated on them; default 1: one device")
+    v.add_argument("--tensor-parallel", type=positive_int, default=None, metavar="N",
+                   help="split the target over N devices (a (1, N) mesh over (\"data\", \"model\")), the drafter "
+                        "replicated on them; with --distributed N / P of each of the P processes' devices; default: "
+                        "one device, or with --distributed every device of every process")
     v.add_argument("--confidence-threshold", type=non_negative_float, default=0.0, metavar="C",
                    help="DSpark drafters with a confidence head: verify drafts only up to the first whose "
                         "predicted acceptance is below C (default 0: every draft)")
     v.add_argument("--backoff", type=backoff, default=None, metavar="MIN_TOKENS",
                    help="run plain target steps while verifies commit fewer than MIN_TOKENS tokens on average "
                         "(dflash_jax.Backoff; e.g. 1.5); default: verify drafts every step")
+    hosts = v.add_argument_group(
+        "across processes (jax.distributed: every process runs the same command, process 0 prints the output)")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join a jax.distributed cluster before loading: jax.distributed.initialize(), which "
+                            "finds the coordinator, the process count and this process's id on SLURM, Open MPI and "
+                            "Kubernetes/Cloud TPU, else from the three flags below (any of them implies --distributed)")
+    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
+    hosts.add_argument("--num-processes", type=positive_int, default=None, metavar="P")
+    hosts.add_argument("--process-id", type=non_negative_int, default=None, metavar="I")
     rule = v.add_argument_group("the drafter's attention rule (default: the config's; docs/references.md)")
     rule.add_argument("--attention-rule", choices=sorted(ATTENTION_RULES), default="config",
                       help="config: as the config states (sliding layers causal and windowed); zlab: every layer "
@@ -464,12 +475,13 @@ def generate(args: argparse.Namespace) -> int:
     attention = AttentionOptions(causal=causal, sliding_window=sliding_window, draft_window=args.draft_window,
                                  draft_sinks=args.draft_sinks)  # refused before anything loads
     dtype = jnp.dtype(args.dtype)
-    mesh = None
-    if args.tensor_parallel > 1:
-        if args.tensor_parallel > jax.device_count():
-            raise ValueError(f"--tensor-parallel {args.tensor_parallel}: there are {jax.device_count()} device(s)")
-        mesh = jax.make_mesh((1, args.tensor_parallel), ("data", "model"),
-                             devices=jax.devices()[: args.tensor_parallel])
+    distributed = args.distributed or any(
+        x is not None for x in (args.coordinator, args.num_processes, args.process_id))
+    if distributed:
+        native_output_to_stderr()
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        check_same_arguments(args)
+    mesh = tensor_parallel_mesh(args.tensor_parallel)
     target = load_target(args.target, mesh=mesh, dtype=dtype, revision=args.target_revision,
                          cache_dir=args.cache_dir)
     check_ids(target.config, args)
@@ -481,7 +493,8 @@ def generate(args: argparse.Namespace) -> int:
     stop = args.stop_token_ids if args.stop_token_ids is not None else list(target.config.eos_token_ids)
     # A progress display on a terminal only: its callback runs inside the compiled loop, and JAX does not store
     # programs with host callbacks in the persistent cache, so without a terminal the loop is cached too.
-    terminal = sys.stderr.isatty()
+    shows = jax.process_index() == 0  # every process holds the same tokens: one prints them
+    terminal = shows and sys.stderr.isatty()
     bar, report = progress_display(args.max_new_tokens, enabled=terminal)
     with bar:
         result = speculative_generate(
@@ -490,13 +503,75 @@ def generate(args: argparse.Namespace) -> int:
             confidence_threshold=args.confidence_threshold, progress=report if terminal else None,
             attention=attention, backoff=args.backoff,
         )
-    print(",".join(map(str, result.tokens)))
-    plain = f", {result.plain_tokens} from plain steps" if args.backoff else ""
-    print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths)} verify steps, mean acceptance length "
-          f"{result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
-          f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
-          file=sys.stderr)
+    if shows:
+        print(",".join(map(str, result.tokens[0])))
+        plain = f", {result.plain_tokens[0]} from plain steps" if args.backoff else ""
+        print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths[0])} verify steps, mean acceptance "
+              f"length {result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
+              f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
+              file=sys.stderr)
+    if distributed:
+        jax.distributed.shutdown()  # waits for every process: process 0 serves the others until they are done
     return 0
+
+
+def native_output_to_stderr() -> None:
+    """Send what native libraries write to file descriptor 1 (Gloo's connection lines, between CPU processes) to
+    stderr, and `sys.stdout` to the real stdout: stdout carries the program's output alone, for the pipe it feeds."""
+    sys.stdout.flush()
+    real = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    sys.stdout = open(real, "w", encoding=sys.stdout.encoding, errors="backslashreplace")  # noqa: SIM115 (stdout)
+
+
+# The `generate` flags every process of a --distributed run must be given alike: they decide the computation, which
+# the processes run together (the paths, revisions and cache directory may differ between hosts).
+SAME_EVERYWHERE = ("prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
+                   "stop_token_ids", "dtype", "tensor_parallel", "confidence_threshold", "backoff", "attention_rule",
+                   "draft_window", "draft_sinks")
+
+
+def check_same_arguments(args: argparse.Namespace) -> None:
+    """Refuse (ValueError naming the flag) a --distributed run whose processes were given different prompts or
+    decoding flags: they would compute one sharded program from different inputs and print tokens no process
+    asked for, or hang. Each process contributes `argument_digests` to one small all-gather."""
+    from jax.experimental import multihost_utils
+
+    mine = argument_digests(args)
+    for process, theirs in enumerate(multihost_utils.process_allgather(mine)):  # [processes, flags, 8]
+        for name, a, b in zip(SAME_EVERYWHERE, mine, theirs):
+            if (a != b).any():
+                raise ValueError(f"--{name.replace('_', '-')} differs between this process and process {process}: "
+                                 "every process of a --distributed run must be given the same prompt and decoding "
+                                 "flags")
+
+
+def argument_digests(args: argparse.Namespace):
+    """`[flags, 8]` uint8: the first 8 bytes of a SHA-256 of each `SAME_EVERYWHERE` flag's value."""
+    import hashlib
+
+    import numpy as np
+
+    return np.stack([np.frombuffer(hashlib.sha256(repr(getattr(args, name)).encode()).digest()[:8], np.uint8)
+                     for name in SAME_EVERYWHERE])
+
+
+def tensor_parallel_mesh(size: int | None):
+    """The (1, N) ("data", "model") mesh of --tensor-parallel N over N / P devices of each of the P processes
+    (N default: one device, or every device when there are several processes); None for one device."""
+    import jax
+
+    processes = jax.process_count()
+    size = size or (jax.device_count() if processes > 1 else 1)
+    if size > jax.device_count():
+        raise ValueError(f"--tensor-parallel {size}: there are {jax.device_count()} device(s)")
+    if size % processes:
+        raise ValueError(f"--tensor-parallel {size}: not a multiple of the {processes} processes (each process "
+                         "holds an equal part of the target)")
+    if size == 1:
+        return None
+    per_process = [[d for d in jax.devices() if d.process_index == p][: size // processes] for p in range(processes)]
+    return jax.make_mesh((1, size), ("data", "model"), devices=[d for part in per_process for d in part])
 
 
 def progress_display(total: int, *, enabled: bool) -> tuple[Any, Any]:

@@ -259,7 +259,6 @@ def sample_drafts(
     hidden: jax.Array,
     anchor_ids: jax.Array,
     *,
-    lm_head: jax.Array | None = None,
     key: jax.Array | None = None,
     temperature: float | jax.Array = 0.0,
     top_k: int | jax.Array | None = None,
@@ -273,8 +272,8 @@ def sample_drafts(
     (argmax); with one, sampled at `temperature` (scalar or `[batch]`; 0 keeps a sequence greedy) after the
     `top_k` / `top_p` / `min_p` cuts (scalars or `[batch]`; None: off; `dflash_jax.sampling`), and `probs`, the
     warped distribution each draft was drawn from, returned. `confidence_threshold`: DSpark proposals end
-    before the first row whose confidence is below it (0 disables the cut). lm_head: `[V, H]`, None for the
-    drafter's own or attached one.
+    before the first row whose confidence is below it (0 disables the cut). The LM head is the drafter's own,
+    else the target's attached with `Drafter.attach`.
     """
     params, config = drafter.params, drafter.config
     batch = hidden.shape[0]
@@ -284,7 +283,7 @@ def sample_drafts(
             "a reduced draft vocabulary (d2t) with a Markov head or candidate selector needs the anchor in draft "
             "ids (t2d), which checkpoints do not ship"
         )
-    logits = lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)  # [batch, n, V] f32
+    logits = lm_logits(hidden, drafter.output_head)  # [batch, n, V] f32
     multiplier, cap = config.logit_transform  # DFlash2 only (`DflashConfig.logit_transform`)
     if multiplier is not None:
         logits = logits * multiplier
@@ -469,8 +468,6 @@ def propose(
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
     confidence_threshold: float | jax.Array = 0.0,
-    embed: jax.Array | None = None,
-    lm_head: jax.Array | None = None,
     attention: AttentionOptions = AttentionOptions(),
     impl: Impl = "auto",
     append_chunk: int = APPEND_CHUNK,
@@ -486,8 +483,9 @@ def propose(
     whose context outgrows `max_context` is flagged in `cache.overflow` (`ContextCache.check` raises): under
     `jit` the values cannot raise.
 
-    key / temperature / top_k / top_p / min_p / confidence_threshold / lm_head: as `sample_drafts`; embed: `[V, H]`,
-    None for the drafter's own or attached one; attention: the attention rule (`AttentionOptions`), the one the
+    key / temperature / top_k / top_p / min_p / confidence_threshold: as `sample_drafts` (the embedding and LM
+    head: the drafter's own, else the target's attached with `Drafter.attach`); attention: the attention rule
+    (`AttentionOptions`), the one the
     cache was made with (another raises ValueError); impl: the attention's kernel, "auto", "xla" or "pallas"
     (`dflash_jax.attention.attend`; another is a `ValueError`). Shapes (and the parameter tree, the embedding and LM
     head against the config) are checked when the program is traced; values are not, since the step is jitted: a
@@ -507,20 +505,20 @@ def propose(
     return call_donating(
         "propose", cache, _propose, drafter, cache, target_hidden, num_new, anchor_ids, key=key,
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, confidence_threshold=confidence_threshold,
-        embed=embed, lm_head=lm_head, attention=attention, impl=impl, append_chunk=append_chunk)
+        attention=attention, impl=impl, append_chunk=append_chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "impl", "append_chunk"), donate_argnames=("cache",))
 def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
              anchor_ids: jax.Array, *, key: jax.Array | None, temperature: float | jax.Array,
              top_k: int | jax.Array | None, top_p: float | jax.Array | None, min_p: float | jax.Array | None,
-             confidence_threshold: float | jax.Array, embed: jax.Array | None, lm_head: jax.Array | None,
-             attention: AttentionOptions, impl: Impl, append_chunk: int) -> tuple[Proposal, ContextCache]:
+             confidence_threshold: float | jax.Array, attention: AttentionOptions, impl: Impl,
+             append_chunk: int) -> tuple[Proposal, ContextCache]:
     """`propose`'s step, jitted: its checks of shapes and static arguments run once, at trace time."""
     params, config = drafter.params, drafter.config
     check_integer("propose", "append_chunk", append_chunk, 1)
     check_params(config, params, "propose")
-    check_heads(config, "propose", embed, lm_head)
+    check_heads(config, "propose", drafter.embed, drafter.lm_head)  # attached ones: a Drafter built by hand too
     check_propose_inputs(config, "propose", cache.lengths.shape[0], target_hidden, num_new, anchor_ids)
     batch, n_new = target_hidden.shape[:2]
     B, n_draft = config.effective_block_size, config.num_draft_tokens
@@ -545,7 +543,7 @@ def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, nu
         [anchor_ids[:, None].astype(jnp.int32), jnp.full((batch, B - 1), config.checked_mask_token_id, jnp.int32)],
         axis=1,
     )  # [batch, B]
-    x = embed_block(config, drafter.embedding if embed is None else embed, block_ids, dtype)
+    x = embed_block(config, drafter.embedding, block_ids, dtype)
     n_context = context.hidden.shape[1]  # this forward's context rows: n_new, or none after a chunked append
     absorbs = [r.window is None and not r.causal for r in rules]
     fresh = jnp.zeros_like(num_new) if chunked else num_new  # [batch] context rows in this forward
@@ -563,7 +561,6 @@ def _propose(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, nu
         drafter,
         hidden[:, B - n_draft :],  # the draft rows: 1..B-1 (z-lab) or all B (`sample_from_anchor`, DSpark)
         anchor_ids,
-        lm_head=lm_head,
         key=key,
         temperature=temperature,
         top_k=top_k,

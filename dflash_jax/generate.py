@@ -63,27 +63,26 @@ BUDGET_BUCKET = 64  # output buffers hold a multiple of this many tokens: budget
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
-    """New tokens and statistics of one `speculative_generate` / `greedy_generate` call.
+    """New tokens and statistics of one `speculative_generate` / `greedy_generate` / `sample_generate` call.
 
-    For a single prompt, `tokens` is a list of ids and `acceptance_lengths` a list of ints; for a batch of
-    prompts, one such list per prompt. Acceptance lengths count the bonus token (the reference's tau per step:
-    accepted drafts + 1); the first new token comes from the prefill and belongs to no step. Times are wall
-    clock and include compilation the first time a shape is seen: warm up first to measure speed.
+    Always batched, whether `prompt_ids` was one prompt or several: `tokens[i]` are prompt i's new ids,
+    `acceptance_lengths[i]` its verify steps' acceptance lengths, `plain_tokens[i]` how many of its tokens plain
+    target steps made (`Backoff`), not verifies; one prompt is `result.tokens[0]`. Acceptance lengths count the
+    bonus token (the reference's tau per step: accepted drafts + 1); the first new token comes from the prefill
+    and belongs to no step. Times are wall clock and include compilation the first time a shape is seen: warm up
+    first to measure speed.
     """
 
-    tokens: list[int] | list[list[int]]
-    acceptance_lengths: list[int] | list[list[int]]
+    tokens: list[list[int]]
+    acceptance_lengths: list[list[int]]
     prefill_seconds: float
     decode_seconds: float
-    plain_tokens: int | list[int] = 0  # per prompt: tokens made by plain target steps (`Backoff`), not by verifies
-
-    def _per_prompt(self, field: list) -> list[list[int]]:
-        return field if field and isinstance(field[0], list) else [field]
+    plain_tokens: list[int]
 
     @property
     def num_tokens(self) -> int:
         """New tokens over all prompts."""
-        return sum(len(t) for t in self._per_prompt(self.tokens))
+        return sum(len(t) for t in self.tokens)
 
     @property
     def tokens_per_second(self) -> float:
@@ -93,13 +92,12 @@ class GenerationResult:
     @property
     def decode_tokens_per_second(self) -> float:
         """Tokens made by the decode loop (all but each prompt's first) per second of decode."""
-        decoded = self.num_tokens - len(self._per_prompt(self.tokens))
-        return decoded / max(self.decode_seconds, 1e-9)
+        return (self.num_tokens - len(self.tokens)) / max(self.decode_seconds, 1e-9)
 
     @property
     def mean_acceptance_length(self) -> float:
         """Mean tokens per verify step (accepted drafts + 1), over all prompts; nan without steps."""
-        steps = [a for seq in self._per_prompt(self.acceptance_lengths) for a in seq]
+        steps = [a for seq in self.acceptance_lengths for a in seq]
         return float(np.mean(steps)) if steps else float("nan")
 
 
@@ -419,7 +417,8 @@ def speculative_generate(
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
 
-    prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own.
+    prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own, and
+    the result is batched either way (`GenerationResult`: one prompt's tokens are `result.tokens[0]`).
     temperature 0: greedy, token for token the target's own greedy decoding; > 0: sampled, distributed as the
     target's sampling at that temperature after the `top_k` / `top_p` / `min_p` cuts (transformers' warpers,
     in its order; None: off), which the drafts are drawn under too (`dflash_jax.sampling`; `sample_generate`
@@ -439,7 +438,7 @@ def speculative_generate(
     """
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
         drafter = drafter.drafter  # an `nnx.DFlashDrafter` module: its current values
-    prompts, single = check_generate(
+    prompts = check_generate(
         "speculative_generate", target, prompt_ids, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
         stop_token_ids=stop_token_ids, drafter=drafter, confidence_threshold=confidence_threshold)
     warp = sampling_controls("speculative_generate", temperature, top_k, top_p, min_p)
@@ -478,11 +477,8 @@ def speculative_generate(
     decode = time.perf_counter() - start
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
-    new = _to_lists(out, n_out)
     steps = [[int(a) for a in row if a > 0] for row in accept]
-    plain_tokens = [int(n) for n in plain]
-    return GenerationResult(new[0] if single else new, steps[0] if single else steps, prefill, decode,
-                            plain_tokens[0] if single else plain_tokens)
+    return GenerationResult(_to_lists(out, n_out), steps, prefill, decode, [int(n) for n in plain])
 
 
 def _check_positions(prompts: list[list[int]], max_new_tokens: int, target: Target, drafter: Drafter | None,
@@ -626,8 +622,8 @@ def _plain_generate(where: str, target: Target, prompt_ids: Sequence[int] | Sequ
     if not hasattr(target, "commit"):
         raise IncompatiblePairError(f"{where}: {type(target).__name__} has no commit(pending, kept): it "
                                     "does not implement the Target protocol (dflash_jax.Target)")
-    prompts, single = check_generate(where, target, prompt_ids, max_new_tokens=max_new_tokens,
-                                     prefill_chunk=prefill_chunk, stop_token_ids=stop_token_ids)
+    prompts = check_generate(where, target, prompt_ids, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                             stop_token_ids=stop_token_ids)
     _check_positions(prompts, max_new_tokens, target, None, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
     out_capacity = round_up(max_new_tokens, BUDGET_BUCKET)
@@ -647,7 +643,4 @@ def _plain_generate(where: str, target: Target, prompt_ids: Sequence[int] | Sequ
     state = _greedy_decode(target, state, stop, warp, sampling=sampling)
     new, n_out = jax.device_get((state.out, state.n_out))
     decode = time.perf_counter() - start
-    lists = _to_lists(new, n_out)
-    empty: list[list[int]] = [[] for _ in prompts]
-    return GenerationResult(lists[0] if single else lists, empty[0] if single else empty, prefill, decode,
-                            0 if single else [0] * len(prompts))
+    return GenerationResult(_to_lists(new, n_out), [[] for _ in prompts], prefill, decode, [0] * len(prompts))

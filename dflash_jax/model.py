@@ -475,28 +475,28 @@ def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dt
 @functools.partial(jax.jit, static_argnames=("attention",))
 def draft_hidden(
     drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
-    block_positions: jax.Array, embed: jax.Array | None = None, attention: AttentionOptions = AttentionOptions(),
+    block_positions: jax.Array, attention: AttentionOptions = AttentionOptions(),
 ) -> jax.Array:
     """The drafter's final hidden states (after `norm`) for every block row: `[batch, B, H]`, uncached.
 
     target_hidden: `[batch, S, Lf*H]` target features at `target_layer_ids`, shallow to deep;
     block_ids: `[batch, B]` (`[anchor, MASK x (B-1)]`); positions: `[batch, S]` / `[batch, B]` RoPE positions;
-    embed: `[V, H]` HF layout, None for the drafter's own or attached one; attention: the attention rule
-    (`AttentionOptions`, `attention_rules`). Shapes are checked against the config when the program is traced;
-    under `jit` the ids' values are not (an id past the vocabulary would be clamped by the gather).
+    attention: the attention rule (`AttentionOptions`, `attention_rules`). The block is embedded with the
+    drafter's own embedding, else the target's attached with `Drafter.attach`. Shapes are checked against the
+    config when the program is traced; under `jit` the ids' values are not (an id past the vocabulary would be
+    clamped by the gather).
     """
     params, config = drafter.params, drafter.config
     check_params(config, params, "draft_hidden")
-    check_heads(config, "draft_hidden", embed)
+    check_heads(config, "draft_hidden", drafter.embed, drafter.lm_head)  # attached ones: a Drafter built by hand too
     check_block_inputs(config, "draft_hidden", target_hidden, block_ids, context_positions, block_positions)
     dtype = params["fc"]["weight"].dtype
-    embed = drafter.embedding if embed is None else embed
     context = Context(
         project_context(params, config, target_hidden),
         context_positions.astype(jnp.int32),
         jnp.ones(context_positions.shape, bool),
     )
-    x = embed_block(config, embed, block_ids, dtype)
+    x = embed_block(config, drafter.embedding, block_ids, dtype)
     rules = attention_rules(config, attention)
     hidden, _ = forward(params, config, rules, x, block_positions.astype(jnp.int32), context)
     return hidden
@@ -504,13 +504,12 @@ def draft_hidden(
 
 def draft_logits(
     drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
-    block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
-    attention: AttentionOptions = AttentionOptions(), checked: bool = False,
+    block_positions: jax.Array, attention: AttentionOptions = AttentionOptions(), checked: bool = False,
 ) -> jax.Array:
     """Float32 logits `[batch, B, V]` for every block row: `lm_head(draft_hidden(...))`, uncached.
 
-    The plain LM-head output, before any Markov bias (DSpark) or DFlash2 softcap/multiplier. lm_head: `[V, H]`
-    HF layout, None for the drafter's own or attached one. Other arguments as `draft_hidden`. The forward is
+    The plain LM-head output (the drafter's own head, else the target's attached with `Drafter.attach`), before
+    any Markov bias (DSpark) or DFlash2 softcap/multiplier. Arguments as `draft_hidden`. The forward is
     jitted, so the ids' values are not checked there (an id past the vocabulary is clamped by the gather);
     `checked=True` checks them eagerly first (concrete inputs only; it reads `block_ids` back to the host).
     """
@@ -518,15 +517,14 @@ def draft_logits(
         check_block_inputs(drafter.config, "draft_logits", target_hidden, block_ids, context_positions,
                            block_positions)
     return _draft_logits(drafter, target_hidden, block_ids, context_positions=context_positions,
-                         block_positions=block_positions, embed=embed, lm_head=lm_head, attention=attention)
+                         block_positions=block_positions, attention=attention)
 
 
 @functools.partial(jax.jit, static_argnames=("attention",))
 def _draft_logits(
     drafter: Drafter, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
-    block_positions: jax.Array, embed: jax.Array | None, lm_head: jax.Array | None, attention: AttentionOptions,
+    block_positions: jax.Array, attention: AttentionOptions,
 ) -> jax.Array:
-    check_heads(drafter.config, "draft_logits", None, lm_head)
     hidden = draft_hidden(drafter, target_hidden, block_ids, context_positions=context_positions,
-                          block_positions=block_positions, embed=embed, attention=attention)
-    return lm_logits(hidden, drafter.output_head if lm_head is None else lm_head)
+                          block_positions=block_positions, attention=attention)
+    return lm_logits(hidden, drafter.output_head)

@@ -1,8 +1,8 @@
 """The drafter as a Flax NNX module: `DFlashDrafter`, whose state is the loaded arrays themselves.
 
     module = DFlashDrafter.from_pretrained("z-lab/Qwen3-8B-DFlash-b16", mesh=mesh)   # or from_drafter(drafter)
-    logits = module(target_hidden, block_ids, context_positions=..., block_positions=...,
-                    embed=target.embed, lm_head=target.lm_head)                      # = draft_logits
+    module = DFlashDrafter.from_drafter(drafter.attach(embed=target.embed, lm_head=target.lm_head))
+    logits = module(target_hidden, block_ids, context_positions=..., block_positions=...)   # = draft_logits
     proposal, cache = module.propose(cache, target_hidden, num_new, anchor_ids)      # = drafting.propose
 
 The state mirrors the loader's tree (docs/loading.md "Parameter tree"): `module.params["layers"][0]["mlp"]["up_proj"]
@@ -92,12 +92,12 @@ class DFlashDrafter(nnx.Module):
 
     def __call__(
         self, target_hidden: jax.Array, block_ids: jax.Array, *, context_positions: jax.Array,
-        block_positions: jax.Array, embed: jax.Array | None = None, lm_head: jax.Array | None = None,
-        attention: AttentionOptions = AttentionOptions(),
+        block_positions: jax.Array, attention: AttentionOptions = AttentionOptions(),
     ) -> jax.Array:
-        """Float32 logits `[batch, B, V]`: `dflash_jax.draft_logits` with this module's weights."""
+        """Float32 logits `[batch, B, V]`: `dflash_jax.draft_logits` with this module's weights (and the target's
+        embedding / LM head it was made with, `from_drafter` of an attached drafter)."""
         return draft_logits(self.drafter, target_hidden, block_ids, context_positions=context_positions,
-                            block_positions=block_positions, embed=embed, lm_head=lm_head, attention=attention)
+                            block_positions=block_positions, attention=attention)
 
     def init_cache(self, batch_size: int, max_context: int, **options: Any) -> ContextCache:
         """`dflash_jax.init_cache` for this drafter (`options`: `dtype`, `sharding`, `attention`)."""
@@ -108,6 +108,6 @@ class DFlashDrafter(nnx.Module):
         **options: Any,
     ) -> tuple[Proposal, ContextCache]:
         """One drafting step: `dflash_jax.propose` with this module's weights (`options`: `key`, `temperature`,
-        `top_k`, `top_p`, `min_p`, `confidence_threshold`, `embed`, `lm_head`, `attention`, ... as `propose` takes
+        `top_k`, `top_p`, `min_p`, `confidence_threshold`, `attention`, ... as `propose` takes
         them). The cache is donated: use the returned one."""
         return drafting.propose(self.drafter, cache, target_hidden, num_new, anchor_ids, **options)

@@ -1,12 +1,13 @@
 """One process of the two-process load test (tests/test_multihost.py): load onto a global mesh, check it.
 
-Run as: python multihost_worker.py PROCESS_ID PORT DRAFTER_DIR TARGET_DIR PROMPTS_JSON MAX_NEW_TOKENS
+Run as: python multihost_worker.py PROCESS_ID PORT DRAFTER_DIR TARGET_DIR PROMPTS_JSON MAX_NEW_TOKENS TEMPERATURE
+        TOP_K SEED
 
 The drafter is replicated over a 4-device mesh; the target is tensor-parallel over ("data", "model") = (1, 4),
 and every read of tensor data this process makes is recorded (the byte ranges of the views `Checkpoint.read`
 hands out, from their addresses in the map) and compared with the ranges of its own devices' shards, worked
 out here from the planned shardings by row-major arithmetic. Then both processes decode the same prompts with
-the target split across them and print the tokens.
+the target split across them, greedily and sampled with one key, and print the tokens.
 """
 
 import json
@@ -119,6 +120,11 @@ print(f"process {process_id}: target ok, read {read_bytes} of {total_bytes} byte
 # Speculative decoding across the processes: the target split over both processes' devices, the drafter replicated
 # on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens.
 paired = load_drafter(checkpoint, mesh=target.layout.mesh, dtype=jnp.float32)
-result = speculative_generate(target, paired, json.loads(sys.argv[5]), max_new_tokens=int(sys.argv[6]))
+prompts, max_new = json.loads(sys.argv[5]), int(sys.argv[6])
+result = speculative_generate(target, paired, prompts, max_new_tokens=max_new)
 print(f"process {process_id}: tokens {json.dumps(result.tokens)}")
+# sampled: the same key in every process; every draw is a global computation, so the processes agree
+sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, temperature=float(sys.argv[7]),
+                               top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])))
+print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")
 jax.distributed.shutdown()

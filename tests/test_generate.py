@@ -75,12 +75,13 @@ def test_greedy_equals_the_numpy_reference(target, greedy):
 
 
 def test_greedy_baseline(target, greedy):
-    """The baseline itself: a batch equals its prompts run one at a time, and the budget is exact."""
+    """The baseline itself: a batch equals its prompts run one at a time, and the budget is exact. One prompt
+    gives a batch of one (`GenerationResult` is always batched)."""
     assert isinstance(greedy, GenerationResult)
     assert [len(t) for t in greedy.tokens] == [MAX_NEW] * len(PROMPTS)
     for i in (0, 9):
         alone = greedy_generate(target, PROMPTS[i], max_new_tokens=MAX_NEW)
-        assert alone.tokens == greedy.tokens[i] and alone.acceptance_lengths == []
+        assert alone.tokens == [greedy.tokens[i]] and alone.acceptance_lengths == [[]] and alone.plain_tokens == [0]
 
 
 @pytest.mark.parametrize("preset,backoff", [("tiny-dflash", None), ("tiny-dflash2", ALWAYS)])

@@ -34,7 +34,7 @@ def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
-                               stop_token_ids=target.config.eos_token_ids).tokens
+                               stop_token_ids=target.config.eos_token_ids).tokens[0]
     assert out.strip() == ",".join(map(str, expected))
     assert "mean acceptance length" in err and "tokens/s" in err and "from plain steps" in err
 
@@ -75,7 +75,7 @@ def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
-                               stop_token_ids=target.config.eos_token_ids).tokens
+                               stop_token_ids=target.config.eos_token_ids).tokens[0]
     assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", *args]) == 2  # no `main` ref for the drafter
     err = capsys.readouterr().err
@@ -180,7 +180,7 @@ def capture_speculative_keywords(monkeypatch) -> dict:
 
     def fake(target, drafter, prompt, **kwargs):
         seen.update(kwargs)
-        return dflash_jax.generate.GenerationResult([1], [1], 0.0, 0.0)
+        return dflash_jax.generate.GenerationResult([[1]], [[1]], 0.0, 0.0, [0])
 
     monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
     return seen
@@ -222,7 +222,7 @@ def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
                  "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6"]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
-                               stop_token_ids=target.config.eos_token_ids).tokens
+                               stop_token_ids=target.config.eos_token_ids).tokens[0]
     assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
     head = seen["target"].lm_head.sharding
     assert dict(head.mesh.shape) == {"data": 1, "model": 2} and "model" in head.spec

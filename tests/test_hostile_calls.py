@@ -251,18 +251,27 @@ def step_inputs(drafter, batch=2, rows=4):
     return (features(drafter, batch, rows, seed=3), np.array([4, 2], np.int32), np.array([5, 9], np.int32))
 
 
-def test_heads_of_the_wrong_shape_are_refused_at_the_call(drafter):
+def test_heads_of_the_wrong_shape_are_refused(drafter):
+    """`attach` checks the target's embedding / LM head; a `Drafter` built with them by hand (as the linen and NNX
+    modules build one) is checked when a forward is traced. `attach` is the one way to give them: the forwards
+    take no `embed=` / `lm_head=`."""
     hidden, num_new, anchors = step_inputs(drafter)
     wrong = jnp.zeros((128, 32), jnp.float32)
-    for kwargs, says in ((dict(embed=wrong), r"propose: embed has shape \[128, 32\], expected \[128, 64\]"),
-                         (dict(lm_head=wrong[:100]), r"propose: lm_head has shape \[100, 32\], expected \[128, 64\]")):
+    for heads, says in ((dict(embed=wrong), r"propose: embed has shape \[128, 32\], expected \[128, 64\]"),
+                        (dict(lm_head=wrong[:100]), r"propose: lm_head has shape \[100, 32\], expected \[128, 64\]")):
         with pytest.raises(ValueError, match=says):  # a dot_general shape error before
-            propose(drafter, init_cache(drafter, 2, 32), hidden, num_new, anchors, **kwargs)
+            propose(Drafter(drafter.params, config=drafter.config, **heads), init_cache(drafter, 2, 32), hidden,
+                    num_new, anchors)
+        with pytest.raises(ValueError, match=says.replace("propose", "attach")):
+            drafter.attach(**heads)
     with pytest.raises(TypeError, match=r"attach: embed is a list; expected an array \[128, 64\]"):
         drafter.attach(embed=[[0.0] * 64] * 128)  # AttributeError before
-    with pytest.raises(ValueError, match=r"draft_logits: lm_head has shape \[128, 32\]"):
-        draft_logits(drafter, hidden[:, :, :], block(drafter, [1, 2]), context_positions=np.tile(np.arange(4), (2, 1)),
-                     block_positions=np.tile(4 + np.arange(8), (2, 1)), lm_head=wrong)
+    positions = dict(context_positions=np.tile(np.arange(4), (2, 1)), block_positions=np.tile(4 + np.arange(8), (2, 1)))
+    with pytest.raises(ValueError, match=r"draft_hidden: lm_head has shape \[128, 32\]"):
+        draft_logits(Drafter(drafter.params, config=drafter.config, lm_head=wrong), hidden, block(drafter, [1, 2]),
+                     **positions)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'lm_head'"):
+        draft_logits(drafter, hidden, block(drafter, [1, 2]), **positions, lm_head=drafter.lm_head)
 
 
 def test_num_new_as_a_list_and_a_reused_donated_cache(drafter):
@@ -347,8 +356,8 @@ def test_a_tree_of_one_layer_under_a_two_layer_config_is_refused(one_layer_param
     heads = dict(embed=drafter.embed, lm_head=drafter.lm_head)
     says = "the parameter tree has 1 layers but the config has num_hidden_layers=2"
     with pytest.raises(ValueError, match=says):  # an IndexError before
-        draft_logits(Drafter(one_layer_params, config=TWO_LAYERS), hidden, ids, context_positions=cpos,
-                     block_positions=bpos, **heads)
+        draft_logits(Drafter(one_layer_params, config=TWO_LAYERS, **heads), hidden, ids, context_positions=cpos,
+                     block_positions=bpos)
     with pytest.raises(ValueError, match=says):  # a silent one-layer network before (linen reads what it is given)
         DrafterModule(TWO_LAYERS).apply({"params": one_layer_params}, hidden, ids, context_positions=cpos,
                                         block_positions=bpos, **heads)
@@ -362,7 +371,7 @@ def test_an_nnx_state_of_another_config_is_refused_by_name(drafter):
     hidden, ids, cpos, bpos = block_call_inputs(TWO_LAYERS)
     with pytest.raises(ValueError, match=r"parameter 'layers.0.mlp.gate_proj.weight' has shape \[96, 64\], "
                                          r"expected \[128, 64\] from the config"):  # deep in an einsum before
-        module(hidden, ids, context_positions=cpos, block_positions=bpos, embed=drafter.embed, lm_head=drafter.lm_head)
+        module(hidden, ids, context_positions=cpos, block_positions=bpos)
     with pytest.raises(ValueError, match=r"block_ids has dtype float32, expected integer token ids"):
         DFlashDrafter.from_drafter(drafter)(hidden, ids.astype(np.float32), context_positions=cpos,
                                             block_positions=bpos)

@@ -1,7 +1,8 @@
 """Two JAX processes on this machine (CPU devices, loopback coordinator) load a drafter replicated and a target
 tensor-parallel onto a global 2-process mesh; each reads and places only its own devices' copies and shards
 (the audit of the byte ranges each process read: tests/multihost_worker.py). Then both decode the same prompts
-with the target split across them and the drafter replicated, and get the tokens one process gets."""
+with the target split across them and the drafter replicated, greedily and sampled with one key, and get the tokens
+one process gets. `dflash-jax generate --distributed` does the same from the shell."""
 
 import json
 import os
@@ -10,15 +11,20 @@ import socket
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from dflash_jax import load_drafter, load_target, speculative_generate
 from dflash_jax._qwen3_testing import write_qwen3_checkpoint
+from dflash_jax.cli import main
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS, MAX_NEW = [[5, 17, 99, 3], [120, 4], [9, 9, 9]], 6
+TEMPERATURE, TOP_K, SEED = 1.5, 40, 11  # hot enough that the sampled tokens differ from the greedy ones
 
 
 def free_port() -> int:
@@ -27,34 +33,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_load(tmp_path):
-    # trained on a 4-layer target (the tp target's), so that the two pair for decoding
-    write_checkpoint(tmp_path, {**preset_dict("tiny-dflash2"), "num_target_layers": 4}, prefix="model.", num_shards=2)
-    target = tmp_path / "target"
-    write_qwen3_checkpoint(target, "tiny-qwen3-tp", num_shards=2, dtype="float32")
-    port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # XLA_FLAGS: the conftest's compile flags
-    env["PYTHONPATH"] = ROOT  # this checkout's package, whatever is installed
-    procs = [
-        subprocess.Popen([sys.executable, WORKER, str(i), port, str(tmp_path), str(target), json.dumps(PROMPTS),
-                          str(MAX_NEW)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    outputs = []
+def launch(commands: list[list[str]], env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+    """Run one process per command at once, this checkout's package first on the path: `(status, stdout, stderr)`
+    of each."""
+    env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, **(env or {})}  # XLA_FLAGS: the
+    env["PYTHONPATH"] = ROOT  # conftest's compile flags; this checkout's package, whatever is installed
+    procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for command in commands]
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=300)[0])
+        outputs = [proc.communicate(timeout=300) for proc in procs]
+        return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
     finally:
         for proc in procs:
             proc.kill()
-    for i, (proc, out) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[str, str]:
+    """`(drafter, target)`: a DFlash2 drafter trained on a 4-layer target (the tp target's), so that the two pair."""
+    root = tmp_path_factory.mktemp("multihost")
+    write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash2"), "num_target_layers": 4}, prefix="model.",
+                     num_shards=2)
+    write_qwen3_checkpoint(root / "target", "tiny-qwen3-tp", num_shards=2, dtype="float32")
+    return str(root / "drafter"), str(root / "target")
+
+
+def test_two_process_load(checkpoints):
+    drafter, target = checkpoints
+    port = str(free_port())
+    runs = launch([[sys.executable, WORKER, str(i), port, drafter, target, json.dumps(PROMPTS), str(MAX_NEW),
+                    str(TEMPERATURE), str(TOP_K), str(SEED)] for i in range(2)])
+    outputs = [out + err for _, out, err in runs]
+    for i, ((status, _, _), out) in enumerate(zip(runs, outputs)):
+        assert status == 0, f"process {i} failed:\n{out[-3000:]}"
         assert f"process {i}: ok, 36 global replicated arrays" in out
         read, total = map(int, re.search(rf"process {i}: target ok, read (\d+) of (\d+) bytes", out).groups())
         assert read < 0.6 * total  # 4-way split over 2 processes: half of each split tensor, the norms whole
     one_target = load_target(target, dtype=jnp.float32)
-    one_drafter = load_drafter(tmp_path, dtype=jnp.float32)
+    one_drafter = load_drafter(drafter, dtype=jnp.float32)
     expected = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
+                                   top_k=TOP_K, key=jax.random.key(SEED)).tokens
+    assert sampled != expected
     for i, out in enumerate(outputs):
         assert json.loads(re.search(rf"process {i}: tokens (.*)", out).group(1)) == expected, f"process {i}"
+        assert json.loads(re.search(rf"process {i}: sampled (.*)", out).group(1)) == sampled, f"process {i}"
+
+
+def test_generate_across_two_processes(checkpoints, capsys):
+    """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
+    four, process 0 prints what one process prints, process 1 prints nothing (on stdout: Gloo's connection lines go
+    to stderr)."""
+    drafter, target = checkpoints
+    flags = ["--max-new-tokens", "6", "--dtype", "float32", "--stop-token-ids", "127"]
+    # two devices per process; compiled programs not cached (a test leaves nothing behind)
+    env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": "",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    port = str(free_port())
+    (status0, out0, err0), (status1, out1, err1) = launch([
+        [sys.executable, "-m", "dflash_jax", "generate", target, drafter, "--prompt-ids", "5,17,99", *flags,
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)] for i in range(2)], env)
+    assert status0 == status1 == 0, err0[-3000:] + err1[-3000:]
+    assert "mean acceptance length" in err0 and out1 == "" and "mean acceptance length" not in err1
+    assert main(["generate", target, drafter, "--prompt-ids", "5,17,99", *flags]) == 0
+    assert out0 == capsys.readouterr().out and len(out0.split(",")) == 6
+
+
+
+def test_processes_given_different_prompts_are_refused(monkeypatch):
+    """`check_same_arguments` names the flag that differs, and lets paths differ. The all-gather is a stand-in (the
+    run above gathers for real) that pairs this process's hashes with another process's."""
+    from jax.experimental import multihost_utils
+
+    from dflash_jax.cli import argument_digests, check_same_arguments, parser
+
+    def parsed(*flags: str):
+        return parser().parse_args(["generate", "t", "d", "--prompt-ids", "5,17,99", *flags, "--distributed"])
+
+    other = parsed()
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: np.stack([x, argument_digests(other)]))
+    check_same_arguments(parsed())
+    other = parser().parse_args(["generate", "/mnt/t", "/mnt/d", "--prompt-ids", "5,17,99", "--distributed"])
+    check_same_arguments(parsed())
+    for flags, name in ((["--prompt-ids", "5,17,98"], "--prompt-ids"), (["--seed", "1"], "--seed"),
+                        (["--backoff", "1.5"], "--backoff")):
+        other = parsed(*flags)
+        with pytest.raises(ValueError, match=f"{name} differs between this process and process 1: every process"):
+            check_same_arguments(parsed())

@@ -139,8 +139,8 @@ def test_packed_drafter_hidden_states_equal_the_dequantized_ones(checkpoints, fm
     args = (jnp.asarray(features(plain, 2, 5)), jnp.asarray(rng.integers(0, 127, (2, B)), jnp.int32))
     positions = dict(context_positions=jnp.tile(jnp.arange(5), (2, 1)), block_positions=jnp.tile(5 + jnp.arange(B),
                                                                                                   (2, 1)))
-    got = draft_hidden(packed, *args, embed=embed, **positions)
-    np.testing.assert_array_equal(got, draft_hidden(plain, *args, embed=embed, **positions))
+    got = draft_hidden(packed.attach(embed=embed), *args, **positions)
+    np.testing.assert_array_equal(got, draft_hidden(plain.attach(embed=embed), *args, **positions))
 
 
 def _at(params, path):
