@@ -128,15 +128,12 @@ def peak_gb() -> float:
 
 def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
                 chunk: int, wanted):
-    config = {**SMALL, "num_hidden_layers": 3, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
+    config = {**SMALL, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
     successor, other = rng.permutation(V), rng.permutation(V)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
-    raw = drafter_configs(config)["dspark"]
-    if small:  # a 3-layer target: a 2-layer drafter reads two of its layers
-        raw = {**raw, "num_hidden_layers": 2, "num_target_layers": 3,
-               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
+    raw = drafter_configs(config, small)["dspark"]
     dspark = random_drafter(parse_config(raw), seed=1)
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),
