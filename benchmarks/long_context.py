@@ -98,8 +98,10 @@ def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidt
         for ctx in contexts:
             for impl in impls:
                 cache = init_cache(drafter, batch, ctx + NEW_ROWS * (iters + 10))
-                # as if ctx rows had been appended
-                cache = dataclasses.replace(cache, lengths=jnp.full((batch,), ctx, jnp.int32))
+                # as if ctx rows had been appended; committed where the cache is, as `propose` returns it (an
+                # uncommitted array would make the second step compile another program)
+                lengths = jax.device_put(jnp.full((batch,), ctx, jnp.int32), cache.lengths.sharding)
+                cache = dataclasses.replace(cache, lengths=lengths)
                 feats = jnp.ones((batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
                 num_new, anchors = jnp.full((batch,), NEW_ROWS, jnp.int32), jnp.zeros((batch,), jnp.int32)
                 for _ in range(3):  # compile, warm up
