@@ -266,11 +266,11 @@ def main() -> None:
                         help="forms of the linear weights to time (see above)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="cached context rows")
     parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
-    parser.add_argument("--small", action="store_true", help="the tiny-dflash preset, batch 1, one timed step (a CPU "
-                        "check of the script)")
+    parser.add_argument("--small", action="store_true", help="the tiny-dflash preset, batch 1, one timed step, a "
+                        "64 MiB read rate (a CPU check of the script)")
     args = parser.parse_args()
     if args.small:
-        args.preset, args.batch, args.iters = "tiny-dflash", [1], 1
+        args.preset, args.batch, args.iters, args.read_gib = "tiny-dflash", [1], 1, 1 / 16
 
     raw = preset_dict(args.preset)
     config = parse_config(raw)

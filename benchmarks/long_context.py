@@ -98,8 +98,10 @@ def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidt
         for ctx in contexts:
             for impl in impls:
                 cache = init_cache(drafter, batch, ctx + NEW_ROWS * (iters + 10))
-                # as if ctx rows had been appended
-                cache = dataclasses.replace(cache, lengths=jnp.full((batch,), ctx, jnp.int32))
+                # as if ctx rows had been appended; committed where the cache is, as `propose` returns it (an
+                # uncommitted array would make the second step compile another program)
+                lengths = jax.device_put(jnp.full((batch,), ctx, jnp.int32), cache.lengths.sharding)
+                cache = dataclasses.replace(cache, lengths=lengths)
                 feats = jnp.ones((batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
                 num_new, anchors = jnp.full((batch,), NEW_ROWS, jnp.int32), jnp.zeros((batch,), jnp.int32)
                 for _ in range(3):  # compile, warm up
@@ -128,15 +130,12 @@ def peak_gb() -> float:
 
 def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
                 chunk: int, wanted):
-    config = {**SMALL, "num_hidden_layers": 3, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
+    config = {**SMALL, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
     successor, other = rng.permutation(V), rng.permutation(V)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
-    raw = drafter_configs(config)["dspark"]
-    if small:  # a 3-layer target: a 2-layer drafter reads two of its layers
-        raw = {**raw, "num_hidden_layers": 2, "num_target_layers": 3,
-               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
+    raw = drafter_configs(config, small)["dspark"]
     dspark = random_drafter(parse_config(raw), seed=1)
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),

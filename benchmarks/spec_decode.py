@@ -40,16 +40,20 @@ QWEN3_8B = {
     "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
     "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
 }
-SMALL = {**QWEN3_8B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 32}
+SMALL = {**QWEN3_8B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}  # 2 layers: compiling 36 takes minutes
 
 
-def drafter_configs(target_config: dict) -> dict[str, dict]:
-    """DFlash-b16 (z-lab Qwen3-8B shapes) and the same backbone as a DSpark drafter with a rank-256 Markov head."""
+def drafter_configs(target_config: dict, small: bool = False) -> dict[str, dict]:
+    """DFlash-b16 (z-lab Qwen3-8B shapes) and the same backbone as a DSpark drafter with a rank-256 Markov head;
+    `small`: one layer reading `target_config`'s first two (SMALL's)."""
     dflash = copy.deepcopy(preset_dict("zlab-qwen3-8b-dflash-b16"))
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim"):
         dflash[key] = target_config[key]
+    if small:
+        dflash |= {"num_hidden_layers": 1, "num_target_layers": target_config["num_hidden_layers"]}
+        dflash["dflash_config"]["target_layer_ids"] = [0, 1]
     dflash["dflash_config"]["mask_token_id"] = target_config["vocab_size"] - 1
     dspark = {**copy.deepcopy(dflash), "architectures": ["DSparkDraftModel"], "markov_rank": 256,
               "markov_head_type": "vanilla"}
@@ -82,7 +86,7 @@ def main() -> None:
 
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=args.layer_scale)
     drafters = {}
-    for family, raw in drafter_configs(config).items():
+    for family, raw in drafter_configs(config, args.small).items():
         drafter = random_drafter(parse_config(raw), seed=1)
         drafters[family] = drafter.attach(embed=target.embed, lm_head=target.lm_head)
     runs = {

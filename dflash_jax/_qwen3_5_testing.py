@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ._qwen3_testing import scaled_outputs, successor_heads
+from ._qwen3_testing import placed_like, scaled_outputs, successor_heads
 from .plan import init_leaves
 from .safetensors import write_tensors
 from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, params_tree, plan_qwen3_5
@@ -129,4 +129,5 @@ def successor_qwen3_5(target: Qwen3_5Target, successor: np.ndarray, *, margin: f
         "norm": {"weight": jnp.zeros((c.hidden_size,), dtype)},
         "layers": scaled_outputs(target.params["layers"], layer_scale),
     }
-    return dataclasses.replace(target, params=params)  # an untied head: the `lm_head` leaf is read when present
+    # an untied head: the `lm_head` leaf is read when present
+    return dataclasses.replace(target, params=placed_like(params, target))

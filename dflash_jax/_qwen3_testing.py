@@ -133,6 +133,19 @@ def successor_heads(vocab: int, hidden: int, successor: np.ndarray, margin: floa
     return embed.astype(dtype), (embed[predecessor] * (margin / hidden)).astype(dtype)
 
 
+def placed_like(params: dict[str, Any], target: Any) -> dict[str, Any]:
+    """A rebuilt target's `params` (top-level names as `target.params`'), each leaf committed where `target`'s
+    leaf of that name is (an untied head beside a tied one: where the embedding is), when that one is committed
+    (loaded): the rebuilt target then runs the programs compiled for `target` instead of compiling them again
+    for uncommitted arrays."""
+    old = {"lm_head": target.params["embed_tokens"], **target.params}
+
+    def place(new: jax.Array, was: jax.Array) -> jax.Array:
+        return jax.device_put(new, was.sharding) if was.committed else new
+
+    return jax.tree.map(place, params, {name: old[name] for name in params})
+
+
 def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: float = 10.0,
                      layer_scale: float = 0.5, seed: int = 0) -> DecoderTarget:
     """The target rebuilt so that its greedy next token is (nearly always) `successor[last token]`.
@@ -150,7 +163,7 @@ def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: fl
         "norm": {"weight": jnp.ones((c.hidden_size,), dtype)},
         "layers": scaled_outputs(target.params["layers"], layer_scale),
     }
-    return dataclasses.replace(target, params=params)
+    return dataclasses.replace(target, params=placed_like(params, target))
 
 
 def successor_drafter(drafter: Drafter, successor: np.ndarray, *, scale: float = 100.0, seed: int = 0) -> Drafter:

@@ -38,11 +38,20 @@ def cpu_mesh():
     return jax.make_mesh((len(jax.devices()),), ("data",))
 
 
-# The modules that compile the most run first, so that parallel workers (pyproject's `-n 2 --dist loadfile`) finish
-# together instead of one of them ending the run alone on a late heavy module. Order within a module is kept.
-_HEAVY_FIRST = ("test_tensor_parallel", "test_tensor_parallel_hybrid", "test_readme", "test_benchmarks",
-                "test_generate_sampling", "test_generate", "test_fuzz", "test_drafting", "test_target",
-                "test_generate_cli")
+# The modules that compile the most run first, longest first, so that parallel workers (pyproject's `-n 2 --dist
+# loadfile`) finish together instead of one of them ending the run alone on a late heavy module. Order within a
+# module is kept.
+_HEAVY_FIRST = ("test_benchmarks", "test_generate_sampling", "test_tensor_parallel_hybrid", "test_generate_hybrid",
+                "test_readme", "test_multihost", "test_generate", "test_tensor_parallel", "test_fuzz", "test_examples",
+                "test_target_qwen3_5_moe", "test_drafting", "test_target", "test_generate_cli", "test_packed",
+                "test_sampling", "test_cli")
+
+
+def pytest_configure(config):
+    # xdist hands out modules in the order above only without its own reordering (by number of tests, which sends a
+    # one-test module that compiles for a minute, like test_multihost, last)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,7 @@
 """The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot); the GPU-only ones
-(pallas_tiles.py) in a small form marked `gpu`; those that take minutes on 2 cores need DFLASH_JAX_SLOW_TESTS=1."""
+(pallas_tiles.py) in a small form marked `gpu`. Each script's `main()` runs in this process (a subprocess would
+spend seconds importing JAX again) with the suite's settings (strict dtype promotion: the scripts have no
+implicit promotions either)."""
 
 import importlib.util
 import json
@@ -10,16 +12,25 @@ import sys
 import jax
 import pytest
 
-from ._slow import slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
 
 
-def test_long_context_small(tmp_path):
+def run_script(monkeypatch, name: str, *argv: str) -> None:
+    """`python benchmarks/{name}.py *argv`, in this process: the script's `main()` with `sys.argv` set and
+    benchmarks/ on `sys.path` (the scripts import `timing` and each other from there), both restored after."""
+    monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])
+    monkeypatch.setattr(sys, "argv", [os.path.join(BENCHMARKS, f"{name}.py"), *argv])
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", sys.argv[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+
+
+def test_long_context_small(monkeypatch, tmp_path):
     out = tmp_path / "out.json"
     runs = ["full acceptance + backoff", "zero acceptance + backoff"]  # each drafter; without a backoff: the same code
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "long_context.py"), "--small",
-                    "--runs", *runs, "--json", str(out)], check=True, timeout=600, capture_output=True)
+    run_script(monkeypatch, "long_context", "--small", "--runs", *runs, "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     propose = [r for r in rows if r["part"] == "propose"]
     decode = [r for r in rows if r["part"] == "decode"]
@@ -33,12 +44,11 @@ def test_long_context_small(tmp_path):
     assert full["plain_tokens"] == 0 < zero["plain_tokens"]  # `Backoff()`: never on a drafter that is always right
 
 
-def test_moe_block_small(tmp_path):
+def test_moe_block_small(monkeypatch, tmp_path):
     """Every impl runs and agrees with XLA's `ragged_dot` (bf16: the sums' order differs)."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "moe_block.py"), "--small",
-                    "--tokens", "1", "17", "--iters", "2", "--layers", "2", "--json", str(out)],
-                   check=True, timeout=300, capture_output=True)
+    run_script(monkeypatch, "moe_block", "--small", "--tokens", "1", "17", "--iters", "2", "--layers", "2",
+               "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     impls = ("ragged_dot", "gather", "tiled", "grouped")
     assert {(r["tokens"], r["variant"]) for r in rows} == {(t, v) for t in (1, 17) for v in impls}
@@ -47,11 +57,10 @@ def test_moe_block_small(tmp_path):
     assert all(1 <= r["distinct_experts"] <= 16 for r in rows)
 
 
-def test_hybrid_decode_small(tmp_path):
+def test_hybrid_decode_small(monkeypatch, tmp_path):
     """The hybrid target's script: the step timings and every run, lossless, the oracle drafter fully accepted."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "hybrid_decode.py"), "--small",
-                    "--targets", "27B", "--json", str(out)], check=True, timeout=600, capture_output=True)
+    run_script(monkeypatch, "hybrid_decode", "--small", "--targets", "27B", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     step = next(r for r in rows if r["part"] == "step")
     assert 0 < step["commit"] and 0 < step["greedy step"] < step["verify 17 + commit"]
@@ -62,12 +71,11 @@ def test_hybrid_decode_small(tmp_path):
     assert decode["zero acceptance"]["mean_acceptance"] == 1
 
 
-def test_packed_gemm_small(tmp_path):
+def test_packed_gemm_small(monkeypatch, tmp_path):
     """Every variant runs beside its floor; XLA's bf16 GEMM of the dequantized weight is the packed XLA path bit for
     bit; the Mosaic kernel (interpreted on a CPU) agrees with it to bf16 rounding (measured 3.2e-3 of the max)."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "packed_gemm.py"), "--small",
-                    "--iters", "1", "--json", str(out)], check=True, timeout=300, capture_output=True)
+    run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--json", str(out))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"xla packed", "xla bf16", "mosaic"}
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["bytes"] > 0 for r in rows.values())
@@ -75,13 +83,11 @@ def test_packed_gemm_small(tmp_path):
     assert rows["mosaic"]["max_diff"] < 2.0**-6
 
 
-@slow
-def test_spec_decode_small(tmp_path):
+def test_spec_decode_small(monkeypatch, tmp_path):
     """Greedy and three drafters on tiny shapes: lossless, the right successor map accepted, the wrong one not."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "spec_decode.py"), "--small",
-                    "--prompt-len", "8", "--max-new", "16", "--repeats", "1", "--json", str(out)],
-                   check=True, timeout=600, capture_output=True)
+    run_script(monkeypatch, "spec_decode", "--small", "--prompt-len", "8", "--max-new", "16", "--repeats", "1",
+               "--json", str(out))
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"greedy", "dspark-b16, right map", "dspark-b16, wrong map", "dflash-b16, random"}
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
@@ -89,38 +95,32 @@ def test_spec_decode_small(tmp_path):
     assert rows["dspark-b16, right map"]["mean_acceptance"] > rows["dspark-b16, wrong map"]["mean_acceptance"]
 
 
-@slow
-def test_tp_target_small(tmp_path):
+def test_tp_target_small(monkeypatch, tmp_path):
     """A step of the unsharded target and of the same target `shard`ed onto a 1-device mesh, and both loaders."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "tp_target.py"), "--small",
-                    "--batch", "1", "--rows", "1", "--repeats", "1", "--dir", str(tmp_path / "ckpt"),
-                    "--json", str(out)], check=True, timeout=600, capture_output=True)
+    run_script(monkeypatch, "tp_target", "--small", "--batch", "1", "--rows", "1", "--repeats", "1",
+               "--dir", str(tmp_path / "ckpt"), "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["part"] for r in rows] == ["step", "load"]
     assert rows[0]["unsharded_ms"] > 0 and rows[0]["mesh_ms"] > 0
     assert rows[1]["target_gbps"] > 0 and rows[1]["drafter_gbps"] > 0
 
 
-@slow
-def test_draft_step_small(tmp_path):
+def test_draft_step_small(monkeypatch, tmp_path):
     """`propose` timed at the tiny preset (the PyTorch comparison needs the reference file and a GPU)."""
     out = tmp_path / "out.json"
-    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "draft_step.py"), "--small",
-                    "--json", str(out)], check=True, timeout=600, capture_output=True)
+    run_script(monkeypatch, "draft_step", "--small", "--json", str(out))
     results = json.loads(out.read_text())
     assert results["preset"] == "tiny-dflash" and [r["batch"] for r in results["rows"]] == [1]
     assert all(r["ours_ms"] > 0 and r["ours_back_to_back_ms"] > 0 for r in results["rows"])
 
 
-@slow
-def test_load_small(tmp_path):
+def test_load_small(monkeypatch, capsys, tmp_path):
     """Our loader and the naive one, each in its own process, on tiny BF16 and NVFP4 checkpoints."""
-    run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "load.py"), "--small",
-                          "--dir", str(tmp_path), "--methods", "ours", "naive"],
-                         check=True, timeout=600, capture_output=True, text=True)
-    rows = [line.split() for line in run.stdout.splitlines()[1:] if line.split()[:1] in (["ours"], ["naive"])]
-    assert sorted((r[0], r[1]) for r in rows) == [("naive", "bf16"), ("ours", "bf16"), ("ours", "nvfp4")], run.stdout
+    run_script(monkeypatch, "load", "--small", "--dir", str(tmp_path), "--methods", "ours", "naive")
+    stdout = capsys.readouterr().out
+    rows = [line.split() for line in stdout.splitlines()[1:] if line.split()[:1] in (["ours"], ["naive"])]
+    assert sorted((r[0], r[1]) for r in rows) == [("naive", "bf16"), ("ours", "bf16"), ("ours", "nvfp4")], stdout
     assert all(float(r[3]) > 0 and float(r[4]) >= 0 for r in rows)  # seconds, GB/s (0.00 for a tiny checkpoint)
 
 

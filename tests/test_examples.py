@@ -6,8 +6,6 @@ import importlib.util
 import os
 import re
 
-from ._slow import slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -19,7 +17,6 @@ def _example(name: str):
     return module
 
 
-@slow
 def test_speculative_decoding_example(monkeypatch, capsys):
     """Shorter runs (16 new tokens, not 96): every speculative run prints the greedy tokens; the random DFlash
     drafter is accepted about never (mean acceptance length near 1), the DSpark drafter walking the target's
