@@ -10,7 +10,8 @@ docs/forward.md):
     hidden = norm(x)                                   # [batch, B, H]
 
 The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
-passes through a layer's input norm nor joins the residual stream. `draft_logits` is the plain, uncached forward;
+passes through a layer's input norm nor joins the residual stream. A Gemma 4 DSpark drafter (`config.variant`
+"gemma4") runs the same forward with Gemma 4's layer and norms (`dflash_jax.gemma4`). `draft_logits` is the plain, uncached forward;
 `dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
 (`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
@@ -38,12 +39,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import gemma4
 from ._arguments import check_block_inputs, check_heads, check_params
 from ._precision import dot as array_dot
 from .attention import Impl, KeyValues, LayerRule, Span, attend, write_slots
@@ -140,6 +142,8 @@ def rope_frequencies(config: RopeConfig) -> tuple[np.ndarray, float]:
     pos_freqs = theta**exponents  # [d/2] f32
     if config.rope_type == "llama3":
         return _llama3_frequencies((np.float32(1.0) / pos_freqs).astype(np.float32), config.rope_scaling), 1.0
+    if config.rope_type == "proportional":
+        return _proportional_frequencies(pos_freqs, config.rope_scaling), 1.0
     if config.rope_type != "yarn":
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
 
@@ -188,6 +192,18 @@ def _llama3_frequencies(inv_freq: np.ndarray, s) -> np.ndarray:
     smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _proportional_frequencies(pos_freqs: np.ndarray, s) -> np.ndarray:
+    """Gemma 4's `proportional` RoPE (transformers' `_compute_proportional_rope_parameters`), in float32: the first
+    `int(partial_rotary_factor * d_h // 2)` frequencies of the full head's `1 / theta ** (2i / d_h)`, the rest 0
+    (those pairs are not rotated), all divided by `factor`."""
+    partial = s.partial_rotary_factor if s is not None and s.partial_rotary_factor is not None else 1.0
+    factor = s.factor if s is not None and s.factor is not None else 1.0
+    rotated = int(partial * (2 * len(pos_freqs)) // 2)  # rotated pairs, as transformers rounds them (d_h = 2 x pairs)
+    inv_freq = np.float32(1.0) / pos_freqs  # [d/2]
+    inv_freq[rotated:] = 0
+    return (inv_freq / np.float32(factor)).astype(np.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -339,7 +355,7 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     """`hidden_norm(fc(features))`: `[batch, S, Lf*H]` target features -> `[batch, S, H]` in the params' dtype."""
     dtype = params["fc"]["weight"].dtype
     ctx = linear(target_hidden.astype(dtype), params["fc"])  # [batch, S, H]
-    return rms_norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
+    return _layers(config).norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
 
 
 def _head_norm(attn: Params, name: str, config, x: jax.Array) -> jax.Array:
@@ -395,6 +411,22 @@ def decoder_layer(
     return x + h, aux
 
 
+class Layers(NamedTuple):
+    """The functions a drafter's network is built of: Qwen3's (this module), or Gemma 4's (`dflash_jax.gemma4`)."""
+
+    norm: Callable[[jax.Array, jax.Array, float], jax.Array]
+    queries: Callable[[Params, Any, jax.Array, Rope], jax.Array]
+    keys_values: Callable[[Params, Any, jax.Array, Rope], tuple[jax.Array, jax.Array]]
+    decoder_layer: Callable[..., tuple[jax.Array, Any]]
+
+
+def _layers(config: DflashConfig) -> Layers:
+    """The layer functions of `config.variant`."""
+    if config.variant == "gemma4":
+        return Layers(gemma4.rms_norm, gemma4.queries, gemma4.keys_values, gemma4.decoder_layer)
+    return Layers(rms_norm, queries, keys_values, decoder_layer)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Absorb:
@@ -442,13 +474,14 @@ def forward(
     block_rope = Rope(rope.cos[:, S:], rope.sin[:, S:])
     key_positions = jnp.concatenate([context.positions, positions], axis=1)  # [batch, S + B]
     key_valid = jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1)
+    layers = _layers(config)
     new_kv = []
     for i, (p, rule) in enumerate(zip(params["layers"], rules)):
         mem = memory[i] if memory is not None else Memory()
 
         def attention(attn, xn, rule=rule, mem=mem):
-            q = queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
-            k, v = keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM each
+            q = layers.queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
+            k, v = layers.keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM
             if mem.absorb is None:
                 fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
                 a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
@@ -459,9 +492,9 @@ def forward(
             a = attend(q, positions, rule, mem.dense, (*mem.spans, span), impl=impl)
             return a.reshape(batch, B, -1), (kc, vc)
 
-        x, kv = decoder_layer(p, config, x, attention)
+        x, kv = layers.decoder_layer(p, config, x, attention)
         new_kv.append(kv)
-    return rms_norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
+    return layers.norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
 
 
 def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
