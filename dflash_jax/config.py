@@ -330,7 +330,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         """`"yarn"`, `"proportional"` or `"default"`; any other declared type runs as plain RoPE (warned at parse
         time)."""
         declared = declared_rope_type(self.rope_scaling)
-        return declared if declared in ("yarn", "proportional") else "default"
+        return "yarn" if declared == "yarn" else "proportional" if declared == "proportional" else "default"
 
     @property
     def input_embedding_scale(self) -> float | None:

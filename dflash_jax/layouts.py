@@ -239,8 +239,9 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
         return None
     return (
         f"{'; '.join(problems)}: not implemented. dflash_jax runs Qwen3-style DFlash, DFlash2 and DSpark drafters "
-        f"and DeepSpec's Gemma 4 DSpark (architectures {', '.join(ARCHITECTURES)}; model_type {' or '.join(map(repr, MODEL_TYPES))} when no "
-        "architecture is stated); loading this one would run a different network"
+        f"and DeepSpec's Gemma 4 DSpark (architectures {', '.join(ARCHITECTURES)}; model_type "
+        f"{' or '.join(map(repr, MODEL_TYPES))} when no architecture is stated); loading this one would run a "
+        "different network"
     )
 
 

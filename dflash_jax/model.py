@@ -11,8 +11,8 @@ docs/forward.md):
 
 The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
 passes through a layer's input norm nor joins the residual stream. A Gemma 4 DSpark drafter (`config.variant`
-"gemma4") runs the same forward with Gemma 4's layer and norms (`dflash_jax.gemma4`). `draft_logits` is the plain, uncached forward;
-`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
+"gemma4") runs the same forward with Gemma 4's layer and norms (`dflash_jax.gemma4`). `draft_logits` is the plain,
+uncached forward; `dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
 (`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
 Which keys a query sees (`attention_rules`, under the switches of `AttentionOptions`):
