@@ -334,7 +334,7 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Laguna, Gemma 4 DSpark, Nemotron, MLA, MoE: refused by the field or tensor that decides
+# Laguna, Nemotron, MLA, MoE (and Gemma 4's parts outside a Gemma 4 drafter): refused by the field or tensor
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -342,7 +342,6 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
     (lambda r: r.update(architectures=["DFlashLagunaForCausalLM"], model_type="laguna"),
      ("DFlashLagunaForCausalLM", "g_proj", "aux_hidden_norms")),
     (lambda r: r.update(gating="per-head"), ("`gating` 'per-head'", "softplus")),
-    (lambda r: r.update(architectures=["Gemma4DSparkModel"]), ("Gemma4DSparkModel", "layer scalars")),
     (lambda r: r.update(attention_k_eq_v=True), ("attention_k_eq_v",)),
     (lambda r: r.update(block_pattern=["mamba", "attention"]), ("block_pattern", "Mamba")),
     (lambda r: r["dflash_config"].update(attention_mode="mla"),
@@ -353,7 +352,7 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
     (lambda r: r.update(n_routed_experts=64), ("`n_routed_experts` 64", "mixture-of-experts")),
     (lambda r: r.update(has_embed_tokens=True, quantization_config={"quant_algo": "W4A16_NVFP4"}),
      ("has_embed_tokens", "Nemotron 3.5")),
-], ids=["laguna", "gate", "gemma4", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
+], ids=["laguna", "gate", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
         "nemotron-3.5"])
 def test_other_networks_refused_by_name(change, says):
     raw = copy.deepcopy(TINY_CONFIGS["tiny-dflash"])
