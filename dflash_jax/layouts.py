@@ -181,14 +181,6 @@ def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: `target_hidden_size`={target_hidden!r} differs from "
                           f"transformer_layer_config.hidden_size={hidden!r}: a drafter reading target features of "
                           "another width is not implemented")
-    draft_vocab, vocab = out.get("draft_vocab_size"), out.get("vocab_size")
-    reduced = isinstance(draft_vocab, int) and isinstance(vocab, int) and draft_vocab < vocab
-    rank = out.get("markov_rank")
-    if kind == "dspark" and reduced and isinstance(rank, int) and rank > 0:
-        raise ConfigError(
-            f"{source}: draft_vocab_size={draft_vocab} < vocab_size={vocab} with markov_rank={rank}: "
-            "a speculators DSpark Markov head over a reduced draft vocabulary (markov_w1 indexed by target ids, "
-            "markov_w2 over draft ids) is not implemented")
     return out
 
 

@@ -197,7 +197,8 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     rank = c.markov_rank
     if rank:
         specs += [
-            ParamSpec("markov_head.markov_w1.weight", (draft_vocab, rank), optional=MARKOV),
+            # indexed by the previous token, a target id (a reduced vocabulary's drafts are mapped: speculators')
+            ParamSpec("markov_head.markov_w1.weight", (c.vocab_size, rank), optional=MARKOV),
             ParamSpec("markov_head.markov_w2.weight", (draft_vocab, rank), LINEAR, optional=MARKOV),
         ]
     if c.enable_confidence_head:

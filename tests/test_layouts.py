@@ -325,12 +325,9 @@ def test_speculators_exports_refused_by_field(change, says):
 
 
 def test_sample_from_anchor_refused_where_the_family_cannot():
-    """DFlash2's selector walks rows 1..B-1; a reduced-vocabulary speculators DSpark keys markov_w1 by target ids:
-    both refused naming the field."""
+    """DFlash2's selector walks rows 1..B-1: refused naming the field."""
     with pytest.raises(ConfigError, match="sample_from_anchor: true with a DFlash2"):
         parse_config({**TINY_CONFIGS["tiny-dflash2"], "sample_from_anchor": True}, source="cfg.json")
-    with pytest.raises(ConfigError, match="draft_vocab_size=32000 < vocab_size=151936 with markov_rank=256"):
-        parse_config({**SPEC_DSPARK, "draft_vocab_size": 32000})
 
 
 # --------------------------------------------------------------------------------------------------------------
