@@ -128,10 +128,14 @@ def _fold_gemma4(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if isinstance(kinds, list) and any(k != "full_attention" for k in kinds):
         fail(f"`layer_types` {kinds}: DeepSpec's drafter layers are Gemma 4's full-attention layers (its "
              "build_draft_config writes them so, and its layer has no window); other kinds are not implemented")
+    fields = ["global_head_dim"] + (["num_global_key_value_heads"] if out["attention_k_eq_v"] else [])
+    if out["attention_k_eq_v"] and out.get("num_global_key_value_heads") is None:
+        fail("`attention_k_eq_v: true` without `num_global_key_value_heads`, the KV heads of its layers")
+    for key in fields:  # checked here: decoded under the names they are folded into, an error would name those
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] <= 0:
+            fail(f"`{key}` is {out[key]!r}; expected a positive integer")
     out["head_dim"] = out["global_head_dim"]
     if out["attention_k_eq_v"]:
-        if out.get("num_global_key_value_heads") is None:
-            fail("`attention_k_eq_v: true` without `num_global_key_value_heads`, the KV heads of its layers")
         out["num_key_value_heads"] = out["num_global_key_value_heads"]
     rope = out["rope_parameters"]
     full = rope.get("full_attention") if isinstance(rope, dict) else None

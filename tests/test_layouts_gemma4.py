@@ -85,8 +85,9 @@ def test_plan_is_deepspecs_state_dict(tmp_path):
     (lambda r: r.update(use_double_wide_mlp=True, num_kv_shared_layers=1), "doubles the MLP of layers 1..1"),
     (lambda r: r.update(layer_types=["sliding_attention", "full_attention"]), "`layer_types`"),
     (lambda r: r.pop("num_global_key_value_heads"), "without `num_global_key_value_heads`"),
+    (lambda r: r.update(global_head_dim="32"), "`global_head_dim` is '32'; expected a positive integer"),
     (lambda r: r.update(rope_parameters={"rope_type": "default", "rope_theta": 1e4}), "with `full_attention`"),
-], ids=["activation", "moe", "ple", "double-wide", "sliding", "no-global-kv", "flat-rope"])
+], ids=["activation", "moe", "ple", "double-wide", "sliding", "no-global-kv", "head-dim-type", "flat-rope"])
 def test_refused_by_field(change, says):
     """What DeepSpec's layer would not build (MoE, per-layer inputs) or this package would run differently is
     refused naming the file and the field."""
