@@ -6,6 +6,8 @@ tests/test_golden_gemma4.py."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import warnings
 
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from dflash_jax.model import rope_frequencies
 from dflash_jax.plan import full_plan
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 
+from ._drafters import GOLDEN
 from ._io import load_file
 
 GEMMA4 = TINY_CONFIGS["tiny-gemma4-dspark"]
@@ -43,7 +46,8 @@ def test_config_reads_the_global_layers():
     """Every drafter layer is a Gemma 4 global layer: head dim `global_head_dim` (32, not `head_dim` 16), KV heads
     `num_global_key_value_heads` under `attention_k_eq_v` (1, not 2), RoPE `rope_parameters.full_attention`
     (proportional over a quarter of the head, theta 1e6); DSpark rows (B drafts); the embedding scale sqrt(H) and
-    the softcap 30 applied, without the warning other families give for a stated softcap."""
+    the softcap 30 applied, without the warning other families give for a stated softcap. The preset states the
+    fields DeepSpec's config.json states (the golden's, written by DeepSpec)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c = parse_config(GEMMA4)
@@ -54,6 +58,9 @@ def test_config_reads_the_global_layers():
     assert c.logit_transform == (None, 30.0) and c.input_embedding_scale == 8.0
     separate_v = parse_config({**GEMMA4, "attention_k_eq_v": False})
     assert (separate_v.head_dim, separate_v.num_key_value_heads) == (32, 2)  # the global head dim all the same
+    with open(os.path.join(GOLDEN, "gemma4-dspark-tiny-a", "config.json")) as f:  # written by DeepSpec
+        deepspec = json.load(f)
+    assert set(GEMMA4) == set(deepspec) and set(GEMMA4["rope_parameters"]) == set(deepspec["rope_parameters"])
 
 
 def test_proportional_rope_rotates_the_stated_share():
@@ -66,8 +73,10 @@ def test_proportional_rope_rotates_the_stated_share():
 
 
 def test_plan_is_deepspecs_state_dict(tmp_path):
-    """The tensors planned, and written by `write_checkpoint`, are exactly DeepSpec's, at the global layers'
-    shapes; a separate V projection is planned when K is not V."""
+    """The tensors planned, and written by `write_checkpoint`, are exactly DeepSpec's (those its `save_pretrained`
+    wrote in the goldens), at the global layers' shapes; a separate V projection is planned when K is not V."""
+    for case, layers, k_eq_v in (("gemma4-dspark-tiny-a", 2, True), ("gemma4-dspark-tiny-b", 3, False)):
+        assert set(load_file(os.path.join(GOLDEN, case, "model.safetensors"))) == deepspec_names(layers, k_eq_v)
     c = write_checkpoint(tmp_path, "tiny-gemma4-dspark", own_embeddings=True)
     written = {n: t.shape for n, t in load_file(str(tmp_path / "model.safetensors")).items()}
     assert set(written) == deepspec_names(2, k_eq_v=True) == {t.name for t in full_plan(c, own_embeddings=True)}
