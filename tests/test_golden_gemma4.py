@@ -27,8 +27,8 @@ from ._io import load_file
 CASES = ("gemma4-dspark-tiny-a", "gemma4-dspark-tiny-b")
 # max abs error on (hidden, plain logits), float32, measured: a 6.6e-6 / 1.3e-5, b 2.7e-5 / 5.5e-5
 FLOAT32_ATOL = {"gemma4-dspark-tiny-a": (2e-5, 4e-5), "gemma4-dspark-tiny-b": (8e-5, 1.6e-4)}
-# bf16 weights and activations, measured: a 0.060 / 0.108, b 0.228 / 0.586 (the reference's own bf16 run: a 0.065 /
-# 0.118 on the capped logits, b 0.134 / 0.290: README)
+# bf16 weights and activations, measured: a 0.060 / 0.108, b 0.228 / 0.586 (the reference's own bf16 run, hidden /
+# capped logits: a 0.065 / 0.118, b 0.134 / 0.290; README)
 BFLOAT16_ATOL = {"gemma4-dspark-tiny-a": (0.09, 0.16), "gemma4-dspark-tiny-b": (0.34, 0.88)}
 # the confidences, float32: measured a 3.0e-7, b 1.8e-6; the sampled q rows at T = 0.5: a 1.7e-6, b 8.5e-6
 CONFIDENCE_ATOL = {"gemma4-dspark-tiny-a": 1e-6, "gemma4-dspark-tiny-b": 6e-6}
