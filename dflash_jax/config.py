@@ -322,7 +322,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     @property
     def variant(self) -> Literal["qwen3", "gemma4"]:
         """The layer the drafter is built of: Qwen3's, or Gemma 4's (DeepSpec's `Gemma4DSparkModel`:
-        `dflash_jax.gemma4`). The architecture decides (`layouts.GEMMA4`)."""
+        `model.gemma4_decoder_layer`). The architecture decides (`layouts.GEMMA4`)."""
         return "gemma4" if GEMMA4 in self.architectures else "qwen3"
 
     @property

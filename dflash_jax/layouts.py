@@ -16,7 +16,7 @@ Config side (`fold`, run by `config.parse_config` before anything is decoded):
   full-attention (global) layers, so `head_dim` is read from `global_head_dim`, the KV heads from
   `num_global_key_value_heads` under `attention_k_eq_v`, the RoPE from `rope_parameters.full_attention`
   (transformers' `Gemma4TextConfig` defaults for the fields a config leaves out). The layer itself is
-  `dflash_jax.gemma4`.
+  `model.gemma4_decoder_layer`.
 `not_implemented` names what a config describes and this package does not run (other architectures, MLA, MoE,
 Laguna's gate, Nemotron's hybrid blocks, ...).
 
@@ -33,7 +33,7 @@ from .errors import CheckpointError, ConfigError
 # What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
 MODEL_TYPES = ("qwen3",)
 ASSISTANT = ("MuseGlimmerAssistantModel", "DFlashMuseGlimmerAssistantModel")  # vLLM registers both names
-GEMMA4 = "Gemma4DSparkModel"  # DeepSpec's Gemma 4 DSpark drafter: Gemma 4 layers (`dflash_jax.gemma4`)
+GEMMA4 = "Gemma4DSparkModel"  # DeepSpec's Gemma 4 DSpark drafter: Gemma 4 layers (`model.gemma4_*`)
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel", *ASSISTANT, GEMMA4)
 MUSE_GLIMMER_VOCAB = 202048  # the Muse-Glimmer target's vocabulary, which the assistant's config leaves out
 

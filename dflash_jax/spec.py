@@ -162,7 +162,7 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
         ParamSpec("layers.{i}.input_layernorm.weight", (H,), NORM, init=Gain()),
         ParamSpec("layers.{i}.post_attention_layernorm.weight", (H,), NORM, init=Gain()),
     ]
-    if c.variant == "gemma4":  # sandwich norms around the MLP, the layer's output scale (`dflash_jax.gemma4`)
+    if c.variant == "gemma4":  # sandwich norms around the MLP, the layer's output scale (`model.gemma4_*`)
         specs += [
             ParamSpec("layers.{i}.pre_feedforward_layernorm.weight", (H,), NORM, init=Gain()),
             ParamSpec("layers.{i}.post_feedforward_layernorm.weight", (H,), NORM, init=Gain()),
