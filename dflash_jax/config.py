@@ -22,7 +22,7 @@ import numpy as np
 from ._json import NotUTF8
 from ._json import loads as json_loads
 from .errors import ConfigError
-from .layouts import fold, not_implemented
+from .layouts import GEMMA4, fold, not_implemented
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -89,6 +89,7 @@ class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     truncate: bool | None = None
     low_freq_factor: PositiveFloat | None = None  # Llama 3 (`rope_type: llama3`)
     high_freq_factor: PositiveFloat | None = None
+    partial_rotary_factor: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None  # `proportional` (Gemma 4)
 
 
 ROPE_SCALARS = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
@@ -181,11 +182,12 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     attention_bias: bool = False
     num_target_layers: Dim | None = None  # bounded as stated ids are, so derived ids are too
     max_position_embeddings: Positive | None = None
-    final_logit_softcapping: PositiveFloat | None = None  # top level, as written: never applied (`logit_transform`)
+    final_logit_softcapping: PositiveFloat | None = None  # top level: applied by Gemma 4 only (`logit_transform`)
     output_multiplier: float | None = None  # likewise
     dspark_config: DsparkSubConfig | None = None
     architectures: tuple[str, ...] = ()
     quantization_config: QuantizationConfig | None = None
+    attention_k_eq_v: bool = False  # Gemma 4: V is the K projection's output (no v_proj), through `v_norm`
     # The top-level statements of values with several sources (resolved by the properties of their HF names).
     stated_mask_token_id: NonNegative | None = msgspec.field(default=None, name="mask_token_id")
     stated_target_layer_ids: tuple[LayerId, ...] | None = msgspec.field(default=None, name="target_layer_ids")
@@ -318,12 +320,24 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         return block if self.sample_from_anchor else block - 1
 
     @property
-    def rope_type(self) -> Literal["default", "yarn"]:
-        """`"yarn"` or `"default"`; any other declared type runs as plain RoPE (warned at parse time)."""
-        return "yarn" if declared_rope_type(self.rope_scaling) == "yarn" else "default"
+    def variant(self) -> Literal["qwen3", "gemma4"]:
+        """The layer the drafter is built of: Qwen3's, or Gemma 4's (DeepSpec's `Gemma4DSparkModel`:
+        `model.gemma4_decoder_layer`). The architecture decides (`layouts.GEMMA4`)."""
+        return "gemma4" if GEMMA4 in self.architectures else "qwen3"
+
+    @property
+    def rope_type(self) -> Literal["default", "yarn", "proportional"]:
+        """`"yarn"`, `"proportional"` or `"default"`; any other declared type runs as plain RoPE (warned at parse
+        time)."""
+        declared = declared_rope_type(self.rope_scaling)
+        return "yarn" if declared == "yarn" else "proportional" if declared == "proportional" else "default"
 
     @property
     def input_embedding_scale(self) -> float | None:
+        """The factor the block's embeddings are multiplied by: Gemma 4's `sqrt(hidden_size)`
+        (`Gemma4TextScaledWordEmbedding`), else `dflash_config.input_embedding_scale` when stated."""
+        if self.variant == "gemma4":
+            return math.sqrt(self.hidden_size)
         return self.dflash_config.input_embedding_scale if self.dflash_config else None
 
     @property
@@ -331,9 +345,13 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         """`(output_multiplier, final_logit_softcapping)` applied to the draft logits, None for "not applied".
 
         Only DFlash2 transforms its unary logits, and only with the values of `dflash_config` (SpecForge
-        `dflash2.py` `transform_unary_logits`, vLLM `qwen3_dflash2.py`); DFlash and DSpark heads use the plain
-        LM-head output, whatever else the config carries (docs/references.md).
+        `dflash2.py` `transform_unary_logits`, vLLM `qwen3_dflash2.py`), and Gemma 4 softcaps its logits with the
+        top-level `final_logit_softcapping` before the Markov bias (DeepSpec `Gemma4DSparkModel.compute_logits`);
+        the other DFlash and DSpark heads use the plain LM-head output, whatever else the config carries
+        (docs/references.md).
         """
+        if self.variant == "gemma4":
+            return None, self.final_logit_softcapping
         sub = self.dflash_config
         if self.family != "dflash2" or sub is None:
             return None, None
@@ -566,10 +584,12 @@ def _warn_unused(config: DflashConfig, source: str) -> None:
     """Warn about what a config states and this package does not apply: another RoPE type, a logit transform
     outside DFlash2."""
     declared = declared_rope_type(config.rope_scaling)
-    if declared not in ("default", "yarn"):
+    if declared not in ("default", "yarn", "proportional"):
         warnings.warn(f"{source}: rope_type {declared!r} is not supported; running plain RoPE", stacklevel=3)
     transform = ("final_logit_softcapping", "output_multiplier")  # DFlash2's, from dflash_config (`logit_transform`)
-    unused = [f"{field}={getattr(config, field)}" for field in transform if getattr(config, field) is not None]
+    applied = ("final_logit_softcapping",) if config.variant == "gemma4" else ()  # Gemma 4's, top-level
+    unused = [f"{field}={getattr(config, field)}" for field in transform
+              if getattr(config, field) is not None and field not in applied]
     sub = config.dflash_config
     if sub is not None and config.family != "dflash2":
         unused += [f"dflash_config.{field}={getattr(sub, field)}" for field in transform

@@ -7,8 +7,10 @@ cache plus itself (on full layers that see every key, with the new rows and the 
 first, so that one span is read); the draft rows' hidden states become tokens:
 
 - DFlash: argmax (or a sample) of `lm_head(h)` on rows 1..B-1 (z-lab convention).
-- DSpark: all B rows, sampled sequentially with the Markov bias `markov_w2(markov_w1[prev])` (prev_0 = anchor);
-  the confidence head gives `sigmoid(proj([h_k ; markov_w1[prev_k]]))` per row and can cut the proposal.
+- DSpark: all B rows, sampled sequentially with the Markov bias `markov_w2(markov_w1[prev])` (prev_0 = anchor;
+  prev are target ids: with a reduced draft vocabulary, `markov_w1` is `[V, r]` and `markov_w2` `[draft V, r]`,
+  as vLLM speculators' DSpark head is); the confidence head gives `sigmoid(proj([h_k ; markov_w1[prev_k]]))` per
+  row and can cut the proposal. Gemma 4 softcaps the logits before the bias.
 - DFlash2: `softcap(lm_head(h) * output_multiplier)`, top-K candidates per row, then the candidate selector walk
   (bilinear predecessor/successor scores, greedy or sampled).
 
@@ -199,15 +201,17 @@ def _row_keys(key: jax.Array | None, rows: int) -> jax.Array | None:
 
 
 def _markov_walk(params, logits, anchor_ids, key, warp: Warp):
-    """DSpark: row k draws from `logits_k + markov_w2(markov_w1[prev_k])`, prev_0 = anchor, prev_k = draft k-1."""
+    """DSpark: row k draws from `logits_k + markov_w2(markov_w1[prev_k])`, prev_0 = anchor, prev_k = draft k-1 as a
+    target id (`d2t` maps a reduced vocabulary's draft ids: `markov_w1` is indexed by target ids, speculators')."""
     w1 = params["markov_head"]["markov_w1"]["weight"]  # [V, r]
-    w2 = params["markov_head"]["markov_w2"]["weight"]  # [V, r]
+    w2 = params["markov_head"]["markov_w2"]["weight"]  # [draft V, r]
+    d2t = params.get("d2t")
 
     def step(prev, row):
-        base, row_key = row  # [batch, V] f32
-        bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, V]
-        token, probs = choose(row_key, base + bias, warp)
-        return token, (token, probs)
+        base, row_key = row  # [batch, draft V] f32
+        bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, draft V]
+        token, probs = choose(row_key, base + bias, warp)  # a draft id
+        return draft_to_target_ids(token, d2t), (token, probs)
 
     rows = (jnp.moveaxis(logits, 1, 0), _row_keys(key, logits.shape[1]))  # scan over draft rows
     _, (tokens, probs) = jax.lax.scan(step, anchor_ids, rows)
@@ -278,10 +282,10 @@ def sample_drafts(
     params, config = drafter.params, drafter.config
     batch = hidden.shape[0]
     selector, markov = "candidate_selector" in params, "markov_head" in params
-    if "d2t" in params and (selector or markov):
+    if "d2t" in params and selector:
         raise NotImplementedError(
-            "a reduced draft vocabulary (d2t) with a Markov head or candidate selector needs the anchor in draft "
-            "ids (t2d), which checkpoints do not ship"
+            "a reduced draft vocabulary (d2t) with a candidate selector needs the anchor in draft ids (t2d), which "
+            "checkpoints do not ship"
         )
     logits = lm_logits(hidden, drafter.output_head)  # [batch, n, V] f32
     multiplier, cap = config.logit_transform  # DFlash2 only (`DflashConfig.logit_transform`)
@@ -307,16 +311,16 @@ def sample_drafts(
 
     n = tokens.shape[1]
     num_tokens = jnp.full((batch,), n, jnp.int32)
-    confidence = None
-    if "confidence_head" in params:
-        confidence = _confidence(params, hidden, anchor_ids, tokens)  # [batch, n]
-        below = confidence < confidence_threshold
-        num_tokens = jnp.where(below.any(axis=1), jnp.argmax(below, axis=1), n).astype(jnp.int32)
     if "d2t" in params:
         if probs is not None:  # spread q over the target vocabulary: draft id i is target id i + d2t[i]
             target_ids = jnp.arange(params["d2t"].shape[0]) + params["d2t"]
             probs = jnp.zeros((*probs.shape[:2], config.vocab_size), probs.dtype).at[..., target_ids].set(probs)
         tokens = draft_to_target_ids(tokens, params["d2t"])
+    confidence = None
+    if "confidence_head" in params:
+        confidence = _confidence(params, hidden, anchor_ids, tokens)  # [batch, n]; prev as target ids
+        below = confidence < confidence_threshold
+        num_tokens = jnp.where(below.any(axis=1), jnp.argmax(below, axis=1), n).astype(jnp.int32)
     return Proposal(tokens=tokens, num_tokens=num_tokens, probs=probs, confidence=confidence)
 
 

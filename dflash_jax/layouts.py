@@ -11,6 +11,12 @@ Config side (`fold`, run by `config.parse_config` before anything is decoded):
   (its target's, 202048, is what transformers', vLLM's, SGLang's and z-lab's loaders default to), whose layers
   are bidirectional (transformers' `MuseGlimmerAssistantAttention.is_causal` is False; vLLM's config sets
   `dflash_config.causal: false`) and whose sliding windows are applied (`use_sliding_window` defaults to True).
+- DeepSpec's Gemma 4 DSpark drafter (`Gemma4DSparkModel`, deepspec/modeling/dspark/gemma4/): its config is the
+  target's Gemma 4 text config with the draft fields added; every drafter layer is one of Gemma 4's
+  full-attention (global) layers, so `head_dim` is read from `global_head_dim`, the KV heads from
+  `num_global_key_value_heads` under `attention_k_eq_v`, the RoPE from `rope_parameters.full_attention`
+  (transformers' `Gemma4TextConfig` defaults for the fields a config leaves out). The layer itself is
+  `model.gemma4_decoder_layer`.
 `not_implemented` names what a config describes and this package does not run (other architectures, MLA, MoE,
 Laguna's gate, Nemotron's hybrid blocks, ...).
 
@@ -20,22 +26,20 @@ writers), `ENCODER` and `check_context_layout` (the assistant's `encoder.*` set,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import CheckpointError, ConfigError
 
 # What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
 MODEL_TYPES = ("qwen3",)
 ASSISTANT = ("MuseGlimmerAssistantModel", "DFlashMuseGlimmerAssistantModel")  # vLLM registers both names
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel", *ASSISTANT)
+GEMMA4 = "Gemma4DSparkModel"  # DeepSpec's Gemma 4 DSpark drafter: Gemma 4 layers (`model.gemma4_*`)
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel", "DSparkDraftModel", "Qwen3DSparkModel", *ASSISTANT, GEMMA4)
 MUSE_GLIMMER_VOCAB = 202048  # the Muse-Glimmer target's vocabulary, which the assistant's config leaves out
 
 # Drafter networks that differ from the Qwen3-style one, by architecture and by model_type prefix: named in
 # the refusal so that a user learns what the checkpoint is, not only that it is refused.
 OTHER_ARCHITECTURES = {
-    "Gemma4DSparkModel": "DeepSpec's Gemma 4 DSpark drafter (deepspec/modeling/dspark/gemma4/: V from the K "
-                         "projection, layer scalars, sandwich norms, GELU-tanh MLP, embedding scale, logit softcap, "
-                         "global and local heads)",
     "DFlashLagunaForCausalLM": "poolside's Laguna DFlash drafter (a per-head softplus output gate `g_proj`, "
                                "per-feature `aux_hidden_norms` before `fc`, context rows through each layer's "
                                "input norm)",
@@ -84,7 +88,62 @@ def fold(raw: dict[str, Any], source: str) -> dict[str, Any]:
         raw = _fold_speculators(raw, source)
     if any(a in ASSISTANT for a in architecture_names(raw)):
         raw = _fold_assistant(raw)
+    if GEMMA4 in architecture_names(raw):
+        raw = _fold_gemma4(raw, source)
     return raw
+
+
+# transformers' `Gemma4TextConfig` defaults of the fields the drafter's layers read (configuration_gemma4.py)
+GEMMA4_DEFAULTS: dict[str, Any] = {
+    "global_head_dim": 512, "hidden_activation": "gelu_pytorch_tanh", "attention_k_eq_v": False,
+    "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                           "rope_theta": 1000000.0}},
+}
+
+
+def _fold_gemma4(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Gemma 4 DSpark config with the global layers' head dim, KV heads and RoPE in the drafter's fields.
+
+    DeepSpec's `Gemma4DSparkAttention` always uses `global_head_dim` and, with `attention_k_eq_v`,
+    `num_global_key_value_heads`; its rotary embedding is built for `full_attention` only; it asserts the MoE
+    block and per-layer inputs off. What DeepSpec's layer would not run, or this package runs differently, is
+    refused naming the field.
+    """
+    def fail(message: str) -> NoReturn:
+        raise ConfigError(f"{source}: {GEMMA4} config: {message}")
+
+    out = {**raw, **{k: v for k, v in GEMMA4_DEFAULTS.items() if k not in raw}}
+    activation = out["hidden_activation"]
+    if activation != GEMMA4_DEFAULTS["hidden_activation"]:
+        fail(f"`hidden_activation` {activation!r}: only Gemma 4's 'gelu_pytorch_tanh' MLP is implemented")
+    for key, what in (("enable_moe_block", "a mixture-of-experts block"),
+                      ("hidden_size_per_layer_input", "per-layer input embeddings (Gemma 4's PLE)")):
+        if out.get(key):
+            fail(f"`{key}` {out[key]!r} ({what}; DeepSpec's drafter asserts it off): not implemented")
+    layers, shared = out.get("num_hidden_layers"), out.get("num_kv_shared_layers") or 0
+    if out.get("use_double_wide_mlp") and isinstance(layers, int) and isinstance(shared, int) and 0 < shared < layers:
+        fail(f"`use_double_wide_mlp` with num_kv_shared_layers={shared} doubles the MLP of layers "
+             f"{layers - shared}..{layers - 1} (transformers' Gemma4TextMLP): not implemented")
+    kinds = out.get("layer_types")
+    if isinstance(kinds, list) and any(k != "full_attention" for k in kinds):
+        fail(f"`layer_types` {kinds}: DeepSpec's drafter layers are Gemma 4's full-attention layers (its "
+             "build_draft_config writes them so, and its layer has no window); other kinds are not implemented")
+    fields = ["global_head_dim"] + (["num_global_key_value_heads"] if out["attention_k_eq_v"] else [])
+    if out["attention_k_eq_v"] and out.get("num_global_key_value_heads") is None:
+        fail("`attention_k_eq_v: true` without `num_global_key_value_heads`, the KV heads of its layers")
+    for key in fields:  # checked here: decoded under the names they are folded into, an error would name those
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] <= 0:
+            fail(f"`{key}` is {out[key]!r}; expected a positive integer")
+    out["head_dim"] = out["global_head_dim"]
+    if out["attention_k_eq_v"]:
+        out["num_key_value_heads"] = out["num_global_key_value_heads"]
+    rope = out["rope_parameters"]
+    full = rope.get("full_attention") if isinstance(rope, dict) else None
+    if not isinstance(full, dict):
+        fail(f"`rope_parameters` is {rope!r}; expected the per-layer-type blocks of a Gemma 4 config, with "
+             "`full_attention` (the drafter's layers' RoPE)")
+    out["rope_parameters"] = full
+    return out
 
 
 def _fold_assistant(raw: dict[str, Any]) -> dict[str, Any]:
@@ -126,14 +185,6 @@ def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(f"{source}: `target_hidden_size`={target_hidden!r} differs from "
                           f"transformer_layer_config.hidden_size={hidden!r}: a drafter reading target features of "
                           "another width is not implemented")
-    draft_vocab, vocab = out.get("draft_vocab_size"), out.get("vocab_size")
-    reduced = isinstance(draft_vocab, int) and isinstance(vocab, int) and draft_vocab < vocab
-    rank = out.get("markov_rank")
-    if kind == "dspark" and reduced and isinstance(rank, int) and rank > 0:
-        raise ConfigError(
-            f"{source}: draft_vocab_size={draft_vocab} < vocab_size={vocab} with markov_rank={rank}: "
-            "a speculators DSpark Markov head over a reduced draft vocabulary (markov_w1 indexed by target ids, "
-            "markov_w2 over draft ids) is not implemented")
     return out
 
 
@@ -159,14 +210,15 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
     if unknown:
         known = [OTHER_ARCHITECTURES[a] for a in unknown if a in OTHER_ARCHITECTURES]
         problems.append(f"architectures [{', '.join(unknown)}]" + (f": {'; '.join(known)}" if known else ""))
+    gemma4 = GEMMA4 in names  # its activation and attention are `_fold_gemma4`'s to check
     for key in ("hidden_act", "hidden_activation"):
-        if isinstance(raw.get(key), str) and raw[key] != "silu":
+        if isinstance(raw.get(key), str) and raw[key] != "silu" and not gemma4:
             problems.append(f"`{key}` {raw[key]!r} (the drafter MLP is SwiGLU, silu)")
     projector = sub.get("projector_type")
     if projector is not None and projector not in ("dflash", "dspark"):
         what = " (SpecForge's DFlash backbone with a causal correction head)" if projector == "domino" else ""
         problems.append(f"`dflash_config.projector_type` {projector!r}{what}")
-    problems += _attention_problems(raw, sub)
+    problems += _attention_problems(raw, sub, gemma4)
     for key in EXPERT_COUNTS:
         if isinstance(raw.get(key), int) and raw[key] > 0:
             problems.append(f"`{key}` {raw[key]} (a mixture-of-experts MLP; the drafter's is dense)")
@@ -183,8 +235,9 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
         return None
     return (
         f"{'; '.join(problems)}: not implemented. dflash_jax runs Qwen3-style DFlash, DFlash2 and DSpark drafters "
-        f"(architectures {', '.join(ARCHITECTURES)}; model_type {' or '.join(map(repr, MODEL_TYPES))} when no "
-        "architecture is stated); loading this one would run a different network"
+        f"and DeepSpec's Gemma 4 DSpark (architectures {', '.join(ARCHITECTURES)}; model_type "
+        f"{' or '.join(map(repr, MODEL_TYPES))} when no architecture is stated); loading this one would run a "
+        "different network"
     )
 
 
@@ -198,9 +251,9 @@ def _nemotron_35(raw: dict[str, Any]) -> bool:
             and raw.get("has_embed_tokens") is True and not raw.get("has_lm_head") and algo == "W4A16_NVFP4")
 
 
-def _attention_problems(raw: dict[str, Any], sub: dict[str, Any]) -> list[str]:
+def _attention_problems(raw: dict[str, Any], sub: dict[str, Any], gemma4: bool) -> list[str]:
     """The attention variants a config declares that the drafter's GQA layer is not: MLA (with the ranks it
-    lacks), learned sinks, Laguna's output gate, Gemma 4's shared K/V."""
+    lacks), learned sinks, Laguna's output gate, Gemma 4's shared K/V outside a Gemma 4 drafter."""
     problems = []
     mode = sub.get("attention_mode")
     mla = mode == "mla" or any(raw.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank"))
@@ -218,8 +271,9 @@ def _attention_problems(raw: dict[str, Any], sub: dict[str, Any]) -> list[str]:
     gating = raw.get("gating")
     if gating not in (None, False, "disabled"):
         problems.append(f"`gating` {gating!r} (Laguna's softplus gate on the attention output)")
-    if raw.get("attention_k_eq_v"):
-        problems.append("`attention_k_eq_v` (V taken from the K projection, Gemma 4)")
+    if raw.get("attention_k_eq_v") and not gemma4:
+        problems.append(f"`attention_k_eq_v` (V taken from the K projection: Gemma 4's layer, run for the "
+                        f"{GEMMA4} architecture only)")
     return problems
 
 

@@ -10,8 +10,9 @@ docs/forward.md):
     hidden = norm(x)                                   # [batch, B, H]
 
 The context enters only as extra keys/values (same k_proj/v_proj, k_norm, RoPE at its own positions); it never
-passes through a layer's input norm nor joins the residual stream. `draft_logits` is the plain, uncached forward;
-`dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
+passes through a layer's input norm nor joins the residual stream. A Gemma 4 DSpark drafter (`config.variant`
+"gemma4") runs the same forward with Gemma 4's layer and norms (`gemma4_decoder_layer`). `draft_logits` is the plain,
+uncached forward; `dflash_jax.drafting.propose` runs the same `forward` with earlier context K/V taken from a cache
 (`dflash_jax.linen` and `dflash_jax.nnx` wrap it as Flax modules).
 
 Which keys a query sees (`attention_rules`, under the switches of `AttentionOptions`):
@@ -38,7 +39,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,8 @@ def rope_frequencies(config: RopeConfig) -> tuple[np.ndarray, float]:
     pos_freqs = theta**exponents  # [d/2] f32
     if config.rope_type == "llama3":
         return _llama3_frequencies((np.float32(1.0) / pos_freqs).astype(np.float32), config.rope_scaling), 1.0
+    if config.rope_type == "proportional":
+        return _proportional_frequencies(pos_freqs, config.rope_scaling), 1.0
     if config.rope_type != "yarn":
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
 
@@ -188,6 +191,18 @@ def _llama3_frequencies(inv_freq: np.ndarray, s) -> np.ndarray:
     smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= original / high) & (wavelen <= original / low)
     return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _proportional_frequencies(pos_freqs: np.ndarray, s) -> np.ndarray:
+    """Gemma 4's `proportional` RoPE (transformers' `_compute_proportional_rope_parameters`), in float32: the first
+    `int(partial_rotary_factor * d_h // 2)` frequencies of the full head's `1 / theta ** (2i / d_h)`, the rest 0
+    (those pairs are not rotated), all divided by `factor`."""
+    partial = s.partial_rotary_factor if s is not None and s.partial_rotary_factor is not None else 1.0
+    factor = s.factor if s is not None and s.factor is not None else 1.0
+    rotated = int(partial * (2 * len(pos_freqs)) // 2)  # rotated pairs, as transformers rounds them (d_h = 2 x pairs)
+    inv_freq = np.float32(1.0) / pos_freqs  # [d/2]
+    inv_freq[rotated:] = 0
+    return (inv_freq / np.float32(factor)).astype(np.float32)
 
 
 @jax.tree_util.register_dataclass
@@ -339,7 +354,7 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     """`hidden_norm(fc(features))`: `[batch, S, Lf*H]` target features -> `[batch, S, H]` in the params' dtype."""
     dtype = params["fc"]["weight"].dtype
     ctx = linear(target_hidden.astype(dtype), params["fc"])  # [batch, S, H]
-    return rms_norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
+    return _layers(config).norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
 
 
 def _head_norm(attn: Params, name: str, config, x: jax.Array) -> jax.Array:
@@ -395,6 +410,99 @@ def decoder_layer(
     return x + h, aux
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Gemma 4's layer: DeepSpec's `Gemma4DSparkModel` (deepspec/modeling/dspark/gemma4/modeling.py)
+# --------------------------------------------------------------------------------------------------------------
+# The DSpark drafter of this module (context rows `hidden_norm(fc(features))` as extra keys/values, the block
+# `[anchor, MASK x (B-1)]`, all B rows drafting, the Markov and confidence heads) built of Gemma 4's layer, which
+# `forward` runs for a config whose `variant` is "gemma4" (`_layers`). Per layer, over the block rows
+# `x [batch, B, H]` and the context rows `ctx [batch, S, H]`:
+#
+#     h = input_layernorm(x)
+#     q = RoPE(q_norm(q_proj(h)));  k = RoPE(k_norm(k_proj([ctx; h])))
+#     v = v_norm(k_proj([ctx; h]))   with attention_k_eq_v (no v_proj), else v_norm(v_proj([ctx; h]))
+#     x = x + post_attention_layernorm(o_proj(softmax(q . k) v))           attention scale 1, bidirectional
+#     x = x + post_feedforward_layernorm(down(gelu_tanh(gate(h')) * up(h'))),  h' = pre_feedforward_layernorm(x)
+#     x = x * layer_scalar
+#
+# `v_norm` is an RMSNorm without a gain. Every layer is one of Gemma 4's full-attention (global) layers:
+# `num_attention_heads` heads of `global_head_dim`, KV heads `num_global_key_value_heads` with `attention_k_eq_v`
+# (`layouts._fold_gemma4` reads them into `head_dim` / `num_key_value_heads`), RoPE from
+# `rope_parameters.full_attention` (usually `proportional`: `rope_frequencies`). Around the layers: the block's
+# embeddings times `sqrt(hidden_size)` (`DflashConfig.input_embedding_scale`) and the logits softcapped,
+# `c * tanh(logits / c)`, before the Markov bias (`DflashConfig.logit_transform`).
+#
+# Numerics as transformers' Gemma 4 modules: RMSNorm `x * (mean(x^2) + eps)^-1/2 * weight` in float32, cast once
+# (Qwen3's `rms_norm` casts, then multiplies by the gain); GELU-tanh in float32. `attention.attend` scales scores by
+# `d_h ** -0.5`, so the queries carry `d_h ** 0.5`, applied in float32 before their one cast.
+
+
+def gemma4_rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """Gemma 4's RMSNorm (`Gemma4RMSNorm`): normalise and scale by `weight` in float32, then cast to x's dtype;
+    `weight` None is the gain-free `v_norm`."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        xf = xf * weight.astype(jnp.float32)
+    return xf.astype(x.dtype)
+
+
+def gemma4_queries(attn: Params, config: DflashConfig, x: jax.Array, rope: Rope) -> jax.Array:
+    """`q_norm(q_proj(x))` with RoPE, times `d_h ** 0.5` (scale 1 under `attend`'s `d_h ** -0.5`):
+    `[batch, S, H] -> [batch, S, n_h, d_h]`."""
+    batch, S, _ = x.shape
+    d_h = config.head_dim
+    q = linear(x, attn["q_proj"]).reshape(batch, S, config.num_attention_heads, d_h)
+    q = gemma4_rms_norm(q, attn["q_norm"]["weight"], config.rms_norm_eps)
+    return (apply_rope(q.astype(jnp.float32), rope) * math.sqrt(d_h)).astype(x.dtype)
+
+
+def gemma4_keys_values(attn: Params, config: DflashConfig, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    """`k_norm(k_proj(x))` with RoPE, and `v_norm` of the K projection's output (`attention_k_eq_v`) or of
+    `v_proj(x)`, heads-major: `[batch, S, H] -> 2 x [batch, n_kv, S, d_h]`."""
+    batch, S, _ = x.shape
+    shape = (batch, S, config.num_key_value_heads, config.head_dim)
+    k = linear(x, attn["k_proj"]).reshape(shape)
+    v = k if config.attention_k_eq_v else linear(x, attn["v_proj"]).reshape(shape)
+    k = apply_rope(gemma4_rms_norm(k, attn["k_norm"]["weight"], config.rms_norm_eps), rope)
+    v = gemma4_rms_norm(v, None, config.rms_norm_eps)
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def gemma4_decoder_layer(
+    p: Params, config: DflashConfig, x: jax.Array, attention: Callable[[Params, jax.Array], tuple[jax.Array, Any]]
+) -> tuple[jax.Array, Any]:
+    """One Gemma 4 layer over `x [batch, S, H]` (sandwich norms, GELU-tanh MLP, `layer_scalar`: the section's
+    comment); `attention` as `decoder_layer` takes it. Returns the new `x` and `attention`'s aux."""
+    eps = config.rms_norm_eps
+    a, aux = attention(p["self_attn"], gemma4_rms_norm(x, p["input_layernorm"]["weight"], eps))
+    a = linear(a, p["self_attn"]["o_proj"])  # [batch, S, H]
+    x = x + gemma4_rms_norm(a, p["post_attention_layernorm"]["weight"], eps)
+    h = gemma4_rms_norm(x, p["pre_feedforward_layernorm"]["weight"], eps)
+    mlp = p["mlp"]
+    gate = linear(h, mlp["gate_proj"])  # [batch, S, I]
+    act = jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype)
+    h = linear(act * linear(h, mlp["up_proj"]), mlp["down_proj"])
+    x = x + gemma4_rms_norm(h, p["post_feedforward_layernorm"]["weight"], eps)
+    return x * p["layer_scalar"].astype(x.dtype), aux
+
+
+class Layers(NamedTuple):
+    """The functions a drafter's network is built of: Qwen3's, or Gemma 4's (`gemma4_*`)."""
+
+    norm: Callable[[jax.Array, jax.Array, float], jax.Array]
+    queries: Callable[[Params, Any, jax.Array, Rope], jax.Array]
+    keys_values: Callable[[Params, Any, jax.Array, Rope], tuple[jax.Array, jax.Array]]
+    decoder_layer: Callable[..., tuple[jax.Array, Any]]
+
+
+def _layers(config: DflashConfig) -> Layers:
+    """The layer functions of `config.variant`."""
+    if config.variant == "gemma4":
+        return Layers(gemma4_rms_norm, gemma4_queries, gemma4_keys_values, gemma4_decoder_layer)
+    return Layers(rms_norm, queries, keys_values, decoder_layer)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Absorb:
@@ -442,13 +550,14 @@ def forward(
     block_rope = Rope(rope.cos[:, S:], rope.sin[:, S:])
     key_positions = jnp.concatenate([context.positions, positions], axis=1)  # [batch, S + B]
     key_valid = jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1)
+    layers = _layers(config)
     new_kv = []
     for i, (p, rule) in enumerate(zip(params["layers"], rules)):
         mem = memory[i] if memory is not None else Memory()
 
         def attention(attn, xn, rule=rule, mem=mem):
-            q = queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
-            k, v = keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM each
+            q = layers.queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
+            k, v = layers.keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM
             if mem.absorb is None:
                 fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
                 a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
@@ -459,9 +568,9 @@ def forward(
             a = attend(q, positions, rule, mem.dense, (*mem.spans, span), impl=impl)
             return a.reshape(batch, B, -1), (kc, vc)
 
-        x, kv = decoder_layer(p, config, x, attention)
+        x, kv = layers.decoder_layer(p, config, x, attention)
         new_kv.append(kv)
-    return rms_norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
+    return layers.norm(x, params["norm"]["weight"], config.rms_norm_eps), new_kv
 
 
 def embed_block(config: DflashConfig, embed: jax.Array, block_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -45,8 +45,10 @@ UNIMPLEMENTED_TENSORS = (
     (".self_attn.sinks", "a learned per-head attention sink (Nemotron-style)"),
     ("kv_a_proj_with_mqa", "multi-head latent attention (MLA: Kimi-K3 / DeepSeek-V4 drafters)"),
     (".mlp.experts.", "a mixture-of-experts MLP (DeepSeek-V4 DSpark)"),
-    ("pre_feedforward_layernorm", "Gemma 4's sandwich norms (DeepSpec Gemma 4 DSpark)"),
-    ("layer_scalar", "Gemma 4's per-layer output scale (DeepSpec Gemma 4 DSpark)"),
+    ("pre_feedforward_layernorm", "Gemma 4's sandwich norms (DeepSpec Gemma 4 DSpark; run for its architecture, "
+                                  "Gemma4DSparkModel, only)"),
+    ("layer_scalar", "Gemma 4's per-layer output scale (DeepSpec Gemma 4 DSpark; run for its architecture, "
+                     "Gemma4DSparkModel, only)"),
 )
 MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's override of the mask token's embedding row (MiMo)
 # Optional parts a config declares that a checkpoint may still lack: drafting goes on without them, warned.
@@ -171,9 +173,10 @@ def find_prefix(checkpoint: Checkpoint, where: str) -> str:
     )
 
 
-def refuse_unimplemented(checkpoint: Checkpoint, where: str) -> None:
-    """Refuse a checkpoint that carries an extension this package does not implement, naming the tensor or file."""
-    for name in sorted(checkpoint):
+def refuse_unimplemented(checkpoint: Checkpoint, where: str, declared: frozenset[str] = frozenset()) -> None:
+    """Refuse a checkpoint that carries an extension this package does not implement, naming the tensor or file;
+    the tensors `declared` by the config's network (Gemma 4's sandwich norms for a Gemma 4 drafter) are its own."""
+    for name in sorted(set(checkpoint) - declared):
         for part, what in UNIMPLEMENTED_TENSORS:
             if part in name:
                 raise CheckpointError(
@@ -300,7 +303,8 @@ def open_checked(
     """
     with Checkpoint(path) as checkpoint:
         prefix = find_prefix(checkpoint, path)
-        refuse_unimplemented(checkpoint, path)
+        declared = frozenset(prefix + s.name for s in expand(drafter_spec(config), config.num_hidden_layers))
+        refuse_unimplemented(checkpoint, path, declared)
         config = read_head_flags(config, checkpoint, prefix)
         plan = plan_tensors(config, checkpoint.__contains__, prefix, path)
         packed = check_tensors(plan, checkpoint, path, problems)

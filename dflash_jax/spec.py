@@ -143,6 +143,8 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     stored as `draft_id_to_target_id`), and the drafter's own `embed_tokens` / `lm_head` (DeepSpec puts
     `lm_head` at the root even beside `model.*`). `confidence_head_with_markov` unstated (None) is the
     Markov-conditioned head DeepSpec and SGLang ship; `load_drafter` reads the flag off the checkpoint first.
+    A Gemma 4 drafter (`c.variant`) adds its sandwich norms and `layer_scalar` per layer and, with
+    `attention_k_eq_v`, has no `v_proj`.
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
@@ -150,6 +152,8 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     sub = c.dflash_config
     attn, mlp = "layers.{i}.self_attn.", "layers.{i}.mlp."
     projections = {"q_proj": (q_dim, H), "k_proj": (kv_dim, H), "v_proj": (kv_dim, H), "o_proj": (H, q_dim)}
+    if c.attention_k_eq_v:  # Gemma 4: V is the K projection's output
+        del projections["v_proj"]
     specs = [
         # the Muse-Glimmer assistant stores these two as `encoder.*` (`dflash_jax.layouts.ENCODER`)
         ParamSpec("fc.weight", (H, len(c.checked_target_layer_ids) * H), LINEAR, aliases=("{p}encoder.fc.weight",)),
@@ -158,6 +162,12 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
         ParamSpec("layers.{i}.input_layernorm.weight", (H,), NORM, init=Gain()),
         ParamSpec("layers.{i}.post_attention_layernorm.weight", (H,), NORM, init=Gain()),
     ]
+    if c.variant == "gemma4":  # sandwich norms around the MLP, the layer's output scale (`model.gemma4_*`)
+        specs += [
+            ParamSpec("layers.{i}.pre_feedforward_layernorm.weight", (H,), NORM, init=Gain()),
+            ParamSpec("layers.{i}.post_feedforward_layernorm.weight", (H,), NORM, init=Gain()),
+            ParamSpec("layers.{i}.layer_scalar", (1,), init=Gain()),
+        ]
     for proj, (out_dim, in_dim) in projections.items():
         specs.append(ParamSpec(f"{attn}{proj}.weight", (out_dim, in_dim), LINEAR))
         if c.attention_bias:
@@ -187,7 +197,8 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
     rank = c.markov_rank
     if rank:
         specs += [
-            ParamSpec("markov_head.markov_w1.weight", (draft_vocab, rank), optional=MARKOV),
+            # indexed by the previous token, a target id (a reduced vocabulary's drafts are mapped: speculators')
+            ParamSpec("markov_head.markov_w1.weight", (c.vocab_size, rank), optional=MARKOV),
             ParamSpec("markov_head.markov_w2.weight", (draft_vocab, rank), LINEAR, optional=MARKOV),
         ]
     if c.enable_confidence_head:

@@ -71,6 +71,30 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                          "original_max_position_embeddings": 64},
         "dspark_config": {"markov_rank": 32, "mask_token_id": 127, "target_layer_ids": [1, 3]},
     },
+    # DeepSpec's Gemma 4 DSpark as its build_draft_config + save_pretrained (transformers 5.10.2) write it: the
+    # target's Gemma 4 text config with the draft fields added (a K = V global layer: global_head_dim,
+    # num_global_key_value_heads); tests/data/golden/gemma4-dspark-tiny-a is one, written by DeepSpec
+    "tiny-gemma4-dspark": {
+        "architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_text", "target_model_type": "gemma4",
+        "target_text_model_type": "gemma4_text", "attention_bias": False, "attention_dropout": 0.0,
+        "attention_k_eq_v": True, "block_size": 7, "bos_token_id": 2, "confidence_head_with_markov": True,
+        "dtype": "bfloat16", "eos_token_id": 1,
+        "enable_confidence_head": True, "enable_moe_block": False, "final_logit_softcapping": 30.0,
+        "global_head_dim": 32, "head_dim": 16, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64,
+        "hidden_size_per_layer_input": 0, "initializer_range": 0.02, "intermediate_size": 128,
+        "layer_types": ["full_attention", "full_attention"], "markov_head_type": "vanilla", "markov_rank": 32,
+        "mask_token_id": 4, "max_position_embeddings": 4096, "moe_intermediate_size": None, "num_anchors": 512,
+        "num_attention_heads": 4, "num_experts": None, "num_global_key_value_heads": 1, "num_hidden_layers": 2,
+        "num_key_value_heads": 2, "num_kv_shared_layers": 0, "num_target_layers": 6, "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "rope_theta": None, "rope_type": "default",
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": 512, "target_layer_ids": [1, 3], "tie_word_embeddings": False, "top_k_experts": None,
+        "transformers_version": "5.10.2", "use_bidirectional_attention": None, "use_cache": True,
+        "use_double_wide_mlp": False, "vocab_size": 128, "vocab_size_per_layer_input": 128,
+    },
 }
 
 

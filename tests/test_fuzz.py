@@ -258,7 +258,7 @@ def check_decoded(config: DflashConfig) -> None:
     hash(config)
     assert config.family in ("dflash", "dflash2", "dspark")
     assert config.num_draft_tokens >= 1 and config.effective_block_size >= 1
-    assert config.rope_type in ("default", "yarn") and math.isfinite(config.rope_theta)
+    assert config.rope_type in ("default", "yarn", "proportional") and math.isfinite(config.rope_theta)
     assert 0 <= config.mask_token_id < config.vocab_size
     assert config.target_layer_ids and config.num_attention_heads % config.num_key_value_heads == 0
     assert config.num_hidden_layers <= 1024 and max(config.hidden_size, config.vocab_size) < 2**31

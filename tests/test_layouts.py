@@ -325,16 +325,13 @@ def test_speculators_exports_refused_by_field(change, says):
 
 
 def test_sample_from_anchor_refused_where_the_family_cannot():
-    """DFlash2's selector walks rows 1..B-1; a reduced-vocabulary speculators DSpark keys markov_w1 by target ids:
-    both refused naming the field."""
+    """DFlash2's selector walks rows 1..B-1: refused naming the field."""
     with pytest.raises(ConfigError, match="sample_from_anchor: true with a DFlash2"):
         parse_config({**TINY_CONFIGS["tiny-dflash2"], "sample_from_anchor": True}, source="cfg.json")
-    with pytest.raises(ConfigError, match="draft_vocab_size=32000 < vocab_size=151936 with markov_rank=256"):
-        parse_config({**SPEC_DSPARK, "draft_vocab_size": 32000})
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Laguna, Gemma 4 DSpark, Nemotron, MLA, MoE: refused by the field or tensor that decides
+# Laguna, Nemotron, MLA, MoE (and Gemma 4's parts outside a Gemma 4 drafter): refused by the field or tensor
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -342,7 +339,6 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
     (lambda r: r.update(architectures=["DFlashLagunaForCausalLM"], model_type="laguna"),
      ("DFlashLagunaForCausalLM", "g_proj", "aux_hidden_norms")),
     (lambda r: r.update(gating="per-head"), ("`gating` 'per-head'", "softplus")),
-    (lambda r: r.update(architectures=["Gemma4DSparkModel"]), ("Gemma4DSparkModel", "layer scalars")),
     (lambda r: r.update(attention_k_eq_v=True), ("attention_k_eq_v",)),
     (lambda r: r.update(block_pattern=["mamba", "attention"]), ("block_pattern", "Mamba")),
     (lambda r: r["dflash_config"].update(attention_mode="mla"),
@@ -353,7 +349,7 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
     (lambda r: r.update(n_routed_experts=64), ("`n_routed_experts` 64", "mixture-of-experts")),
     (lambda r: r.update(has_embed_tokens=True, quantization_config={"quant_algo": "W4A16_NVFP4"}),
      ("has_embed_tokens", "Nemotron 3.5")),
-], ids=["laguna", "gate", "gemma4", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
+], ids=["laguna", "gate", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
         "nemotron-3.5"])
 def test_other_networks_refused_by_name(change, says):
     raw = copy.deepcopy(TINY_CONFIGS["tiny-dflash"])

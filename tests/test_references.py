@@ -147,14 +147,9 @@ def _rewrite_config(directory, change):
     return str(path)
 
 
-GEMMA4_DSPARK = dict(model_type="gemma4_text", architectures=["Gemma4DSparkModel"],
-                     hidden_activation="gelu_pytorch_tanh")
-
-
 @pytest.mark.parametrize(
     "change, says",
     [
-        (lambda r: r.update(GEMMA4_DSPARK), ("gemma4_text", "Gemma4DSparkModel", "gelu_pytorch_tanh")),
         (lambda r: r.update(architectures=["LlamaDFlashModel"]), ("LlamaDFlashModel", "DFlashDraftModel")),
         (lambda r: r.update(hidden_act="gelu"), ("hidden_act", "gelu")),
         (lambda r: r["dflash_config"].update(projector_type="domino"), ("projector_type", "domino")),
@@ -164,7 +159,7 @@ GEMMA4_DSPARK = dict(model_type="gemma4_text", architectures=["Gemma4DSparkModel
         (lambda r: r.update(is_neox_style=False), ("is_neox_style", "interleaved")),
         (lambda r: r.update(markov_head_type="gated"), ("markov_head_type='gated'", "rnn")),
     ],
-    ids=["gemma4-dspark", "architecture", "activation", "domino", "mla", "sink", "swa-sink", "neox", "gated"],
+    ids=["architecture", "activation", "domino", "mla", "sink", "swa-sink", "neox", "gated"],
 )
 def test_unimplemented_configs_refused_by_name(tmp_path, change, says):
     write_checkpoint(tmp_path, "tiny-dflash")
