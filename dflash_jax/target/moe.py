@@ -273,9 +273,12 @@ def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax
     routed experts run, `_routed`)."""
     batch, S, H = x.shape
     xt = x.reshape(batch * S, H)  # [T, H]
-    weights, experts = route(p, c, xt)  # [T, k]
-    routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
-    s = p["shared_expert"]
-    shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
-    shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    with jax.named_scope("router"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
+        weights, experts = route(p, c, xt)  # [T, k]
+    with jax.named_scope("routed"):
+        routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
+    with jax.named_scope("shared"):
+        s = p["shared_expert"]
+        shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
+        shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
     return (routed + shared_gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(batch, S, H)

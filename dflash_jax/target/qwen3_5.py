@@ -428,31 +428,38 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
     rope = rope_tables(c.rotary, positions)  # cos/sin [batch, S, rotary dims]
-    x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
+    with jax.named_scope("embed"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
+        x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
     keys, values, convs, states = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
     by_id: dict[int, jax.Array] = {}
     a = d = 0  # the next attention / delta-net layer's cache entry
     for i, p in enumerate(params["layers"]):
         xn = centred_norm(x, p["input_layernorm"]["weight"], eps)
         if "self_attn" in p:
-            out, keys[a], values[a] = _gated_attention(target, p["self_attn"], xn, rope, keys[a], values[a],
-                                                       positions, start)
+            with jax.named_scope("gated_attention"):
+                out, keys[a], values[a] = _gated_attention(target, p["self_attn"], xn, rope, keys[a], values[a],
+                                                           positions, start)
             a += 1
         else:
-            out, convs[d], states[d] = delta_net(c, layout, p["linear_attn"], xn, convs[d], states[d], valid,
-                                                 delta_chunk)
+            with jax.named_scope("delta_net"):
+                out, convs[d], states[d] = delta_net(c, layout, p["linear_attn"], xn, convs[d], states[d], valid,
+                                                     delta_chunk)
             d += 1
         x = x + out
         h, mlp = centred_norm(x, p["post_attention_layernorm"]["weight"], eps), p["mlp"]
         if c.is_moe:
-            x = x + moe_block(mlp, c, h)
+            with jax.named_scope("moe"):
+                x = x + moe_block(mlp, c, h)
         else:
-            x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+            with jax.named_scope("mlp"):
+                x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]),
+                               mlp["down_proj"])
         if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
             x = layout.constrain(x, ROWS_AXES)
         if i in layer_ids and i < N - 1:
             by_id[i] = x
-    hidden = centred_norm(x, params["norm"]["weight"], eps)
+    with jax.named_scope("final_norm"):
+        hidden = centred_norm(x, params["norm"]["weight"], eps)
     by_id |= {-1: x0, N - 1: hidden}
     features = jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0),
                                                                                                      x0.dtype)
@@ -465,7 +472,9 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
              layer_ids: tuple[int, ...]) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None)
-    return TargetOutput(lm_logits(hidden, target.lm_head), features, pending)
+    with jax.named_scope("lm_head"):
+        logits = lm_logits(hidden, target.lm_head)
+    return TargetOutput(logits, features, pending)
 
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
