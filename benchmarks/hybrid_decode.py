@@ -271,13 +271,13 @@ def main() -> None:
         rng = np.random.default_rng(0)
         successor, other = rng.permutation(V), rng.permutation(V)
         target = successor_qwen3_5(random_qwen3_5(raw, seed=0), successor, layer_scale=0.2)
-        runs = drafters(name, raw, target, successor, other, args.small)
-        jax.block_until_ready((target, runs))
+        jax.block_until_ready(target)
         print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
               flush=True)
         if args.profile:
             rows += profile_rows(name, target, min(args.prompts), args.iters, args.profile)
             continue
+        runs = drafters(name, raw, target, successor, other, args.small)
         if not args.no_steps:
             steps = step_rows(target, min(args.prompts), args.iters)
             rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))
