@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._arguments import check_load_arguments
+from .._arguments import check_integer, check_load_arguments
 from .._config_file import read_config_json
 from .._shapes import zeros
 from ..attention import span_capacity
@@ -353,11 +353,15 @@ class Qwen3_5Target(HFTarget):
     def prefill(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
                 chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
-        tokens at a time through every layer (attention chunked as the dense target's; the delta rule chunked
-        by `delta_chunk` rows within, its state carried across; padding rows leave the states untouched).
-        Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
-        `[batch, V]` float32, and the committed cache after each prompt's real tokens.
+        token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
+        tiles among them, are those of `chunk` tokens whatever the batch; `dense.prefill_chunks`) through every
+        layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
+        state carried across; padding rows leave the states untouched). Returns the features of every row
+        `[batch, P, Lf * H]`, the logits of each prompt's last token `[batch, V]` float32, and the committed cache
+        after each prompt's real tokens. A chunk or delta chunk below 1 or not an int: `ValueError`/`TypeError`.
         """
+        chunk = check_integer("prefill", "chunk", chunk, 1)
+        delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
 
 
