@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,10 +75,10 @@ TARGETS = {
              "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48},
             "radixark-qwen3.8-27b-dspark"),
 }
-SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-         "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128, "num_experts": 8,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "full_attention_interval": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128,
+         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
          "max_position_embeddings": 4096}
 
 
@@ -104,14 +106,15 @@ def drafters(name: str, raw_target: dict, target, successor, other, small: bool)
     raw["num_target_layers"] = raw_target["num_hidden_layers"]
     if small:
         raw |= dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    num_hidden_layers=2, layer_types=None, sliding_window=None, use_sliding_window=False)
-    ids = [1, raw_target["num_hidden_layers"] - 2]
+                    num_hidden_layers=1, layer_types=None, sliding_window=None, use_sliding_window=False)
+    ids = sorted({1, raw_target["num_hidden_layers"] - 2})  # --small: 2 layers, [0, 1]
     for block in ("dflash_config", "dspark_config"):
         if raw.get(block):
             raw[block] = {**raw[block], "mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
     raw |= {"mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
     raw |= {"architectures": ["DSparkDraftModel"], "markov_rank": 256, "markov_head_type": "vanilla"}
-    dspark = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
+    draw = functools.partial(random_drafter, parse_config(raw), seed=1)  # --small: compiled as one program
+    dspark = (jax.jit(draw) if small else draw)().attach(embed=target.embed, lm_head=target.lm_head)
     return {"full acceptance": successor_drafter(dspark, successor),
             "zero acceptance": successor_drafter(dspark, other)}
 
@@ -257,6 +260,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.small:
         args.prompts, args.batch, args.max_new, args.chunk, args.iters = [100], [1], 8, 32, 2
+        # a CPU check: compiling is most of its time, and XLA's lowest backend optimisation level halves that
+        # (read when the backend starts, at the first JAX call below)
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     if args.moe_few_rows:  # this process's tuning entry, changed in place (`tuning.tuning` reads it at trace time)
         kind = tuning.device_kind() or ""
         tuning.TUNING[kind] = dataclasses.replace(tuning.tuning(), moe_few_rows=args.moe_few_rows)
@@ -270,7 +276,9 @@ def main() -> None:
         V = raw["vocab_size"]
         rng = np.random.default_rng(0)
         successor, other = rng.permutation(V), rng.permutation(V)
-        target = successor_qwen3_5(random_qwen3_5(raw, seed=0), successor, layer_scale=0.2)
+        # --small: one compiled program draws every weight (eager, each shape's ops compile apart: seconds on a CPU)
+        draw = functools.partial(random_qwen3_5, raw, seed=0)
+        target = successor_qwen3_5((jax.jit(draw) if args.small else draw)(), successor, layer_scale=0.2)
         jax.block_until_ready(target)
         print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
               flush=True)
