@@ -83,8 +83,9 @@ def scope_of(op_name: str) -> str:
 
 
 def hlo_scopes(hlo_text: str) -> dict[str, str]:
-    """Each instruction of a compiled HLO module's text (`compiled.as_text()`) -> its `scope_of`. An instruction
-    without `op_name` metadata (a fusion) takes its called computation's root's."""
+    """Each instruction of a compiled HLO module's text (`compiled.as_text()`) -> its `scope_of`, also under the
+    name its GPU kernel takes. An instruction without `op_name` metadata (a fusion) takes its called computation's
+    root's."""
     op_names: dict[str, str | None] = {}
     callee: dict[str, str] = {}
     roots: dict[str, str] = {}
@@ -110,7 +111,9 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
         return resolve(roots[callee[name]], depth + 1)
 
     resolved = {name: resolve(name) for name in op_names}
-    return {name: scope_of(op_name) for name, op_name in resolved.items() if op_name is not None}
+    scopes = {name: scope_of(op_name) for name, op_name in resolved.items() if op_name is not None}
+    # XLA names a fusion's GPU kernel after the instruction, "." as "_" (`loop_add_fusion.2` -> `loop_add_fusion_2`)
+    return {name.replace(".", "_"): scope for name, scope in scopes.items()} | scopes
 
 
 def busy_us(events: list[dict]) -> float:
@@ -127,8 +130,8 @@ def summarize(events: list[dict], steps: int, wall_s: float, scopes: dict[str, s
     """`events` (`device_events`) of a program that ran `steps` steps in `wall_s` seconds, per step: kernel count,
     GPU busy ms (`busy_us`), the span from the first kernel's start to the last one's end, the wall ms, and
     `busy_fraction` (busy / wall: what is not busy is launch and host gaps); the `top` kernels by total time
-    (name, count a step, us a step, share of busy, the scope of their HLO ops, `args.hlo_op` through `scopes`),
-    and the us a step of each scope."""
+    (name, count a step, us a step, share of busy, the scope of their HLO ops: `args.hlo_op`, else the kernel's
+    name, through `scopes`), and the us a step of each scope."""
     if not events:
         return dict(steps=steps, wall_ms=wall_s * 1e3 / steps, kernels_per_step=0.0, busy_ms=0.0, span_ms=0.0,
                     busy_fraction=0.0, top=[], scopes={})
@@ -139,7 +142,7 @@ def summarize(events: list[dict], steps: int, wall_s: float, scopes: dict[str, s
     by_scope: dict[str, float] = collections.defaultdict(float)
     for e in events:
         duration = e.get("dur", 0.0)
-        scope = scopes.get(e.get("args", {}).get("hlo_op", ""), "other")
+        scope = scopes.get(e.get("args", {}).get("hlo_op", ""), scopes.get(e["name"], "other"))
         by_name[e["name"]].append(duration)
         scope_of_name[e["name"]][scope] += duration
         by_scope[scope] += duration

@@ -31,11 +31,12 @@ def kernel(pid, tid, name, ts, dur, hlo_op=None):
             "args": {} if hlo_op is None else {"hlo_op": hlo_op, "hlo_module": "jit_loop"}}
 
 
-# Two steps on GPU 0: kernels a (scope delta_net/rule) and b (moe/routed) on the compute stream, a copy on another
-# stream overlapping b; the derived "XLA Ops" line repeating a kernel, and host events, which are not GPU work.
-KERNELS = [kernel(1, 7, "a", 0.0, 10.0, "fusion.1"), kernel(1, 7, "b", 12.0, 20.0, "custom-call.3"),
+# Two steps on GPU 0: kernels a (scope delta_net/rule) and b (moe/routed, found by its kernel name: no hlo_op) on
+# the compute stream, a copy on another stream overlapping b; the derived "XLA Ops" line repeating a kernel, and
+# host events, which are not GPU work.
+KERNELS = [kernel(1, 7, "a", 0.0, 10.0, "fusion.1"), kernel(1, 7, "loop_b_fusion_3", 12.0, 20.0),
            kernel(1, 9, "MemcpyD2D", 30.0, 6.0), kernel(1, 7, "a", 50.0, 10.0, "fusion.1"),
-           kernel(1, 7, "b", 62.0, 20.0, "custom-call.3")]
+           kernel(1, 7, "loop_b_fusion_3", 62.0, 20.0)]
 TRACE = {"traceEvents": [
     meta(1, "/device:GPU:0"), meta(1, "Stream #7(Compute)", 7), meta(1, "Stream #9(MemcpyD2D)", 9),
     meta(1, "XLA Ops", 2), meta(2, "/host:CPU"), meta(2, "python", 5), *KERNELS,
@@ -54,13 +55,14 @@ def test_busy_time_is_the_union_of_the_intervals(gpu_trace):
 
 
 def test_summarize_per_step(gpu_trace):
-    scopes = {"fusion.1": "delta_net/rule", "custom-call.3": "moe/routed"}
+    scopes = {"fusion.1": "delta_net/rule", "loop_b_fusion_3": "moe/routed"}
     s = gpu_trace.summarize(gpu_trace.device_events(TRACE), steps=2, wall_s=100e-6, scopes=scopes)
     assert s["kernels_per_step"] == 2.5
     assert s["busy_ms"] == pytest.approx(0.032) and s["wall_ms"] == pytest.approx(0.05)
     assert s["span_ms"] == pytest.approx(0.041) and s["busy_fraction"] == pytest.approx(0.64)
     assert [(k["name"], k["per_step"], k["us_per_step"], k["scope"]) for k in s["top"]] == [
-        ("b", 1.0, 20.0, "moe/routed"), ("a", 1.0, 10.0, "delta_net/rule"), ("MemcpyD2D", 0.5, 3.0, "other")]
+        ("loop_b_fusion_3", 1.0, 20.0, "moe/routed"), ("a", 1.0, 10.0, "delta_net/rule"),
+        ("MemcpyD2D", 0.5, 3.0, "other")]
     assert s["scopes"] == {"moe/routed": 20.0, "delta_net/rule": 10.0, "other": 3.0}
     assert gpu_trace.summarize([], 2, 1e-3, scopes)["kernels_per_step"] == 0
 
@@ -99,7 +101,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   ROOT %loop_sine_fusion = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation
 }
 """
-    assert gpu_trace.hlo_scopes(text) == {"sine.1": "moe/shared", "loop_sine_fusion": "moe/shared"}
+    assert gpu_trace.hlo_scopes(text) == {"sine.1": "moe/shared", "sine_1": "moe/shared",
+                                          "loop_sine_fusion": "moe/shared"}
 
 
 def test_a_cpu_trace_is_read_and_has_no_device_events(gpu_trace, tmp_path):
