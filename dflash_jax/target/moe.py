@@ -165,7 +165,8 @@ def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax
     XLA fuses a gather into the reduction that consumes it, so each routed slice is read once, where it lies,
     instead of copied out (`[T, k, out, in]`, written then read again) for a matmul. `[T, H]` float32."""
     e = p["experts"]
-    gate, up, down = (jnp.take(e[name], experts, axis=0).astype(jnp.float32)  # [T, k, out, in] each, not copied
+    # [T, k, out, in] each, not copied; "clip": XLA's own gather semantics (router indices are in range), no mask
+    gate, up, down = (jnp.take(e[name], experts, axis=0, mode="clip").astype(jnp.float32)
                       for name in ("gate_proj", "up_proj", "down_proj"))
     xf = x.astype(jnp.float32)[:, None, None, :]  # [T, 1, 1, H]
     h = jax.nn.silu(jnp.sum(gate * xf, axis=-1)) * jnp.sum(up * xf, axis=-1)  # [T, k, I] float32
