@@ -307,12 +307,6 @@ class Qwen3_5Target(HFTarget):
         where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
-
-
-
-
-
-
     def init_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions: K/V as the dense target's
         (`attention.span_capacity` slots, params dtype), conv states in the params' dtype, float32 states (zero:
