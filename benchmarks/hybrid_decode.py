@@ -19,13 +19,22 @@ batch 1 and the shortest prompt, a greedy step, a 17-row verify, and `commit` al
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/hybrid_decode.py --targets 35B-A3B --json out.json
     python benchmarks/hybrid_decode.py --small      # tiny shapes, a CPU check of the script (tests run it)
+
+`--profile DIR` runs only the part `step` programs, each once under `jax.profiler.trace` (traces under DIR), and
+reports from the trace (`gpu_trace.py`): kernels a step, GPU busy time against the step's wall time, the top
+kernels, the time of each model scope (embed, gated_attention, delta_net/{inputs,rule,out}, moe/{router,routed,
+shared}, lm_head, commit). `--moe-few-rows gather|reduce` overrides the device's `tuning` entry for the MoE block's
+decode and verify rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,10 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop and the rates
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop, the rates, the trace reader
 
+import gpu_trace  # noqa: E402
 from timing import call_seconds, read_rate  # noqa: E402
 
+from dflash_jax import tuning  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
@@ -64,10 +75,10 @@ TARGETS = {
              "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48},
             "radixark-qwen3.8-27b-dspark"),
 }
-SMALL = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-         "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128, "num_experts": 8,
-         "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "full_attention_interval": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128,
+         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
          "max_position_embeddings": 4096}
 
 
@@ -95,14 +106,15 @@ def drafters(name: str, raw_target: dict, target, successor, other, small: bool)
     raw["num_target_layers"] = raw_target["num_hidden_layers"]
     if small:
         raw |= dict(intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                    num_hidden_layers=2, layer_types=None, sliding_window=None, use_sliding_window=False)
-    ids = [1, raw_target["num_hidden_layers"] - 2]
+                    num_hidden_layers=1, layer_types=None, sliding_window=None, use_sliding_window=False)
+    ids = sorted({1, raw_target["num_hidden_layers"] - 2})  # --small: 2 layers, [0, 1]
     for block in ("dflash_config", "dspark_config"):
         if raw.get(block):
             raw[block] = {**raw[block], "mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
     raw |= {"mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
     raw |= {"architectures": ["DSparkDraftModel"], "markov_rank": 256, "markov_head_type": "vanilla"}
-    dspark = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
+    draw = functools.partial(random_drafter, parse_config(raw), seed=1)  # --small: compiled as one program
+    dspark = (jax.jit(draw) if small else draw)().attach(embed=target.embed, lm_head=target.lm_head)
     return {"full acceptance": successor_drafter(dspark, successor),
             "zero acceptance": successor_drafter(dspark, other)}
 
@@ -122,26 +134,37 @@ def greedy_floor(target, batch: int, context: int, rate: float) -> float:
     return (weights - experts + routed + kv + states) / rate
 
 
-def step_rows(target, P: int, iters: int) -> dict:
-    """Milliseconds a step, at batch 1 after a `P`-token prefill, each inside one compiled loop of `iters` steps
-    (the cache carried and donated, as in the decode loop; no host dispatch per step): a greedy step (one row,
-    committed), a 17-row verify with its commit, and `commit` alone (picking a row's state out of one pending
-    cache, the rollback)."""
+def prefilled(target, P: int):
+    """A batch-1 cache after a `P`-token prefill (room for 64 more), its lengths and the feature layers."""
     layer_ids = (1, target.config.num_hidden_layers - 2)
     cache = target.init_cache(1, P + 64)
     lengths = jnp.array([P], jnp.int32)
-    cache = target.prefill(jnp.ones((1, P), jnp.int32), cache, lengths, layer_ids=layer_ids).cache
+    return target.prefill(jnp.ones((1, P), jnp.int32), cache, lengths, layer_ids=layer_ids).cache, lengths, layer_ids
 
-    def stepping(rows: int):  # the target is an argument: closed over, its weights would become constants
-        tokens = jnp.ones((1, rows), jnp.int32)
 
-        def loop(t, c):
-            def body(i, c):
-                return t.commit(t(tokens, c, lengths, layer_ids=layer_ids).cache, (i % rows + 1)[None])
-            return jax.lax.fori_loop(0, iters, body, c)
+def stepping(rows: int, iters: int, lengths, layer_ids):
+    """`iters` forwards of `rows` rows with their commits in one compiled loop, `(target, cache) -> cache` (the
+    cache carried and donated, as in the decode loop; no host dispatch per step). Each step's tokens are the
+    argmax of the last step's logits, so that the LM head runs as in decoding (unused logits would be dropped)."""
 
-        return jax.jit(loop, donate_argnums=1)
+    def loop(t, c):  # the target is an argument: closed over, its weights would become constants
+        def body(i, carry):
+            c, tokens = carry
+            out = t(tokens, c, lengths, layer_ids=layer_ids)
+            return t.commit(out.cache, (i % rows + 1)[None]), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+        return jax.lax.fori_loop(0, iters, body, (c, jnp.ones((1, rows), jnp.int32)))[0]
 
+    return jax.jit(loop, donate_argnums=1)
+
+
+STEPS = (("greedy step", 1), ("verify 17 + commit", 17))
+
+
+def step_rows(target, P: int, iters: int) -> dict:
+    """Milliseconds a step, at batch 1 after a `P`-token prefill, each inside one compiled loop of `iters` steps
+    (`stepping`): a greedy step (one row, committed, its argmax the next token), a 17-row verify with its commit,
+    and `commit` alone (picking a row's state out of one pending cache, the rollback)."""
+    cache, lengths, layer_ids = prefilled(target, P)
     pending = target(jnp.ones((1, 17), jnp.int32), cache, lengths, layer_ids=layer_ids).cache
 
     @jax.jit
@@ -152,13 +175,30 @@ def step_rows(target, P: int, iters: int) -> dict:
         return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
 
     ms = {}
-    for name, run in (("greedy step", stepping(1)), ("verify 17 + commit", stepping(17))):
+    for name, rows in STEPS:
+        run = stepping(rows, iters, lengths, layer_ids)
         cache = run(target, cache)  # compile
         begin = time.perf_counter()
         cache = jax.block_until_ready(run(target, cache))
         ms[name] = (time.perf_counter() - begin) / iters * 1e3
     ms["commit"] = statistics.median(call_seconds(lambda: commits(target, pending), 3)) / iters * 1e3
     return ms
+
+
+def profile_rows(name: str, target, P: int, iters: int, directory: str) -> list[dict]:
+    """Each of `STEPS` at batch 1 after a `P`-token prefill, `iters` of them in one compiled loop (`stepping`),
+    run once under `jax.profiler.trace` into `directory/<target>-<rows>`: `gpu_trace.summarize`'s figures a step
+    (kernels, GPU busy against wall, the top kernels, the time of each model scope), printed and returned."""
+    cache, lengths, layer_ids = prefilled(target, P)
+    rows_out = []
+    for step, rows in STEPS:
+        compiled = stepping(rows, iters, lengths, layer_ids).lower(target, cache).compile()
+        cache = jax.block_until_ready(compiled(target, cache))  # warm
+        summary, cache = gpu_trace.traced(lambda: compiled(target, cache), f"{directory}/{name}-{rows}", iters,  # noqa: B023
+                                          compiled.as_text())
+        gpu_trace.print_summary(f"{name}, {step}, {P} cached", summary)
+        rows_out.append(dict(part="profile", target=name, prompt=P, step=step, **summary))
+    return rows_out
 
 
 def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: float) -> list[dict]:
@@ -211,11 +251,21 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--budget-s", type=float, default=None, help="start no prompt length after this many seconds")
     parser.add_argument("--no-steps", action="store_true", help="skip part `step`")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="only profile the greedy step and the verify (traces under DIR; gpu_trace.py)")
+    parser.add_argument("--moe-few-rows", choices=["gather", "reduce"], default=None,
+                        help="how the MoE block runs decode and verify rows (default: the device's tuning entry)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.small:
         args.prompts, args.batch, args.max_new, args.chunk, args.iters = [100], [1], 8, 32, 2
+        # a CPU check: compiling is most of its time, and XLA's lowest backend optimisation level halves that
+        # (read when the backend starts, at the first JAX call below)
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    if args.moe_few_rows:  # this process's tuning entry, changed in place (`tuning.tuning` reads it at trace time)
+        kind = tuning.device_kind() or ""
+        tuning.TUNING[kind] = dataclasses.replace(tuning.tuning(), moe_few_rows=args.moe_few_rows)
     start = time.perf_counter()
     rate = read_rate(0.0625 if args.small else 4)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)",
@@ -226,11 +276,16 @@ def main() -> None:
         V = raw["vocab_size"]
         rng = np.random.default_rng(0)
         successor, other = rng.permutation(V), rng.permutation(V)
-        target = successor_qwen3_5(random_qwen3_5(raw, seed=0), successor, layer_scale=0.2)
-        runs = drafters(name, raw, target, successor, other, args.small)
-        jax.block_until_ready((target, runs))
+        # --small: one compiled program draws every weight (eager, each shape's ops compile apart: seconds on a CPU)
+        draw = functools.partial(random_qwen3_5, raw, seed=0)
+        target = successor_qwen3_5((jax.jit(draw) if args.small else draw)(), successor, layer_scale=0.2)
+        jax.block_until_ready(target)
         print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
               flush=True)
+        if args.profile:
+            rows += profile_rows(name, target, min(args.prompts), args.iters, args.profile)
+            continue
+        runs = drafters(name, raw, target, successor, other, args.small)
         if not args.no_steps:
             steps = step_rows(target, min(args.prompts), args.iters)
             rows.append(dict(part="step", target=name, prompt=min(args.prompts), **steps))

@@ -5,7 +5,9 @@ width 512, shared expert 512), random bf16 weights, for T tokens (batch x rows: 
 greedy step and 17 for a 16-draft verify, 136 for a verify at batch 8, 2048 for a prefill chunk), each `impl` of
 `moe._routed`:
 
-- `gather`: each token's k experts' weights gathered, then batched matrix-vector products;
+- `gather`: each token's k experts' weights gathered (copied out), then batched matrix-vector products;
+- `reduce`: the same products as a multiply and a float32 sum over the weights' last axis, which XLA fuses with the
+  gather: each routed slice read in place, never copied;
 - `tiled`: the pairs sorted by expert into tiles of one expert each, batched matmuls over the tiles;
 - `grouped`: the pairs sorted by expert, JAX's Pallas Mosaic GPU grouped matmul
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`; XLA's `ragged_dot` off the GPU);
@@ -42,7 +44,7 @@ from dflash_jax.target import moe  # noqa: E402
 QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
-VARIANTS = ("ragged_dot", "gather", "tiled", "grouped")
+VARIANTS = ("ragged_dot", "gather", "reduce", "tiled", "grouped")
 
 
 def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jax
 
@@ -41,6 +41,9 @@ class Tuning:
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
     moe_gather_max_rows: int
     moe_tile_rows: int
+    # How those few pairs run: "gather" copies each token's experts' weights out, then multiplies; "reduce" reads
+    # them in place inside a multiply-and-reduce (`target.moe._gathered_in_place`).
+    moe_few_rows: Literal["gather", "reduce"]
 
 
 H200 = Tuning(
@@ -49,6 +52,7 @@ H200 = Tuning(
     nvfp4_tile=256,
     moe_gather_max_rows=256,
     moe_tile_rows=128,
+    moe_few_rows="gather",
 )
 TUNING: dict[str, Tuning] = {"NVIDIA H200": H200}
 FALLBACK = H200  # a device kind never measured (and the CPU, where only `span_splits` sizes the caches)

@@ -50,7 +50,7 @@ def test_moe_block_small(monkeypatch, tmp_path):
     run_script(monkeypatch, "moe_block", "--small", "--tokens", "1", "17", "--iters", "2", "--layers", "2",
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
-    impls = ("ragged_dot", "gather", "tiled", "grouped")
+    impls = ("ragged_dot", "gather", "reduce", "tiled", "grouped")
     assert {(r["tokens"], r["variant"]) for r in rows} == {(t, v) for t in (1, 17) for v in impls}
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
     assert all(r["max_diff"] < 1e-2 for r in rows), rows  # one block, measured 5.5e-3: bf16 rounding of `h`

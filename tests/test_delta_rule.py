@@ -44,6 +44,17 @@ def test_block_form_keeps_every_rows_state(inputs):
     np.testing.assert_allclose(np.asarray(states), want_states, rtol=0, atol=1e-6)
 
 
+def test_block_form_of_one_row(inputs):
+    """One row (a greedy step) takes the recurrence's own step: measured max error 4e-8 (outputs) / 1.2e-7 (states) on
+    states up to 1.1."""
+    one = [x[:, :1] for x in inputs[:5]] + [inputs[5]]
+    out, states = jax.jit(block_delta_rule)(*map(jnp.asarray, one))
+    want_out, want_states = reference(*one)
+    assert out.shape == want_out.shape and states.shape == want_states.shape
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(states), want_states, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("size", [4, 5, 17])
 def test_chunked_form_matches_the_recurrence(inputs, size):
     """Measured at most 1.1e-7 (outputs) / 4.4e-7 (final state)."""

@@ -88,7 +88,7 @@ def dense_block(p, c: MoeDims, x: jax.Array) -> jax.Array:
 
 
 _block = jax.jit(moe_block, static_argnums=(1, 3))
-IMPLS = ("gather", "tiled", "grouped", "ragged_dot")  # how the routed experts run (`moe._routed`); "auto" picks
+IMPLS = ("gather", "reduce", "tiled", "grouped", "ragged_dot")  # how the routed experts run (`moe._routed`)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -139,20 +139,22 @@ def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile, monkeypatch):
 
 
 def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
-    """The device kind's `moe_gather_max_rows` (`tuning`) decides; a typo in impl is refused."""
+    """The device kind's `moe_gather_max_rows` and `moe_few_rows` (`tuning`) decide; a typo in impl is refused."""
     import dflash_jax.target.moe as moe
     import dflash_jax.tuning
 
     calls = []
-    for name in ("_gathered", "_tiled"):
+    for name in ("_gathered", "_gathered_in_place", "_tiled"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
     moe.moe_block(block, dims, x)
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(dflash_jax.tuning.FALLBACK,
-                                                                           moe_gather_max_rows=5))
+    fallback = dflash_jax.tuning.FALLBACK
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="reduce"))
     moe.moe_block(block, dims, x)
-    assert calls == ["_gathered", "_tiled"]
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_gather_max_rows=5))
+    moe.moe_block(block, dims, x)
+    assert calls == ["_gathered", "_gathered_in_place", "_tiled"]
     with pytest.raises(ValueError, match="moe impl"):
         moe.moe_block(block, dims, x, "ragged")
 
@@ -164,10 +166,11 @@ def test_jit_with_two_lengths(block, dims, io):
         np.testing.assert_allclose(np.asarray(_block(block, dims, x)), io["y"][:, :S], rtol=0, atol=1e-6)
 
 
-def test_bfloat16_runs_in_bfloat16(block, dims, io):
+@pytest.mark.parametrize("impl", ["auto", "reduce"])
+def test_bfloat16_runs_in_bfloat16(block, dims, io, impl):
     """bf16 weights and rows give bf16 out, near the float32 result (measured 1.5e-2 on values up to 3.2)."""
     low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), block)
-    y = _block(low, dims, jnp.asarray(io["x"], jnp.bfloat16))
+    y = _block(low, dims, jnp.asarray(io["x"], jnp.bfloat16), impl)
     assert y.dtype == jnp.bfloat16
     assert np.abs(np.asarray(y, np.float32) - io["y"]).max() < 3e-2
 

@@ -281,3 +281,12 @@ def test_the_dense_targets_load_guards_hold(tmp_path):
     write_tensors(tmp_path, arrays)
     with pytest.raises(CheckpointError, match=broken):
         load_target(tmp_path, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("argument, value, error", [("chunk", 0, ValueError), ("delta_chunk", 0, ValueError),
+                                                    ("chunk", 64.0, TypeError), ("delta_chunk", True, TypeError)])
+def test_bad_prefill_chunks_are_refused_by_name(argument, value, error):
+    """Before anything is traced (the target's weights are shapes only)."""
+    target = jax.eval_shape(random_qwen3_5)
+    with pytest.raises(error, match=f"prefill: {argument}"):
+        target.prefill(jnp.zeros((1, 8), jnp.int32), None, jnp.array([8]), **{argument: value})

@@ -7,6 +7,8 @@ layout: the text model under `model.language_model.`, fused experts). Everything
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +80,35 @@ def test_a_tensor_axis_not_dividing_the_expert_width_is_refused():
                              "tiny-qwen3_5-moe"], "moe_intermediate_size": 6}, dtype=jnp.float32)
     with pytest.raises(ConfigError, match="moe_intermediate_size=6"):
         target.shard(jax.make_mesh((2, 4), ("data", "model")))
+
+
+def _largest_array(jaxpr) -> int:
+    """Bytes of the largest array an equation of `jaxpr`, or of a jaxpr inside it (the prefill's scan body, jitted
+    calls), produces."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        largest = max([largest, *(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.outvars
+                                  if hasattr(v.aval, "shape"))])
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    largest = max(largest, _largest_array(sub))
+    return largest
+
+
+def test_a_batch_prefills_in_the_memory_of_one_sequence():
+    """`chunk` bounds a prefill step's token rows over the whole batch: 8 prompts of 256 tokens with a 256-row
+    chunk make no array larger than one prompt does (8 x 32 rows a step, not 8 x 256; the largest, the attention
+    scores [batch, n_kv, group, rows, slots], 2 MiB either way). Traced, not run (shapes only)."""
+    raw = {**QWEN3_5_TINY_CONFIGS["tiny-qwen3_5-moe"], "num_hidden_layers": 4}
+    target = jax.eval_shape(lambda: random_qwen3_5(raw, seed=0))
+    P = 256
+
+    def largest(batch: int) -> int:
+        cache = jax.eval_shape(lambda: target.init_cache(batch, P + 8))
+        prefill = lambda t, c: t.prefill(jnp.zeros((batch, P), jnp.int32), c, jnp.full((batch,), P),  # noqa: E731
+                                         layer_ids=(1, 2), chunk=256)
+        return _largest_array(jax.make_jaxpr(prefill)(target, cache).jaxpr)
+
+    assert largest(8) == largest(1) == 2 * 2**20

@@ -27,7 +27,7 @@ import jax
 
 from .._summary import summary
 
-PREFILL_CHUNK = 2048  # prompt tokens per prefill step (`DecoderTarget.prefill`)
+PREFILL_CHUNK = 2048  # prompt tokens per prefill step, over the whole batch (`dense.prefill_chunks`)
 
 
 @jax.tree_util.register_dataclass

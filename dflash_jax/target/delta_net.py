@@ -143,23 +143,27 @@ def delta_net(c: Qwen3_5Config, layout: Layout | None, p: Params, xn: jax.Array,
     state.
     """
     batch, S, _ = xn.shape
-    q, k, v, g, beta, z, windows = _inputs(c, p, xn, conv)
+    with jax.named_scope("inputs"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
+        q, k, v, g, beta, z, windows = _inputs(c, p, xn, conv)
     if layout is not None:  # each device runs its own heads (a no-op where the projections' split carried through)
         q, k, v, z = (layout.constrain(x, HEAD_ROWS) for x in (q, k, v, z))
         g, beta = (layout.constrain(x, HEAD_ROWS[:3]) for x in (g, beta))
     if valid is None:
-        out, states = block_delta_rule(q, k, v, g, beta, state)
-        conv, state = windows, jnp.concatenate([state[:, None], states], axis=1)
+        with jax.named_scope("rule"):
+            out, states = block_delta_rule(q, k, v, g, beta, state)
+            conv, state = windows, jnp.concatenate([state[:, None], states], axis=1)
         pending_axes: tuple[str | None, ...] = (BATCH, None, *STATE_AXES[1:])  # [batch, S + 1, n_v, d_k, d_v]
     else:
         g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-        out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
+        with jax.named_scope("rule"):
+            out, state = chunked_delta_rule(q, k, v, g, beta, state, min(delta_chunk, S))
         kept = jnp.sum(valid, axis=1, dtype=jnp.int32)
         conv = map_parts(lambda w: conv_state(w, kept, c.linear_conv_kernel_dim), windows)
         pending_axes = STATE_AXES
     if layout is not None:
         state = layout.constrain(state, pending_axes)
         conv = map_parts(lambda w: layout.constrain(w, CONV_AXES), conv)
-    out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated RMSNorm: w * x_hat * silu(z)
-    out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
-    return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state
+    with jax.named_scope("out"):
+        out = rms_norm(out.astype(xn.dtype), p["norm"]["weight"], c.rms_norm_eps)  # gated: w * x_hat * silu(z)
+        out = (out.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(xn.dtype)
+        return linear(out.reshape(batch, S, c.value_dim), p["out_proj"]), conv, state

@@ -49,13 +49,30 @@ def _chunks(q, k, v, g, beta, size: int):
     return u, w, q, k, decay, cum
 
 
+def _one_row(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+             state: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`block_delta_rule` of one row (a greedy step) as the recurrence's step itself: `S^T k` and `S^T q` in one
+    product (one read of the state), the update in one more pass; no chunk system (cumulative decays, a 1 x 1
+    triangular solve: a dozen tiny kernels a layer). `o = S_new^T q = exp(g) S^T q + (k . q) delta`."""
+    q, k, v, g, beta = (x[:, 0] for x in (q, k, v, g, beta))  # [batch, h, ...]
+    decay = jnp.exp(g)[..., None]  # [batch, h, 1]
+    read = dot("bhkv,bhjk->bhjv", state, jnp.stack([k, q], axis=2))  # [batch, h, 2, d_v]: S^T k, S^T q
+    delta = beta[..., None] * (v - decay * read[:, :, 0])  # [batch, h, d_v]
+    new = decay[..., None] * state + k[..., :, None] * delta[..., None, :]  # [batch, h, d_k, d_v]
+    out = decay * read[:, :, 1] + jnp.sum(k * q, axis=-1, keepdims=True) * delta  # [batch, h, d_v]
+    return out[:, None], new[:, None]
+
+
 def block_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                      state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """All S rows as one chunk, keeping the state after every row (what a verify block needs to commit any prefix
     of itself): `(out [batch, S, n_v, d_v], states [batch, S, n_v, d_k, d_v])` from `state [batch, n_v, d_k,
     d_v]`, all float32. The state after row i is `exp(cum_i) S_0 + sum_{j <= i} exp(cum_i - cum_j) k_j v'_j^T`
     (v' the rows' new values): a few batched products, not S dependent steps of a recurrence (on the H200 a
-    17-row verify of the 27B hybrid spent more in the row-by-row scan than in reading its weights)."""
+    17-row verify of the 27B hybrid spent more in the row-by-row scan than in reading its weights). One row:
+    `_one_row`."""
+    if k.shape[1] == 1:
+        return _one_row(q, k, v, g, beta, state)
     u, w, q, k, decay, cum = (x[0] for x in _chunks(q, k, v, g, beta, k.shape[1]))  # [batch, h, S, ...]
     v_new = u - dot("bhik,bhkv->bhiv", w, state)  # [batch, h, S, d_v]
     intra = dot("bhik,bhjk->bhij", q, k) * decay  # q_i.k_j exp(cum_i - cum_j), j <= i

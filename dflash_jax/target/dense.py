@@ -260,9 +260,10 @@ class DecoderTarget(HFTarget):
     ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
-        impl "xla" (and "auto" where the program is not lowered for a GPU): chunked, `chunk` tokens at a time
-        through every layer (a `lax.scan`), each chunk attending to the cache written so far and causally to
-        itself, so activations and scores are a chunk's, never `[P, P]`. "cudnn" (and "auto" lowered for a GPU,
+        impl "xla" (and "auto" where the program is not lowered for a GPU): chunked, `chunk` token rows at a time
+        over the whole batch (`chunk // batch` of each prompt, `prefill_chunks`) through every layer (a
+        `lax.scan`), each chunk attending to the cache written so far and causally to itself, so activations and
+        scores are a chunk's, never `[P, P]`. "cudnn" (and "auto" lowered for a GPU,
         with 16-bit weights): the whole prompt at once, each layer's attention cuDNN's fused causal flash kernel
         (no `[P, P]` scores either; measured faster, docs/benchmarks.md). Another `impl` is a `ValueError`. The
         cache is donated: keep the returned one.
@@ -427,13 +428,16 @@ def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, leng
 def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, jax.Array, Any]], tokens: jax.Array,
                    cache: Any, lengths: jax.Array, chunk: int, last_hidden: jax.Array
                    ) -> tuple[jax.Array, jax.Array, Any]:
-    """Right-padded prompts `tokens [batch, P]` run `chunk` rows at a time through `run(piece [batch, chunk],
-    cache, start [batch]) -> (hidden [batch, chunk, H], features [batch, chunk, F], cache)` (a `lax.scan`; the
-    last chunk padded): `(hidden of each prompt's last real row [batch, H], features [batch, P, F], cache)`.
-    `last_hidden`: zeros of the hidden states' shape and dtype. Shared by the targets' chunked prefills."""
+    """Right-padded prompts `tokens [batch, P]` run `chunk` token rows at a time over the whole batch (`chunk //
+    batch` of each sequence, at least one) through `run(piece [batch, rows], cache, start [batch]) -> (hidden
+    [batch, rows, H], features [batch, rows, F], cache)` (a `lax.scan`; the last piece padded): `(hidden of each
+    prompt's last real row [batch, H], features [batch, P, F], cache)`. `last_hidden`: zeros of the hidden states'
+    shape and dtype. Shared by the targets' chunked prefills. A step's activations (MoE tiles, delta-rule chunks,
+    attention scores) scale with batch x rows, so bounding that product by `chunk` keeps a batch's prefill within
+    the memory one sequence's takes (a 2048-row chunk of 8 sequences of the 35B-A3B ran the H200 out of memory)."""
     batch, P = tokens.shape
     last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    chunk = min(P, chunk)
+    chunk = min(P, max(1, chunk // batch))  # rows of each sequence a step
     pieces = chunked(tokens, chunk)  # [n_chunks, batch, chunk]
     n_chunks = len(pieces)
 

@@ -11,8 +11,9 @@ Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen
 
 The routed experts run one of two ways by default (`_routed`), both reading only the experts the tokens route to
 and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's
-experts' weights are gathered; for more, the pairs are sorted by expert into tiles of one expert each and each
-tile multiplies its expert's weights (a grouped matmul in batched form). Every shape is static.
+experts' weights are gathered (copied out, or read in place by a multiply-and-reduce: `tuning.Tuning.moe_few_rows`);
+for more, the pairs are sorted by expert into tiles of one expert each and each tile multiplies its expert's
+weights (a grouped matmul in batched form). Every shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -141,9 +142,10 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
     return route(p, c, x.reshape(batch * S, H))[1].reshape(batch, S, -1)
 
 
-# The routed experts, three ways (docs/benchmarks.md, benchmarks/moe_block.py): gathering each token's experts is
+# The routed experts, several ways (docs/benchmarks.md, benchmarks/moe_block.py): gathering each token's experts is
 # the fastest for the rows of decode and verify steps, up to `tuning.Tuning.moe_gather_max_rows` (token, expert)
-# pairs; beyond, the pairs go in tiles of one expert each (`_tiled`). XLA's `ragged_dot` reads every expert's
+# pairs (`_gathered` or `_gathered_in_place`, `tuning.Tuning.moe_few_rows`); beyond, the pairs go in tiles of one
+# expert each (`_tiled`). XLA's `ragged_dot` reads every expert's
 # weights, and on the GPU a 2048-token prefill chunk of the 35B-A3B through it ran the H200 out of memory beside
 # the 65 GiB target (an 18 GiB allocation).
 
@@ -156,6 +158,20 @@ def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -
     h = jax.nn.silu(dot("th,tkih->tki", x, gate)) * dot("th,tkih->tki", x, up)  # [T, k, I] float32
     out = dot("tki,tkhi->tkh", h.astype(x.dtype), down)  # [T, k, H] float32
     return jnp.einsum("tkh,tk->th", out, weights)
+
+
+def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """`_gathered` with the products written as a multiply and a float32 sum over the weights' contiguous last axis:
+    XLA fuses a gather into the reduction that consumes it, so each routed slice is read once, where it lies,
+    instead of copied out (`[T, k, out, in]`, written then read again) for a matmul. `[T, H]` float32."""
+    e = p["experts"]
+    # [T, k, out, in] each, not copied; "clip": XLA's own gather semantics (router indices are in range), no mask
+    gate, up, down = (jnp.take(e[name], experts, axis=0, mode="clip").astype(jnp.float32)
+                      for name in ("gate_proj", "up_proj", "down_proj"))
+    xf = x.astype(jnp.float32)[:, None, None, :]  # [T, 1, 1, H]
+    h = jax.nn.silu(jnp.sum(gate * xf, axis=-1)) * jnp.sum(up * xf, axis=-1)  # [T, k, I] float32
+    h = h.astype(x.dtype).astype(jnp.float32)[:, :, None, :]  # [T, k, 1, I] rounded as `_gathered` rounds it
+    return jnp.einsum("tkh,tk->th", jnp.sum(down * h, axis=-1), weights)  # [T, k, H] -> [T, H]
 
 
 def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel: bool) -> jax.Array:
@@ -228,19 +244,24 @@ def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: j
     return jnp.einsum("tkh,tk->th", out, weights)
 
 
-Impl = Literal["auto", "gather", "tiled", "grouped", "ragged_dot"]
-IMPLS: tuple[Impl, ...] = ("auto", "gather", "tiled", "grouped", "ragged_dot")
+Impl = Literal["auto", "gather", "reduce", "tiled", "grouped", "ragged_dot"]
+IMPLS: tuple[Impl, ...] = ("auto", "gather", "reduce", "tiled", "grouped", "ragged_dot")
 
 
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
-    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": gathered for at
-    most `tuning.Tuning.moe_gather_max_rows` pairs, tiled beyond; "grouped": JAX's Mosaic GPU grouped matmul
-    where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": for at most
+    `tuning.Tuning.moe_gather_max_rows` pairs the device kind's `moe_few_rows` ("gather": copied out,
+    `_gathered`; "reduce": read in place, `_gathered_in_place`), tiled beyond; "grouped": JAX's Mosaic GPU grouped
+    matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl == "gather" or (impl == "auto" and experts.size <= tuning().moe_gather_max_rows):
+    if impl == "auto" and experts.size <= tuning().moe_gather_max_rows:
+        impl = tuning().moe_few_rows
+    if impl == "gather":
         return _gathered(p, x, weights, experts)
+    if impl == "reduce":
+        return _gathered_in_place(p, x, weights, experts)
     if impl in ("auto", "tiled"):
         return _tiled(p, c, x, weights, experts)
     # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
@@ -253,9 +274,12 @@ def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax
     routed experts run, `_routed`)."""
     batch, S, H = x.shape
     xt = x.reshape(batch * S, H)  # [T, H]
-    weights, experts = route(p, c, xt)  # [T, k]
-    routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
-    s = p["shared_expert"]
-    shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
-    shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    with jax.named_scope("router"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
+        weights, experts = route(p, c, xt)  # [T, k]
+    with jax.named_scope("routed"):
+        routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
+    with jax.named_scope("shared"):
+        s = p["shared_expert"]
+        shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
+        shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
     return (routed + shared_gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(batch, S, H)

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._arguments import check_load_arguments
+from .._arguments import check_integer, check_load_arguments
 from .._config_file import read_config_json
 from .._shapes import zeros
 from ..attention import span_capacity
@@ -307,12 +307,6 @@ class Qwen3_5Target(HFTarget):
         where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
         return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
 
-
-
-
-
-
-
     def init_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions: K/V as the dense target's
         (`attention.span_capacity` slots, params dtype), conv states in the params' dtype, float32 states (zero:
@@ -353,11 +347,15 @@ class Qwen3_5Target(HFTarget):
     def prefill(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
                 chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
-        tokens at a time through every layer (attention chunked as the dense target's; the delta rule chunked
-        by `delta_chunk` rows within, its state carried across; padding rows leave the states untouched).
-        Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
-        `[batch, V]` float32, and the committed cache after each prompt's real tokens.
+        token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
+        tiles among them, are those of `chunk` tokens whatever the batch; `dense.prefill_chunks`) through every
+        layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
+        state carried across; padding rows leave the states untouched). Returns the features of every row
+        `[batch, P, Lf * H]`, the logits of each prompt's last token `[batch, V]` float32, and the committed cache
+        after each prompt's real tokens. A chunk or delta chunk below 1 or not an int: `ValueError`/`TypeError`.
         """
+        chunk = check_integer("prefill", "chunk", chunk, 1)
+        delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
         return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
 
 
@@ -428,31 +426,38 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
     rope = rope_tables(c.rotary, positions)  # cos/sin [batch, S, rotary dims]
-    x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
+    with jax.named_scope("embed"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
+        x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
     keys, values, convs, states = list(cache.k), list(cache.v), list(cache.conv), list(cache.state)
     by_id: dict[int, jax.Array] = {}
     a = d = 0  # the next attention / delta-net layer's cache entry
     for i, p in enumerate(params["layers"]):
         xn = centred_norm(x, p["input_layernorm"]["weight"], eps)
         if "self_attn" in p:
-            out, keys[a], values[a] = _gated_attention(target, p["self_attn"], xn, rope, keys[a], values[a],
-                                                       positions, start)
+            with jax.named_scope("gated_attention"):
+                out, keys[a], values[a] = _gated_attention(target, p["self_attn"], xn, rope, keys[a], values[a],
+                                                           positions, start)
             a += 1
         else:
-            out, convs[d], states[d] = delta_net(c, layout, p["linear_attn"], xn, convs[d], states[d], valid,
-                                                 delta_chunk)
+            with jax.named_scope("delta_net"):
+                out, convs[d], states[d] = delta_net(c, layout, p["linear_attn"], xn, convs[d], states[d], valid,
+                                                     delta_chunk)
             d += 1
         x = x + out
         h, mlp = centred_norm(x, p["post_attention_layernorm"]["weight"], eps), p["mlp"]
         if c.is_moe:
-            x = x + moe_block(mlp, c, h)
+            with jax.named_scope("moe"):
+                x = x + moe_block(mlp, c, h)
         else:
-            x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
+            with jax.named_scope("mlp"):
+                x = x + linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]),
+                               mlp["down_proj"])
         if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
             x = layout.constrain(x, ROWS_AXES)
         if i in layer_ids and i < N - 1:
             by_id[i] = x
-    hidden = centred_norm(x, params["norm"]["weight"], eps)
+    with jax.named_scope("final_norm"):
+        hidden = centred_norm(x, params["norm"]["weight"], eps)
     by_id |= {-1: x0, N - 1: hidden}
     features = jnp.concatenate([by_id[l] for l in layer_ids], axis=-1) if layer_ids else jnp.zeros((batch, S, 0),
                                                                                                      x0.dtype)
@@ -465,7 +470,9 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
              layer_ids: tuple[int, ...]) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None)
-    return TargetOutput(lm_logits(hidden, target.lm_head), features, pending)
+    with jax.named_scope("lm_head"):
+        logits = lm_logits(hidden, target.lm_head)
+    return TargetOutput(logits, features, pending)
 
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
