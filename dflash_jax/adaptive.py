@@ -102,13 +102,13 @@ class StepCosts:
         object.__setattr__(self, "draft_lengths", tuple(self.draft_lengths))
         object.__setattr__(self, "seconds", tuple(float(t) for t in self.seconds))
 
-    def check_fits(self, lengths: tuple[int, ...], batch: int, device: str) -> None:
+    def check_fits(self, where: str, lengths: tuple[int, ...], batch: int, device: str) -> None:
         """Refuse (ValueError) costs taken for other draft lengths, another batch size or another device."""
         for field, have, want in (("draft_lengths", self.draft_lengths, lengths), ("batch", self.batch, batch),
                                   ("device", self.device, device)):
             if have != want:
-                raise ValueError(f"StepCosts.{field} = {have!r} does not fit this run ({field} {want!r}): the "
-                                 "costs were taken for another setup")
+                raise ValueError(f"{where}: StepCosts.{field} = {have!r} does not fit this run ({field} {want!r}): "
+                                 "the costs were taken for another setup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,10 +173,11 @@ class History:
 
     def update(self, verified: jax.Array, accepted: jax.Array, confidence: jax.Array, live: jax.Array,
                memory: float, idle_memory: float) -> History:
-        """After a step that verified `verified` (`[]`) of the drafts whose confidences are `confidence`
-        `[batch, K]` and accepted `accepted` `[batch]` (a step verifying none only fades the evidence)."""
-        tried = jnp.minimum(accepted + 1, verified).astype(jnp.float32)  # [batch]
+        """After a step that verified `verified` `[batch]` of the drafts whose confidences are `confidence`
+        `[batch, K]` and accepted `accepted` `[batch]` of them (verifying none only fades the evidence)."""
+        tried = jnp.minimum(accepted + 1, verified)  # [batch]
         positions = jnp.arange(confidence.shape[1]) < tried[:, None]  # [batch, K]
+        tried = tried.astype(jnp.float32)
         new = History(accepted.astype(jnp.float32), tried, jnp.where(positions, confidence, 0.0).sum(1))
         keep = jnp.where(verified > 0, memory, idle_memory)
         weight = jnp.where(verified > 0, 1.0, 0.0)

@@ -199,7 +199,8 @@ def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, 
     if isinstance(draft_length, str) and draft_length == "adaptive":
         draft_length = Adaptive()
     if not isinstance(draft_length, Adaptive):
-        raise TypeError(f"draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive, got {draft_length!r}")
+        raise TypeError(f"speculative_generate: draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive, "
+                        f"got {draft_length!r}")
     return (_Policy(draft_length.lengths(num_draft_tokens), True, draft_length.memory, draft_length.idle_memory,
                     draft_length.prior), draft_length.costs)
 
@@ -534,7 +535,7 @@ def speculative_generate(
     device = _device_kind(target)[0]
     cost_key = _costs_key(target, drafter, batch, capacity, policy, sampling, attention)
     if costs is not None:
-        costs.check_fits(policy.lengths, batch, device)
+        costs.check_fits("speculative_generate", policy.lengths, batch, device)
     elif policy.adaptive:
         costs = _COSTS.get(cost_key)
     seconds = jnp.asarray(costs.seconds if costs is not None else [1.0] * len(policy.lengths), jnp.float32)
