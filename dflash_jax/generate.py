@@ -275,16 +275,17 @@ def _acceptance(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("capacity", "sampling", "attention", "prefill_chunk", "policy"),
+    jax.jit, static_argnames=("capacity", "sampling", "attention", "prefill_chunk"),
     donate_argnames=("target_cache", "context"),
 )
 def _spec_prefill(
     target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, warp: Warp,
-    threshold, key, budget, seconds, *, capacity: int, sampling: bool, attention: AttentionOptions,
-    prefill_chunk: int, policy: _Policy
+    threshold, key, budget, verify, *, capacity: int, sampling: bool, attention: AttentionOptions,
+    prefill_chunk: int
 ) -> _State:
-    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts and
-    choose how many of them the first step verifies (`seconds [len(policy.lengths)]`: the step costs).
+    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts; the
+    first step verifies the length of index `verify` (`[]` int32: the longest, since nothing is known yet), so
+    that one prefill program serves every policy.
 
     The empty caches come in as arguments: made inside, XLA would constant-fold work over them at compile time.
     """
@@ -297,10 +298,6 @@ def _spec_prefill(
                                 key=draft_key if sampling else None, temperature=warp.temperature,
                                 top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,  # the target's controls
                                 confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
-    done = (first[:, None] == stop).any(-1) | (budget <= 1)
-    history = History.empty(batch)
-    verify = (policy.choose(proposal, history, seconds, budget - 1, ~done, sampling) if policy.adaptive
-              else jnp.zeros((), jnp.int32))
     return _State(
         step=jnp.zeros((), jnp.int32),
         target_cache=out.cache,
@@ -313,10 +310,10 @@ def _spec_prefill(
         budget=budget,
         accept=jnp.zeros((batch, capacity), jnp.int32),
         plain=jnp.zeros((batch,), jnp.int32),
-        done=done,
+        done=(first[:, None] == stop).any(-1) | (budget <= 1),
         key=key,
         verify=verify,
-        history=history,
+        history=History.empty(batch),
     )
 
 
@@ -543,8 +540,9 @@ def speculative_generate(
     start = time.perf_counter()
     caches = target.init_cache(batch, capacity), init_cache(drafter, batch, capacity, attention=attention)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, threshold, key,
-                          jnp.int32(max_new_tokens), seconds, capacity=round_up(max_new_tokens, BUDGET_BUCKET),
-                          sampling=sampling, attention=attention, prefill_chunk=prefill_chunk, policy=policy)
+                          jnp.int32(max_new_tokens), jnp.int32(len(policy.lengths) - 1),
+                          capacity=round_up(max_new_tokens, BUDGET_BUCKET), sampling=sampling, attention=attention,
+                          prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
     start = time.perf_counter()

@@ -144,8 +144,8 @@ def _stepper(target, drafter):
         tokens, lengths = _pad_prompts(prompts)
         caches = target.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
         return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), jnp.int32(MAX_NEW), seconds, capacity=MAX_NEW, sampling=False,
-                             attention=AttentionOptions(), prefill_chunk=PREFILL_CHUNK, policy=policy)
+                             jax.random.key(0), jnp.int32(MAX_NEW), jnp.int32(2), capacity=MAX_NEW, sampling=False,
+                             attention=AttentionOptions(), prefill_chunk=PREFILL_CHUNK)
 
     step = jax.jit(_spec_step, static_argnums=(8, 9, 10, 11))
     return prefill, lambda state, force: step(target, drafter, stop, temperature, threshold, 0, seconds,
