@@ -101,14 +101,15 @@ def main() -> None:
     start = time.perf_counter()
     config = SMALL if args.small else QWEN3_8B
     if args.small:
-        config = {**config, "num_hidden_layers": 4}
+        config = {**config, "num_hidden_layers": 3}
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
     successor, order = one_cycle(V, rng)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=args.layer_scale)
     raw = drafter_configs(config)["dspark"]
-    if args.small:
-        raw = {**raw, "num_hidden_layers": 1}
+    if args.small:  # a 3-layer target: a 1-layer drafter reads two of its layers
+        raw = {**raw, "num_hidden_layers": 1, "num_target_layers": 3,
+               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
     span = args.max_new + 2 * K + 2

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_long_context_small(tmp_path):
     out = tmp_path / "out.json"
-    runs = ["full acceptance + backoff", "zero acceptance + backoff"]  # each drafter; without a backoff: the same code
+    runs = ["full acceptance + adaptive", "zero acceptance + adaptive"]  # each drafter; the fixed length: the same code
     subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "long_context.py"), "--small",
                     "--runs", *runs, "--json", str(out)], check=True, timeout=600, capture_output=True)
     rows = json.loads(out.read_text())["rows"]
@@ -27,10 +27,10 @@ def test_long_context_small(tmp_path):
     assert {r["run"] for r in decode} == {"greedy", *runs}
     assert all(r["same_as_greedy"] for r in decode)
     by_run = {r["run"]: r for r in decode}
-    full, zero = by_run["full acceptance + backoff"], by_run["zero acceptance + backoff"]
+    full, zero = by_run["full acceptance + adaptive"], by_run["zero acceptance + adaptive"]
     assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
     assert zero["mean_acceptance"] == 1  # the other never is
-    assert full["plain_tokens"] == 0 < zero["plain_tokens"]  # `Backoff()`: never on a drafter that is always right
+    assert zero["plain_tokens"] > 0  # the adaptive policy turns to plain steps (and measures them, full too)
 
 
 def test_moe_block_small(tmp_path):
