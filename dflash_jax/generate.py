@@ -26,8 +26,14 @@ compares each draft with a token sampled from the target, which is lossless too,
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
+How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default, `DRAFT_LENGTH`), one
+of a few static lengths (0: a plain target step, without drafting after it) chosen per step to maximise the
+expected tokens per second from measured step costs, the drafter's confidences and each sequence's acceptance
+history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut.
+
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
-`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program. Measured on
+`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program (the verify lengths
+are branches of a `lax.switch` in it). Measured on
 CPU (2 cores, tiny models, 39 steps; docs/generate.md): 21 ms for the while_loop against 31 ms for the same
 jitted step driven from Python, whose per-step dispatch and host sync (to test "all done") a small model
 cannot hide. A progress callback, when given, is called from inside the loop (`jax.debug.callback`).
@@ -169,25 +175,28 @@ _NO_LIMIT = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class _Policy:
-    """What the compiled loop knows of the draft-length policy (static): the lengths it chooses from, and whether
-    it chooses (else every step verifies `lengths[0]`, the drafter's K), with `Adaptive`'s history constants."""
+    """What the compiled loop knows of the draft-length policy (static): the lengths it chooses from, and the
+    `Adaptive` settings without their costs (a traced input), or None: every step verifies `lengths[0]`, the
+    drafter's K."""
 
     lengths: tuple[int, ...]
-    adaptive: bool
-    memory: float = 0.9
-    idle_memory: float = 0.97
-    prior: float = 0.5
+    settings: Adaptive | None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.settings is not None
 
     def choose(self, proposal: Proposal | None, history: History, seconds: jax.Array, remaining: jax.Array,
                live: jax.Array, sampling: bool) -> jax.Array:
         """The index of the next step's length: before drafting (`proposal` None) from the history alone; after,
         from the proposal's calibrated confidences at T = 0 and the history at T > 0 (`dflash_jax.adaptive`)."""
-        batch, n = live.shape[0], self.lengths[-1]
+        assert self.settings is not None
+        batch, n, prior = live.shape[0], self.lengths[-1], self.settings.prior
         if proposal is None or sampling:
-            p = jnp.broadcast_to(history.rate(self.prior)[:, None], (batch, n))
+            p = jnp.broadcast_to(history.rate(prior)[:, None], (batch, n))
         else:
             confidence = proposal.predicted_acceptance()[:, :n]  # [batch, n]
-            p = jnp.clip(confidence * history.scale(self.prior)[:, None], 0.0, 1.0)
+            p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
             p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
         return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None)
 
@@ -195,14 +204,14 @@ class _Policy:
 def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, StepCosts | None]:
     """`speculative_generate`'s `draft_length` as the loop's `_Policy` and the costs the user gave, if any."""
     if isinstance(draft_length, str) and draft_length == "fixed":
-        return _Policy((num_draft_tokens,), adaptive=False), None
+        return _Policy((num_draft_tokens,), None), None
     if isinstance(draft_length, str) and draft_length == "adaptive":
         draft_length = Adaptive()
     if not isinstance(draft_length, Adaptive):
         raise TypeError(f"speculative_generate: draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive, "
                         f"got {draft_length!r}")
-    return (_Policy(draft_length.lengths(num_draft_tokens), True, draft_length.memory, draft_length.idle_memory,
-                    draft_length.prior), draft_length.costs)
+    settings = dataclasses.replace(draft_length, draft_lengths=None, costs=None)  # static: no arrays, no times
+    return _Policy(draft_length.lengths(num_draft_tokens), settings), draft_length.costs
 
 
 @jax.tree_util.register_dataclass
@@ -367,9 +376,10 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
                 append_context(drafter, context, features, committed, attention=attention))
 
     history = s.history
-    if policy.adaptive:
+    if policy.settings is not None:
         history = history.update(jnp.minimum(verified, s.proposal.num_tokens), accepted,
-                                 s.proposal.predicted_acceptance(), live, policy.memory, policy.idle_memory)
+                                 s.proposal.predicted_acceptance(), live, policy.settings.memory,
+                                 policy.settings.idle_memory)
         remaining, running = s.budget - n_out, ~done
         ahead = jnp.where(force >= 0, force, policy.choose(None, history, seconds, remaining, running, sampling))
         drafts_next = lengths[ahead] > 0  # [] (False only where lengths[0] == 0)

@@ -138,7 +138,7 @@ def _stepper(target, drafter):
     """`(prefill(prompts), step(state, force))` of the speculative loop under the adaptive policy of lengths
     (0, 3, 7), greedy, with 128-slot caches; `force`: the index of the length the step verifies (`_spec_step`)."""
     stop, temperature, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
-    policy, seconds = _Policy((0, 3, 7), adaptive=True), jnp.ones(3, jnp.float32)
+    policy, seconds = _Policy((0, 3, 7), Adaptive()), jnp.ones(3, jnp.float32)
 
     def prefill(prompts):
         tokens, lengths = _pad_prompts(prompts)
