@@ -27,6 +27,11 @@ Where `p_ik` comes from (`History`, per sequence, running means that forget old 
   (and the DSpark cut, which stops at the first low confidence: draft k's depends on drafts before k only) keeps
   the target's distribution.
 
+Stopping drafting costs the policy its view of the drafter (only the fading of old evidence brings it back, after
+tens of steps), so a sequence that verified drafts at its last step turns to plain steps only when their rate beats
+drafting's by `Adaptive.margin` (10%): near the break-even point the two differ little in speed, and a drafter
+that starts to be right again is seen at once.
+
 Once a proposal is drafted, the policy verifies at least the shortest nonzero length: the drafting is paid for, a
 few more target rows cost little, and a verify is what updates the history (a policy that drafted and then verified
 nothing would learn nothing and draft again).
@@ -119,14 +124,16 @@ class Adaptive:
     plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a kind (cached
     in memory). memory: how much of a sequence's acceptance history a verify keeps (the rest is the new step's);
     idle_memory: how much a step that verifies nothing keeps, so that old evidence fades and a sequence that
-    stopped drafting tries again; prior: the acceptance rate assumed without evidence (one pseudo-trial).
+    stopped drafting tries again; prior: the acceptance rate assumed without evidence (one pseudo-trial); margin:
+    after a verify, plain steps are taken only if they are that much faster than drafting (module doc).
     """
 
     draft_lengths: tuple[int, ...] | None = None
     costs: StepCosts | None = None
     memory: float = 0.9
-    idle_memory: float = 0.97
+    idle_memory: float = 0.98
     prior: float = 0.5
+    margin: float = 0.1
 
     def __post_init__(self):
         if self.draft_lengths is not None:
@@ -139,6 +146,7 @@ class Adaptive:
         _fraction("memory", self.memory, True)
         _fraction("idle_memory", self.idle_memory, True)
         _fraction("prior", self.prior, True)
+        _fraction("margin", self.margin, False)
 
     def lengths(self, num_draft_tokens: int) -> tuple[int, ...]:
         """The draft lengths for a drafter of `num_draft_tokens` drafts per step."""
@@ -202,14 +210,14 @@ def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array
 
 
 def choose_length(p: jax.Array, lengths: tuple[int, ...], seconds: jax.Array, remaining: jax.Array,
-                  live: jax.Array, drafted: bool) -> jax.Array:
+                  live: jax.Array, drafted: bool, plain_margin: float | jax.Array = 0.0) -> jax.Array:
     """The index into `lengths` with the most expected tokens per second for the batch (`[]` int32).
 
     p, remaining: as `expected_tokens`; seconds: `[len(lengths)]` `StepCosts.seconds`; live: `[batch]` sequences
-    still running; drafted: a proposal is made, so only nonzero lengths are chosen (module doc).
+    still running; drafted: a proposal is made, so only nonzero lengths are chosen (module doc); plain_margin: the
+    rate of a plain step (length 0) counts `1 - plain_margin` times (`Adaptive.margin`).
     """
     tokens = jnp.where(live[:, None], expected_tokens(p, lengths, remaining), 0.0).sum(0)  # [len(lengths)]
     rate = tokens / seconds
-    if drafted:
-        rate = jnp.where(jnp.asarray(lengths) > 0, rate, -jnp.inf)
+    rate = jnp.where(jnp.asarray(lengths) > 0, rate, -jnp.inf if drafted else rate * (1 - plain_margin))
     return jnp.argmax(rate).astype(jnp.int32)

@@ -187,9 +187,10 @@ class _Policy:
         return self.settings is not None
 
     def choose(self, proposal: Proposal | None, history: History, seconds: jax.Array, remaining: jax.Array,
-               live: jax.Array, sampling: bool) -> jax.Array:
-        """The index of the next step's length: before drafting (`proposal` None) from the history alone; after,
-        from the proposal's calibrated confidences at T = 0 and the history at T > 0 (`dflash_jax.adaptive`)."""
+               live: jax.Array, sampling: bool, verified: jax.Array | bool = False) -> jax.Array:
+        """The index of the next step's length: before drafting (`proposal` None) from the history alone, with
+        `Adaptive.margin` against plain steps if this step `verified` drafts; after, from the proposal's
+        calibrated confidences at T = 0 and the history at T > 0 (`dflash_jax.adaptive`)."""
         assert self.settings is not None
         batch, n, prior = live.shape[0], self.lengths[-1], self.settings.prior
         if proposal is None or sampling:
@@ -198,7 +199,8 @@ class _Policy:
             confidence = proposal.predicted_acceptance()[:, :n]  # [batch, n]
             p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
             p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
-        return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None)
+        return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None,
+                             plain_margin=jnp.where(verified, self.settings.margin, 0.0))
 
 
 def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, StepCosts | None]:
@@ -381,7 +383,8 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
                                  s.proposal.predicted_acceptance(), live, policy.settings.memory,
                                  policy.settings.idle_memory)
         remaining, running = s.budget - n_out, ~done
-        ahead = jnp.where(force >= 0, force, policy.choose(None, history, seconds, remaining, running, sampling))
+        plan = policy.choose(None, history, seconds, remaining, running, sampling, verified=verified > 0)
+        ahead = jnp.where(force >= 0, force, plan)
         drafts_next = lengths[ahead] > 0  # [] (False only where lengths[0] == 0)
         proposal, context = jax.lax.cond(drafts_next, draft, keep_up, s.context)
         chosen = policy.choose(proposal, history, seconds, remaining, running, sampling)

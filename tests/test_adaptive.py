@@ -43,10 +43,12 @@ def test_the_chosen_length_maximises_expected_tokens_per_second():
         np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(p), LENGTHS, jnp.asarray(remaining))),
                                    tokens, rtol=1e-5)
         rate = (tokens * live[:, None]).sum(0) / seconds
+        margin = rng.choice([0.0, 0.1, 0.3])
         for drafted in (False, True):
-            want = np.argmax(np.where(np.array(LENGTHS) > 0, rate, -np.inf) if drafted else rate)
+            plain = -np.inf if drafted else rate[0] * (1 - margin)
+            want = np.argmax(np.concatenate([[plain], rate[1:]]))
             got = choose(jnp.asarray(p, jnp.float32), LENGTHS, jnp.asarray(seconds, jnp.float32),
-                         jnp.asarray(remaining), jnp.asarray(live), drafted=drafted)
+                         jnp.asarray(remaining), jnp.asarray(live), drafted=drafted, plain_margin=margin)
             assert int(got) == want, (trial, drafted, rate)
 
 
@@ -96,6 +98,7 @@ def test_bad_cost_tables_are_refused(fields, says):
     (dict(memory=1.0), ValueError, r"Adaptive.memory must be a number in \(0, 1\)"),
     (dict(idle_memory=float("nan")), ValueError, "Adaptive.idle_memory"),
     (dict(prior=0.0), ValueError, "Adaptive.prior"),
+    (dict(margin=-0.1), ValueError, r"Adaptive.margin must be a number in \[0, 1\)"),
     (dict(draft_lengths="037"), ValueError, "Adaptive.draft_lengths must be a non-empty sequence"),
     (dict(costs=(1.0, 2.0)), TypeError, "Adaptive.costs must be a dflash_jax.StepCosts"),
     (dict(draft_lengths=(0, 7), costs=StepCosts((0, 3), (1.0, 1.5), 1, "cpu")), ValueError,
