@@ -187,3 +187,16 @@ def test_plot_writes_the_figures(tmp_path):
                     str(tmp_path / "docs")], check=True, timeout=120, capture_output=True)
     for name in ("draft_step_vs_context.png", "decode_vs_acceptance.png"):
         assert (tmp_path / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_adaptive_small(tmp_path):
+    """benchmarks/adaptive.py end to end on tiny shapes: greedy, the fixed length and the adaptive policy side by
+    side, both outputs greedy's, the dialled acceptance what the drafter's map says."""
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "adaptive.py"), "--small",
+                    "--prompts", "16", "--batch", "2", "--max-new", "8", "--workloads", "acceptance 0",
+                    "acceptance 1", "--json", str(out)], check=True, timeout=600, capture_output=True)
+    rows = {r["workload"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"acceptance 0", "acceptance 1"}
+    assert all(r["same_as_greedy"] and r["greedy_tps"] > 0 and r["adaptive_tps"] > 0 for r in rows.values())
+    assert rows["acceptance 0"]["acceptance"] == 0 and rows["acceptance 1"]["acceptance"] == 1
