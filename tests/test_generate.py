@@ -113,11 +113,13 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert result.tokens == expected
     assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
     assert result.mean_acceptance_length == K + 1
-    # Verifying 7 drafts costs 100 plain steps here: the policy verifies 3 of them, all accepted, every step.
+    # Verifying 7 drafts costs 100 plain steps here: after the first step (every draft: nothing is known yet) the
+    # policy verifies 3 of them, all accepted, every step.
     three = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.0, 100.0), batch=len(PROMPTS), device="cpu"))
     result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=three)
     assert result.tokens == expected
-    assert {a for steps in result.acceptance_lengths for a in steps[:-1]} == {4}  # the last may end at the budget
+    assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
+    assert {a for steps in result.acceptance_lengths for a in steps[1:-1]} == {4}  # the last may end at the budget
 
     nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
     reference = greedy_generate(nudged, PROMPTS, max_new_tokens=MAX_NEW)
