@@ -45,7 +45,8 @@ def test_progress_callback_sees_every_step(checkpoints):
     drafter = load_drafter(drafter_dir, dtype=jnp.float32)
     seen: list[np.ndarray] = []
     result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append)
-    assert len(seen) == max(len(steps) for steps in result.acceptance_lengths)
+    steps = max(len(verifies) + plain for verifies, plain in zip(result.acceptance_lengths, result.plain_tokens))
+    assert len(seen) == steps  # verify steps and plain steps (one token each)
     counts = np.stack(seen)  # [steps, batch]: tokens made so far
     assert (np.diff(counts, axis=0) >= 0).all() and counts[-1].tolist() == [len(t) for t in result.tokens]
 
@@ -55,7 +56,7 @@ def test_progress_callback_sees_every_step(checkpoints):
     shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append)
     assert (generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()) == programs
     assert [len(t) for t in shorter.tokens] == [7, 7] and shorter.tokens == [t[:7] for t in result.tokens]
-    assert other and len(seen) == max(len(steps) for steps in result.acceptance_lengths)  # the old one not called
+    assert other and len(seen) == steps  # the old one not called
 
 
 def test_generate_verb_reports_bad_checkpoints(checkpoints, tmp_path, capsys):
