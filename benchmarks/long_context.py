@@ -9,11 +9,12 @@ all `ctx` rows on full ones) at the copy bandwidth measured in the same run (`x 
 
 Part `decode`: `speculative_generate` and `greedy_generate` on a Qwen3-8B-shaped target (YaRN to 131072
 positions, as Qwen3 documents for long contexts) made by `successor_target` (so acceptance can be dialled), with
-the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each also with the default
-`Backoff` (plain target steps while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device
-memory. Floors: greedy decoding reads the weights and the KV cache each token; a prefill
-does `2 x params x tokens` plus causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with
-the bf16 matmul rate measured in the same run (an 8192^3 GEMM).
+the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each at the fixed draft length
+and with the adaptive policy (`draft_length="adaptive"`: as many drafts per step as pay, plain target steps
+while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device memory. Floors: greedy decoding
+reads the weights and the KV cache each token; a prefill does `2 x params x tokens` plus causal attention
+`2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with the bf16 matmul rate measured in the same run (an
+8192^3 GEMM).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/long_context.py --json out.json
     python benchmarks/long_context.py --small     # tiny shapes, a CPU check of the script (tests run it)
@@ -41,7 +42,7 @@ from timing import call_seconds, matmul_rate  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
-from dflash_jax.generate import Backoff, greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.model import attention_rules  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
     preset_dict,
@@ -59,8 +60,8 @@ DRAFTERS = {
 LONG_QWEN3_8B = {**QWEN3_8B, "max_position_embeddings": 131072,
                  "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
 NEW_ROWS = 16
-DECODE_RUNS = ("greedy", "full acceptance", "zero acceptance", "full acceptance + backoff",
-               "zero acceptance + backoff")
+DECODE_RUNS = ("greedy", "full acceptance", "zero acceptance", "full acceptance + adaptive",
+               "zero acceptance + adaptive")
 
 
 def fastest(f, x, runs: int = 5) -> float:
@@ -140,7 +141,7 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
     dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
     drafters = {"full acceptance": successor_drafter(dspark, successor),
                 "zero acceptance": successor_drafter(dspark, other)}
-    backoffs = {"": None, " + backoff": Backoff()}
+    policies = {"": "fixed", " + adaptive": "adaptive"}
     c = target.config
     params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
     weight_bytes = nbytes(target.params) - c.vocab_size * c.hidden_size * 2
@@ -154,9 +155,10 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
             runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new_tokens=max_new,
                                                                           prefill_chunk=chunk, beyond_max_positions=b)}
-            for (name, d), (suffix, backoff) in itertools.product(drafters.items(), backoffs.items()):
-                runs[name + suffix] = lambda d=d, p=prompts, b=beyond, bo=backoff: speculative_generate(
-                    target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b, backoff=bo)
+            for (name, d), (suffix, policy) in itertools.product(drafters.items(), policies.items()):
+                runs[name + suffix] = lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
+                    target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b,
+                    draft_length=po)
             base, greedy_tokens = None, None
             for name, run in runs.items():
                 if name != "greedy" and name not in wanted:

@@ -13,8 +13,8 @@ the type of `drafter`), `model` (the drafter forward), `drafting` (one cached dr
 target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the
 Qwen3.5/3.6 hybrids; `target.moe`: their MoE block, `target.experts` its expert stacks from either disk layout;
 `target.loading`: `load_target`), `pairing` (is a drafter compatible with a target), `generate` (the
-draft/verify loop), `testing` (random checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax
-modules), `cli`.
+draft/verify loop), `adaptive` (its draft-length policy), `testing` (random checkpoints), `hub` (Hugging Face
+hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
+    from .adaptive import Adaptive, StepCosts
     from .config import DflashConfig, parse_config
     from .drafter import Drafter, draft_to_target_ids
     from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
     from .errors import CheckpointError, ConfigError, IncompatiblePairError
-    from .generate import Backoff, GenerationResult, greedy_generate, sample_generate, speculative_generate
+    from .generate import GenerationResult, greedy_generate, sample_generate, speculative_generate
     from .linen import DrafterModule
     from .loader import load_config, load_drafter
     from .model import AttentionOptions, draft_hidden, draft_logits
@@ -47,7 +48,8 @@ _EXPORTS = {
     "ContextCache": "drafting", "Proposal": "drafting", "append_context": "drafting", "init_cache": "drafting",
     "propose": "drafting", "sample_drafts": "drafting",
     "CheckpointError": "errors", "ConfigError": "errors", "IncompatiblePairError": "errors",
-    "Backoff": "generate", "GenerationResult": "generate", "greedy_generate": "generate",
+    "Adaptive": "adaptive", "StepCosts": "adaptive",
+    "GenerationResult": "generate", "greedy_generate": "generate",
     "sample_generate": "generate", "speculative_generate": "generate",
     "DrafterModule": "linen",
     "load_config": "loader", "load_drafter": "loader",
@@ -80,8 +82,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "__version__",
+    "Adaptive",
     "AttentionOptions",
-    "Backoff",
     "CheckpointError",
     "ConfigError",
     "ContextCache",
@@ -94,6 +96,7 @@ __all__ = [
     "Proposal",
     "Qwen3Target",
     "Qwen3_5Target",
+    "StepCosts",
     "Target",
     "append_context",
     "check_pair",

@@ -293,7 +293,7 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
                    confidence_threshold: Any = 0.0) -> list[list[int]]:
     """The arguments of `speculative_generate` / `greedy_generate` / `sample_generate`: the batch of prompts once
     each is of the right type and in range (`check_prompt_ids`, ints >= 1 for `max_new_tokens` and
-    `prefill_chunk`, stop ids as non-negative int32s, a finite number for the threshold; the sampling controls
+    `prefill_chunk`, stop ids as non-negative int32s, a number in [0, 1] for the threshold; the sampling controls
     and the key are `sampling`'s). Called under `jax.jit` it refuses at once (`refuse_traced`)."""
     refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, confidence_threshold)
     check_integer(where, "max_new_tokens", max_new_tokens, 1)
@@ -308,8 +308,8 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
                 raise TypeError(f"{where}: stop_token_ids[{i}] = {t!r} is a {type(t).__name__}; expected an int")
             check_integer(where, f"stop_token_ids[{i}]", _token(t))  # past the vocabulary: never matches
     threshold = check_number(where, "confidence_threshold", confidence_threshold)
-    if not np.isfinite(threshold):
-        raise ValueError(f"{where}: confidence_threshold={threshold} must be finite (0 verifies every draft)")
+    if not 0 <= threshold <= 1:  # NaN too: a predicted acceptance is a probability
+        raise ValueError(f"{where}: confidence_threshold={threshold} is outside [0, 1] (0 verifies every draft)")
     return prompts
 
 

@@ -161,9 +161,10 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--confidence-threshold", type=non_negative_float, default=0.0, metavar="C",
                    help="DSpark drafters with a confidence head: verify drafts only up to the first whose "
                         "predicted acceptance is below C (default 0: every draft)")
-    v.add_argument("--backoff", type=backoff, default=None, metavar="MIN_TOKENS",
-                   help="run plain target steps while verifies commit fewer than MIN_TOKENS tokens on average "
-                        "(dflash_jax.Backoff; e.g. 1.5); default: verify drafts every step")
+    v.add_argument("--draft-length", choices=("adaptive", "fixed"), default=None,
+                   help="adaptive: per step, verify as many drafts as maximise the expected tokens per second, "
+                        "none included (dflash_jax.Adaptive, step costs measured on the first steps); fixed: "
+                        "every draft, every step; default: the library's (dflash_jax.generate.DRAFT_LENGTH)")
     hosts = v.add_argument_group(
         "across processes (jax.distributed: every process runs the same command, process 0 prints the output)")
     hosts.add_argument("--distributed", action="store_true",
@@ -244,16 +245,6 @@ def token_ids(text: str) -> list[int]:
     if too_large:
         raise argparse.ArgumentTypeError(f"token id {too_large[0]} is larger than {INT32_MAX} (ids are int32)")
     return ids
-
-
-def backoff(text: str):
-    """`1.5` -> `Backoff(min_tokens=1.5)` (its own check: a finite number >= 1)."""
-    from .generate import Backoff
-
-    try:
-        return Backoff(min_tokens=float(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def _number(text: str) -> float:
@@ -466,7 +457,7 @@ def generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from .generate import speculative_generate
+    from .generate import DRAFT_LENGTH, speculative_generate
     from .loader import load_drafter
     from .model import AttentionOptions
     from .target.loading import load_target
@@ -501,11 +492,11 @@ def generate(args: argparse.Namespace) -> int:
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop,
             confidence_threshold=args.confidence_threshold, progress=report if terminal else None,
-            attention=attention, backoff=args.backoff,
+            attention=attention, draft_length=args.draft_length or DRAFT_LENGTH,
         )
     if shows:
         print(",".join(map(str, result.tokens[0])))
-        plain = f", {result.plain_tokens[0]} from plain steps" if args.backoff else ""
+        plain = f", {result.plain_tokens[0]} from plain steps" if result.plain_tokens[0] else ""
         print(f"{result.num_tokens} tokens{plain}, {len(result.acceptance_lengths[0])} verify steps, mean acceptance "
               f"length {result.mean_acceptance_length:.2f}; prefill {result.prefill_seconds:.3f} s, decode "
               f"{result.decode_seconds:.3f} s ({result.decode_tokens_per_second:.1f} tokens/s, compilation included)",
@@ -527,8 +518,8 @@ def native_output_to_stderr() -> None:
 # The `generate` flags every process of a --distributed run must be given alike: they decide the computation, which
 # the processes run together (the paths, revisions and cache directory may differ between hosts).
 SAME_EVERYWHERE = ("prompt_ids", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "stop_token_ids", "dtype", "tensor_parallel", "confidence_threshold", "backoff", "attention_rule",
-                   "draft_window", "draft_sinks")
+                   "stop_token_ids", "dtype", "tensor_parallel", "confidence_threshold", "draft_length",
+                   "attention_rule", "draft_window", "draft_sinks")
 
 
 def check_same_arguments(args: argparse.Namespace) -> None:

@@ -194,15 +194,41 @@ class Proposal:
     num_tokens: jax.Array  # [batch] int32: drafts to verify (fewer than num_draft_tokens after a confidence cut)
     probs: jax.Array | None = None  # [batch, num_draft_tokens, V] f32: q, the distribution each draft was drawn from
     confidence: jax.Array | None = None  # [batch, num_draft_tokens] f32: DSpark's predicted acceptance, sigmoid
+    draft_prob: jax.Array | None = None  # [batch, num_draft_tokens] f32: the drafter's probability of each draft
+    # (q's, sampled; greedily, the softmax of the scores it took the argmax of): the adaptive policy's signal
+
+    def head(self, n: int) -> Proposal:
+        """The first `n` drafts (a static count): the rest are not proposed."""
+        return Proposal(
+            tokens=self.tokens[:, :n], num_tokens=jnp.minimum(self.num_tokens, n),
+            probs=None if self.probs is None else self.probs[:, :n],
+            confidence=None if self.confidence is None else self.confidence[:, :n],
+            draft_prob=None if self.draft_prob is None else self.draft_prob[:, :n])
+
+    def predicted_acceptance(self) -> jax.Array:
+        """`[batch, num_draft_tokens]`: DSpark's confidence head where there is one, else `draft_prob`."""
+        out = self.draft_prob if self.confidence is None else self.confidence
+        assert out is not None, "a proposal from sample_drafts carries draft_prob"
+        return out
 
 
 def _row_keys(key: jax.Array | None, rows: int) -> jax.Array | None:
     return None if key is None else jax.random.split(key, rows)
 
 
+def _chosen_prob(scores: jax.Array, pick: jax.Array, probs: jax.Array | None) -> jax.Array:
+    """The probability the drafter gave its `pick` `[...]` among `scores [..., n]`: q's when sampled (`probs`), else
+    softmax(scores)'s."""
+    if probs is not None:
+        return jnp.take_along_axis(probs, pick[..., None], axis=-1)[..., 0]
+    chosen = jnp.take_along_axis(scores, pick[..., None], axis=-1)[..., 0]
+    return jnp.exp(chosen - jax.nn.logsumexp(scores, axis=-1))
+
+
 def _markov_walk(params, logits, anchor_ids, key, warp: Warp):
     """DSpark: row k draws from `logits_k + markov_w2(markov_w1[prev_k])`, prev_0 = anchor, prev_k = draft k-1 as a
-    target id (`d2t` maps a reduced vocabulary's draft ids: `markov_w1` is indexed by target ids, speculators')."""
+    target id (`d2t` maps a reduced vocabulary's draft ids: `markov_w1` is indexed by target ids, speculators').
+    Returns `(tokens, q or None, the probability of each draft)`, tokens as draft ids."""
     w1 = params["markov_head"]["markov_w1"]["weight"]  # [V, r]
     w2 = params["markov_head"]["markov_w2"]["weight"]  # [draft V, r]
     d2t = params.get("d2t")
@@ -211,11 +237,11 @@ def _markov_walk(params, logits, anchor_ids, key, warp: Warp):
         base, row_key = row  # [batch, draft V] f32
         bias = dot("br,vr->bv", jnp.take(w1, prev, axis=0), w2)  # [batch, draft V]
         token, probs = choose(row_key, base + bias, warp)  # a draft id
-        return draft_to_target_ids(token, d2t), (token, probs)
+        return draft_to_target_ids(token, d2t), (token, probs, _chosen_prob(base + bias, token, probs))
 
     rows = (jnp.moveaxis(logits, 1, 0), _row_keys(key, logits.shape[1]))  # scan over draft rows
-    _, (tokens, probs) = jax.lax.scan(step, anchor_ids, rows)
-    return tokens.T, None if probs is None else jnp.moveaxis(probs, 0, 1)
+    _, (tokens, probs, chosen) = jax.lax.scan(step, anchor_ids, rows)
+    return tokens.T, None if probs is None else jnp.moveaxis(probs, 0, 1), chosen.T
 
 
 def _selector_walk(params, config, hidden, logits, anchor_ids, key, warp: Warp):
@@ -232,18 +258,18 @@ def _selector_walk(params, config, hidden, logits, anchor_ids, key, warp: Warp):
         scores = u + dot("br,bkr->bk", state, succ.astype(jnp.float32))  # [batch, K]
         pick, probs = choose(row_key, scores, warp)
         token = jnp.take_along_axis(ids, pick[:, None], axis=1)[:, 0]
-        return token, (token, probs)
+        return token, (token, probs, _chosen_prob(scores, pick, probs))
 
     rows = tuple(jnp.moveaxis(a, 1, 0) for a in (unary, cand, context, successors))
-    _, (tokens, cand_probs) = jax.lax.scan(step, anchor_ids, (*rows, _row_keys(key, logits.shape[1])))
+    _, (tokens, cand_probs, chosen) = jax.lax.scan(step, anchor_ids, (*rows, _row_keys(key, logits.shape[1])))
     if cand_probs is None:
-        return tokens.T, None
+        return tokens.T, None, chosen.T
     batch, n, vocab = logits.shape
     probs = jnp.zeros((batch, n, vocab), jnp.float32)  # q is zero off the candidates
     probs = probs.at[jnp.arange(batch)[:, None, None], jnp.arange(n)[None, :, None], cand].set(
         jnp.moveaxis(cand_probs, 0, 1)
     )
-    return tokens.T, probs
+    return tokens.T, probs, chosen.T
 
 
 def _confidence(params, hidden, anchor_ids, tokens):
@@ -303,11 +329,12 @@ def sample_drafts(
                 min_p=None if min_p is None else per_sequence(min_p, jnp.float32))
 
     if selector:
-        tokens, probs = _selector_walk(params, config, hidden, logits, anchor_ids, key, warp)
+        tokens, probs, draft_prob = _selector_walk(params, config, hidden, logits, anchor_ids, key, warp)
     elif markov:
-        tokens, probs = _markov_walk(params, logits, anchor_ids, key, warp)
+        tokens, probs, draft_prob = _markov_walk(params, logits, anchor_ids, key, warp)
     else:
         tokens, probs = choose(key, logits, warp)
+        draft_prob = _chosen_prob(logits, tokens, probs)
 
     n = tokens.shape[1]
     num_tokens = jnp.full((batch,), n, jnp.int32)
@@ -321,7 +348,7 @@ def sample_drafts(
         confidence = _confidence(params, hidden, anchor_ids, tokens)  # [batch, n]; prev as target ids
         below = confidence < confidence_threshold
         num_tokens = jnp.where(below.any(axis=1), jnp.argmax(below, axis=1), n).astype(jnp.int32)
-    return Proposal(tokens=tokens, num_tokens=num_tokens, probs=probs, confidence=confidence)
+    return Proposal(tokens=tokens, num_tokens=num_tokens, probs=probs, confidence=confidence, draft_prob=draft_prob)
 
 
 def _append(cache: ContextCache, new_kv, num_new: jax.Array) -> ContextCache:

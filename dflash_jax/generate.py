@@ -26,8 +26,14 @@ compares each draft with a token sampled from the target, which is lossless too,
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
+How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default, `DRAFT_LENGTH`), one
+of a few static lengths (0: a plain target step, without drafting after it) chosen per step to maximise the
+expected tokens per second from measured step costs, the drafter's confidences and each sequence's acceptance
+history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut.
+
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
-`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program. Measured on
+`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program (the verify lengths
+are branches of a `lax.switch` in it). Measured on
 CPU (2 cores, tiny models, 39 steps; docs/generate.md): 21 ms for the while_loop against 31 ms for the same
 jitted step driven from Python, whose per-step dispatch and host sync (to test "all done") a small model
 cannot hide. A progress callback, when given, is called from inside the loop (`jax.debug.callback`).
@@ -39,6 +45,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +55,7 @@ import numpy as np
 
 from ._arguments import check_cache_fits, check_generate
 from ._shapes import round_up
+from .adaptive import Adaptive, History, StepCosts, choose_length
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .errors import IncompatiblePairError
@@ -67,10 +75,10 @@ class GenerationResult:
 
     Always batched, whether `prompt_ids` was one prompt or several: `tokens[i]` are prompt i's new ids,
     `acceptance_lengths[i]` its verify steps' acceptance lengths, `plain_tokens[i]` how many of its tokens plain
-    target steps made (`Backoff`), not verifies; one prompt is `result.tokens[0]`. Acceptance lengths count the
-    bonus token (the reference's tau per step: accepted drafts + 1); the first new token comes from the prefill
-    and belongs to no step. Times are wall clock and include compilation the first time a shape is seen: warm up
-    first to measure speed.
+    target steps made (steps verifying no drafts, which the adaptive policy chooses), not verifies; one prompt is
+    `result.tokens[0]`. Acceptance lengths count the bonus token (the reference's tau per step: accepted drafts +
+    1); the first new token comes from the prefill and belongs to no step. Times are wall clock and include
+    compilation the first time a shape is seen: warm up first to measure speed.
     """
 
     tokens: list[list[int]]
@@ -133,39 +141,77 @@ def _to_lists(tokens: np.ndarray, counts: np.ndarray) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Speculative decoding
+# Commit, stop and budget: one bookkeeping for both loops
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _commit(out: jax.Array, n_out: jax.Array, done: jax.Array, budget: jax.Array, stop: jax.Array,
+            made: jax.Array, accepted: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Append a step's tokens: `(out, n_out, done)` after writing `made [batch, R]`'s first `accepted + 1` tokens
+    (`accepted [batch]`; a plain step: `R = 1`, `accepted = 0`) of each running sequence to `out [batch, capacity]`
+    at `n_out [batch]`, cut after a stop token (kept) and at the `budget`."""
+    batch, R = made.shape
+    live = ~done
+    is_stop = (made[..., None] == stop).any(-1) & (jnp.arange(R) <= accepted[:, None])  # [batch, R]
+    keep = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1) + 1, accepted + 1)
+    keep = jnp.where(live, jnp.minimum(keep, budget - n_out), 0)  # [batch]
+    kept = jnp.arange(R) < keep[:, None]  # [batch, R]
+    slots = jnp.where(kept, n_out[:, None] + jnp.arange(R), out.shape[1])  # past the end: dropped
+    n_out = n_out + keep
+    out = out.at[jnp.arange(batch)[:, None], slots].set(made, mode="drop")
+    return out, n_out, done | (is_stop & kept).any(1) | (n_out >= budget)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Speculative decoding
+# --------------------------------------------------------------------------------------------------------------
+
+DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length: "adaptive" or "fixed"
+CALIBRATION_STEPS = 4  # decode steps timed per draft length when the costs are measured (`_calibrate`)
+_NO_LIMIT = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
-class Backoff:
-    """Stop drafting while it does not pay: `speculative_generate(..., backoff=Backoff())` (off by default).
+class _Policy:
+    """What the compiled loop knows of the draft-length policy (static): the lengths it chooses from, and the
+    `Adaptive` settings without their costs (a traced input), or None: every step verifies `lengths[0]`, the
+    drafter's K."""
 
-    A verify step costs more than a plain target step: K + 1 tokens through the target, then a drafting step (on
-    an H200 at a 32k context, a 16-draft DSpark step costs ~1.6 plain steps). The loop keeps a running mean of
-    the tokens a verify commits per running sequence (accepted drafts + the bonus; each verify weighs half, the
-    older ones the other half; it starts at K + 1). While that mean is below `min_tokens`, it runs plain target
-    steps, one token and no drafting each, before drafting again: 1 after the first verify below it, then 2, 4,
-    ... up to `max_plain_steps` while the verifies in between keep it below. The drafter's context keeps up
-    during plain steps (their features are appended to it), so the next draft sees the whole sequence.
+    lengths: tuple[int, ...]
+    settings: Adaptive | None
 
-    Output is unchanged: the target's greedy tokens at temperature 0, its sampling distribution at T > 0 (a
-    plain step samples from the target; when to verify depends only on past steps). The decision is one for the
-    batch, which runs in lockstep. Varying how much to speculate from the acceptance so far is the idea of
-    adaptive speculation lengths (Mamou et al. 2024, arXiv:2405.04304; Huang et al. 2024, arXiv:2405.19715).
-    """
+    @property
+    def adaptive(self) -> bool:
+        return self.settings is not None
 
-    min_tokens: float = 1.5
-    max_plain_steps: int = 32
+    def choose(self, proposal: Proposal | None, history: History, seconds: jax.Array, remaining: jax.Array,
+               live: jax.Array, sampling: bool, verified: jax.Array | bool = False) -> jax.Array:
+        """The index of the next step's length: before drafting (`proposal` None) from the history alone, with
+        `Adaptive.margin` against plain steps if this step `verified` drafts; after, from the proposal's
+        calibrated confidences at T = 0 and the history at T > 0 (`dflash_jax.adaptive`)."""
+        assert self.settings is not None
+        batch, n, prior = live.shape[0], self.lengths[-1], self.settings.prior
+        if proposal is None or sampling:
+            p = jnp.broadcast_to(history.rate(prior)[:, None], (batch, n))
+        else:
+            confidence = proposal.predicted_acceptance()[:, :n]  # [batch, n]
+            p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
+            p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
+        return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None,
+                             plain_margin=jnp.where(verified, self.settings.margin, 0.0))
 
-    def __post_init__(self):
-        if isinstance(self.min_tokens, bool) or not (isinstance(self.min_tokens, (int, float))
-                                                     and 1 <= self.min_tokens < float("inf")):
-            raise ValueError(f"Backoff.min_tokens must be a finite number >= 1 (a verify commits at least one "
-                             f"token), got {self.min_tokens!r}")
-        if isinstance(self.max_plain_steps, bool) or not (isinstance(self.max_plain_steps, int)
-                                                          and 1 <= self.max_plain_steps <= 2**31 - 1):
-            raise ValueError(f"Backoff.max_plain_steps must be an int in [1, 2**31 - 1], got {self.max_plain_steps!r}")
+
+def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, StepCosts | None]:
+    """`speculative_generate`'s `draft_length` as the loop's `_Policy` and the costs the user gave, if any."""
+    if isinstance(draft_length, str) and draft_length == "fixed":
+        return _Policy((num_draft_tokens,), None), None
+    if isinstance(draft_length, str) and draft_length == "adaptive":
+        draft_length = Adaptive()
+    if not isinstance(draft_length, Adaptive):
+        raise TypeError(f"speculative_generate: draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive, "
+                        f"got {draft_length!r}")
+    settings = dataclasses.replace(draft_length, draft_lengths=None, costs=None)  # static: no arrays, no times
+    return _Policy(draft_length.lengths(num_draft_tokens), settings), draft_length.costs
 
 
 @jax.tree_util.register_dataclass
@@ -178,17 +224,16 @@ class _State:
     lengths: jax.Array  # [batch] positions in the target cache (= context rows in the drafter's cache)
     context: ContextCache  # the drafter's context K/V
     anchor: jax.Array  # [batch] the last committed token, not yet run through the target
-    proposal: Proposal  # drafts for the next verify
+    proposal: Proposal  # drafts for the next verify (none proposed after a step that did not draft)
     out: jax.Array  # [batch, capacity] new tokens (capacity: the budget rounded up to BUDGET_BUCKET)
     n_out: jax.Array  # [batch] tokens in `out`
     budget: jax.Array  # [] int32 max_new_tokens: a value, so that budgets of one bucket share the program
     accept: jax.Array  # [batch, capacity] acceptance length of each verify step (0: done, or a plain step)
-    plain: jax.Array  # [batch] tokens made by plain steps
+    plain: jax.Array  # [batch] tokens made by plain steps (verifying no drafts)
     done: jax.Array  # [batch] bool
     key: jax.Array
-    mean_tokens: jax.Array  # [] float32 `Backoff`'s running mean of tokens per verify
-    plain_run: jax.Array  # [] int32 the length of the current run of plain steps (0: none)
-    plain_left: jax.Array  # [] int32 plain steps before the next verify (0: this step verifies)
+    verify: jax.Array  # [] int32 the index into the policy's lengths of the next step's verify
+    history: History  # per sequence: the adaptive policy's acceptance history
 
 
 def _in_vocabulary(drafts: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -244,9 +289,12 @@ def _acceptance(
 )
 def _spec_prefill(
     target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, warp: Warp,
-    threshold, key, budget, *, capacity: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
+    threshold, key, budget, verify, *, capacity: int, sampling: bool, attention: AttentionOptions,
+    prefill_chunk: int
 ) -> _State:
-    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts.
+    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts; the
+    first step verifies the length of index `verify` (`[]` int32: the longest, since nothing is known yet), so
+    that one prefill program serves every policy.
 
     The empty caches come in as arguments: made inside, XLA would constant-fold work over them at compile time.
     """
@@ -273,68 +321,75 @@ def _spec_prefill(
         plain=jnp.zeros((batch,), jnp.int32),
         done=(first[:, None] == stop).any(-1) | (budget <= 1),
         key=key,
-        mean_tokens=jnp.float32(drafter.config.num_draft_tokens + 1),
-        plain_run=jnp.zeros((), jnp.int32),
-        plain_left=jnp.zeros((), jnp.int32),
+        verify=verify,
+        history=History.empty(batch),
     )
 
 
-def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, call, sampling: bool,
-               attention: AttentionOptions, backoff: Backoff | None, report: bool, s: _State) -> _State:
-    """One verify + commit + draft step for every sequence still running (under `backoff`, some steps are plain:
-    one target token, no drafts)."""
-    batch, K = s.anchor.shape[0], drafter.config.num_draft_tokens
+def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, call, seconds, force,
+               sampling: bool, attention: AttentionOptions, policy: _Policy, report: bool, s: _State) -> _State:
+    """One verify + commit + draft step for every sequence still running.
+
+    The step verifies `policy.lengths[s.verify]` drafts (a `lax.switch` over the lengths, each a target call on
+    that many rows; drafts past it are not proposed) and then, under the adaptive policy, decides from the history
+    whether the next step drafts and, once drafted, how many drafts it verifies. `force >= 0` (calibration) sets
+    the length of this step and the next instead, drafting unless it is 0.
+    """
+    K = drafter.config.num_draft_tokens
     layer_ids = drafter.config.checked_target_layer_ids
     verify_key, draft_key, key = jax.random.split(s.key, 3)
     live = ~s.done
+    index = jnp.where(force >= 0, force, s.verify) if policy.adaptive else s.verify
+    lengths = jnp.asarray(policy.lengths)
 
-    def verify(s: _State):
-        drafts, _ = _in_vocabulary(s.proposal.tokens, target.vocab_size)
-        tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, K + 1]
-        out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
-        accepted, last = _acceptance(verify_key if sampling else None, out.logits, s.proposal, warp)
-        cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor and the accepted drafts
-        return cache, out.features, accepted, last  # features [batch, K + 1, Lf*H]
+    def verify(n: int):  # the anchor and the first n drafts through the target
+        def run(s: _State):
+            proposal = s.proposal.head(n)
+            drafts, _ = _in_vocabulary(proposal.tokens, target.vocab_size)
+            tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, n + 1]
+            out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
+            accepted, last = _acceptance(verify_key if sampling else None, out.logits, proposal, warp)
+            cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor and the accepted drafts
+            features = jnp.pad(out.features, ((0, 0), (0, K - n), (0, 0)))  # [batch, K + 1, Lf*H]; n + 1 real
+            return cache, features, accepted, last
+        return run
 
-    def plain(s: _State):  # the anchor alone: a verify that rejects every draft
-        out = target(s.anchor[:, None], s.target_cache, s.lengths, layer_ids=layer_ids)
-        last = _pick(verify_key if sampling else None, out.logits[:, 0], warp)  # [batch]
-        features = jnp.pad(out.features, ((0, 0), (0, K), (0, 0)))  # [batch, K + 1, Lf*H]; only row 0 is real
-        return target.commit(out.cache, live.astype(jnp.int32)), features, jnp.zeros_like(last), last
-
-    verifies = s.plain_left == 0  # [] always, without a backoff
-    if backoff is None:
-        target_cache, features, accepted, last = verify(s)
+    branches = [verify(n) for n in policy.lengths]
+    if len(branches) == 1:
+        target_cache, features, accepted, last = branches[0](s)
     else:
-        target_cache, features, accepted, last = jax.lax.cond(verifies, verify, plain, s)
+        target_cache, features, accepted, last = jax.lax.switch(index, branches, s)
 
-    # Commit d_1..d_a + last, cut after a stop token and at the token budget.
     made = jnp.pad(s.proposal.tokens, ((0, 0), (0, 1)))
-    made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1]
-    is_stop = (made[..., None] == stop).any(-1) & (jnp.arange(K + 1) <= accepted[:, None])  # [batch, K + 1]
-    keep = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1) + 1, accepted + 1)
-    keep = jnp.where(live, jnp.minimum(keep, s.budget - s.n_out), 0)  # [batch]
-    rows = jnp.arange(batch)[:, None]
-    kept = jnp.arange(K + 1) < keep[:, None]  # [batch, K + 1]
-    slots = jnp.where(kept, s.n_out[:, None] + jnp.arange(K + 1), s.out.shape[1])  # past the end: dropped
-    n_out = s.n_out + keep
-    done = s.done | (is_stop & kept).any(1) | (n_out >= s.budget)
+    made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1] d_1..d_a, last
+    out, n_out, done = _commit(s.out, s.n_out, s.done, s.budget, stop, made, accepted)
     committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
-
-    mean_tokens, plain_run, plain_left = _backoff_schedule(backoff, s, committed, live)
+    verified = lengths[index]  # []
 
     def draft(context: ContextCache):
         return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
                        temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,
                        confidence_threshold=threshold, attention=attention)
 
-    def keep_up(context: ContextCache):  # the next step is plain: its drafts are never read
-        return s.proposal, append_context(drafter, context, features, committed, attention=attention)
+    def keep_up(context: ContextCache):  # the next step verifies nothing: no drafts proposed
+        return (dataclasses.replace(s.proposal, num_tokens=jnp.zeros_like(s.proposal.num_tokens)),
+                append_context(drafter, context, features, committed, attention=attention))
 
-    if backoff is None:
-        proposal, context = draft(s.context)
+    history = s.history
+    if policy.settings is not None:
+        history = history.update(jnp.minimum(verified, s.proposal.num_tokens), accepted,
+                                 s.proposal.predicted_acceptance(), live, policy.settings.memory,
+                                 policy.settings.idle_memory)
+        remaining, running = s.budget - n_out, ~done
+        plan = policy.choose(None, history, seconds, remaining, running, sampling, verified=verified > 0)
+        ahead = jnp.where(force >= 0, force, plan)
+        drafts_next = lengths[ahead] > 0  # [] (False only where lengths[0] == 0)
+        proposal, context = jax.lax.cond(drafts_next, draft, keep_up, s.context)
+        chosen = policy.choose(proposal, history, seconds, remaining, running, sampling)
+        next_verify = jnp.where(force >= 0, force, jnp.where(drafts_next, chosen, 0)).astype(jnp.int32)
     else:
-        proposal, context = jax.lax.cond(plain_left == 0, draft, keep_up, s.context)
+        proposal, context = draft(s.context)
+        next_verify = s.verify
     if report:
         jax.debug.callback(_report, call, n_out)
     return _State(
@@ -344,47 +399,35 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
         context=context,
         anchor=jnp.where(live, last, s.anchor),
         proposal=proposal,
-        out=s.out.at[rows, slots].set(made, mode="drop"),
+        out=out,
         n_out=n_out,
         budget=s.budget,
-        accept=s.accept.at[:, s.step].set(jnp.where(verifies, committed, 0)),
-        plain=s.plain + jnp.where(verifies, 0, committed),
+        accept=s.accept.at[:, s.step].set(jnp.where(verified > 0, committed, 0)),
+        plain=s.plain + jnp.where(verified > 0, 0, committed),
         done=done,
         key=key,
-        mean_tokens=mean_tokens,
-        plain_run=plain_run,
-        plain_left=plain_left,
+        verify=next_verify,
+        history=history,
     )
 
 
-def _backoff_schedule(backoff: Backoff | None, s: _State, committed: jax.Array, live: jax.Array):
-    """`Backoff`'s rule after a step: `(mean tokens per verify, plain run length, plain steps left)`."""
-    if backoff is None:
-        return s.mean_tokens, s.plain_run, s.plain_left
-    verified = s.plain_left == 0
-    tokens = committed.sum() / jnp.maximum(live.sum(), 1)  # [] this step's tokens per running sequence
-    mean = jnp.where(verified, (s.mean_tokens + tokens) / 2, s.mean_tokens)
-    failing = mean < backoff.min_tokens
-    run = jnp.where(failing, jnp.clip(2 * s.plain_run, 1, backoff.max_plain_steps), 0)  # 1, 2, 4, ... max
-    return (mean, jnp.where(verified, run, s.plain_run).astype(jnp.int32),
-            jnp.where(verified, jnp.where(failing, run, 0), s.plain_left - 1).astype(jnp.int32))
-
-
 @functools.partial(
-    jax.jit, static_argnames=("sampling", "attention", "backoff", "report"), donate_argnames=("state",),
+    jax.jit, static_argnames=("sampling", "attention", "policy", "report"), donate_argnames=("state",),
 )
-def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Warp, threshold, call, *,
-                 sampling: bool, attention: AttentionOptions, backoff: Backoff | None = None,
+def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Warp, threshold, call, seconds, force,
+                 until, *, sampling: bool, attention: AttentionOptions, policy: _Policy,
                  report: bool = False) -> _State:
-    """Steps until every sequence is done, as one `lax.while_loop`. `report`: call the progress callback
-    registered under `call` after every step (`_report`)."""
-    step = functools.partial(_spec_step, target, drafter, stop, warp, threshold, call, sampling, attention, backoff,
-                             report)
-    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < s.budget), step, state)
+    """Steps until every sequence is done (or `state.step` reaches `until`), as one `lax.while_loop`. `report`:
+    call the progress callback registered under `call` after every step (`_report`). `seconds`: the step costs
+    of `policy.lengths`; `force`: -1, or the index of the length every step takes (`_calibrate`)."""
+    step = functools.partial(_spec_step, target, drafter, stop, warp, threshold, call, seconds, force, sampling,
+                             attention, policy, report)
+    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < s.budget) & (s.step < until), step, state)
 
 
 _PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
 _CALLS = itertools.count()
+_COSTS: dict[tuple, StepCosts] = {}  # measured step costs, by what determines them (`_costs_key`)
 
 
 def _report(call: np.ndarray, n_out: np.ndarray) -> None:
@@ -393,6 +436,47 @@ def _report(call: np.ndarray, n_out: np.ndarray) -> None:
     callback = _PROGRESS.get(int(call))
     if callback is not None:
         callback(n_out)
+
+
+def _device_kind(tree: Any) -> tuple[str, int]:
+    """The kind of device the first array of `tree` lives on, and on how many devices it lives."""
+    devices = jax.tree_util.tree_leaves(tree)[0].devices()
+    return next(iter(devices)).device_kind, len(devices)
+
+
+def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, policy: _Policy, sampling: bool,
+               attention: AttentionOptions) -> tuple:
+    """What a step's cost depends on: the devices, both models' configs and dtypes, the shapes, the lengths."""
+    dtypes = tuple(str(jax.tree_util.tree_leaves(m)[0].dtype) for m in (target, drafter))
+    return (_device_kind(target), type(target).__name__, repr(getattr(target, "config", None)),
+            repr(drafter.config), dtypes, batch, capacity, policy.lengths, sampling, attention)
+
+
+def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int,
+               device: str) -> tuple[_State, StepCosts | None]:
+    """Measure the step costs on the run itself: `CALIBRATION_STEPS` decode steps at each length (longest first,
+    a plain length last, since it leaves no proposal), timed from the host after one untimed step at each.
+    Returns the state after them and the costs; None when the decode ended first (nothing is left to choose) or the
+    times are not usable (then the caller falls back to the longest length, with a warning)."""
+    placeholder = jnp.ones(len(policy.lengths), jnp.float32)
+    order = list(reversed(range(len(policy.lengths))))
+    for i in order:  # one step each first: the first compiles, and the first call at each length is slower
+        state = run(state, placeholder, jnp.int32(i), jnp.int32(int(state.step) + 1))  # (their tokens count)
+    seconds = {}
+    for i in order:
+        first = int(state.step)
+        start = time.perf_counter()
+        state = run(state, placeholder, jnp.int32(i), jnp.int32(first + CALIBRATION_STEPS))
+        steps = int(state.step) - first  # a host sync: the steps are done
+        if steps < CALIBRATION_STEPS:
+            return state, None
+        seconds[i] = (time.perf_counter() - start) / steps
+    try:
+        return state, StepCosts(policy.lengths, tuple(seconds[i] for i in range(len(policy.lengths))), batch, device)
+    except ValueError as e:  # a clock that did not move: no costs to trust, so the longest length from here on
+        warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
+                      f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
+        return state, None
 
 
 def speculative_generate(
@@ -413,7 +497,7 @@ def speculative_generate(
     attention: AttentionOptions = AttentionOptions(),
     prefill_chunk: int = PREFILL_CHUNK,
     beyond_max_positions: bool = False,
-    backoff: Backoff | None = None,
+    draft_length: str | Adaptive = DRAFT_LENGTH,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
 
@@ -426,15 +510,17 @@ def speculative_generate(
     `key=jax.random.key(seed)`; neither: seed 0. `drafter`: a `Drafter` or an
     `nnx.DFlashDrafter`; the pair is checked first (`pairing.check_pair`). A sequence stops after a token of
     `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
-    ships none. `confidence_threshold` (DSpark drafters with a confidence head): proposals end before the
-    first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
+    ships none. `confidence_threshold` in [0, 1] (DSpark drafters with a confidence head): proposals end before
+    the first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
     called after every step with the tokens made so far per sequence (`[batch]` NumPy).
 
     attention: the drafter's attention rule (`AttentionOptions`; default: the trained rule; a draft window
     changes acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time.
     A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
-    (ValueError) unless `beyond_max_positions`. `backoff` (`Backoff`): run plain target steps while drafts are
-    rarely accepted (`GenerationResult.plain_tokens` counts their tokens); None: every step verifies drafts.
+    (ValueError) unless `beyond_max_positions`. `draft_length`: "adaptive" (`Adaptive()`: per step, as many
+    drafts as maximise the expected tokens per second, none included; `dflash_jax.adaptive`), an `Adaptive`
+    with other settings or given costs, or "fixed" (every step verifies all of the drafter's drafts).
+    `GenerationResult.plain_tokens` counts the tokens of steps that verified no drafts.
     """
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
         drafter = drafter.drafter  # an `nnx.DFlashDrafter` module: its current values
@@ -444,24 +530,31 @@ def speculative_generate(
     warp = sampling_controls("speculative_generate", temperature, top_k, top_p, min_p)
     key = rng_key("speculative_generate", key, seed)
     check_pair(target, drafter)
-    if backoff is not None and not isinstance(backoff, Backoff):
-        raise TypeError(f"backoff must be a dflash_jax.Backoff or None, got {type(backoff).__name__}")
+    K = drafter.config.num_draft_tokens
+    policy, costs = _resolve_policy(draft_length, K)
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
-    K = drafter.config.num_draft_tokens
+    batch = len(prompts)
     capacity = round_up(tokens.shape[1] + round_up(max_new_tokens, BUDGET_BUCKET) + K + 1, CACHE_BUCKET)
-    check_cache_fits("speculative_generate", target, drafter, len(prompts), capacity)
+    check_cache_fits("speculative_generate", target, drafter, batch, capacity)
     stop = _stop_array(stop_token_ids)
     threshold = jnp.float32(confidence_threshold)
     sampling = temperature > 0
+    device = _device_kind(target)[0]
+    cost_key = _costs_key(target, drafter, batch, capacity, policy, sampling, attention)
+    if costs is not None:
+        costs.check_fits("speculative_generate", policy.lengths, batch, device)
+    elif policy.adaptive:
+        costs = _COSTS.get(cost_key)
+    seconds = jnp.asarray(costs.seconds if costs is not None else [1.0] * len(policy.lengths), jnp.float32)
 
     start = time.perf_counter()
-    caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity,
-                                                                   attention=attention)
+    caches = target.init_cache(batch, capacity), init_cache(drafter, batch, capacity, attention=attention)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, threshold, key,
-                          jnp.int32(max_new_tokens), capacity=round_up(max_new_tokens, BUDGET_BUCKET),
-                          sampling=sampling, attention=attention, prefill_chunk=prefill_chunk)
+                          jnp.int32(max_new_tokens), jnp.int32(len(policy.lengths) - 1),
+                          capacity=round_up(max_new_tokens, BUDGET_BUCKET), sampling=sampling, attention=attention,
+                          prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
@@ -469,8 +562,20 @@ def speculative_generate(
     if progress is not None:
         _PROGRESS[call] = progress
     try:
-        state = _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(call), sampling=sampling,
-                             attention=attention, backoff=backoff, report=progress is not None)
+        def run(state: _State, seconds: jax.Array, force: jax.Array, until: jax.Array) -> _State:
+            return _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(call), seconds, force,
+                                until, sampling=sampling, attention=attention, policy=policy,
+                                report=progress is not None)
+
+        force = jnp.int32(-1)
+        if policy.adaptive and costs is None:
+            state, costs = _calibrate(run, state, policy, batch, device)
+            if costs is None:
+                force = jnp.int32(len(policy.lengths) - 1)  # the fixed length: never wrong output, only slower
+            else:
+                _COSTS[cost_key] = costs
+                seconds = jnp.asarray(costs.seconds, jnp.float32)
+        state = run(state, seconds, force, jnp.int32(_NO_LIMIT))
         out, n_out, accept, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
     finally:
         _PROGRESS.pop(call, None)
@@ -554,18 +659,17 @@ def _greedy_decode(target: Target, state: _GreedyState, stop, warp: Warp, *, sam
         step_key, key = jax.random.split(s.key)
         o = target(s.last[:, None], s.cache, s.lengths, layer_ids=())  # `last` enters the cache at position `lengths`
         nxt = _pick(step_key if sampling else None, o.logits[:, 0], warp)  # [batch]
-        slots = jnp.where(s.done, s.out.shape[1], s.n_out)  # past the end: dropped
         live = ~s.done
         advance = live.astype(jnp.int32)  # [batch] 1 while running
-        n_out = s.n_out + advance
+        out, n_out, done = _commit(s.out, s.n_out, s.done, s.budget, stop, nxt[:, None], jnp.zeros_like(nxt))
         return _GreedyState(
             cache=target.commit(o.cache, advance),
             lengths=s.lengths + advance,
             last=jnp.where(live, nxt, s.last),
-            out=s.out.at[jnp.arange(s.out.shape[0]), slots].set(nxt, mode="drop"),
+            out=out,
             n_out=n_out,
             budget=s.budget,
-            done=s.done | (live & (nxt[:, None] == stop).any(-1)) | (n_out >= s.budget),
+            done=done,
             key=key,
         )
 

@@ -4,8 +4,8 @@ Writes a tiny Qwen3 target and tiny drafters to a temporary directory, loads the
 loaded, and compares plain greedy decoding with speculative decoding:
 
 1. a random DFlash drafter: nearly every draft is rejected (acceptance length about 1), the output is still
-   the target's own, and speculation costs more than it saves, unless a `Backoff` turns to plain target steps
-   while drafts keep failing;
+   the target's own, and speculation at the fixed draft length costs more than it saves; the adaptive policy
+   (the default) turns to plain target steps while drafts keep failing;
 2. a target rebuilt to follow a fixed successor map and a DSpark drafter whose Markov head walks that map:
    nearly whole blocks are accepted, which is where speculation pays.
 
@@ -63,11 +63,11 @@ def main() -> None:
     print(f"{len(PROMPTS)} prompts x {MAX_NEW} new tokens, batch decoding, tokens/s of the decode loop\n")
     greedy = timed(lambda: greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW))
     report("random target, greedy", greedy)
-    spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW))
+    spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW, draft_length="fixed"))
     report("random target, random DFlash drafter", spec, greedy)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW,
-                                              backoff=dflash_jax.Backoff()))
-    report("random target, random DFlash drafter, Backoff", spec, greedy)
+                                              draft_length="adaptive"))
+    report("random target, random DFlash drafter, adaptive", spec, greedy)
 
     successor = np.random.default_rng(0).permutation(target.config.vocab_size)
     follower = successor_target(target, successor)

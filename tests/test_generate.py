@@ -1,25 +1,25 @@
 """speculative_generate at temperature 0: lossless against the target's own greedy decoding, whatever the drafter
-proposes (random drafters of each family, a drafter that is right nearly always), with stop tokens, budgets,
-confidence cuts and batches of prompts of different lengths."""
+proposes (random drafters of each family, a drafter that is right nearly always) and however many drafts the
+adaptive policy verifies (measured or given step costs, the fixed length), with stop tokens, budgets, confidence
+cuts and batches of prompts of different lengths."""
 
 from __future__ import annotations
 
 import copy
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import AttentionOptions, Backoff, load_drafter
+from dflash_jax import Adaptive, AttentionOptions, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
 from dflash_jax.drafting import init_cache
 from dflash_jax.generate import (
     GenerationResult,
     _attach,
-    _backoff_schedule,
     _pad_prompts,
+    _Policy,
     _spec_prefill,
     _spec_step,
     _stop_array,
@@ -38,7 +38,9 @@ MAX_NEW = 24
 RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (1, 2, 3, 5, 8, 13, 17, 21, 24, 24)]  # one prompt bucket
 SUCCESSOR = np.random.default_rng(0).permutation(128)
-ALWAYS = Backoff(min_tokens=100.0, max_plain_steps=4)  # every verify falls short: plain runs of 1, 2, 4, 4, ...
+# Step costs (lengths 0, 3, 7) given, so that the choices do not hang on a CPU's timings: a verify of 3 drafts costs
+# 1.3 plain steps, of 7 a whole 2; with drafts rarely accepted, the policy soon turns to plain steps.
+PLAIN_OFTEN = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.3, 2.0), batch=len(PROMPTS), device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -84,23 +86,22 @@ def test_greedy_baseline(target, greedy):
         assert alone.tokens == [greedy.tokens[i]] and alone.acceptance_lengths == [[]] and alone.plain_tokens == [0]
 
 
-@pytest.mark.parametrize("preset,backoff", [("tiny-dflash", None), ("tiny-dflash2", ALWAYS)])
-def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, backoff):
+@pytest.mark.parametrize("preset,draft_length", [("tiny-dflash", "fixed"), ("tiny-dflash2", PLAIN_OFTEN),
+                                                 ("tiny-dspark", "adaptive")])
+def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
-    is right, wrong, or cut by its confidence head at varying points.) With a `Backoff` the loop turns to plain
-    steps, and every token is the prefill's, a verify's or a plain step's."""
+    is right, wrong, or cut by its confidence head at varying points.) Under the adaptive policy the loop turns
+    to plain steps (after measuring the step costs on its first steps, DSpark), and every token is the
+    prefill's, a verify's or a plain step's."""
     drafter = _drafter(tmp_path_factory, preset, seed=2)
-    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=backoff)
+    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=draft_length)
     assert result.tokens == greedy.tokens
     K = drafter.config.num_draft_tokens
     for steps, plain, tokens in zip(result.acceptance_lengths, result.plain_tokens, result.tokens):
         assert all(1 <= a <= K + 1 for a in steps)
         assert 1 + sum(steps) + plain >= len(tokens) == MAX_NEW  # the last step may be cut at the budget
-        assert (plain > 0) == (backoff is not None)
-    if backoff is not None:
-        with pytest.raises(TypeError, match="backoff must be a dflash_jax.Backoff"):
-            speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, backoff=1.5)
+        assert (plain > 0) == (draft_length != "fixed")
 
 
 def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
@@ -108,39 +109,50 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     steps are cut short where the context moves the target off the map, and the output is still lossless."""
     K = oracle.config.num_draft_tokens  # 7: DSpark drafts all B rows
     exact = successor_target(target, SUCCESSOR, layer_scale=0.5)
-    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW)
-    assert result.tokens == greedy_generate(exact, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length="fixed")
+    expected = greedy_generate(exact, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    assert result.tokens == expected
     assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
     assert result.mean_acceptance_length == K + 1
+    # Verifying 7 drafts costs 100 plain steps here: after the first step (every draft: nothing is known yet) the
+    # policy verifies 3 of them, all accepted, every step.
+    three = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.0, 100.0), batch=len(PROMPTS), device="cpu"))
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=three)
+    assert result.tokens == expected
+    assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
+    assert {a for steps in result.acceptance_lengths for a in steps[1:-1]} == {4}  # the last may end at the budget
 
     nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
     reference = greedy_generate(nudged, PROMPTS, max_new_tokens=MAX_NEW)
-    result = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW)
+    result = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length="fixed")
     assert result.tokens == reference.tokens
     steps = [a for seq in result.acceptance_lengths for a in seq]
     assert steps.count(K + 1) >= len(steps) // 2 and min(steps) < K + 1
     assert result.mean_acceptance_length > 5
 
     # DSpark's confidence head (random here) cuts proposals: fewer drafts verified, still lossless.
-    cut = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW, confidence_threshold=0.5)
+    cut = speculative_generate(nudged, oracle, PROMPTS, max_new_tokens=MAX_NEW, confidence_threshold=0.5,
+                               draft_length="fixed")
     assert cut.tokens == reference.tokens
     assert cut.mean_acceptance_length < result.mean_acceptance_length
 
 
 def _stepper(target, drafter):
-    """`(prefill(prompts), step(state, backoff))` of the speculative loop, greedy, with 128-slot caches."""
+    """`(prefill(prompts), step(state, force))` of the speculative loop under the adaptive policy of lengths
+    (0, 3, 7), greedy, with 128-slot caches; `force`: the index of the length the step verifies (`_spec_step`)."""
     stop, temperature, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
+    policy, seconds = _Policy((0, 3, 7), Adaptive()), jnp.ones(3, jnp.float32)
 
     def prefill(prompts):
         tokens, lengths = _pad_prompts(prompts)
         caches = target.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
         return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), jnp.int32(MAX_NEW), capacity=MAX_NEW, sampling=False,
+                             jax.random.key(0), jnp.int32(MAX_NEW), jnp.int32(2), capacity=MAX_NEW, sampling=False,
                              attention=AttentionOptions(), prefill_chunk=PREFILL_CHUNK)
 
-    step = jax.jit(_spec_step, static_argnums=(6, 7, 8, 9))
-    return prefill, lambda state, backoff: step(target, drafter, stop, temperature, threshold, 0, False,
-                                                AttentionOptions(), backoff, False, state)
+    step = jax.jit(_spec_step, static_argnums=(8, 9, 10, 11))
+    return prefill, lambda state, force: step(target, drafter, stop, temperature, threshold, 0, seconds,
+                                              jnp.int32(force), False, AttentionOptions(), policy, False, state)
 
 
 def _assert_as_if_prefilled(prefill, state, prompts):
@@ -169,23 +181,25 @@ def test_caches_hold_exactly_the_committed_tokens(target, oracle):
     prefill, step = _stepper(nudged, _attach(nudged, oracle))
     # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
     # prompts' bucket, so the fresh prefill reuses the compiled prefill.
-    state = step(prefill(PROMPTS), None)
+    state = step(prefill(PROMPTS), 2)  # all 7 drafts
     assert not state.done.any() and len(set(np.asarray(state.n_out).tolist())) > 1  # different acceptances
     _assert_as_if_prefilled(prefill, state, PROMPTS)
 
 
 def test_plain_steps_keep_the_drafters_context(target, oracle):
-    """`Backoff`: after a verify, a plain step and the drafting step that ends it, the caches and the proposal are
-    again those of a fresh prefill: the plain step's features were appended, once, at the right positions."""
+    """A verify of 7 drafts, a plain step (no drafting after it), then a step of 3 rows with no drafts proposed
+    (it accepts none, then drafts): the caches and the proposal are again those of a fresh prefill, so the plain
+    steps' features were appended, once each, at the right positions, and a stale proposal was never accepted."""
     nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
     prefill, step = _stepper(nudged, _attach(nudged, oracle))
-    state = prefill(PROMPTS)
-    verified = []
-    for _ in range(2):
-        verified.append(int(state.plain_left) == 0)
-        state = step(state, ALWAYS)
-    assert verified == [True, False] and int(state.plain_left) == 0  # verify, plain; the next step verifies
+    state = step(prefill(PROMPTS), 2)
+    n_out = np.asarray(state.n_out)
+    state = step(state, 0)
+    assert int(state.verify) == 0 and not np.asarray(state.proposal.num_tokens).any()  # nothing proposed
+    state = step(state, 1)
+    np.testing.assert_array_equal(np.asarray(state.n_out), n_out + 2)  # one token from each of the last two steps
     np.testing.assert_array_equal(np.asarray(state.plain), np.ones(len(PROMPTS)))
+    np.testing.assert_array_equal(np.asarray(state.accept[:, :3]) > 0, [[True, False, True]] * len(PROMPTS))
     _assert_as_if_prefilled(prefill, state, PROMPTS)
 
 
@@ -252,38 +266,3 @@ def test_beyond_max_positions_runs_on():
     plain = greedy_generate(short, [prompt], max_new_tokens=12, beyond_max_positions=True)
     weights = {t.name: leaf(short.params, t.path) for t in plan_decoder(short.config)}
     assert plain.tokens[0] == ref.greedy(raw, weights, prompt, 12)
-
-
-# --- Backoff: plain target steps while drafts are rarely accepted ----------------------------------------------
-
-
-def _schedule(backoff: Backoff, tokens_per_verify: list[int], K: int = 7) -> str:
-    """The rule on one sequence that commits `tokens_per_verify[i]` at its i-th verify: 'v' verify, 'p' plain,
-    up to the verify after the last."""
-    s = types.SimpleNamespace(mean_tokens=jnp.float32(K + 1), plain_run=jnp.int32(0), plain_left=jnp.int32(0))
-    kinds, verifies = "", iter(tokens_per_verify)
-    while True:
-        verified = int(s.plain_left) == 0
-        committed = next(verifies, None) if verified else 1
-        if committed is None:
-            return kinds
-        kinds += "v" if verified else "p"
-        s.mean_tokens, s.plain_run, s.plain_left = _backoff_schedule(backoff, s, jnp.asarray([committed]),
-                                                                     jnp.asarray([True]))
-
-
-def test_the_backoff_schedule():
-    """A running mean that halves the weight of older verifies (8 -> 4.5 -> 2.75 -> 1.88 -> 1.44): the fourth
-    1-token verify takes it under 1.5; then plain runs double up to the maximum, and a good verify ends them."""
-    backoff = Backoff(min_tokens=1.5, max_plain_steps=4)
-    assert _schedule(backoff, [1] * 8) == "vvvv" + "pv" + "ppv" + "ppppv" + "ppppv" + "pppp"
-    assert _schedule(backoff, [1] * 5 + [8, 8]) == "vvvv" + "pv" + "ppv" + "v"  # 8 lifts the mean to 4.6
-    assert _schedule(backoff, [8] * 6) == "v" * 6
-    assert _schedule(Backoff(min_tokens=1.0), [1] * 6) == "v" * 6  # a verify makes >= 1: never backs off
-
-
-@pytest.mark.parametrize("bad", [dict(min_tokens=0.5), dict(min_tokens=float("nan")), dict(min_tokens=float("inf")),
-                                 dict(max_plain_steps=0), dict(max_plain_steps=2.0)])
-def test_bad_backoffs(bad):
-    with pytest.raises(ValueError, match="Backoff"):
-        Backoff(**bad)

@@ -29,14 +29,14 @@ def checkpoints(tmp_path_factory):
 def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     target_dir, drafter_dir = checkpoints
     code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32", "--backoff", "1.5"])
+                 "--dtype", "float32", "--draft-length", "adaptive"])
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
                                stop_token_ids=target.config.eos_token_ids).tokens[0]
     assert out.strip() == ",".join(map(str, expected))
-    assert "mean acceptance length" in err and "tokens/s" in err and "from plain steps" in err
+    assert "mean acceptance length" in err and "tokens/s" in err
 
 
 def test_progress_callback_sees_every_step(checkpoints):
@@ -45,7 +45,8 @@ def test_progress_callback_sees_every_step(checkpoints):
     drafter = load_drafter(drafter_dir, dtype=jnp.float32)
     seen: list[np.ndarray] = []
     result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append)
-    assert len(seen) == max(len(steps) for steps in result.acceptance_lengths)
+    steps = max(len(verifies) + plain for verifies, plain in zip(result.acceptance_lengths, result.plain_tokens))
+    assert len(seen) == steps  # verify steps and plain steps (one token each)
     counts = np.stack(seen)  # [steps, batch]: tokens made so far
     assert (np.diff(counts, axis=0) >= 0).all() and counts[-1].tolist() == [len(t) for t in result.tokens]
 
@@ -55,7 +56,7 @@ def test_progress_callback_sees_every_step(checkpoints):
     shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append)
     assert (generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()) == programs
     assert [len(t) for t in shorter.tokens] == [7, 7] and shorter.tokens == [t[:7] for t in result.tokens]
-    assert other and len(seen) == max(len(steps) for steps in result.acceptance_lengths)  # the old one not called
+    assert other and len(seen) == steps  # the old one not called
 
 
 def test_generate_verb_reports_bad_checkpoints(checkpoints, tmp_path, capsys):
@@ -70,7 +71,7 @@ def test_generate_takes_hub_ids(checkpoints, tmp_path, capsys):
     target_dir, drafter_dir = checkpoints
     add_to_cache(tmp_path, "Qwen/tiny", directory_files(target_dir))
     add_to_cache(tmp_path, "org/tiny-drafter", directory_files(drafter_dir), revision="v1")
-    args = ["--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--dtype", "float32", "--backoff", "1.5",
+    args = ["--prompt-ids", "5,17,99", "--max-new-tokens", "12", "--dtype", "float32", "--draft-length", "fixed",
             "--cache-dir", str(tmp_path)]
     assert main(["generate", "Qwen/tiny", "org/tiny-drafter", "--drafter-revision", "v1", *args]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
@@ -186,6 +187,19 @@ def capture_speculative_keywords(monkeypatch) -> dict:
     return seen
 
 
+def test_generate_passes_the_draft_length(checkpoints, monkeypatch):
+    """`--draft-length adaptive|fixed` reaches `speculative_generate` as `draft_length`; without it, the library's
+    default."""
+    from dflash_jax.generate import DRAFT_LENGTH
+
+    seen = capture_speculative_keywords(monkeypatch)
+    target_dir, drafter_dir = checkpoints
+    for flags, expected in (([], DRAFT_LENGTH), (["--draft-length", "fixed"], "fixed"),
+                            (["--draft-length", "adaptive"], "adaptive")):
+        assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", *flags]) == 0
+        assert seen["draft_length"] == expected
+
+
 def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
     """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its options;
     options `AttentionOptions` refuses are one error line."""
@@ -201,8 +215,8 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
         main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "-1"])
     assert e.value.code == 2 and "--draft-sinks: -1 is negative" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--backoff", "0.5"])
-    assert e.value.code == 2 and "--backoff: '0.5': Backoff.min_tokens must be" in capsys.readouterr().err
+        main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-length", "0.5"])
+    assert e.value.code == 2 and "--draft-length: invalid choice: '0.5'" in capsys.readouterr().err
 
 
 def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):

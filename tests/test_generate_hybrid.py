@@ -1,7 +1,8 @@
 """Speculative decoding with a target whose state is recurrent (the Qwen3.5 hybrid: Gated DeltaNet layers): the loop
 commits only the accepted rows of each verify (`Target.commit`), so greedy output is the target's own, for every
 drafter family, with partial acceptance at every step, ragged prompts longer than a prefill chunk and than the
-drafters' windows, and plain steps (`Backoff`); at T > 0 the output follows the target's distribution."""
+drafters' windows, and any number of drafts verified (the adaptive policy's plain steps and short verifies); at
+T > 0 the output follows the target's distribution."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import Backoff, greedy_generate, speculative_generate
+from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
 from dflash_jax.generate import _attach
 from dflash_jax.testing import (
     QWEN3_5_TINY_CONFIGS,
@@ -55,15 +56,16 @@ def test_greedy_with_an_oracle_commits_partial_blocks(target, greedy, oracle):
 
 @pytest.mark.parametrize("family", ["tiny-dflash", "tiny-dflash2"])
 def test_greedy_for_every_family(target, greedy, family):
-    """Random drafters (DFlash2's sliding window of 8 rows is shorter than the prompts); one run with a `Backoff`
-    that fails every verify, so plain steps (one row, kept) alternate with verifies."""
+    """Random drafters (DFlash2's sliding window of 8 rows is shorter than the prompts): DFlash at the fixed
+    length; DFlash2 under the adaptive policy with step costs that soon favour plain steps (one row, kept) over
+    its rejected verifies of 3 drafts (4 rows, one kept)."""
     drafter = random_drafter(family, seed=4, dtype=jnp.float32)
-    backoff = Backoff(min_tokens=100.0, max_plain_steps=2) if family == "tiny-dflash2" else None
+    adaptive = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.3, 2.0), batch=len(PROMPTS), device="cpu"))
+    draft_length = adaptive if family == "tiny-dflash2" else "fixed"
     result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, prefill_chunk=CHUNK,
-                                  backoff=backoff)
+                                  draft_length=draft_length)
     assert result.tokens == greedy
-    if backoff is not None:
-        assert sum(result.plain_tokens) > 0
+    assert (sum(result.plain_tokens) > 0) == (draft_length is adaptive)
 
 
 def test_sampling_follows_the_targets_distribution():

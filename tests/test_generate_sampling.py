@@ -8,9 +8,11 @@ from the target's p, so both accepts and rejects happen often. DFlash2 draws fro
 (q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes; DSpark's q has full
 support (DFlash's softmax plus a Markov bias; the rule does not depend on the family, and each family's q is
 checked against the NumPy reference in tests/test_drafting.py), and its confidence cut ends proposals early.
-The DFlash2 run also has a `Backoff` that fails every verify, so x3 comes from a plain target step wherever the
-first verify made only x2: a plain step samples from the target, and when to take one depends on earlier steps
-only.
+Every run has the adaptive draft-length policy on, with given step costs: DFlash2's make plain target steps
+cheap, so the first step verifies the shortest length (3 of 7 drafts) and x3 comes from a plain step wherever it
+made only x2 (a plain step samples from the target, and when to take one depends on earlier steps only);
+DFlash's make 3 drafts the best buy every step (drafts past the chosen length are not proposed, as past the
+DSpark cut); DSpark's measure nothing, so the run measures them on its first steps, at forced lengths.
 
 Each run has one of the sampling controls on (top-p, min-p, top-k; `dflash_jax.sampling`), with the drafts drawn
 under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import Backoff, load_drafter
+from dflash_jax import Adaptive, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
 from dflash_jax.generate import _attach, speculative_generate
 from dflash_jax.testing import preset_dict, write_checkpoint
@@ -96,13 +98,17 @@ def _chi2_z(counts: np.ndarray, expected: np.ndarray) -> float:
     return ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / np.sqrt(2 / (9 * k))
 
 
+def _costs(*seconds: float) -> Adaptive:
+    return Adaptive(costs=StepCosts((0, 3, 7), seconds, batch=SAMPLES, device="cpu"))
+
+
 @pytest.mark.parametrize(
-    "preset, threshold, backoff, controls",  # DSpark with its confidence cut: drafts past the cut are never accepted
-    [("tiny-dflash2", 0.0, Backoff(min_tokens=100.0), dict(top_p=0.9)),  # every verify falls short: x3 from a
-     ("tiny-dspark", 0.5, None, dict(min_p=0.2)),                         # plain step or step 1
-     ("tiny-dflash", 0.0, None, dict(top_k=5))],
+    "preset, threshold, draft_length, controls",  # DSpark with its confidence cut: drafts past it never accepted
+    [("tiny-dflash2", 0.0, _costs(1.0, 10.0, 20.0), dict(top_p=0.9)),  # x3 from a plain step or step 1
+     ("tiny-dspark", 0.5, "adaptive", dict(min_p=0.2)),
+     ("tiny-dflash", 0.0, _costs(1.0, 1.0, 100.0), dict(top_k=5))],
 )
-def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, threshold, backoff, controls):
+def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, threshold, draft_length, controls):
     exact = _distribution(logits, T, **controls)
     uncut = _distribution(logits, T).sum(2).ravel()  # the control's power: samples of T alone are refused
     cells = np.random.default_rng(0).choice(V * V, SAMPLES, p=uncut / uncut.sum())
@@ -111,13 +117,15 @@ def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, th
     drafter = _attach(target, load_drafter(tmp_path, dtype=jnp.float32))
 
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T,
-                                  key=jax.random.key(1), confidence_threshold=threshold, backoff=backoff,
-                                  **controls)
+                                  key=jax.random.key(1), confidence_threshold=threshold,
+                                  draft_length=draft_length, **controls)
     tokens = np.array(result.tokens)  # [SAMPLES, 3]
     first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
-    if backoff is not None:  # the sequences whose first verify made only x2 made x3 in a plain step
+    if preset == "tiny-dflash2":  # the sequences whose first verify made only x2 made x3 in a plain step
         assert np.asarray(result.plain_tokens).sum() == first_steps.count(1)
+    if preset == "tiny-dflash":  # 3 drafts verified of 7: a step makes at most 4 tokens
+        assert max(first_steps) == 4
 
     joint12 = np.zeros((V, V))
     np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)

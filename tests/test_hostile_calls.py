@@ -23,7 +23,7 @@ from flax import nnx
 
 import dflash_jax._memory
 import dflash_jax.placement
-from dflash_jax import AttentionOptions, Backoff, CheckpointError, ConfigError, cli, load_drafter, load_target
+from dflash_jax import Adaptive, AttentionOptions, CheckpointError, ConfigError, cli, load_drafter, load_target
 from dflash_jax._arguments import check_seed
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.config import parse_config
@@ -217,7 +217,9 @@ def test_prompt_ids_that_are_not_token_ids_are_refused(target, drafter, prompt_i
     (dict(stop_token_ids=[2**40]), ValueError, r"stop_token_ids\[0\]=1099511627776 is outside"),  # OverflowError
     (dict(stop_token_ids="12"), TypeError, "stop_token_ids is a str"),
     (dict(temperature="0.5"), TypeError, "temperature must be a number"),
-    (dict(confidence_threshold=math.nan), ValueError, "confidence_threshold=nan must be finite"),
+    (dict(confidence_threshold=math.nan), ValueError, r"confidence_threshold=nan is outside \[0, 1\]"),
+    (dict(confidence_threshold=1.5), ValueError, r"confidence_threshold=1.5 is outside \[0, 1\]"),
+    (dict(draft_length="sometimes"), TypeError, "draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive"),
 ])
 def test_generate_arguments_of_the_wrong_type_or_range_are_refused(target, drafter, changes, error, says):
     kwargs = {"max_new_tokens": 4, **changes}
@@ -299,8 +301,8 @@ def test_num_new_as_a_list_and_a_reused_donated_cache(drafter):
     (lambda d, h, n, a: propose(d, init_cache(d, 2, 32), h, n, [5, 2**40]),  # wrapped to 0 silently before
      r"propose: anchor_ids has entries past int32 \(5 .. 1099511627776\)"),
     (lambda d, h, n, a: AttentionOptions(draft_window=2**40), r"draft_window must be an integer in \[1, 2\*\*31 - 1\]"),
-    (lambda d, h, n, a: Backoff(max_plain_steps=True), "Backoff.max_plain_steps must be an int"),
-    (lambda d, h, n, a: Backoff(min_tokens=True), "Backoff.min_tokens must be a finite number"),
+    (lambda d, h, n, a: Adaptive(draft_lengths=(0, True)), "Adaptive.draft_lengths must hold ints"),
+    (lambda d, h, n, a: Adaptive(memory=True), r"Adaptive.memory must be a number in \(0, 1\)"),
 ])
 def test_drafting_sizes_and_dtypes_are_checked(drafter, call, says):
     with pytest.raises((TypeError, ValueError), match=says):  # ZeroDivisionError / float32 silently before

@@ -116,7 +116,7 @@ def test_processes_given_different_prompts_are_refused(monkeypatch):
     other = parser().parse_args(["generate", "/mnt/t", "/mnt/d", "--prompt-ids", "5,17,99", "--distributed"])
     check_same_arguments(parsed())
     for flags, name in ((["--prompt-ids", "5,17,98"], "--prompt-ids"), (["--seed", "1"], "--seed"),
-                        (["--backoff", "1.5"], "--backoff")):
+                        (["--draft-length", "fixed"], "--draft-length")):
         other = parsed(*flags)
         with pytest.raises(ValueError, match=f"{name} differs between this process and process 1: every process"):
             check_same_arguments(parsed())

@@ -1,0 +1,175 @@
+"""Tokens/s of greedy decoding, the fixed draft length and the adaptive policy, side by side, at dialled acceptance.
+
+Target: Qwen3-8B shapes, random bf16 weights rebuilt by `successor_target` (as `spec_decode.py`) around a
+successor map that is one cycle through the whole vocabulary, so each sequence's greedy continuation walks its
+own stretch of the cycle. Drafter: the 16-draft DSpark drafter of `spec_decode.py` (no confidence head) whose
+Markov head walks a second permutation that agrees with the target's map on a chosen set of tokens: a draft is
+accepted where the token before it is in the set. Workloads (each row: one prompt length and batch size):
+
+- `acceptance f`: every token in the set with probability f (0, 0.3, 0.6, 0.9, 1);
+- `mixed`: along each sequence's stretch, f switches between 0.9 and 0.3 every `--switch-every` tokens;
+- `mixed batch` (batch > 1): each sequence has its own f (0, 0.3, 0.6, 0.9, 1, ...).
+
+Each row runs greedy (once per prompt length and batch), `draft_length="fixed"` and `"adaptive"` (step costs
+measured on the first adaptive run of the shape, then kept) in the same process; the first run of each program
+compiles, then one timed run each. Figures: decode tokens/s (`decode_tokens_per_second`), the fixed run's
+measured acceptance per draft position (accepted drafts / positions tried), both runs' mean tokens per verify,
+the adaptive run's plain tokens, and whether both outputs equal greedy's.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -W ignore benchmarks/adaptive.py --budget-s 330 --json adaptive.json
+    python benchmarks/adaptive.py --small      # tiny shapes, for a CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from dflash_jax.config import parse_config
+from dflash_jax.generate import greedy_generate, speculative_generate
+from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
+from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
+
+RATES = (0.0, 0.3, 0.6, 0.9, 1.0)
+BATCH_RATES = (0.0, 0.3, 0.6, 0.9, 1.0, 0.3, 0.9, 0.0)  # the mixed batch: sequence i has BATCH_RATES[i % 8]
+
+
+def one_cycle(V: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`(successor, order)`: a permutation that is one cycle through all V tokens, `successor[order[i]] =
+    order[i + 1]`."""
+    order = rng.permutation(V)
+    successor = np.empty(V, np.int64)
+    successor[order] = np.roll(order, -1)
+    return successor, order
+
+
+def agreeing_map(successor: np.ndarray, agree: np.ndarray) -> np.ndarray:
+    """A permutation equal to `successor` on the tokens where `agree` is True and different from it elsewhere
+    (the other tokens take each other's successors, shifted by one)."""
+    drafted = successor.copy()
+    others = np.flatnonzero(~agree)
+    if len(others) > 1:
+        drafted[others] = successor[np.roll(others, -1)]
+    return drafted
+
+
+def workloads(successor: np.ndarray, order: np.ndarray, starts: np.ndarray, span: int, switch: int,
+              rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Drafter maps by workload name: uniform rates; the mixed rate along each sequence's stretch of the cycle
+    (positions `starts[b] .. starts[b] + span`); the per-sequence rates of a mixed batch."""
+    V = len(successor)
+    maps = {f"acceptance {f:g}": agreeing_map(successor, rng.uniform(size=V) < f) for f in RATES}
+    stretch = [(order[(s + np.arange(span)) % V], np.arange(span)) for s in starts]  # tokens, their offsets
+    agree = rng.uniform(size=V) < 0.3
+    for tokens, offsets in stretch:
+        high = (offsets // switch) % 2 == 0  # 0.9 first, then 0.3, ...
+        agree[tokens] = np.where(high, rng.uniform(size=span) < 0.9, rng.uniform(size=span) < 0.3)
+    maps["mixed"] = agreeing_map(successor, agree)
+    if len(starts) > 1:
+        agree = rng.uniform(size=V) < 0.3
+        for b, (tokens, _) in enumerate(stretch):
+            agree[tokens] = rng.uniform(size=span) < BATCH_RATES[b % len(BATCH_RATES)]
+        maps["mixed batch"] = agreeing_map(successor, agree)
+    return maps
+
+
+def draft_acceptance(result, K: int) -> float:
+    """Accepted drafts / draft positions tried (a verify with a accepted tried min(a + 1, K))."""
+    steps = np.array([a for seq in result.acceptance_lengths for a in seq]) - 1
+    return float(steps.sum() / max(np.minimum(steps + 1, K).sum(), 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-new", type=int, default=384)
+    parser.add_argument("--switch-every", type=int, default=128, help="the mixed workload's phase, in tokens")
+    parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--layer-scale", type=float, default=0.2, help="successor_target's scale on layer outputs")
+    parser.add_argument("--budget-s", type=float, default=None, help="skip what would start after this many seconds")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    config = SMALL if args.small else QWEN3_8B
+    if args.small:
+        config = {**config, "num_hidden_layers": 3}
+    V = config["vocab_size"]
+    rng = np.random.default_rng(0)
+    successor, order = one_cycle(V, rng)
+    target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=args.layer_scale)
+    raw = drafter_configs(config)["dspark"]
+    if args.small:  # a 3-layer target: a 1-layer drafter reads two of its layers
+        raw = {**raw, "num_hidden_layers": 1, "num_target_layers": 3,
+               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
+    base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
+    K = base.config.num_draft_tokens
+    span = args.max_new + 2 * K + 2
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
+          f"in {time.perf_counter() - start:.1f} s", flush=True)
+    print("| prompt | batch | workload | acceptance (fixed) | greedy tok/s | fixed tok/s | adaptive tok/s | "
+          "adaptive / fixed | adaptive / greedy | tokens per verify fixed, adaptive | plain tokens | same |",
+          flush=True)
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|", flush=True)
+
+    rows = []
+    for prompt_len in args.prompts:
+        for batch in args.batch:
+            starts = np.arange(batch) * (V // max(batch, 1) // 2)  # each sequence on its own stretch of the cycle
+            prompts = rng.integers(0, V, (batch, prompt_len))
+            prompts[:, -1] = order[starts]  # the continuation walks the cycle from here
+            prompts = prompts.tolist()
+            maps = workloads(successor, order, starts, span, args.switch_every, rng)
+            names = [n for n in maps if args.workloads is None or n in args.workloads]
+
+            def run(drafter=None, draft_length="fixed", prompts=prompts):
+                if drafter is None:
+                    return greedy_generate(target, prompts, max_new_tokens=args.max_new)
+                return speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,
+                                            draft_length=draft_length)
+
+            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                print(f"| {prompt_len} | {batch} | skipped: over the time budget | | | | | | | | | |", flush=True)
+                continue
+            run()  # compiles
+            greedy = run()
+            for name in names:
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                    print(f"| {prompt_len} | {batch} | {name}: skipped, over the time budget | | | | | | | | | |",
+                          flush=True)
+                    continue
+                drafter = successor_drafter(base, maps[name])
+                results = {}
+                for mode in ("fixed", "adaptive"):
+                    if name == names[0]:
+                        run(drafter, mode)  # compiles; the adaptive one also measures the step costs
+                    results[mode] = run(drafter, mode)
+                fixed, adaptive = results["fixed"], results["adaptive"]
+                same = fixed.tokens == greedy.tokens and adaptive.tokens == greedy.tokens
+                g, f, a = (r.decode_tokens_per_second for r in (greedy, fixed, adaptive))
+                row = dict(prompt=prompt_len, batch=batch, workload=name, acceptance=draft_acceptance(fixed, K),
+                           greedy_tps=g, fixed_tps=f, adaptive_tps=a, fixed_tokens_per_verify=
+                           fixed.mean_acceptance_length, adaptive_tokens_per_verify=adaptive.mean_acceptance_length,
+                           adaptive_plain_tokens=int(np.sum(adaptive.plain_tokens)), same_as_greedy=same)
+                rows.append(row)
+                print(f"| {prompt_len} | {batch} | {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
+                      f"{a / f:.2f} | {a / g:.2f} | {fixed.mean_acceptance_length:.2f}, "
+                      f"{adaptive.mean_acceptance_length:.2f} | {row['adaptive_plain_tokens']} | "
+                      f"{'yes' if same else 'NO'} |", flush=True)
+    print(f"total {time.perf_counter() - start:.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), rows=rows), f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()

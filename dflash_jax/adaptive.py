@@ -1,0 +1,223 @@
+"""Adaptive draft length: per step, how many drafts to verify, from a cost model and the expected acceptance.
+
+A speculative step that verifies `l` drafts commits `E(l)` tokens in expectation and costs `seconds(l)`: the
+target on `l + 1` rows plus the drafting step that makes the next proposal (`l = 0`: a plain target step, one
+token, no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one with
+the most expected tokens per second for the batch:
+
+    rate(l) = sum over running sequences i of E_i(l) / seconds(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
+
+where `p_ik` is the probability that draft k of sequence i is accepted given drafts 1..k-1 were (`p_i0 = 1`: the
+bonus token), counting only tokens within the sequence's budget. The sequences of a batch run in lockstep, one
+verify shape per step, so the choice is one length for the batch: a sequence that would do best with fewer drafts
+gains nothing from verifying fewer than the batch's rows, so maximising the batch's sum is the whole decision.
+
+Where `p_ik` comes from (`History`, per sequence, running means that forget old steps):
+- before drafting (whether to draft at all): only the history is known, so `p_ik = alpha_i`, the sequence's
+  observed acceptance per tried draft position (accepted drafts / positions tried; a geometric model), with a
+  prior of one pseudo-trial at `Adaptive.prior`. Steps that verify nothing decay the evidence
+  (`Adaptive.idle_memory`), so a sequence whose drafts were rejected drafts again now and then to re-measure.
+- after drafting, at temperature 0: the drafter's own per-draft confidence `c_ik` (DSpark's confidence head, or
+  the drafter's probability of its draft, `Proposal.draft_prob`) times a per-sequence calibration `s_i` =
+  accepted drafts / predicted (the sum of `c` over the tried positions), so that a confident but wrong drafter
+  is discounted and an uninformative confidence reduces to the history.
+- after drafting, at T > 0: the history only. A length chosen from the drafts' confidences would bias the output:
+  the rejection rule is exact only when the decision to verify draft k does not depend on draft k itself, and
+  the confidences of later drafts do (they see draft k as their predecessor). A length chosen before drafting
+  (and the DSpark cut, which stops at the first low confidence: draft k's depends on drafts before k only) keeps
+  the target's distribution.
+
+Stopping drafting costs the policy its view of the drafter (only the fading of old evidence brings it back, after
+tens of steps), so a sequence that verified drafts at its last step turns to plain steps only when their rate beats
+drafting's by `Adaptive.margin` (10%): near the break-even point the two differ little in speed, and a drafter
+that starts to be right again is seen at once.
+
+Once a proposal is drafted, the policy verifies at least the shortest nonzero length: the drafting is paid for, a
+few more target rows cost little, and a verify is what updates the history (a policy that drafted and then verified
+nothing would learn nothing and draft again).
+
+Costs (`StepCosts`): seconds of a whole decode step at each length for this target, drafter, batch, cache and
+device, measured by `speculative_generate` on its first run of a kind (a few real decode steps at each length,
+timed; their tokens are part of the output) and kept in memory by what determines them, or given by the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_LENGTHS = (0, 3, 7)  # and the drafter's K: verify rows 1, 4, 8, K + 1
+
+
+def _fraction(name: str, value: object, low_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (0 < value < 1 if low_open else 0 <= value < 1):
+        interval = "(0, 1)" if low_open else "[0, 1)"
+        raise ValueError(f"Adaptive.{name} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_lengths(where: str, lengths: object, num_draft_tokens: int | None = None) -> tuple[int, ...]:
+    """Draft lengths: a strictly increasing tuple of ints >= 0 with one > 0, at most `num_draft_tokens` if given."""
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence) or not lengths:
+        raise ValueError(f"{where}.draft_lengths must be a non-empty sequence of ints, got {lengths!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths):
+        raise ValueError(f"{where}.draft_lengths must hold ints >= 0, got {lengths!r}")
+    if any(b <= a for a, b in zip(lengths, lengths[1:])) or lengths[-1] == 0:
+        raise ValueError(f"{where}.draft_lengths must be strictly increasing with one > 0, got {lengths!r}")
+    if num_draft_tokens is not None and lengths[-1] > num_draft_tokens:
+        raise ValueError(f"{where}.draft_lengths {tuple(lengths)} go past the drafter's {num_draft_tokens} drafts "
+                         "per step")
+    return tuple(lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one decode step at each draft length, for one target, drafter, batch size and device.
+
+    `seconds[i]`: a step verifying `draft_lengths[i]` drafts and drafting the next proposal; for a length 0, a
+    plain target step (one token, no drafting). `device`: the device kind the times were taken on
+    (`jax.devices()[0].device_kind`). Measured by `speculative_generate` (`Adaptive(costs=None)`) or `calibrate`;
+    given by hand for a known setup. Times taken at one context length stand for the whole run.
+    """
+
+    draft_lengths: tuple[int, ...]
+    seconds: tuple[float, ...]
+    batch: int
+    device: str
+
+    def __post_init__(self):
+        check_lengths("StepCosts", self.draft_lengths)
+        if isinstance(self.seconds, (str, bytes)) or not isinstance(self.seconds, Sequence) \
+                or len(self.seconds) != len(self.draft_lengths):
+            raise ValueError(f"StepCosts.seconds must hold one time per draft length ({len(self.draft_lengths)}), "
+                             f"got {self.seconds!r}")
+        for i, t in enumerate(self.seconds):
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+                raise ValueError(f"StepCosts.seconds[{i}] = {t!r}: each must be a finite number of seconds > 0")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"StepCosts.batch must be an int >= 1, got {self.batch!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"StepCosts.device must be a device kind (jax.devices()[0].device_kind), got "
+                             f"{self.device!r}")
+        object.__setattr__(self, "draft_lengths", tuple(self.draft_lengths))
+        object.__setattr__(self, "seconds", tuple(float(t) for t in self.seconds))
+
+    def check_fits(self, where: str, lengths: tuple[int, ...], batch: int, device: str) -> None:
+        """Refuse (ValueError) costs taken for other draft lengths, another batch size or another device."""
+        for field, have, want in (("draft_lengths", self.draft_lengths, lengths), ("batch", self.batch, batch),
+                                  ("device", self.device, device)):
+            if have != want:
+                raise ValueError(f"{where}: StepCosts.{field} = {have!r} does not fit this run ({field} {want!r}): "
+                                 "the costs were taken for another setup")
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """The adaptive draft-length policy of `speculative_generate(..., draft_length=Adaptive(...))` (module doc).
+
+    draft_lengths: the static lengths to choose from (None: 0, 3, 7 and the drafter's K, those up to K); 0 is a
+    plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a kind (cached
+    in memory). memory: how much of a sequence's acceptance history a verify keeps (the rest is the new step's);
+    idle_memory: how much a step that verifies nothing keeps, so that old evidence fades and a sequence that
+    stopped drafting tries again; prior: the acceptance rate assumed without evidence (one pseudo-trial); margin:
+    after a verify, plain steps are taken only if they are that much faster than drafting (module doc).
+    """
+
+    draft_lengths: tuple[int, ...] | None = None
+    costs: StepCosts | None = None
+    memory: float = 0.9
+    idle_memory: float = 0.98
+    prior: float = 0.5
+    margin: float = 0.1
+
+    def __post_init__(self):
+        if self.draft_lengths is not None:
+            object.__setattr__(self, "draft_lengths", check_lengths("Adaptive", self.draft_lengths))
+        if self.costs is not None and not isinstance(self.costs, StepCosts):
+            raise TypeError(f"Adaptive.costs must be a dflash_jax.StepCosts or None, got {type(self.costs).__name__}")
+        if self.costs is not None and self.draft_lengths is not None and self.costs.draft_lengths != self.draft_lengths:
+            raise ValueError(f"Adaptive.costs are for draft lengths {self.costs.draft_lengths}, the policy has "
+                             f"{self.draft_lengths}")
+        _fraction("memory", self.memory, True)
+        _fraction("idle_memory", self.idle_memory, True)
+        _fraction("prior", self.prior, True)
+        _fraction("margin", self.margin, False)
+
+    def lengths(self, num_draft_tokens: int) -> tuple[int, ...]:
+        """The draft lengths for a drafter of `num_draft_tokens` drafts per step."""
+        if self.draft_lengths is not None:
+            return check_lengths("Adaptive", self.draft_lengths, num_draft_tokens)
+        if self.costs is not None:
+            return check_lengths("Adaptive", self.costs.draft_lengths, num_draft_tokens)
+        return tuple(sorted({n for n in DEFAULT_LENGTHS if n < num_draft_tokens} | {num_draft_tokens}))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class History:
+    """Per-sequence running sums of past verifies (each `[batch]` float32), forgetting old steps geometrically."""
+
+    hits: jax.Array  # accepted drafts
+    tries: jax.Array  # draft positions tried: accepted + the first rejected, up to the verified length
+    predicted: jax.Array  # the drafter's confidences summed over the tried positions
+
+    @staticmethod
+    def empty(batch: int) -> History:
+        zeros = jnp.zeros((batch,), jnp.float32)
+        return History(zeros, zeros, zeros)
+
+    def rate(self, prior: float) -> jax.Array:
+        """`[batch]` acceptance per tried position, with one pseudo-trial at `prior`."""
+        return (self.hits + prior) / (self.tries + 1)
+
+    def scale(self, prior: float) -> jax.Array:
+        """`[batch]` accepted / predicted: what the drafter's confidences are multiplied by."""
+        return (self.hits + prior) / (self.predicted + prior)
+
+    def update(self, verified: jax.Array, accepted: jax.Array, confidence: jax.Array, live: jax.Array,
+               memory: float, idle_memory: float) -> History:
+        """After a step that verified `verified` `[batch]` of the drafts whose confidences are `confidence`
+        `[batch, K]` and accepted `accepted` `[batch]` of them (verifying none only fades the evidence)."""
+        tried = jnp.minimum(accepted + 1, verified)  # [batch]
+        positions = jnp.arange(confidence.shape[1]) < tried[:, None]  # [batch, K]
+        tried = tried.astype(jnp.float32)
+        new = History(accepted.astype(jnp.float32), tried, jnp.where(positions, confidence, 0.0).sum(1))
+        keep = jnp.where(verified > 0, memory, idle_memory)
+        weight = jnp.where(verified > 0, 1.0, 0.0)
+
+        def mix(old, step):
+            return jnp.where(live, keep * old + weight * step, old)
+
+        return History(mix(self.hits, new.hits), mix(self.tries, new.tries), mix(self.predicted, new.predicted))
+
+
+def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array) -> jax.Array:
+    """`[batch, len(lengths)]` expected tokens a step commits per sequence when it verifies each length.
+
+    p: `[batch, K]` probability that draft k is accepted given the drafts before it were; remaining: `[batch]` the
+    tokens left in each sequence's budget (or one `[]` for all; tokens past it count nothing).
+    """
+    batch = p.shape[0]
+    reach = jnp.concatenate([jnp.ones((batch, 1), jnp.float32), jnp.cumprod(p.astype(jnp.float32), axis=1)], 1)
+    remaining = jnp.broadcast_to(remaining, (batch,))
+    reach = jnp.where(jnp.arange(reach.shape[1]) < remaining[:, None], reach, 0.0)  # [batch, K + 1]
+    return jnp.cumsum(reach, axis=1)[:, jnp.asarray(lengths)]
+
+
+def choose_length(p: jax.Array, lengths: tuple[int, ...], seconds: jax.Array, remaining: jax.Array,
+                  live: jax.Array, drafted: bool, plain_margin: float | jax.Array = 0.0) -> jax.Array:
+    """The index into `lengths` with the most expected tokens per second for the batch (`[]` int32).
+
+    p, remaining: as `expected_tokens`; seconds: `[len(lengths)]` `StepCosts.seconds`; live: `[batch]` sequences
+    still running; drafted: a proposal is made, so only nonzero lengths are chosen (module doc); plain_margin: the
+    rate of a plain step (length 0) counts `1 - plain_margin` times (`Adaptive.margin`).
+    """
+    tokens = jnp.where(live[:, None], expected_tokens(p, lengths, remaining), 0.0).sum(0)  # [len(lengths)]
+    rate = tokens / seconds
+    rate = jnp.where(jnp.asarray(lengths) > 0, rate, -jnp.inf if drafted else rate * (1 - plain_margin))
+    return jnp.argmax(rate).astype(jnp.int32)

@@ -1,0 +1,153 @@
+"""The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the cost model's best length,
+checked against expected tokens computed by enumerating the acceptance outcomes in NumPy; its history; bad cost
+tables and settings; and, in the loop, step costs measured once per setup, with the fixed length (and a warning)
+when they cannot be measured. Losslessness with the policy on: tests/test_generate*.py."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
+from dflash_jax import generate as generate_module
+from dflash_jax.adaptive import History, choose_length, expected_tokens
+from dflash_jax.testing import random_drafter, random_qwen3
+
+LENGTHS = (0, 3, 7, 16)
+
+
+def _expected_by_enumeration(p: np.ndarray, length: int, remaining: int) -> float:
+    """Sum over a = 0..length accepted drafts of P(a) * the tokens the step commits within the budget."""
+    total = 0.0
+    for a in range(length + 1):
+        prob = np.prod(p[:a]) * (1.0 - p[a] if a < length else 1.0)
+        total += prob * min(a + 1, remaining)
+    return total
+
+
+def test_the_chosen_length_maximises_expected_tokens_per_second():
+    rng = np.random.default_rng(0)
+    choose = jax.jit(choose_length, static_argnames=("lengths", "drafted"))  # one program per `drafted`
+    batch = 3
+    for trial in range(30):
+        p = rng.uniform(0, 1, (batch, 16)) ** rng.uniform(0.1, 3)  # from rarely to nearly always accepted
+        seconds = np.sort(rng.uniform(1, 3, len(LENGTHS))) * rng.uniform(0.5, 2)  # longer verifies cost more
+        remaining = rng.integers(1, 20, batch)
+        live = rng.uniform(size=batch) < 0.8
+        live[0] = True
+        tokens = np.array([[_expected_by_enumeration(p[i], n, remaining[i]) for n in LENGTHS] for i in range(batch)])
+        np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(p), LENGTHS, jnp.asarray(remaining))),
+                                   tokens, rtol=1e-5)
+        rate = (tokens * live[:, None]).sum(0) / seconds
+        margin = rng.choice([0.0, 0.1, 0.3])
+        for drafted in (False, True):
+            plain = -np.inf if drafted else rate[0] * (1 - margin)
+            want = np.argmax(np.concatenate([[plain], rate[1:]]))
+            got = choose(jnp.asarray(p, jnp.float32), LENGTHS, jnp.asarray(seconds, jnp.float32),
+                         jnp.asarray(remaining), jnp.asarray(live), drafted=drafted, plain_margin=margin)
+            assert int(got) == want, (trial, drafted, rate)
+
+
+def test_the_choice_follows_acceptance_and_costs():
+    """The extremes, by hand: drafts always accepted and a flat cost -> the longest; never accepted -> a plain
+    step, or after drafting the cheapest verify; a sequence with one token left gains nothing from drafts."""
+    seconds = jnp.asarray([1.0, 1.2, 1.4, 1.8])
+    live = jnp.ones(2, bool)
+    for p, remaining, drafted, want in [(1.0, 100, False, 3), (0.0, 100, False, 0), (0.0, 100, True, 1),
+                                        (1.0, 1, False, 0), (1.0, 4, True, 1)]:
+        got = choose_length(jnp.full((2, 16), p), LENGTHS, seconds, jnp.int32(remaining), live, drafted=drafted)
+        assert int(got) == want, (p, remaining, drafted)
+
+
+def test_the_history():
+    """hits / tries / predicted after verifies and plain steps, against the sums by hand."""
+    h = History.empty(2)
+    confidence = jnp.asarray([[0.9, 0.8, 0.7, 0.6], [0.5, 0.5, 0.5, 0.5]])
+    live = jnp.asarray([True, True])
+    h = h.update(jnp.asarray([3, 3]), jnp.asarray([3, 1]), confidence, live, 0.5, 0.9)  # all 3; 1 then a miss
+    np.testing.assert_allclose(np.asarray(h.hits), [3, 1])
+    np.testing.assert_allclose(np.asarray(h.tries), [3, 2])
+    np.testing.assert_allclose(np.asarray(h.predicted), [2.4, 1.0], rtol=1e-6)
+    h = h.update(jnp.asarray([0, 2]), jnp.asarray([0, 2]), confidence, jnp.asarray([True, False]), 0.5, 0.9)
+    np.testing.assert_allclose(np.asarray(h.hits), [2.7, 1])  # a plain step fades; a finished sequence keeps
+    np.testing.assert_allclose(np.asarray(h.rate(0.5)), [3.2 / 3.7, 1.5 / 3], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(h.scale(0.5)), [3.2 / (0.9 * 2.4 + 0.5), 1.5 / 1.5], rtol=1e-6)
+
+
+@pytest.mark.parametrize("fields,says", [
+    (dict(seconds=(1.0, -1.0)), r"StepCosts.seconds\[1\] = -1.0: each must be a finite number of seconds > 0"),
+    (dict(seconds=(1.0, float("nan"))), r"StepCosts.seconds\[1\] = nan"),
+    (dict(seconds=(1.0, 0.0)), r"StepCosts.seconds\[1\] = 0.0"),
+    (dict(seconds=(1.0,)), "StepCosts.seconds must hold one time per draft length"),
+    (dict(draft_lengths=(3, 3)), "StepCosts.draft_lengths must be strictly increasing"),
+    (dict(draft_lengths=(0,), seconds=(1.0,)), "strictly increasing with one > 0"),
+    (dict(draft_lengths=(-1, 3)), "StepCosts.draft_lengths must hold ints >= 0"),
+    (dict(batch=0), "StepCosts.batch must be an int >= 1"),
+    (dict(device=""), "StepCosts.device must be a device kind"),
+])
+def test_bad_cost_tables_are_refused(fields, says):
+    with pytest.raises(ValueError, match=says):
+        StepCosts(**{**dict(draft_lengths=(0, 3), seconds=(1.0, 1.5), batch=1, device="cpu"), **fields})
+
+
+@pytest.mark.parametrize("fields,error,says", [
+    (dict(memory=1.0), ValueError, r"Adaptive.memory must be a number in \(0, 1\)"),
+    (dict(idle_memory=float("nan")), ValueError, "Adaptive.idle_memory"),
+    (dict(prior=0.0), ValueError, "Adaptive.prior"),
+    (dict(margin=-0.1), ValueError, r"Adaptive.margin must be a number in \[0, 1\)"),
+    (dict(draft_lengths="037"), ValueError, "Adaptive.draft_lengths must be a non-empty sequence"),
+    (dict(costs=(1.0, 2.0)), TypeError, "Adaptive.costs must be a dflash_jax.StepCosts"),
+    (dict(draft_lengths=(0, 7), costs=StepCosts((0, 3), (1.0, 1.5), 1, "cpu")), ValueError,
+     r"costs are for draft lengths \(0, 3\), the policy has \(0, 7\)"),
+])
+def test_bad_settings_are_refused(fields, error, says):
+    with pytest.raises(error, match=says):
+        Adaptive(**fields)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32), random_drafter("tiny-dflash", dtype=jnp.float32)
+
+
+def test_costs_for_another_setup_are_refused(models):
+    target, drafter = models
+    for costs, says in [(StepCosts((0, 7), (1.0, 2.0), 2, "cpu"), r"StepCosts.batch = 2 does not fit this run"),
+                        (StepCosts((0, 7), (1.0, 2.0), 1, "NVIDIA H200"), "StepCosts.device = 'NVIDIA H200'"),
+                        (StepCosts((0, 9), (1.0, 2.0), 1, "cpu"), r"draft_lengths \(0, 9\) go past the drafter's "
+                                                                  "7 drafts")]:
+        with pytest.raises(ValueError, match=says):
+            speculative_generate(target, drafter, [1, 2], max_new_tokens=8, draft_length=Adaptive(costs=costs))
+
+
+def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(models, monkeypatch):
+    """The first run measures the step costs on its own steps (their tokens are the output's) and keeps them; a
+    second run of the same setup reuses them. A clock that does not move gives no usable costs: a warning, and
+    the fixed length from there on, with the same tokens."""
+    target, drafter = models
+    policy = Adaptive(draft_lengths=(0, 7))
+    prompts, steps = [[5, 17, 99], [4]], generate_module.CALIBRATION_STEPS
+    expected = greedy_generate(target, prompts, max_new_tokens=40).tokens
+    monkeypatch.setattr(generate_module, "_COSTS", {})
+    result = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
+    assert result.tokens == expected
+    (costs,) = generate_module._COSTS.values()
+    assert costs.draft_lengths == (0, 7) and costs.batch == 2 and costs.device == "cpu"
+    assert all(t > 0 for t in costs.seconds)
+
+    calls = []
+    monkeypatch.setattr(generate_module, "_calibrate", lambda *args: calls.append(args))
+    assert speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy).tokens == expected
+    assert calls == [] and len(generate_module._COSTS) == 1
+
+    monkeypatch.undo()
+    monkeypatch.setattr(generate_module, "_COSTS", {})
+    monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
+        stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
+    assert stuck.tokens == expected and generate_module._COSTS == {}
+    assert stuck.plain_tokens == [1 + steps, 1 + steps]  # the plain steps of the measurement only
