@@ -23,7 +23,6 @@ the adaptive run's plain tokens, and whether both outputs equal greedy's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -36,6 +35,7 @@ from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, 
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
+from timing import write_rows  # noqa: E402
 
 RATES = (0.0, 0.3, 0.6, 0.9, 1.0)
 BATCH_RATES = (0.0, 0.3, 0.6, 0.9, 1.0, 0.3, 0.9, 0.0)  # the mixed batch: sequence i has BATCH_RATES[i % 8]
@@ -165,10 +165,7 @@ def main() -> None:
                       f"{adaptive.mean_acceptance_length:.2f} | {row['adaptive_plain_tokens']} | "
                       f"{'yes' if same else 'NO'} |", flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), rows=rows), f,
-                      indent=2)
+    write_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
 import jax
 import numpy as np
+from timing import write_rows
 
 from dflash_jax.config import parse_config
 from dflash_jax.generate import greedy_generate, speculative_generate
@@ -121,10 +121,7 @@ def main() -> None:
             print(f"| {batch} | {name} | {speed:.1f} | {speed / base:.2f} | {result.mean_acceptance_length:.2f} "
                   f"| {'yes' if same else 'NO'} |", flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), rows=rows), f,
-                      indent=2)
+    write_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The benchmarks' one timing loop (wall seconds of repeated calls, each waited on, after untimed warm-up calls), and
 the read rate their floors use."""
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,3 +35,11 @@ def matmul_rate(n: int) -> float:
     a = jnp.ones((n, n), jnp.bfloat16)
     f = jax.jit(lambda a: a @ a)
     return 2 * n**3 / min(call_seconds(lambda: f(a), 5))
+
+
+def write_rows(path: str | None, args: Any, rows: list[dict]) -> None:
+    """The run's rows as JSON at `path` (none: nothing), with the device, the jax version and the arguments."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), rows=rows), f,
+                      indent=2)

@@ -60,7 +60,7 @@ from .model import (
     dot,
     embed_block,
     forward,
-    keys_values,
+    layer_functions,
     lm_logits,
     project_context,
     rope_tables,
@@ -394,6 +394,7 @@ def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Ar
         c, rows = inputs
         ctx = project_context(params, config, rows)  # [batch, chunk, H]
         rope = rope_tables(config, cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32))
+        keys_values = layer_functions(config).keys_values  # the variant's (Gemma 4: V from K)
         kv = [keys_values(p["self_attn"], config, ctx, rope) for p in params["layers"]]
         return _append(cache, kv, jnp.clip(num_new - c * chunk, 0, chunk)), None
 

@@ -354,7 +354,7 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     """`hidden_norm(fc(features))`: `[batch, S, Lf*H]` target features -> `[batch, S, H]` in the params' dtype."""
     dtype = params["fc"]["weight"].dtype
     ctx = linear(target_hidden.astype(dtype), params["fc"])  # [batch, S, H]
-    return _layers(config).norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
+    return layer_functions(config).norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
 
 
 def _head_norm(attn: Params, name: str, config, x: jax.Array) -> jax.Array:
@@ -415,7 +415,7 @@ def decoder_layer(
 # --------------------------------------------------------------------------------------------------------------
 # The DSpark drafter of this module (context rows `hidden_norm(fc(features))` as extra keys/values, the block
 # `[anchor, MASK x (B-1)]`, all B rows drafting, the Markov and confidence heads) built of Gemma 4's layer, which
-# `forward` runs for a config whose `variant` is "gemma4" (`_layers`). Per layer, over the block rows
+# `forward` runs for a config whose `variant` is "gemma4" (`layer_functions`). Per layer, over the block rows
 # `x [batch, B, H]` and the context rows `ctx [batch, S, H]`:
 #
 #     h = input_layernorm(x)
@@ -496,7 +496,7 @@ class Layers(NamedTuple):
     decoder_layer: Callable[..., tuple[jax.Array, Any]]
 
 
-def _layers(config: DflashConfig) -> Layers:
+def layer_functions(config: DflashConfig) -> Layers:
     """The layer functions of `config.variant`."""
     if config.variant == "gemma4":
         return Layers(gemma4_rms_norm, gemma4_queries, gemma4_keys_values, gemma4_decoder_layer)
@@ -550,7 +550,7 @@ def forward(
     block_rope = Rope(rope.cos[:, S:], rope.sin[:, S:])
     key_positions = jnp.concatenate([context.positions, positions], axis=1)  # [batch, S + B]
     key_valid = jnp.concatenate([context.valid, jnp.ones((batch, B), bool)], axis=1)
-    layers = _layers(config)
+    layers = layer_functions(config)
     new_kv = []
     for i, (p, rule) in enumerate(zip(params["layers"], rules)):
         mem = memory[i] if memory is not None else Memory()

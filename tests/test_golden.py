@@ -17,7 +17,7 @@ import pytest
 from dflash_jax.drafting import init_cache, propose, sample_drafts
 from dflash_jax.model import draft_hidden, lm_logits
 
-from ._golden import CASES, golden
+from ._golden import CASES, check_markov_walk, golden
 
 # max abs error on (hidden, logits), float32, measured:  1.4e-6 / 3.1e-6, 9.6e-6 / 1.6e-5, 2.0e-6 / 3.6e-6,
 # 3.8e-6 / 7.0e-6, 5.1e-6 / 8.0e-6, 1.3e-5 / 2.8e-5, 1.3e-5 / 2.1e-5 (in CASES' order)
@@ -95,26 +95,8 @@ def test_dspark_markov_walk_and_confidence(case):
     reference's walk, its q row is `softmax(markov_logits / T)` of the reference (measured 4.8e-7 / 1.5e-6)."""
     drafter, io = golden(case)
     rows, anchors = _draft_rows(case)
-    threshold = float(io["confidence_threshold"][0])
-    greedy = sample_drafts(drafter, rows, anchors, confidence_threshold=threshold)
-    np.testing.assert_array_equal(np.asarray(greedy.tokens), io["expected_draft_tokens"])
-    np.testing.assert_allclose(np.asarray(greedy.confidence), io["expected_confidence"], rtol=0,
-                               atol={"dspark-tiny-a": 4e-7, "dspark-tiny-b": 3e-6}[case])
-    np.testing.assert_array_equal(np.asarray(greedy.num_tokens), io["expected_num_tokens"])
-
-    T, copies = 0.5, 64
-    sampled = sample_drafts(drafter, jnp.repeat(rows, copies, 0), jnp.repeat(anchors, copies, 0),
-                            key=jax.random.key(0), temperature=T)
-    tokens, q = np.asarray(sampled.tokens), np.asarray(sampled.probs)  # [copies, n], [copies, n, V]
-    drafts = io["expected_draft_tokens"][0]
-    # row k's predecessor is the reference's when rows 0..k-1 drew the reference's drafts
-    on_walk = np.concatenate([np.ones((copies, 1), bool), np.cumprod(tokens == drafts, axis=1)[:, :-1] > 0], 1)
-    assert on_walk.any(axis=0).all(), "some row never on the reference's walk: a larger batch is needed"
-    scaled = io["expected_markov_logits"][0] / T
-    expected_q = np.exp(scaled - scaled.max(-1, keepdims=True))
-    expected_q /= expected_q.sum(-1, keepdims=True)  # [n, V]
-    for b, k in zip(*np.nonzero(on_walk)):
-        np.testing.assert_allclose(q[b, k], expected_q[k], rtol=0, atol=5e-6, err_msg=f"copy {b}, row {k}")
+    check_markov_walk(drafter, io, rows, anchors, confidence_atol={"dspark-tiny-a": 4e-7, "dspark-tiny-b": 3e-6}[case],
+                      q_atol=5e-6)
 
 
 @pytest.mark.parametrize("case", ["dflash2-tiny-a", "dflash2-tiny-b", "dflash2-tiny-b-masked"])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from dflash_jax.loader import load_drafter
 from dflash_jax.model import draft_hidden, lm_logits
 
 from ._drafters import GOLDEN
+from ._golden import check_markov_walk
 from ._io import load_file
 
 CASES = ("gemma4-dspark-tiny-a", "gemma4-dspark-tiny-b")
@@ -86,24 +86,7 @@ def test_softcapped_markov_walk_and_confidence(case):
     reference, which pins the softcap itself (it moves case a's logits by up to 2.0), not only its argmax."""
     drafter, io = golden(case)
     rows, anchors = jnp.asarray(_hidden(case)), jnp.asarray(io["block_ids"][:, 0])
-    greedy = sample_drafts(drafter, rows, anchors, confidence_threshold=float(io["confidence_threshold"][0]))
-    np.testing.assert_array_equal(np.asarray(greedy.tokens), io["expected_draft_tokens"])
-    np.testing.assert_allclose(np.asarray(greedy.confidence), io["expected_confidence"], rtol=0,
-                               atol=CONFIDENCE_ATOL[case])
-    np.testing.assert_array_equal(np.asarray(greedy.num_tokens), io["expected_num_tokens"])
-
-    T, copies = 0.5, 64
-    sampled = sample_drafts(drafter, jnp.repeat(rows, copies, 0), jnp.repeat(anchors, copies, 0),
-                            key=jax.random.key(0), temperature=T)
-    tokens, q = np.asarray(sampled.tokens), np.asarray(sampled.probs)  # [copies, B], [copies, B, V]
-    drafts = io["expected_draft_tokens"][0]
-    on_walk = np.concatenate([np.ones((copies, 1), bool), np.cumprod(tokens == drafts, axis=1)[:, :-1] > 0], 1)
-    assert on_walk.any(axis=0).all(), "some row never on the reference's walk: a larger batch is needed"
-    corrected = io["expected_markov_logits"][0] / T
-    expected_q = np.exp(corrected - corrected.max(-1, keepdims=True))
-    expected_q /= expected_q.sum(-1, keepdims=True)  # [B, V]
-    for b, k in zip(*np.nonzero(on_walk)):
-        np.testing.assert_allclose(q[b, k], expected_q[k], rtol=0, atol=Q_ATOL[case], err_msg=f"copy {b}, row {k}")
+    check_markov_walk(drafter, io, rows, anchors, confidence_atol=CONFIDENCE_ATOL[case], q_atol=Q_ATOL[case])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -117,7 +117,9 @@ def test_double_wide_mlp_outside_the_drafters_layers_is_no_reason_to_refuse():
 def test_speculative_decoding_returns_the_greedy_tokens(tmp_path):
     """A Gemma 4 drafter whose Markov head walks a tiny target's successor map (`successor_drafter`: a bias of 100,
     above the backbone's logits, which the softcap bounds to 30) in the speculative loop: the tokens are the
-    target's greedy ones, whole blocks of all B = 7 drafting rows accepted. The target is `successor_target` with
+    target's greedy ones, whole blocks of all B = 7 drafting rows accepted where the adaptive policy verifies them
+    all (its first steps measure shorter verifies and a plain step, which appends context rows alone: that path
+    read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The target is `successor_target` with
     its layers' outputs scaled to 0, so that its greedy continuation is the successor walk itself (logit margin
     10 over N(0, 1.25^2) others)."""
     write_checkpoint(tmp_path, {**copy.deepcopy(GEMMA4), "markov_rank": 128}, seed=1, own_embeddings=True)
@@ -131,4 +133,5 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path):
             walks[-1].append(int(successor[walks[-1][-1]]))
     result = speculative_generate(target, drafter, prompts, max_new_tokens=16)
     assert result.tokens == walks
-    assert drafter.config.num_draft_tokens == 7 and result.mean_acceptance_length == 8
+    assert drafter.config.num_draft_tokens == 7 and all(8 in steps for steps in result.acceptance_lengths)
+    assert all(plain > 0 for plain in result.plain_tokens)  # the plain step ran
