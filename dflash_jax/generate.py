@@ -471,8 +471,13 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
         if steps < CALIBRATION_STEPS:
             return state, None
         seconds[i] = (time.perf_counter() - start) / steps
+    measured = [seconds[i] for i in range(len(policy.lengths))]
+    if jax.process_count() > 1:  # every process must choose the same lengths (one program): process 0's clock decides
+        from jax.experimental import multihost_utils
+
+        measured = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(measured, np.float32))]
     try:
-        return state, StepCosts(policy.lengths, tuple(seconds[i] for i in range(len(policy.lengths))), batch, device)
+        return state, StepCosts(policy.lengths, tuple(measured), batch, device)
     except ValueError as e:  # a clock that did not move: no costs to trust, so the longest length from here on
         warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
                       f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
