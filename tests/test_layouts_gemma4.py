@@ -119,9 +119,9 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path):
     above the backbone's logits, which the softcap bounds to 30) in the speculative loop: the tokens are the
     target's greedy ones, whole blocks of all B = 7 drafting rows accepted where the adaptive policy verifies them
     all (its first steps measure shorter verifies and a plain step, which appends context rows alone: that path
-    read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The target is `successor_target` with
-    its layers' outputs scaled to 0, so that its greedy continuation is the successor walk itself (logit margin
-    10 over N(0, 1.25^2) others)."""
+    read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The target is
+    `successor_target` with its layers' outputs scaled to 0, so that its greedy continuation is the successor walk
+    itself (logit margin 10 over N(0, 1.25^2) others)."""
     write_checkpoint(tmp_path, {**copy.deepcopy(GEMMA4), "markov_rank": 128}, seed=1, own_embeddings=True)
     successor = np.random.default_rng(0).permutation(128)
     drafter = successor_drafter(load_drafter(tmp_path, dtype=jnp.float32), successor)

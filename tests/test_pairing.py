@@ -17,6 +17,9 @@ from dflash_jax._qwen3_testing import random_qwen3
 from dflash_jax.nnx import DFlashDrafter
 from dflash_jax.testing import preset_dict, random_drafter, write_checkpoint
 
+# Speculative runs here use the fixed draft length: one verify shape to compile per pair (the adaptive default
+# compiles four); its losslessness is test_generate.py's and test_adaptive.py's.
+
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")  # hypothesis printing the target
 
 PROMPT = [1, 2, 3]
@@ -68,7 +71,8 @@ def test_out_of_vocabulary_drafts_are_never_accepted(target, wide_dspark, greedy
     """With the check bypassed, the 256-token drafter proposes ids the target cannot embed: before the loop's own
     guard they were embedded as NaN and the output became `[13, 0, 0, ...]`."""
     monkeypatch.setattr(generate_module, "check_pair", lambda target, drafter: None)
-    assert speculative_generate(target, wide_dspark, PROMPT, max_new_tokens=MAX_NEW).tokens == greedy
+    assert speculative_generate(target, wide_dspark, PROMPT, max_new_tokens=MAX_NEW,
+                                draft_length="fixed").tokens == greedy
 
 
 def _changed(preset: str, **changes):
@@ -137,4 +141,5 @@ def test_every_incompatible_pair_is_refused_before_compiling(target, no_compile,
 def test_every_compatible_pair_is_lossless(target, greedy, family, seed):
     drafter = random_drafter({**preset_dict(family), **_TARGET}, seed=seed, dtype=jnp.float32)
     check_pair(target, drafter)
-    assert speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW).tokens == greedy
+    assert speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW,
+                                draft_length="fixed").tokens == greedy
