@@ -164,7 +164,8 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--draft-length", choices=("adaptive", "fixed"), default=None,
                    help="adaptive: per step, verify as many drafts as maximise the expected tokens per second, "
                         "none included (dflash_jax.Adaptive, step costs measured on the first steps); fixed: "
-                        "every draft, every step; default: the library's (dflash_jax.generate.DRAFT_LENGTH)")
+                        "every draft, every step; default: adaptive at temperature 0, fixed above it (a seed then "
+                        "reproduces its tokens)")
     hosts = v.add_argument_group(
         "across processes (jax.distributed: every process runs the same command, process 0 prints the output)")
     hosts.add_argument("--distributed", action="store_true",
@@ -457,7 +458,7 @@ def generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
-    from .generate import DRAFT_LENGTH, speculative_generate
+    from .generate import speculative_generate
     from .loader import load_drafter
     from .model import AttentionOptions
     from .target.loading import load_target
@@ -492,7 +493,7 @@ def generate(args: argparse.Namespace) -> int:
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop,
             confidence_threshold=args.confidence_threshold, progress=report if terminal else None,
-            attention=attention, draft_length=args.draft_length or DRAFT_LENGTH,
+            attention=attention, draft_length=args.draft_length,
         )
     if shows:
         print(",".join(map(str, result.tokens[0])))

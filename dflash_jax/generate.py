@@ -26,10 +26,11 @@ compares each draft with a token sampled from the target, which is lossless too,
 Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: the step then ends with a
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
-How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default, `DRAFT_LENGTH`), one
-of a few static lengths (0: a plain target step, without drafting after it) chosen per step to maximise the
-expected tokens per second from measured step costs, the drafter's confidences and each sequence's acceptance
-history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut.
+How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default at temperature 0,
+`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, without drafting after it) chosen per step
+to maximise the expected tokens per second from measured step costs, the drafter's confidences and each
+sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a
+confidence cut.
 
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
 `decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program (the verify lengths
@@ -166,7 +167,7 @@ def _commit(out: jax.Array, n_out: jax.Array, done: jax.Array, budget: jax.Array
 # Speculative decoding
 # --------------------------------------------------------------------------------------------------------------
 
-DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length: "adaptive" or "fixed"
+DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length at temperature 0: "adaptive" or "fixed"
 CALIBRATION_STEPS = 4  # decode steps timed per draft length when the costs are measured (`_calibrate`)
 _NO_LIMIT = 2**31 - 1
 
@@ -502,7 +503,7 @@ def speculative_generate(
     attention: AttentionOptions = AttentionOptions(),
     prefill_chunk: int = PREFILL_CHUNK,
     beyond_max_positions: bool = False,
-    draft_length: str | Adaptive = DRAFT_LENGTH,
+    draft_length: str | Adaptive | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` new tokens per prompt with speculative decoding.
 
@@ -524,7 +525,10 @@ def speculative_generate(
     A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
     (ValueError) unless `beyond_max_positions`. `draft_length`: "adaptive" (`Adaptive()`: per step, as many
     drafts as maximise the expected tokens per second, none included; `dflash_jax.adaptive`), an `Adaptive`
-    with other settings or given costs, or "fixed" (every step verifies all of the drafter's drafts).
+    with other settings or given costs, or "fixed" (every step verifies all of the drafter's drafts); None:
+    `DRAFT_LENGTH` ("adaptive") at temperature 0, "fixed" above it. Sampled, the tokens a key draws depend on the
+    lengths chosen (their distribution does not), and the adaptive lengths on step times measured in the run:
+    by default a key reproduces its tokens; pass "adaptive" to adapt anyway.
     `GenerationResult.plain_tokens` counts the tokens of steps that verified no drafts.
     """
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):
@@ -536,6 +540,8 @@ def speculative_generate(
     key = rng_key("speculative_generate", key, seed)
     check_pair(target, drafter)
     K = drafter.config.num_draft_tokens
+    if draft_length is None:
+        draft_length = DRAFT_LENGTH if temperature == 0 else "fixed"
     policy, costs = _resolve_policy(draft_length, K)
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)

@@ -151,3 +151,19 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert stuck.tokens == expected and generate_module._COSTS == {}
     assert stuck.plain_tokens == [1 + steps, 1 + steps]  # the plain steps of the measurement only
+
+
+def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
+    """At temperature > 0 the default draft length is the fixed one, whatever step times the run measures: the
+    tokens a key draws depend on the verify lengths, so a default that adapted to a clock would not reproduce them.
+    With two sets of step costs that make the adaptive policy choose differently, the default's tokens agree."""
+    target = random_qwen3("tiny-qwen3", dtype=jnp.float32)
+    drafter = random_drafter("tiny-dflash", dtype=jnp.float32)
+    runs = []
+    for seconds in ((0.1, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 0.1)):
+        monkeypatch.setattr(generate_module, "_COSTS", {})
+        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, s=seconds: (
+            state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device)))
+        runs.append(speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
+                                         key=jax.random.key(3)))
+    assert runs[0].tokens == runs[1].tokens and runs[0].plain_tokens == runs[1].plain_tokens == [0]

@@ -188,13 +188,11 @@ def capture_speculative_keywords(monkeypatch) -> dict:
 
 
 def test_generate_passes_the_draft_length(checkpoints, monkeypatch):
-    """`--draft-length adaptive|fixed` reaches `speculative_generate` as `draft_length`; without it, the library's
-    default."""
-    from dflash_jax.generate import DRAFT_LENGTH
-
+    """`--draft-length adaptive|fixed` reaches `speculative_generate` as `draft_length`; without it, None: the
+    library's default for the temperature."""
     seen = capture_speculative_keywords(monkeypatch)
     target_dir, drafter_dir = checkpoints
-    for flags, expected in (([], DRAFT_LENGTH), (["--draft-length", "fixed"], "fixed"),
+    for flags, expected in (([], None), (["--draft-length", "fixed"], "fixed"),
                             (["--draft-length", "adaptive"], "adaptive")):
         assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", *flags]) == 0
         assert seen["draft_length"] == expected
