@@ -34,7 +34,7 @@ from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
-from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
+from spec_decode import QWEN3_8B, SMALL, add_run_arguments, drafter_configs  # noqa: E402
 from timing import write_rows  # noqa: E402
 
 RATES = (0.0, 0.3, 0.6, 0.9, 1.0)
@@ -93,10 +93,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=384)
     parser.add_argument("--switch-every", type=int, default=128, help="the mixed workload's phase, in tokens")
     parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
-    parser.add_argument("--layer-scale", type=float, default=0.2, help="successor_target's scale on layer outputs")
-    parser.add_argument("--budget-s", type=float, default=None, help="skip what would start after this many seconds")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
-    parser.add_argument("--json", default=None)
+    add_run_arguments(parser)
     args = parser.parse_args()
     start = time.perf_counter()
     config = SMALL if args.small else QWEN3_8B

@@ -67,16 +67,22 @@ def timed(run, repeats: int):
     return statistics.median(r.decode_tokens_per_second for r in results), results[-1]
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this script shares with adaptive.py: the successor target's scale, the time budget, the tiny
+    form and the JSON output."""
+    parser.add_argument("--layer-scale", type=float, default=0.2, help="successor_target's scale on layer outputs")
+    parser.add_argument("--budget-s", type=float, default=None, help="skip what would start after this many seconds")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
+    parser.add_argument("--json", default=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--layer-scale", type=float, default=0.2, help="successor_target's scale on layer outputs")
-    parser.add_argument("--budget-s", type=float, default=None, help="skip what would start after this many seconds")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
-    parser.add_argument("--json", default=None)
+    add_run_arguments(parser)
     args = parser.parse_args()
     start = time.perf_counter()
     config = SMALL if args.small else QWEN3_8B

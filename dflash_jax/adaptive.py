@@ -81,8 +81,9 @@ class StepCosts:
 
     `seconds[i]`: a step verifying `draft_lengths[i]` drafts and drafting the next proposal; for a length 0, a
     plain target step (one token, no drafting). `device`: the device kind the times were taken on
-    (`jax.devices()[0].device_kind`). Measured by `speculative_generate` (`Adaptive(costs=None)`) or `calibrate`;
-    given by hand for a known setup. Times taken at one context length stand for the whole run.
+    (`jax.devices()[0].device_kind`). Measured by `speculative_generate` on its first run of a setup
+    (`Adaptive(costs=None)`), or given by hand for a known setup. Times taken at one context length stand for the
+    whole run.
     """
 
     draft_lengths: tuple[int, ...]
