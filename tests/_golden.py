@@ -12,7 +12,7 @@ import numpy as np
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import sample_drafts
 from dflash_jax.loader import load_drafter
-from dflash_jax.model import AttentionOptions
+from dflash_jax.model import AttentionOptions, lm_logits
 
 from ._drafters import GOLDEN
 from ._io import load_file
@@ -69,3 +69,12 @@ def check_markov_walk(drafter: Drafter, io: dict[str, np.ndarray], rows: jax.Arr
     expected_q /= expected_q.sum(-1, keepdims=True)  # [n, V]
     for b, k in zip(*np.nonzero(on_walk)):
         np.testing.assert_allclose(q[b, k], expected_q[k], rtol=0, atol=q_atol, err_msg=f"copy {b}, row {k}")
+
+
+def check_bfloat16_outputs(drafter: Drafter, io: dict[str, np.ndarray], hidden: np.ndarray, hidden_atol: float,
+                           logits_atol: float) -> None:
+    """A bf16 drafter's final hidden states `[1, B, H]` and the logits its output head makes of them, against the
+    golden's float32 outputs."""
+    logits = np.asarray(lm_logits(jnp.asarray(hidden, jnp.bfloat16), drafter.output_head))
+    np.testing.assert_allclose(hidden, io["expected_hidden"], rtol=0, atol=hidden_atol)
+    np.testing.assert_allclose(logits, io["expected_logits"], rtol=0, atol=logits_atol)

@@ -17,7 +17,7 @@ import pytest
 from dflash_jax.drafting import init_cache, propose, sample_drafts
 from dflash_jax.model import draft_hidden, lm_logits
 
-from ._golden import CASES, check_markov_walk, golden
+from ._golden import CASES, check_bfloat16_outputs, check_markov_walk, golden
 
 # max abs error on (hidden, logits), float32, measured:  1.4e-6 / 3.1e-6, 9.6e-6 / 1.6e-5, 2.0e-6 / 3.6e-6,
 # 3.8e-6 / 7.0e-6, 5.1e-6 / 8.0e-6, 1.3e-5 / 2.8e-5, 1.3e-5 / 2.1e-5 (in CASES' order)
@@ -74,10 +74,7 @@ def test_forward_bfloat16(case):
     dflash2-tiny-a), so its drafts are compared in float32 only."""
     drafter, io = golden(case, jnp.bfloat16)
     hidden = _hidden(case, jnp.bfloat16)
-    logits = np.asarray(lm_logits(jnp.asarray(hidden, jnp.bfloat16), drafter.output_head))
-    hidden_atol, logits_atol = BFLOAT16_ATOL[case]
-    np.testing.assert_allclose(hidden, io["expected_hidden"], rtol=0, atol=hidden_atol)
-    np.testing.assert_allclose(logits, io["expected_logits"], rtol=0, atol=logits_atol)
+    check_bfloat16_outputs(drafter, io, hidden, *BFLOAT16_ATOL[case])
     if drafter.config.family == "dflash2":
         return
     n = drafter.config.num_draft_tokens

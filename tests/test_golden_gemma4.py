@@ -21,7 +21,7 @@ from dflash_jax.loader import load_drafter
 from dflash_jax.model import draft_hidden, lm_logits
 
 from ._drafters import GOLDEN
-from ._golden import check_markov_walk
+from ._golden import check_bfloat16_outputs, check_markov_walk
 from ._io import load_file
 
 CASES = ("gemma4-dspark-tiny-a", "gemma4-dspark-tiny-b")
@@ -68,10 +68,7 @@ def test_forward_bfloat16(case):
     """bf16 weights as stored and bf16 activations: hidden states, logits, and the drafts and cut."""
     drafter, io = golden(case, jnp.bfloat16)
     hidden = _hidden(case, jnp.bfloat16)
-    logits = np.asarray(lm_logits(jnp.asarray(hidden, jnp.bfloat16), drafter.output_head))
-    hidden_atol, logits_atol = BFLOAT16_ATOL[case]
-    np.testing.assert_allclose(hidden, io["expected_hidden"], rtol=0, atol=hidden_atol)
-    np.testing.assert_allclose(logits, io["expected_logits"], rtol=0, atol=logits_atol)
+    check_bfloat16_outputs(drafter, io, hidden, *BFLOAT16_ATOL[case])
     proposal = sample_drafts(drafter, jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(io["block_ids"][:, 0]),
                              confidence_threshold=float(io["confidence_threshold"][0]))
     np.testing.assert_array_equal(np.asarray(proposal.tokens), io["expected_draft_tokens"])
