@@ -11,7 +11,12 @@ greedy step and 17 for a 16-draft verify, 136 for a verify at batch 8, 2048 for 
 - `tiled`: the pairs sorted by expert into tiles of one expert each, batched matmuls over the tiles;
 - `grouped`: the pairs sorted by expert, JAX's Pallas Mosaic GPU grouped matmul
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`; XLA's `ragged_dot` off the GPU);
-- `ragged_dot`: the same sorted pairs through XLA's `jax.lax.ragged_dot_general`.
+- `ragged_dot`: the same sorted pairs through XLA's `jax.lax.ragged_dot_general`;
+- `sliced` (a candidate, here only): one `lax.dynamic_index_in_dim` and matrix-vector product per (token, expert)
+  pair, unrolled (up to 16 pairs), which XLA may read in place.
+
+`grouped` runs only where asked (`--variants`): inside a program of 8 blocks XLA's compilation of its Mosaic
+custom call crashed on the H200 (jax 0.11.2).
 
 The time is that of one block inside a compiled program that runs `--layers` blocks of distinct weights in a
 row (as a decode step does: no host dispatch, no weights left in L2 by the previous call), median of `--iters`.
@@ -44,7 +49,32 @@ from dflash_jax.target import moe  # noqa: E402
 QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
-VARIANTS = ("ragged_dot", "gather", "reduce", "tiled", "grouped")
+VARIANTS = ("ragged_dot", "gather", "reduce", "tiled", "sliced")
+SLICED_MAX_PAIRS = 16
+
+
+def sliced(p: dict, c: moe.MoeDims, x: jax.Array) -> jax.Array:
+    """The block with each (token, expert) pair's weights taken by `lax.dynamic_index_in_dim`: `[1, T, H]`."""
+    xt = x.reshape(-1, c.hidden_size)  # [T, H]
+    weights, experts = moe.route(p, c, xt)  # [T, k]
+    e, rows = p["experts"], []  # each [E, out, in]
+    for t in range(xt.shape[0]):
+        acc = jnp.zeros((c.hidden_size,), jnp.float32)
+        for j in range(c.num_experts_per_tok):
+            w = {n: jax.lax.dynamic_index_in_dim(e[n], experts[t, j], keepdims=False) for n in e}  # [out, in]
+            h = jax.nn.silu(jnp.dot(w["gate_proj"], xt[t], preferred_element_type=jnp.float32)) \
+                * jnp.dot(w["up_proj"], xt[t], preferred_element_type=jnp.float32)  # [I]
+            acc = acc + weights[t, j] * jnp.dot(w["down_proj"], h.astype(x.dtype), preferred_element_type=jnp.float32)
+        rows.append(acc)
+    s = p["shared_expert"]
+    lin = moe.linear  # the package's bf16 linear, as `moe_block`'s shared expert
+    shared = lin(jax.nn.silu(lin(xt, s["gate_proj"])) * lin(xt, s["up_proj"]), s["down_proj"])  # [T, H]
+    gate = jax.nn.sigmoid(lin(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    return (jnp.stack(rows) + gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(x.shape)
+
+
+def block(p: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:
+    return sliced(p, c, x) if impl == "sliced" else moe.moe_block(p, c, x, impl)
 
 
 def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> dict:
@@ -66,12 +96,12 @@ def run_layers(blocks: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Arr
     """The blocks one after another (a residual stream through `layers` MoE blocks)."""
 
     def layer(x, p):
-        return x + moe.moe_block(p, c, x, impl), None
+        return x + block(p, c, x, impl), None
 
     return jax.lax.scan(layer, x, blocks)[0]
 
 
-one_block = jax.jit(moe.moe_block, static_argnums=(1, 3))
+one_block = jax.jit(block, static_argnums=(1, 3))
 
 
 def main() -> None:
@@ -81,6 +111,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=(*VARIANTS, "grouped"))
     args = parser.parse_args()
     c = SMALL if args.small else QWEN3_5_35B_A3B
     args.tokens = args.tokens or ([1, 17, 136] if args.small else [1, 8, 17, 136, 2048])
@@ -100,7 +131,9 @@ def main() -> None:
         distinct = len(np.unique(np.asarray(moe.routed_experts(first, c, x))))
         floor = (fixed + distinct * expert_bytes) / rate
         reference = None
-        for impl in VARIANTS:
+        for impl in args.variants:
+            if impl == "sliced" and T * c.num_experts_per_tok > SLICED_MAX_PAIRS:
+                continue
             f = jax.jit(run_layers, static_argnums=(1, 3))
             out = one_block(first, c, x, impl)  # one block: 8 in a row, unnormalised, would amplify the rounding
             reference = out if reference is None else reference

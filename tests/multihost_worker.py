@@ -121,7 +121,8 @@ print(f"process {process_id}: target ok, read {read_bytes} of {total_bytes} byte
 # on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens.
 paired = load_drafter(checkpoint, mesh=target.layout.mesh, dtype=jnp.float32)
 prompts, max_new = json.loads(sys.argv[5]), int(sys.argv[6])
-result = speculative_generate(target, paired, prompts, max_new_tokens=max_new)
+result = speculative_generate(target, paired, prompts, max_new_tokens=max_new, draft_length="fixed")  # (the
+# adaptive policy across processes: tests/test_multihost.py's CLI run)
 print(f"process {process_id}: tokens {json.dumps(result.tokens)}")
 # sampled: the same key in every process; every draw is a global computation, so the processes agree
 sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, temperature=float(sys.argv[7]),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import load_drafter, load_target, speculative_generate
+from dflash_jax import greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax._qwen3_testing import write_qwen3_checkpoint
 from dflash_jax.cli import main
 from dflash_jax.testing import preset_dict, write_checkpoint
@@ -71,7 +71,7 @@ def test_two_process_load(checkpoints):
         assert read < 0.6 * total  # 4-way split over 2 processes: half of each split tensor, the norms whole
     one_target = load_target(target, dtype=jnp.float32)
     one_drafter = load_drafter(drafter, dtype=jnp.float32)
-    expected = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW).tokens
+    expected = greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the target's own decoding
     sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                    top_k=TOP_K, key=jax.random.key(SEED)).tokens
     assert sampled != expected
@@ -83,7 +83,7 @@ def test_two_process_load(checkpoints):
 def test_generate_across_two_processes(checkpoints, capsys):
     """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
     four, process 0 prints what one process prints, process 1 prints nothing (on stdout: Gloo's connection lines go
-    to stderr)."""
+    to stderr). Greedy, so the adaptive draft length runs: both processes take process 0's measured step costs."""
     drafter, target = checkpoints
     flags = ["--max-new-tokens", "6", "--dtype", "float32", "--stop-token-ids", "127"]
     # two devices per process; compiled programs not cached (a test leaves nothing behind)
