@@ -79,8 +79,8 @@ def plot(docs: list[dict[str, Any]], out: str) -> list[str]:
             ctx, ms, floor = zip(*points)
             (line,) = ax.plot(ctx, ms, marker="o", label=label)
             ax.plot(ctx, floor, linestyle="--", color=line.get_color(), alpha=0.6)
-        rates = sorted(r["read_rate"] / 1e12 for r in propose_rows(docs))
-        rate = f"{rates[0]:.2f}" if f"{rates[0]:.2f}" == f"{rates[-1]:.2f}" else f"{rates[0]:.2f}-{rates[-1]:.2f}"
+        rates = sorted({round(r["read_rate"] / 1e12, 2) for r in propose_rows(docs)})  # TB/s, one per run
+        rate = f"{rates[0]:.2f}" + (f"-{rates[-1]:.2f}" if len(rates) > 1 else "")
         ax.set(xscale="log", xlabel="cached context (rows)", ylabel="ms per drafting step",
                title=f"Drafting step against context ({device})\ndashed: floor at the read rate ({rate} TB/s)")
         contexts = sorted({c for points in steps.values() for c, *_ in points})
