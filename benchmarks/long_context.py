@@ -74,9 +74,10 @@ def nbytes(tree) -> int:
 def propose_rows(name: str, preset: str, contexts, batches, iters: int, rate: float, impls, small: bool) -> list[dict]:
     """One row per batch, context and impl: ms per drafting step beside its floor at the read rate `rate` (bytes/s)."""
     raw = copy.deepcopy(preset_dict(preset))
-    if small:  # tiny: the preset's two kinds of layer (its last two) at small widths
+    if small:  # tiny: the preset's two kinds of layer (its last two) at small widths and vocabulary
         raw |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16, num_hidden_layers=2)
+                    head_dim=16, num_hidden_layers=2, vocab_size=1024)
+        raw["dflash_config"]["mask_token_id"] = raw["vocab_size"] - 1
         if raw.get("layer_types"):
             raw["layer_types"] = raw["layer_types"][-2:]
         if raw.get("sliding_window"):
