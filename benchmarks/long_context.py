@@ -1,22 +1,26 @@
 """Long contexts on one GPU: the drafting step against the cached context, and speculative decoding on long prompts.
 
 Part `propose`: one drafting step (`dflash_jax.propose`, 16 new context rows, back to back with the cache
-donated, median of `--iters` after warm-up) with `ctx` context rows already cached, at Qwen3-8B-DFlash-b16,
-Qwen3.6-35B-A3B tf5 (5 sliding layers of window 4096 + 1 full) and Muse-Glimmer DFlash2 (5 sliding, 2048)
-shapes, random bf16 weights. Each row has its floor: the bytes the step must read (drafter weights, the LM head
-it applies to the draft rows, and the cache rows its layers attend to: the window's ring on sliding layers,
-all `ctx` rows on full ones) at the copy bandwidth measured in the same run (`x + 1` over 4 GiB).
+donated, mean of `--iters` steps after 3 warm-up steps) with `ctx` context rows already cached, at
+Qwen3-8B-DFlash-b16, Qwen3.6-35B-A3B tf5 (5 sliding layers of window 4096 + 1 full) and Muse-Glimmer DFlash2
+(5 sliding, 2048) shapes, random bf16 weights. Each row has its floor: the bytes the step must read (drafter
+weights, the LM head it applies to the draft rows, and the cache rows its layers attend to: the window's ring on
+sliding layers, all `ctx` rows on full ones) at the read rate measured in the same run (`timing.read_rate`: a
+`jnp.sum` over 4 GiB).
 
 Part `decode`: `speculative_generate` and `greedy_generate` on a Qwen3-8B-shaped target (YaRN to 131072
 positions, as Qwen3 documents for long contexts) made by `successor_target` (so acceptance can be dialled), with
 the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each at the fixed draft length
 and with the adaptive policy (`draft_length="adaptive"`: as many drafts per step as pay, plain target steps
 while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device memory. Floors: greedy decoding
-reads the weights and the KV cache each token; a prefill does `2 x params x tokens` plus causal attention
-`2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with the bf16 matmul rate measured in the same run (an
-8192^3 GEMM).
+reads the weights and the KV cache each token, at the same read rate; a prefill does `2 x params x tokens` plus
+causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with the bf16 matmul rate measured in
+the same run (an 8192^3 GEMM).
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/long_context.py --json out.json
+`--json FILE` writes the rows (`timing.write_rows`), each with the rates its floors used (`read_rate` in bytes/s,
+`matmul_rate` in FLOP/s); `benchmarks/plot.py` draws the propose rows.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/long_context.py --json long_context.json
     python benchmarks/long_context.py --small     # tiny shapes, a CPU check of the script (tests run it)
 """
 
@@ -26,7 +30,6 @@ import argparse
 import copy
 import dataclasses
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -38,7 +41,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
-from timing import call_seconds, matmul_rate  # noqa: E402
+from timing import matmul_rate, read_rate, write_rows  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
@@ -64,26 +67,17 @@ DECODE_RUNS = ("greedy", "full acceptance", "zero acceptance", "full acceptance 
                "zero acceptance + adaptive")
 
 
-def fastest(f, x, runs: int = 5) -> float:
-    """Seconds of the fastest of `runs` calls of `f(x)`, after one compiling call."""
-    return min(call_seconds(lambda: f(x), runs))
-
-
-def copy_bandwidth(gib: float) -> float:
-    """Bytes/s of `x + 1` over a bf16 array of `gib` GiB (read + write)."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    return 2 * x.nbytes / fastest(jax.jit(lambda x: x + 1), x)
-
-
 def nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidth: float, impls, small: bool):
+def propose_rows(name: str, preset: str, contexts, batches, iters: int, rate: float, impls, small: bool) -> list[dict]:
+    """One row per batch, context and impl: ms per drafting step beside its floor at the read rate `rate` (bytes/s)."""
     raw = copy.deepcopy(preset_dict(preset))
-    if small:  # tiny: the preset's two kinds of layer (its last two) at small widths
+    if small:  # tiny: the preset's two kinds of layer (its last two) at small widths and vocabulary
         raw |= dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16, num_hidden_layers=2)
+                    head_dim=16, num_hidden_layers=2, vocab_size=1024)
+        raw["dflash_config"]["mask_token_id"] = raw["vocab_size"] - 1
         if raw.get("layer_types"):
             raw["layer_types"] = raw["layer_types"][-2:]
         if raw.get("sliding_window"):
@@ -115,9 +109,9 @@ def propose_rows(name: str, preset: str, contexts, batches, iters: int, bandwidt
                 ms = (time.perf_counter() - start) / iters * 1e3
                 row_bytes = 2 * c.num_key_value_heads * c.head_dim * 2 * batch  # K and V, bf16, per attended row
                 attended = sum(min(ctx, k.shape[2]) for k in cache.keys)
-                floor = (weights + row_bytes * attended) / bandwidth * 1e3
+                floor = (weights + row_bytes * attended) / rate * 1e3
                 rows.append(dict(part="propose", drafter=name, batch=batch, context=ctx, impl=impl, ms=ms,
-                                 floor_ms=floor, cache_gb=nbytes(cache) / 1e9))
+                                 floor_ms=floor, read_rate=rate, cache_gb=nbytes(cache) / 1e9))
                 print(f"| {name} ({kinds}) | {batch} | {ctx} | {impl} | {ms:.3f} | {floor:.3f} | {ms / floor:.2f} "
                       f"| {nbytes(cache) / 1e9:.2f} |", flush=True)
                 del cache
@@ -129,8 +123,10 @@ def peak_gb() -> float:
     return stats.get("peak_bytes_in_use", 0) / 1e9
 
 
-def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: float, flops: float, small: bool,
-                chunk: int, wanted):
+def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, flops: float, small: bool,
+                chunk: int, wanted) -> list[dict]:
+    """One row per prompt, batch and run: prefill (beside the GEMM rate `flops`), decode tokens/s (beside greedy's
+    floor at the read rate `rate`, bytes/s), x greedy, acceptance."""
     config = {**SMALL, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
@@ -173,10 +169,11 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, bandwidth: flo
                 attention_flops = 2 * 2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * P * P / 2
                 prefill_flops = batch * (2 * params * P + attention_flops)
                 mean_len = P + max_new / 2
-                floor_tps = batch / ((weight_bytes + batch * kv_row * mean_len) / bandwidth)
+                floor_tps = batch / ((weight_bytes + batch * kv_row * mean_len) / rate)
                 row = dict(part="decode", run=name, prompt=P, batch=batch, prefill_s=prefill,
                            prefill_mfu=prefill_flops / prefill / flops, tokens_per_s=tps, speedup=tps / base,
-                           greedy_floor_tps=floor_tps, same_as_greedy=tokens == greedy_tokens, peak_gb=peak_gb(),
+                           greedy_floor_tps=floor_tps, read_rate=rate, matmul_rate=flops,
+                           same_as_greedy=tokens == greedy_tokens, peak_gb=peak_gb(),
                            mean_acceptance=results[-1].mean_acceptance_length,
                            plain_tokens=np.sum(results[-1].plain_tokens).item())
                 rows.append(row)
@@ -202,36 +199,33 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write the rows here (for benchmarks/plot.py)")
     args = parser.parse_args()
     if args.small:
         args.contexts, args.prompts, args.propose_batch, args.decode_batch = [200], [200], [2], [1]
         args.drafters = ["Qwen3.6-35B-A3B tf5"]  # both kinds of layer
         args.iters, args.max_new, args.chunk = 2, 8, 64
     start = time.perf_counter()
-    bandwidth = copy_bandwidth(0.0625 if args.small else 4)
+    rate = read_rate(0.0625 if args.small else 4)
     flops = matmul_rate(512 if args.small else 8192)
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul "
-          f"{flops / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate (jnp.sum) {rate / 1e12:.2f} TB/s, bf16 "
+          f"matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     if "propose" in args.parts:
-        print("| drafter | batch | context | impl | ms | floor ms | x floor | cache GB |\n|---|---:|---:|---|---:|---:|"
-              "---:|---:|", flush=True)
+        print("| drafter | batch | context | impl | ms | read floor ms | x read floor | cache GB |\n"
+              "|---|---:|---:|---|---:|---:|---:|---:|", flush=True)
         for name in args.drafters:
-            rows += propose_rows(name, DRAFTERS[name], args.contexts, args.propose_batch, args.iters, bandwidth,
+            rows += propose_rows(name, DRAFTERS[name], args.contexts, args.propose_batch, args.iters, rate,
                                  args.impls, args.small)
     if "decode" in args.parts:
-        print("| prompt | batch | run | prefill s | prefill MFU | tokens/s | x greedy | greedy floor tok/s | "
+        print("| prompt | batch | run | prefill s | prefill MFU | tokens/s | x greedy | greedy read floor tok/s | "
               "acceptance | plain tokens | same as greedy | peak GB |\n"
               "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
               flush=True)
-        rows += decode_rows(args.prompts, args.decode_batch, args.max_new, args.repeats, bandwidth, flops,
+        rows += decode_rows(args.prompts, args.decode_batch, args.max_new, args.repeats, rate, flops,
                             args.small, args.chunk, args.runs)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args),
-                           copy_bytes_per_s=bandwidth, matmul_flops=flops, rows=rows), f, indent=2)
+    write_rows(args.json, args, rows)
 
 
 if __name__ == "__main__":

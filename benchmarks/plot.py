@@ -1,64 +1,68 @@
-"""Figures for docs/ from the benchmarks' JSON output (`--json` of long_context.py, hybrid_decode.py, spec_decode.py).
+"""Figures for docs/ from the benchmarks' JSON output (`--json` of long_context.py and adaptive.py).
 
     pip install -e '.[plots]'      # matplotlib
-    python benchmarks/plot.py long_context.json hybrid_decode.json spec_decode.json --out docs/
+    python benchmarks/plot.py long_context.json adaptive.json --out docs/figures
 
-Writes, for what the files hold:
+Writes into `--out`, for what the files hold:
 
-- `draft_step_vs_context.png`: the drafting step (`long_context.py --parts propose` rows): ms per step against
-  the cached context, one line per drafter and batch, its floor (the bytes the step reads at the run's measured
-  rate) dashed in the same colour.
-- `decode_vs_acceptance.png`: speculative decoding (decode rows of all three scripts): decode tokens/s against
-  the mean acceptance length (tokens committed per verify step), one line per target, prompt and batch from its
-  zero-acceptance to its full-acceptance run, greedy decoding of the same configuration as a dotted level. The
-  line between the two bounds is drawn, not measured: a real drafter sits on it only as far as a step's cost
-  does not depend on how many drafts it accepts.
+- `draft_step_vs_context.png`: the drafting step (`long_context.py --parts propose` rows, the `auto` kernel
+  choice): ms per step against the cached context, one line per drafter and batch, its floor (the bytes the step
+  reads at the read rate measured in the same run, `jnp.sum` over 4 GiB) dashed in the same colour.
+- `speedup_vs_acceptance.png`: speculative decoding (`adaptive.py` rows): decode tokens/s over greedy decoding's
+  in the same run, against the acceptance per draft position measured on the fixed-length run; one colour per
+  prompt length and batch, the fixed draft length solid and the adaptive policy dashed through the dialled
+  workloads (`acceptance f`), the mixed workloads as unconnected stars, greedy (1.0) a dotted level.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 Series = dict[str, list[tuple[float, ...]]]
+MODES = {"fixed": "-", "adaptive": "--"}  # adaptive.py's runs beside greedy, and their line styles
 
 
-def draft_step_series(docs: list[dict[str, Any]]) -> Series:
-    """`"drafter, batch b"` -> sorted `(context, ms, floor_ms)` of every propose row (the `auto` kernel choice)."""
-    series: Series = defaultdict(list)
+def propose_rows(docs: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """long_context.py's drafting-step rows of the `auto` kernel choice."""
     for doc in docs:
         for r in doc.get("rows", []):
             if r.get("part") == "propose" and r.get("impl", "auto") == "auto":
-                series[f"{r['drafter']}, batch {r['batch']}"].append((r["context"], r["ms"], r["floor_ms"]))
+                yield r
+
+
+def draft_step_series(docs: list[dict[str, Any]]) -> Series:
+    """`"drafter, batch b"` -> sorted `(context, ms, floor_ms)` of every propose row."""
+    series: Series = defaultdict(list)
+    for r in propose_rows(docs):
+        series[f"{r['drafter']}, batch {r['batch']}"].append((r["context"], r["ms"], r["floor_ms"]))
     return {k: sorted(v) for k, v in series.items()}
 
 
-def decode_series(docs: list[dict[str, Any]]) -> tuple[Series, dict[str, float]]:
-    """(`"target, prompt P, batch b"` -> sorted `(mean acceptance, tokens/s)` of its speculative runs,
-    the same key -> greedy tokens/s). long_context.py and hybrid_decode.py name a run `run`, spec_decode.py `name`;
-    spec_decode.py's rows carry no prompt length (its `args` do)."""
-    series: Series = defaultdict(list)
-    greedy: dict[str, float] = {}
+def speedup_series(docs: list[dict[str, Any]]) -> tuple[Series, Series]:
+    """adaptive.py's rows as (`"prompt P, batch b, fixed|adaptive"` -> sorted `(acceptance per draft, x greedy)` of
+    the dialled workloads (`acceptance f`), the same keys -> those of the mixed workloads); keys in the rows'
+    order."""
+    dialled: Series = defaultdict(list)
+    mixed: Series = defaultdict(list)
     for doc in docs:
-        args = doc.get("args", {})
         for r in doc.get("rows", []):
-            if r.get("part", "decode") != "decode" or "tokens_per_s" not in r:
+            if "workload" not in r:
                 continue
-            target = r.get("target", "Qwen3-8B shapes")
-            key = f"{target}, prompt {r.get('prompt', args.get('prompt_len', '?'))}, batch {r['batch']}"
-            run = r.get("run", r.get("name"))
-            if run == "greedy":
-                greedy[key] = r["tokens_per_s"]
-            elif r.get("mean_acceptance") is not None:
-                series[key].append((r["mean_acceptance"], r["tokens_per_s"]))
-    return {k: sorted(v) for k, v in series.items()}, greedy
+            series = dialled if r["workload"].startswith("acceptance") else mixed
+            for mode in MODES:
+                series[f"prompt {r['prompt']}, batch {r['batch']}, {mode}"].append(
+                    (r["acceptance"], r[f"{mode}_tps"] / r["greedy_tps"]))
+    return {k: sorted(v) for k, v in dialled.items()}, {k: sorted(v) for k, v in mixed.items()}
 
 
 def plot(docs: list[dict[str, Any]], out: str) -> list[str]:
-    """Write the figures the documents have data for into `out`; their paths."""
+    """Write the figures the documents have data for into the directory `out`; their paths."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -66,6 +70,7 @@ def plot(docs: list[dict[str, Any]], out: str) -> list[str]:
 
     os.makedirs(out, exist_ok=True)
     device = ", ".join(sorted({d["device"] for d in docs if "device" in d}))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     written = []
     steps = draft_step_series(docs)
     if steps:
@@ -74,40 +79,57 @@ def plot(docs: list[dict[str, Any]], out: str) -> list[str]:
             ctx, ms, floor = zip(*points)
             (line,) = ax.plot(ctx, ms, marker="o", label=label)
             ax.plot(ctx, floor, linestyle="--", color=line.get_color(), alpha=0.6)
+        rates = sorted({round(r["read_rate"] / 1e12, 2) for r in propose_rows(docs)})  # TB/s, one per run
+        rate = f"{rates[0]:.2f}" + (f"-{rates[-1]:.2f}" if len(rates) > 1 else "")
         ax.set(xscale="log", xlabel="cached context (rows)", ylabel="ms per drafting step",
-               title=f"Drafting step against context ({device}; dashed: floor)")
+               title=f"Drafting step against context ({device})\ndashed: floor at the read rate ({rate} TB/s)")
         contexts = sorted({c for points in steps.values() for c, *_ in points})
         ax.set_xticks(contexts, [f"{c / 1024:g}k" if c >= 1024 else str(c) for c in contexts])
+        ax.minorticks_off()
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
         written.append(_save(fig, os.path.join(out, "draft_step_vs_context.png")))
-    runs, greedy = decode_series(docs)
-    if runs:
+    dialled, mixed = speedup_series(docs)
+    if dialled or mixed:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for label, points in runs.items():
-            acceptance, tps = zip(*points)
-            (line,) = ax.plot(acceptance, tps, marker="o", label=label)
-            if label in greedy:
-                ax.axhline(greedy[label], linestyle=":", color=line.get_color(), alpha=0.8)
-        ax.set(xlabel="mean acceptance length (tokens per verify step)", ylabel="decode tokens/s",
-               title=f"Speculative decoding against acceptance ({device}; dotted: greedy)")
-        ax.set_ylim(bottom=0)
+        shapes = list(dict.fromkeys(key.rsplit(", ", 1)[0] for key in (*dialled, *mixed)))  # "prompt P, batch b"
+        for (i, shape), mode in itertools.product(enumerate(shapes), MODES):
+            key, colour = f"{shape}, {mode}", colours[i % len(colours)]
+            if key in dialled:
+                acceptance, speedup = zip(*dialled[key])
+                ax.plot(acceptance, speedup, linestyle=MODES[mode], marker="o", color=colour, label=key)
+            if key in mixed:
+                acceptance, speedup = zip(*mixed[key])
+                ax.plot(acceptance, speedup, linestyle="none", marker="*", markersize=10, color=colour,
+                        markerfacecolor=colour if mode == "fixed" else "none")
+        ax.axhline(1.0, linestyle=":", color="black", alpha=0.8)
+        ax.set(yscale="log", xlabel="acceptance per draft position (fixed length)",
+               ylabel="decode tokens/s, x greedy",
+               title=f"Speculative decoding against acceptance ({device})\nsolid: fixed length, dashed: adaptive, "
+                     "stars: mixed workloads, dotted: greedy")
+        ax.minorticks_off()
+        low, high = ax.get_ylim()
+        low, high = ax.set_ylim(min(low, 0.5), max(high, 2))  # a labelled tick either side of greedy
+        ticks = [t for t in (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 32) if low <= t <= high]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax.legend(fontsize=8)
-        written.append(_save(fig, os.path.join(out, "decode_vs_acceptance.png")))
+        written.append(_save(fig, os.path.join(out, "speedup_vs_acceptance.png")))
     return written
 
 
 def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    fig.clf()
+    plt.close(fig)
     return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("json", nargs="+", help="files written by the benchmarks' --json")
-    parser.add_argument("--out", default="docs", help="directory for the PNGs")
+    parser.add_argument("--out", default="docs/figures", help="directory for the PNGs")
     args = parser.parse_args()
     docs = []
     for path in args.json:

@@ -1,11 +1,13 @@
 """The benchmarks' `--small` modes run end to end on a CPU (so the scripts cannot rot); the GPU-only ones
 (pallas_tiles.py) in a small form marked `gpu`. Each script's `main()` runs in this process (a subprocess would
 spend seconds importing JAX again) with the suite's settings (strict dtype promotion: the scripts have no
-implicit promotions either)."""
+implicit promotions either). plot.py draws the JSON of long_context.py's and adaptive.py's `--small` runs
+(marked `plots`: skipped without matplotlib)."""
 
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -27,15 +29,39 @@ def run_script(monkeypatch, name: str, *argv: str) -> None:
     module.main()
 
 
-def test_long_context_small(monkeypatch, tmp_path):
-    out = tmp_path / "out.json"
-    runs = ["full acceptance + adaptive", "zero acceptance + adaptive"]  # each drafter; the fixed length: the same code
-    run_script(monkeypatch, "long_context", "--small", "--runs", *runs, "--json", str(out))
-    rows = json.loads(out.read_text())["rows"]
+LONG_CONTEXT_RUNS = ["full acceptance + adaptive", "zero acceptance + adaptive"]  # each drafter; fixed: same code
+ADAPTIVE_WORKLOADS = ["acceptance 0", "acceptance 1"]
+
+
+@pytest.fixture(scope="module")
+def long_context_json(tmp_path_factory) -> pathlib.Path:
+    """`long_context.py --small --json` (both parts), run once: its test and plot.py's read the file."""
+    out = tmp_path_factory.mktemp("long_context") / "long_context.json"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_script(monkeypatch, "long_context", "--small", "--runs", *LONG_CONTEXT_RUNS, "--json", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adaptive_json(tmp_path_factory) -> pathlib.Path:
+    """`adaptive.py --small --json` at one prompt length and batch, run once: its test and plot.py's read the file."""
+    out = tmp_path_factory.mktemp("adaptive") / "adaptive.json"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        run_script(monkeypatch, "adaptive", "--small", "--prompts", "16", "--batch", "2", "--max-new", "8",
+                   "--workloads", *ADAPTIVE_WORKLOADS, "--json", str(out))
+    return out
+
+
+def test_long_context_small(long_context_json):
+    """Both parts: every floor at the one read rate measured in the run; the decode runs lossless, the dialled
+    drafters accepted as they say, the adaptive policy's plain steps counted."""
+    rows = json.loads(long_context_json.read_text())["rows"]
     propose = [r for r in rows if r["part"] == "propose"]
     decode = [r for r in rows if r["part"] == "decode"]
     assert propose and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in propose)
-    assert {r["run"] for r in decode} == {"greedy", *runs}
+    assert len({r["read_rate"] for r in rows}) == 1 and rows[0]["read_rate"] > 0
+    assert all(r["matmul_rate"] > 0 and r["greedy_floor_tps"] > 0 for r in decode)
+    assert {r["run"] for r in decode} == {"greedy", *LONG_CONTEXT_RUNS}
     assert all(r["same_as_greedy"] for r in decode)
     by_run = {r["run"]: r for r in decode}
     full, zero = by_run["full acceptance + adaptive"], by_run["zero acceptance + adaptive"]
@@ -133,6 +159,15 @@ def test_pallas_tiles_small():
     assert "4096" in run.stdout, run.stdout
 
 
+def test_adaptive_small(adaptive_json):
+    """benchmarks/adaptive.py end to end on tiny shapes: greedy, the fixed length and the adaptive policy side by
+    side, both outputs greedy's, the dialled acceptance what the drafter's map says."""
+    rows = {r["workload"]: r for r in json.loads(adaptive_json.read_text())["rows"]}
+    assert set(rows) == set(ADAPTIVE_WORKLOADS)
+    assert all(r["same_as_greedy"] and r["greedy_tps"] > 0 and r["adaptive_tps"] > 0 for r in rows.values())
+    assert rows["acceptance 0"]["acceptance"] == 0 and rows["acceptance 1"]["acceptance"] == 1
+
+
 def _plot_module():
     spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "benchmarks", "plot.py"))
     module = importlib.util.module_from_spec(spec)
@@ -140,62 +175,57 @@ def _plot_module():
     return module
 
 
-# The three scripts' JSON layouts (long_context.py, hybrid_decode.py, spec_decode.py), two rows of each kind.
+# long_context.py's and adaptive.py's JSON layouts, with the rows plot.py must leave out (another kernel choice,
+# the decode part).
 SYNTHETIC = [
     {"device": "NVIDIA H200", "rows": [
-        {"part": "propose", "drafter": "d", "batch": 1, "context": 8192, "impl": "auto", "ms": 1.2, "floor_ms": 1.1},
-        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "auto", "ms": 1.0, "floor_ms": 0.9},
-        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "xla", "ms": 9.0, "floor_ms": 0.9},
-        {"part": "decode", "run": "greedy", "prompt": 8192, "batch": 1, "tokens_per_s": 180.0},
-        {"part": "decode", "run": "full acceptance", "prompt": 8192, "batch": 1, "tokens_per_s": 1900.0,
-         "mean_acceptance": 17.0},
-        {"part": "decode", "run": "zero acceptance", "prompt": 8192, "batch": 1, "tokens_per_s": 120.0,
-         "mean_acceptance": 1.0}]},
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 8192, "impl": "auto", "ms": 1.2, "floor_ms": 1.1,
+         "read_rate": 3.8e12},
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "auto", "ms": 1.0, "floor_ms": 0.9,
+         "read_rate": 3.8e12},
+        {"part": "propose", "drafter": "d", "batch": 1, "context": 2048, "impl": "xla", "ms": 9.0, "floor_ms": 0.9,
+         "read_rate": 3.8e12},
+        {"part": "decode", "run": "greedy", "prompt": 8192, "batch": 1, "tokens_per_s": 180.0}]},
     {"device": "NVIDIA H200", "rows": [
-        {"part": "step", "target": "27B", "greedy step": 15.0},
-        {"part": "decode", "target": "27B", "run": "greedy", "prompt": 8192, "batch": 1, "tokens_per_s": 63.5},
-        {"part": "decode", "target": "27B", "run": "full acceptance", "prompt": 8192, "batch": 1,
-         "tokens_per_s": 400.8, "mean_acceptance": 8.0}]},
-    {"device": "NVIDIA H200", "args": {"prompt_len": 128}, "rows": [
-        {"batch": 1, "name": "greedy", "tokens_per_s": 192.5, "follows_map": 1.0},
-        {"batch": 1, "name": "dspark-b16, right map", "tokens_per_s": 2162.4, "speedup": 11.2,
-         "mean_acceptance": 17.0, "same_tokens": True}]},
+        {"prompt": 2048, "batch": 1, "workload": "acceptance 1", "acceptance": 1.0, "greedy_tps": 200.0,
+         "fixed_tps": 2200.0, "adaptive_tps": 2000.0},
+        {"prompt": 2048, "batch": 1, "workload": "acceptance 0", "acceptance": 0.0, "greedy_tps": 200.0,
+         "fixed_tps": 140.0, "adaptive_tps": 190.0},
+        {"prompt": 2048, "batch": 1, "workload": "mixed", "acceptance": 0.7, "greedy_tps": 200.0,
+         "fixed_tps": 400.0, "adaptive_tps": 420.0}]},
 ]
 
 
-def test_plot_reads_every_benchmark_layout():
-    """plot.py's series: propose rows by drafter and batch (the `auto` path only, sorted by context), decode rows
-    by target, prompt and batch, greedy apart; each of the three JSON layouts."""
+def test_plot_series():
+    """plot.py's series: propose rows by drafter and batch (the `auto` path only, sorted by context); adaptive.py's
+    rows as x greedy against acceptance per draft, fixed and adaptive apart, the mixed workloads apart."""
     plot = _plot_module()
     assert plot.draft_step_series(SYNTHETIC) == {"d, batch 1": [(2048, 1.0, 0.9), (8192, 1.2, 1.1)]}
-    runs, greedy = plot.decode_series(SYNTHETIC)
-    assert runs == {"Qwen3-8B shapes, prompt 8192, batch 1": [(1.0, 120.0), (17.0, 1900.0)],
-                    "27B, prompt 8192, batch 1": [(8.0, 400.8)],
-                    "Qwen3-8B shapes, prompt 128, batch 1": [(17.0, 2162.4)]}
-    assert greedy == {"Qwen3-8B shapes, prompt 8192, batch 1": 180.0, "27B, prompt 8192, batch 1": 63.5,
-                      "Qwen3-8B shapes, prompt 128, batch 1": 192.5}
+    dialled, mixed = plot.speedup_series(SYNTHETIC)
+    assert dialled == {"prompt 2048, batch 1, fixed": [(0.0, 0.7), (1.0, 11.0)],
+                       "prompt 2048, batch 1, adaptive": [(0.0, 0.95), (1.0, 10.0)]}
+    assert mixed == {"prompt 2048, batch 1, fixed": [(0.7, 2.0)], "prompt 2048, batch 1, adaptive": [(0.7, 2.1)]}
 
 
-def test_plot_writes_the_figures(tmp_path):
-    """The command writes both PNGs from JSON files (skipped without the `plots` extra)."""
-    pytest.importorskip("matplotlib")
-    paths = []
-    for i, doc in enumerate(SYNTHETIC):
-        paths.append(tmp_path / f"{i}.json")
-        paths[-1].write_text(json.dumps(doc))
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot.py"), *map(str, paths), "--out",
-                    str(tmp_path / "docs")], check=True, timeout=120, capture_output=True)
-    for name in ("draft_step_vs_context.png", "decode_vs_acceptance.png"):
-        assert (tmp_path / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_plot_reads_the_scripts_json(long_context_json, adaptive_json):
+    """What the two scripts write is what plot.py reads (without matplotlib: the series only)."""
+    plot = _plot_module()
+    docs = [json.loads(path.read_text()) for path in (long_context_json, adaptive_json)]
+    steps = plot.draft_step_series(docs)
+    assert list(steps) == ["Qwen3.6-35B-A3B tf5, batch 2"]
+    assert [(context, ms > 0, floor > 0) for context, ms, floor in steps["Qwen3.6-35B-A3B tf5, batch 2"]] == [
+        (200, True, True)]
+    dialled, mixed = plot.speedup_series(docs)
+    assert {k: [a for a, _ in v] for k, v in dialled.items()} == {
+        "prompt 16, batch 2, fixed": [0.0, 1.0], "prompt 16, batch 2, adaptive": [0.0, 1.0]}
+    assert not mixed
 
 
-def test_adaptive_small(monkeypatch, tmp_path):
-    """benchmarks/adaptive.py end to end on tiny shapes: greedy, the fixed length and the adaptive policy side by
-    side, both outputs greedy's, the dialled acceptance what the drafter's map says."""
-    out = tmp_path / "out.json"
-    run_script(monkeypatch, "adaptive", "--small", "--prompts", "16", "--batch", "2", "--max-new", "8", "--workloads",
-               "acceptance 0", "acceptance 1", "--json", str(out))
-    rows = {r["workload"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"acceptance 0", "acceptance 1"}
-    assert all(r["same_as_greedy"] and r["greedy_tps"] > 0 and r["adaptive_tps"] > 0 for r in rows.values())
-    assert rows["acceptance 0"]["acceptance"] == 0 and rows["acceptance 1"]["acceptance"] == 1
+@pytest.mark.plots
+def test_plot_writes_the_figures(monkeypatch, long_context_json, adaptive_json, tmp_path):
+    """The command writes both PNGs from the scripts' JSON."""
+    pytest.importorskip("matplotlib", reason="needs pip install -e '.[plots]' (matplotlib)")
+    out = tmp_path / "figures"
+    run_script(monkeypatch, "plot", str(long_context_json), str(adaptive_json), "--out", str(out))
+    for name in ("draft_step_vs_context.png", "speedup_vs_acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
