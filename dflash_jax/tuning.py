@@ -52,7 +52,7 @@ H200 = Tuning(
     nvfp4_tile=256,
     moe_gather_max_rows=256,
     moe_tile_rows=128,
-    moe_few_rows="gather",
+    moe_few_rows="reduce",
 )
 TUNING: dict[str, Tuning] = {"NVIDIA H200": H200}
 FALLBACK = H200  # a device kind never measured (and the CPU, where only `span_splits` sizes the caches)

@@ -148,8 +148,9 @@ def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
-    moe.moe_block(block, dims, x)
     fallback = dflash_jax.tuning.FALLBACK
+    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="gather"))
+    moe.moe_block(block, dims, x)
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="reduce"))
     moe.moe_block(block, dims, x)
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_gather_max_rows=5))
