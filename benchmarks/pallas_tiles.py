@@ -73,21 +73,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spans", type=int, nargs="+", default=[2048, 32768, 131072])
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 64, 68], help="query rows per KV head")
-    parser.add_argument("--batch", type=int, default=1, help="sequences (each with 8 KV heads)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences (each with --kv-heads KV heads)")
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--keys-per-split", type=int, nargs="+", default=None,
+                        help="also time the Mosaic kernel at these split lengths (the package's is always timed)")
     parser.add_argument("--sweep", action="store_true",
                         help="also time the Mosaic kernel at other key slots per step, stages and split lengths")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rate = read_rate(4)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)")
-    print(f"batch {args.batch}\n| span | rows | floor ms | triton ms | mosaic ms | mosaic/triton | max diff |"
+    print(f"batch {args.batch}, {args.kv_heads} KV heads of {args.head_dim}\n"
+          "| span | rows | floor ms | triton ms | mosaic ms | mosaic/triton | max diff |"
           "\n|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     rows_out = []
     for T, rows in itertools.product(args.spans, args.rows):
-        shape = (args.batch, KV_HEADS, T, HEAD_DIM)
+        shape = (args.batch, args.kv_heads, T, args.head_dim)
         k = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
         v = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
-        q = jax.random.normal(jax.random.key(2), (args.batch, KV_HEADS, rows, HEAD_DIM), jnp.bfloat16)
+        q = jax.random.normal(jax.random.key(2), (args.batch, args.kv_heads, rows, args.head_dim), jnp.bfloat16)
         stop = jnp.full((args.batch,), T - 200, jnp.int32)
         per_split = split_keys(T, pallas_tile(rows))  # the package's split length (a `span_capacity` holds it whole)
         floor = 2 * k.nbytes * (T - 200) / T / rate * 1e3  # the span's K and V, read once
@@ -98,8 +103,13 @@ def main() -> None:
                                      - base["mosaic"](q, k, v, stop).astype(jnp.float32))))
         print(f"| {T} | {rows} | {floor:.4f} | {ms['triton']:.4f} | {ms['mosaic']:.4f} | "
               f"{ms['mosaic'] / ms['triton']:.3f} | {diff:.2e} |", flush=True)
-        row = {"span": T, "rows": rows, "batch": args.batch, "keys_per_split": per_split, "floor_ms": floor,
-               **{f"{name}_ms": t for name, t in ms.items()}, "max_diff": diff}
+        row = {"span": T, "rows": rows, "batch": args.batch, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+               "keys_per_split": per_split, "floor_ms": floor, **{f"{name}_ms": t for name, t in ms.items()},
+               "max_diff": diff}
+        for split in args.keys_per_split or ():
+            if split != per_split and T % split == 0:
+                row[f"mosaic_{split}_ms"] = loop_ms(lambda *a, p=split: mosaic(*a, per_split=p), q, k, v, stop)
+                print(f"    mosaic, {split} keys a split: {row[f'mosaic_{split}_ms']:.4f} ms", flush=True)
         if args.sweep:
             sweep = {}
             splits = (per_split // 2, per_split, 2 * per_split)

@@ -112,11 +112,12 @@ def test_sharded_equals_unsharded(model, shape):
     for state in committed.state:
         assert state.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4)
     # The tensor-parallel sums (out_proj, o_proj, down_proj, the experts' down projections) add in another order:
-    # measured 8.5e-5 at most (dense; |values| <= 4.5) and 7.2e-4 (MoE: the one-token sequence, whose first
+    # measured 8.5e-5 to 1.8e-4 at most (dense; |values| <= 4.5; the second on an AMD EPYC, whose XLA:CPU kernels
+    # vectorise the sums otherwise) and 7.2e-4 (MoE: the one-token sequence, whose first
     # delta-net output `(q.k) beta v` is small and divided by its size in the gated RMSNorm, amplifying rounding;
     # the other sequences 1.8e-5)
     for a, b in zip(expected, results, strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-3 if target.config.is_moe else 1.5e-4,
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-3 if target.config.is_moe else 3e-4,
                                    rtol=0)
 
 
