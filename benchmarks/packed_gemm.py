@@ -1,5 +1,7 @@
-"""The packed NVFP4 weight-only GEMM `x [M, K] @ W.T` at drafter shapes: XLA's bf16 GEMM, XLA's dequantize-then-dot
-on the packed weight, and the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="mosaic")`), side by side.
+"""The packed weight-only GEMMs `x [M, K] @ W.T` at drafter shapes, side by side: XLA's bf16 GEMM, XLA's
+dequantize-then-dot on the packed NVFP4 weight, the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="mosaic")`),
+and the FP8 weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product
+(the E4M3 conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla").
 
 Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc) and one of the Qwen3.6-35B-A3B drafter's
 (gate/up), at M = 16, 32, 64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
@@ -11,9 +13,9 @@ median of `--iters` programs. Beside it, its floor: max(bytes / read rate, FLOPs
 what the variant must read and write (the weight as it stores it: 2 B a weight for bf16, 0.5625 for packed; x;
 the output), the read rate that of a `jnp.sum` over 4 GiB and the matmul rate that of an 8192^3 bf16 GEMM, both
 measured in the same run. `of read rate` is bytes / time / read rate (the issue's goal: >= 80% for the kernel at
-M <= 64). The kernel's output is compared with the XLA packed path's: the share of bit-identical bf16 elements
-and the largest difference relative to the largest output (the XLA path rounds the weight to bf16 first; the
-kernel does not, so they differ by rounding).
+M <= 64). The kernel's output (not the FP8 ones: another quantization) is compared with the XLA packed
+path's: the share of bit-identical bf16 elements and the largest difference relative to the largest output (the
+XLA path rounds the weight to bf16 first; the kernel does not, so they differ by rounding).
 
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --json $OUT/packed_gemm.json
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --sweep --m 16 64 128   # also other tilings of the kernel
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: t
 
 from timing import call_seconds, matmul_rate, read_rate  # noqa: E402
 
-from dflash_jax import nvfp4  # noqa: E402
+from dflash_jax import fp8, nvfp4  # noqa: E402
 from dflash_jax.nvfp4 import _mosaic_gemm  # noqa: E402
 from dflash_jax.nvfp4._mosaic_gemm import Tiling  # noqa: E402
 
@@ -62,12 +64,21 @@ def random_packed(key: jax.Array, n: int, k: int) -> nvfp4.Packed:
     return nvfp4.Packed(codes, lax.bitcast_convert_type(scale, jnp.float8_e4m3fn), jnp.float32(1e-3))
 
 
+def to_fp8(w: jax.Array) -> fp8.Fp8:
+    """A bf16 weight as ModelOpt FP8 per tensor (scale amax / 448), made on the device."""
+    scale = jnp.max(jnp.abs(w.astype(jnp.float32))) / fp8.FP8_MAX
+    return fp8.Fp8((w.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale, jnp.bfloat16)
+
+
 def variants(sweep: bool) -> dict:
-    """name -> (weight form, x @ W.T): "bf16" weights for XLA's GEMM, "packed" for the others."""
+    """name -> (weight form, x @ W.T): "bf16" weights for XLA's GEMM, "fp8" for `fp8.matmul`, "packed" for the
+    others."""
     out = {  # "xla packed" first: the others are compared with it
         "xla packed": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="xla")),
         "xla bf16": ("bf16", lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.bfloat16)),
         "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="mosaic")),
+        "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
+        "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),
     }
     for t in SWEEP if sweep else ():
         out[f"mosaic {t.tile_n}x{t.tile_k} d{t.max_concurrent_steps} s{t.split_k or 'auto'}"] = (
@@ -90,6 +101,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel at the tilings in SWEEP")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--variants", nargs="+", default=None, help="names to run (default: all)")
     args = parser.parse_args()
     shapes, ms = (SMALL_SHAPES, [8]) if args.small else (SHAPES, args.m)
     rate = read_rate(0.01 if args.small else 4.0)
@@ -107,10 +119,13 @@ def main() -> None:
         copies = 1 if args.small else min(64, max(2, -(-PROGRAM_BYTES // packed_bytes)))
         weights = [random_packed(jax.random.fold_in(key, i), n, k) for i in range(copies)]
         forms = {"packed": weights, "bf16": [w.dequantize() for w in weights]}
+        forms["fp8"] = [to_fp8(w) for w in forms["bf16"]]
         for m in ms:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
             reference = None
             for variant, (form, fn) in variants(args.sweep).items():
+                if args.variants is not None and variant not in args.variants and variant != "xla packed":
+                    continue
                 ws = forms[form]
                 program = jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws])
                 try:
@@ -120,11 +135,12 @@ def main() -> None:
                     rows.append(dict(shape=name, n=n, k=k, m=m, variant=variant, error=f"{type(e).__name__}: {e}"))
                     continue
                 reference = out if variant == "xla packed" else reference
-                weight_bytes = n * k * 2 if form == "bf16" else packed_bytes
+                weight_bytes = {"bf16": n * k * 2, "fp8": n * k, "packed": packed_bytes}[form]
                 moved = weight_bytes + m * k * 2 + m * n * 2
                 floor = max(moved / rate, 2 * m * n * k / flops)
                 seconds = statistics.median(call_seconds(lambda: program(x, ws), args.iters, warmup=2)) / copies  # noqa: B023
-                identical, diff = agreement(out, reference) if reference is not None else (float("nan"),) * 2
+                identical, diff = (agreement(out, reference) if reference is not None and form != "fp8"
+                                   else (float("nan"),) * 2)
                 rows.append(dict(shape=name, n=n, k=k, m=m, variant=variant, us=seconds * 1e6, floor_us=floor * 1e6,
                                  bytes=moved, read_fraction=moved / seconds / rate,
                                  tflops=2 * m * n * k / seconds / 1e12, identical_to_xla_packed=identical,

@@ -99,15 +99,17 @@ def test_hybrid_decode_small(monkeypatch, tmp_path):
 
 
 def test_packed_gemm_small(monkeypatch, tmp_path):
-    """Every variant runs beside its floor; XLA's bf16 GEMM of the dequantized weight is the packed XLA path bit for
-    bit; the Mosaic kernel (interpreted on a CPU) agrees with it to bf16 rounding (measured 3.2e-3 of the max)."""
+    """Every variant (FP8 too) runs beside its floor; XLA's bf16 GEMM of the dequantized weight is the packed XLA
+    path bit for bit; the Mosaic kernel (interpreted on a CPU) agrees with it to bf16 rounding (measured 3.2e-3 of
+    the max)."""
     out = tmp_path / "out.json"
     run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--json", str(out))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"xla packed", "xla bf16", "mosaic"}
+    assert set(rows) == {"xla packed", "xla bf16", "mosaic", "fp8 scaled", "fp8 xla"}
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["bytes"] > 0 for r in rows.values())
     assert rows["xla bf16"]["identical_to_xla_packed"] == 1.0
     assert rows["mosaic"]["max_diff"] < 2.0**-6
+    assert rows["fp8 scaled"]["bytes"] < rows["xla bf16"]["bytes"]  # 1 byte a weight, not 2
 
 
 def test_spec_decode_small(monkeypatch, tmp_path):
