@@ -1,8 +1,8 @@
 """Adaptive draft length: per step, how many drafts to verify, from a cost model and the expected acceptance.
 
 A speculative step that verifies `l` drafts commits `E(l)` tokens in expectation and costs `seconds(l)`: the
-target on `l + 1` rows plus the drafting step that makes the next proposal (`l = 0`: a plain target step, one
-token, no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one with
+drafting step that makes the proposal plus the target on `l + 1` rows (`l = 0`: a plain target step, one token,
+no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one with
 the most expected tokens per second for the batch:
 
     rate(l) = sum over running sequences i of E_i(l) / seconds(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
@@ -12,11 +12,11 @@ bonus token), counting only tokens within the sequence's budget. The sequences o
 verify shape per step, so the choice is one length for the batch: a sequence that would do best with fewer drafts
 gains nothing from verifying fewer than the batch's rows, so maximising the batch's sum is the whole decision.
 
-Where `p_ik` comes from (`History`, per sequence, running means that forget old steps):
+Where `p_ik` comes from (`History`, per sequence, running means that forget old verifies):
 - before drafting (whether to draft at all): only the history is known, so `p_ik = alpha_i`, the sequence's
   observed acceptance per tried draft position (accepted drafts / positions tried; a geometric model), with a
-  prior of one pseudo-trial at `Adaptive.prior`. Steps that verify nothing decay the evidence
-  (`Adaptive.idle_memory`), so a sequence whose drafts were rejected drafts again now and then to re-measure.
+  prior of one pseudo-trial at `Adaptive.prior`. Only verifies change it (each keeps `Adaptive.memory` of the
+  old evidence): plain steps leave it as it is, and when to measure again is the probing schedule's (below).
 - after drafting, at temperature 0: the drafter's own per-draft confidence `c_ik` (DSpark's confidence head, or
   the drafter's probability of its draft, `Proposal.draft_prob`) times a per-sequence calibration `s_i` =
   accepted drafts / predicted (the sum of `c` over the tried positions), so that a confident but wrong drafter
@@ -27,10 +27,22 @@ Where `p_ik` comes from (`History`, per sequence, running means that forget old 
   (and the DSpark cut, which stops at the first low confidence: draft k's depends on drafts before k only) keeps
   the target's distribution.
 
-Stopping drafting costs the policy its view of the drafter (only the fading of old evidence brings it back, after
-tens of steps), so a sequence that verified drafts at its last step turns to plain steps only when their rate beats
-drafting's by `Adaptive.margin` (10%): near the break-even point the two differ little in speed, and a drafter
-that starts to be right again is seen at once.
+Probing (`Probing`): on plain steps the policy no longer sees the drafter, and re-measuring it costs: a probe (a
+drafting step and the shortest verify `l_1`) that finds the drafts still rejected commits the one token a plain
+step would, in `seconds(l_1)` instead of `seconds(0)`, so it costs `c = seconds(l_1) / seconds(0) - 1` plain
+steps. The value of re-measuring is the drafter found again sooner, likeliest soon after it was last right. So
+the batch probes after `gap` plain steps, `gap` starting at 1 when a run of verifies ends and doubling after each
+probe that finds drafting still not paying, up to `G = c / Adaptive.probe_share`, where probes cost that share
+(0.5%) of the plain steps' time. A drafter that is never right then costs about `log2(G) + N / G` probes in `N`
+plain steps, and one that becomes right again is measured within `G` plain steps. The evidence of failed probes
+accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps.
+
+Stopping drafting costs the policy its view of the drafter until the next probe, so a sequence that verified
+drafts at its last step turns to plain steps only when their rate beats drafting's by `Adaptive.margin` (10%),
+counted in proportion to the accepted drafts on record (in full from one on, over the running sequences): near
+the break-even point the two differ little in speed, and a drafter that starts to be right again is seen at
+once; a drafter with no accepted draft on record has nothing to keep, and leaves at once (otherwise the prior's
+floor on `alpha` would keep a never-accepted drafter verifying wherever probes are cheap).
 
 Once a proposal is drafted, the policy verifies at least the shortest nonzero length: the drafting is paid for, a
 few more target rows cost little, and a verify is what updates the history (a policy that drafted and then verified
@@ -124,17 +136,18 @@ class Adaptive:
     draft_lengths: the static lengths to choose from (None: 0, 3, 7 and the drafter's K, those up to K); 0 is a
     plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a kind (cached
     in memory). memory: how much of a sequence's acceptance history a verify keeps (the rest is the new step's);
-    idle_memory: how much a step that verifies nothing keeps, so that old evidence fades and a sequence that
-    stopped drafting tries again; prior: the acceptance rate assumed without evidence (one pseudo-trial); margin:
-    after a verify, plain steps are taken only if they are that much faster than drafting (module doc).
+    prior: the acceptance rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps
+    are taken only if they are that much faster than drafting, in proportion to the accepted drafts on record;
+    probe_share: the share of the plain steps' time that probes of a drafter that keeps failing may cost, which
+    sets the longest gap between them (module doc, `longest_gap`).
     """
 
     draft_lengths: tuple[int, ...] | None = None
     costs: StepCosts | None = None
     memory: float = 0.9
-    idle_memory: float = 0.98
     prior: float = 0.5
     margin: float = 0.1
+    probe_share: float = 0.005
 
     def __post_init__(self):
         if self.draft_lengths is not None:
@@ -145,9 +158,9 @@ class Adaptive:
             raise ValueError(f"Adaptive.costs are for draft lengths {self.costs.draft_lengths}, the policy has "
                              f"{self.draft_lengths}")
         _fraction("memory", self.memory, True)
-        _fraction("idle_memory", self.idle_memory, True)
         _fraction("prior", self.prior, True)
         _fraction("margin", self.margin, False)
+        _fraction("probe_share", self.probe_share, True)
 
     def lengths(self, num_draft_tokens: int) -> tuple[int, ...]:
         """The draft lengths for a drafter of `num_draft_tokens` drafts per step."""
@@ -161,7 +174,7 @@ class Adaptive:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class History:
-    """Per-sequence running sums of past verifies (each `[batch]` float32), forgetting old steps geometrically."""
+    """Per-sequence running sums of past verifies (each `[batch]` float32), forgetting old verifies geometrically."""
 
     hits: jax.Array  # accepted drafts
     tries: jax.Array  # draft positions tried: accepted + the first rejected, up to the verified length
@@ -181,20 +194,61 @@ class History:
         return (self.hits + prior) / (self.predicted + prior)
 
     def update(self, verified: jax.Array, accepted: jax.Array, confidence: jax.Array, live: jax.Array,
-               memory: float, idle_memory: float) -> History:
-        """After a step that verified `verified` `[batch]` of the drafts whose confidences are `confidence`
-        `[batch, K]` and accepted `accepted` `[batch]` of them (verifying none only fades the evidence)."""
+               memory: float) -> History:
+        """After a verify of `verified` `[batch]` of the drafts whose confidences are `confidence` `[batch, K]`,
+        `accepted` `[batch]` of them accepted: each running sequence that verified drafts keeps `memory` of its
+        evidence and adds the step's (one that verified none, after a DSpark cut, keeps its evidence as it is)."""
         tried = jnp.minimum(accepted + 1, verified)  # [batch]
         positions = jnp.arange(confidence.shape[1]) < tried[:, None]  # [batch, K]
-        tried = tried.astype(jnp.float32)
-        new = History(accepted.astype(jnp.float32), tried, jnp.where(positions, confidence, 0.0).sum(1))
-        keep = jnp.where(verified > 0, memory, idle_memory)
-        weight = jnp.where(verified > 0, 1.0, 0.0)
+        new = History(accepted.astype(jnp.float32), tried.astype(jnp.float32),
+                      jnp.where(positions, confidence, 0.0).sum(1))
+        counts = live & (verified > 0)  # [batch]
 
         def mix(old, step):
-            return jnp.where(live, keep * old + weight * step, old)
+            return jnp.where(counts, memory * old + step, old)
 
         return History(mix(self.hits, new.hits), mix(self.tries, new.tries), mix(self.predicted, new.predicted))
+
+    def margin(self, margin: float, live: jax.Array) -> jax.Array:
+        """`[]` `Adaptive.margin` in proportion to the accepted drafts on record of the `live` `[batch]` sequences,
+        in full from one on: no hysteresis for a drafter that has not been right (module doc)."""
+        return margin * jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Probing:
+    """When a batch on plain steps drafts again (module doc): after `gap` plain steps (each `[]` int32)."""
+
+    gap: jax.Array  # plain steps from the last verify to the next probe
+    idle: jax.Array  # plain steps since the last verify
+
+    @staticmethod
+    def start() -> Probing:
+        return Probing(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
+
+    def due(self) -> jax.Array:
+        """`[]` bool: the next step drafts."""
+        return self.idle >= self.gap
+
+    def after_plain(self) -> Probing:
+        return Probing(self.gap, self.idle + 1)
+
+    def after_verify(self, plain_next: jax.Array, longest: jax.Array) -> Probing:
+        """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to `longest`, if the
+        verify was a probe (plain steps before it), and starts again at 1 if it ended a run of verifies."""
+        probe = self.idle > 0
+        doubled = jnp.minimum(2 * self.gap, longest)
+        gap = jnp.where(plain_next, jnp.where(probe, doubled, 1), self.gap)
+        return Probing(gap.astype(jnp.int32), jnp.zeros_like(self.idle))
+
+
+def longest_gap(seconds: jax.Array, share: float) -> jax.Array:
+    """`[]` int32: the most plain steps between probes, `c / share` for a probe costing `c = seconds[1] / seconds[0]
+    - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0, l_1), so that a drafter that keeps
+    failing costs at most `share` of the plain steps' time in probes; at least 1, at most 2**20."""
+    extra = seconds[1] / seconds[0] - 1.0
+    return jnp.clip(jnp.ceil(extra / share), 1, 2**20).astype(jnp.int32)
 
 
 def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array) -> jax.Array:

@@ -6,13 +6,13 @@
 One step (z-lab `dflash/model.py`'s `dflash_generate`, batched; K = `drafter.config.num_draft_tokens`: B-1 for
 DFlash/DFlash2, B for DSpark):
 
+    draft   a proposal d_1 .. d_K from the new context rows and the anchor (`drafting.propose`)
     verify  [anchor, d_1 .. d_K] with the target at positions len .. len+K  -> logits, features
     accept  a = the longest accepted prefix of the drafts (greedy: equal to the target's argmax;
             T > 0: the rejection rule below), then one more token from the target (the "bonus")
     commit  d_1..d_a + bonus; the target cache keeps len + a + 1 positions (anchor and accepted drafts; the
-            rejected slots are overwritten later), the drafter's context grows by the same a + 1 feature rows,
-            and the bonus becomes the next anchor
-    draft   the next proposal from the new context and anchor (`drafting.propose`)
+            rejected slots are overwritten later), their a + 1 feature rows are the next step's new context
+            rows, and the bonus becomes the next anchor
 
 Sampling (temperature T > 0) is the standard speculative-sampling rule (Leviathan et al. 2023, Chen et al.
 2023), so the output is distributed exactly as the target's own sampling at T: draft x (drawn from q) is
@@ -27,17 +27,23 @@ Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: 
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
 How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default at temperature 0,
-`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, without drafting after it) chosen per step
-to maximise the expected tokens per second from measured step costs, the drafter's confidences and each
-sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a
-confidence cut.
+`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step to maximise the
+expected tokens per second from measured step costs, the drafter's confidences and each sequence's acceptance
+history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut. A
+plain step's context row waits in a buffer (`_State.pending`) until the next drafting step or until the buffer is
+full, and then enters the drafter's cache with the other waiting rows in one `append_context` (the projections
+read their weights once for all of them): the drafter sees the same rows at the same positions as if each had
+been appended at once.
 
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
-`decode` compile once per (batch, bucket) and the decode runs as ONE `lax.while_loop` program (the verify lengths
-are branches of a `lax.switch` in it). Measured on
-CPU (2 cores, tiny models, 39 steps; docs/generate.md): 21 ms for the while_loop against 31 ms for the same
-jitted step driven from Python, whose per-step dispatch and host sync (to test "all done") a small model
-cannot hide. A progress callback, when given, is called from inside the loop (`jax.debug.callback`).
+`decode` compile once per (batch, bucket) and the decode runs as ONE program of `lax.while_loop`s: runs of
+drafting steps (the verify lengths are branches of a `lax.switch`), and, under the adaptive policy, runs of plain
+steps between them (`_Loop.run`). Each kind of step is a loop of its own rather than a branch of a conditional:
+on a GPU XLA reads a conditional's predicate on the host, and it copies a buffer that two branches of a
+conditional both update (the drafter's cache, were drafting and appending branches). Measured on CPU (2 cores,
+tiny models, 39 steps; docs/generate.md): 21 ms for the while_loop against 31 ms for the same jitted step driven
+from Python, whose per-step dispatch and host sync (to test "all done") a small model cannot hide. A progress
+callback, when given, is called from inside the loop (`jax.debug.callback`).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import numpy as np
 
 from ._arguments import check_cache_fits, check_generate
 from ._shapes import round_up
-from .adaptive import Adaptive, History, StepCosts, choose_length
+from .adaptive import Adaptive, History, Probing, StepCosts, choose_length, longest_gap
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .errors import IncompatiblePairError
@@ -169,6 +175,7 @@ def _commit(out: jax.Array, n_out: jax.Array, done: jax.Array, budget: jax.Array
 
 DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length at temperature 0: "adaptive" or "fixed"
 CALIBRATION_STEPS = 4  # decode steps timed per draft length when the costs are measured (`_calibrate`)
+PENDING_BLOCKS = 2  # plain steps' context rows wait in a buffer of this many verify blocks (K + 1 rows each)
 _NO_LIMIT = 2**31 - 1
 
 
@@ -185,11 +192,16 @@ class _Policy:
     def adaptive(self) -> bool:
         return self.settings is not None
 
+    @property
+    def plain(self) -> bool:
+        """Plain target steps are among the lengths (`lengths[0]` is 0)."""
+        return self.lengths[0] == 0
+
     def choose(self, proposal: Proposal | None, history: History, seconds: jax.Array, remaining: jax.Array,
-               live: jax.Array, sampling: bool, verified: jax.Array | bool = False) -> jax.Array:
-        """The index of the next step's length: before drafting (`proposal` None) from the history alone, with
-        `Adaptive.margin` against plain steps if this step `verified` drafts; after, from the proposal's
-        calibrated confidences at T = 0 and the history at T > 0 (`dflash_jax.adaptive`)."""
+               live: jax.Array, sampling: bool, plain_margin: jax.Array | float = 0.0) -> jax.Array:
+        """The index of a step's length: before drafting (`proposal` None) from the history alone, a plain step's
+        rate counting `1 - plain_margin` times; after, from the proposal's calibrated confidences at T = 0 and the
+        history at T > 0 (`dflash_jax.adaptive`)."""
         assert self.settings is not None
         batch, n, prior = live.shape[0], self.lengths[-1], self.settings.prior
         if proposal is None or sampling:
@@ -199,7 +211,7 @@ class _Policy:
             p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
             p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
         return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None,
-                             plain_margin=jnp.where(verified, self.settings.margin, 0.0))
+                             plain_margin=plain_margin)
 
 
 def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, StepCosts | None]:
@@ -218,14 +230,17 @@ def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _State:
-    """The decode loop's carry (every array has a static shape)."""
+    """The decode loop's carry (every array has a static shape). Between steps no proposal is held: a drafting
+    step drafts and verifies."""
 
     step: jax.Array  # [] int32
     target_cache: Any  # the target's KV cache
-    lengths: jax.Array  # [batch] positions in the target cache (= context rows in the drafter's cache)
+    lengths: jax.Array  # [batch] positions in the target cache (= the drafter's context rows + num_pending)
     context: ContextCache  # the drafter's context K/V
+    pending: jax.Array  # [batch, PENDING_BLOCKS * (K + 1), Lf*H] target features of committed rows not yet in
+    # `context` (the last verify's, then plain steps'), at positions context.lengths ..
+    num_pending: jax.Array  # [batch] rows in `pending` (at most K + 1 whenever the next step drafts)
     anchor: jax.Array  # [batch] the last committed token, not yet run through the target
-    proposal: Proposal  # drafts for the next verify (none proposed after a step that did not draft)
     out: jax.Array  # [batch, capacity] new tokens (capacity: the budget rounded up to BUDGET_BUCKET)
     n_out: jax.Array  # [batch] tokens in `out`
     budget: jax.Array  # [] int32 max_new_tokens: a value, so that budgets of one bucket share the program
@@ -233,8 +248,9 @@ class _State:
     plain: jax.Array  # [batch] tokens made by plain steps (verifying no drafts)
     done: jax.Array  # [batch] bool
     key: jax.Array
-    verify: jax.Array  # [] int32 the index into the policy's lengths of the next step's verify
+    draft: jax.Array  # [] bool: the next step drafts and verifies (else a plain target step)
     history: History  # per sequence: the adaptive policy's acceptance history
+    probing: Probing  # the batch: when plain steps turn to drafting again
 
 
 def _in_vocabulary(drafts: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
@@ -289,32 +305,30 @@ def _acceptance(
     donate_argnames=("target_cache", "context"),
 )
 def _spec_prefill(
-    target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, warp: Warp,
-    threshold, key, budget, verify, *, capacity: int, sampling: bool, attention: AttentionOptions,
-    prefill_chunk: int
+    target: Target, drafter: Drafter, target_cache, context: ContextCache, tokens, lengths, stop, warp: Warp, key,
+    budget, *, capacity: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
 ) -> _State:
-    """Run the prompts through the target, take the first token, fill the drafter's context, make drafts; the
-    first step verifies the length of index `verify` (`[]` int32: the longest, since nothing is known yet), so
-    that one prefill program serves every policy.
+    """Run the prompts through the target, take the first token and fill the drafter's context with the prompts'
+    features; the first step drafts from there.
 
     The empty caches come in as arguments: made inside, XLA would constant-fold work over them at compile time.
     """
     batch = tokens.shape[0]
-    first_key, draft_key, key = jax.random.split(key, 3)
+    K = drafter.config.num_draft_tokens
+    first_key, key = jax.random.split(key)
     out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.checked_target_layer_ids,
                          chunk=prefill_chunk)
     first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
-    proposal, context = propose(drafter, context, out.features, lengths, first,
-                                key=draft_key if sampling else None, temperature=warp.temperature,
-                                top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,  # the target's controls
-                                confidence_threshold=threshold, append_chunk=prefill_chunk, attention=attention)
+    context = append_context(drafter, context, out.features, lengths, attention=attention,
+                             append_chunk=prefill_chunk)
     return _State(
         step=jnp.zeros((), jnp.int32),
         target_cache=out.cache,
         lengths=lengths,
         context=context,
+        pending=jnp.zeros((batch, PENDING_BLOCKS * (K + 1), out.features.shape[-1]), out.features.dtype),
+        num_pending=jnp.zeros((batch,), jnp.int32),
         anchor=first,
-        proposal=proposal,
         out=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(first),
         n_out=jnp.ones((batch,), jnp.int32),
         budget=budget,
@@ -322,94 +336,151 @@ def _spec_prefill(
         plain=jnp.zeros((batch,), jnp.int32),
         done=(first[:, None] == stop).any(-1) | (budget <= 1),
         key=key,
-        verify=verify,
+        draft=jnp.ones((), bool),
         history=History.empty(batch),
+        probing=Probing.start(),
     )
 
 
-def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, call, seconds, force,
-               sampling: bool, attention: AttentionOptions, policy: _Policy, report: bool, s: _State) -> _State:
-    """One verify + commit + draft step for every sequence still running.
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """The decode loop (`_spec_decode`): its steps and how they nest, with what stays fixed over it. `seconds`:
+    the step costs of `policy.lengths`; `force`: -1, or the index of the length every step takes (`_calibrate`);
+    `until`: the loop stops at this step; `report`: call the progress callback registered under `call` after every
+    step (`_report`)."""
 
-    The step verifies `policy.lengths[s.verify]` drafts (a `lax.switch` over the lengths, each a target call on
-    that many rows; drafts past it are not proposed) and then, under the adaptive policy, decides from the history
-    whether the next step drafts and, once drafted, how many drafts it verifies. `force >= 0` (calibration) sets
-    the length of this step and the next instead, drafting unless it is 0.
-    """
-    K = drafter.config.num_draft_tokens
-    layer_ids = drafter.config.checked_target_layer_ids
-    verify_key, draft_key, key = jax.random.split(s.key, 3)
-    live = ~s.done
-    index = jnp.where(force >= 0, force, s.verify) if policy.adaptive else s.verify
-    lengths = jnp.asarray(policy.lengths)
+    target: Target
+    drafter: Drafter
+    stop: jax.Array
+    warp: Warp
+    threshold: jax.Array
+    call: jax.Array
+    seconds: jax.Array
+    force: jax.Array
+    until: jax.Array
+    sampling: bool
+    attention: AttentionOptions
+    policy: _Policy
+    report: bool
 
-    def verify(n: int):  # the anchor and the first n drafts through the target
-        def run(s: _State):
-            proposal = s.proposal.head(n)
-            drafts, _ = _in_vocabulary(proposal.tokens, target.vocab_size)
-            tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, n + 1]
-            out = target(tokens, s.target_cache, s.lengths, layer_ids=layer_ids)
-            accepted, last = _acceptance(verify_key if sampling else None, out.logits, proposal, warp)
-            cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor and the accepted drafts
-            features = jnp.pad(out.features, ((0, 0), (0, K - n), (0, 0)))  # [batch, K + 1, Lf*H]; n + 1 real
-            return cache, features, accepted, last
-        return run
+    def run(self, s: _State) -> _State:
+        """Steps until every sequence is done, the budget's steps are taken or `until` is reached: runs of drafting
+        steps while the policy drafts and, between them, runs of plain steps, each run of plain steps ending (and
+        split where the pending rows' buffer is full) with their context rows appended to the drafter's cache.
+        Each run is a `lax.while_loop` of one kind of step: whether a step drafts is no conditional (module doc)."""
+        if not self.policy.plain:
+            return jax.lax.while_loop(self.running, self.draft_step, s)
+        rows = s.pending.shape[1]
 
-    branches = [verify(n) for n in policy.lengths]
-    if len(branches) == 1:
-        target_cache, features, accepted, last = branches[0](s)
-    else:
-        target_cache, features, accepted, last = jax.lax.switch(index, branches, s)
+        def plain_run(s: _State) -> _State:
+            s = jax.lax.while_loop(lambda s: self.running(s) & ~self.drafts(s) & (s.num_pending.max() < rows),
+                                   self.plain_step, s)
+            return self.flush(s)
 
-    made = jnp.pad(s.proposal.tokens, ((0, 0), (0, 1)))
-    made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1] d_1..d_a, last
-    out, n_out, done = _commit(s.out, s.n_out, s.done, s.budget, stop, made, accepted)
-    committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter both caches
-    verified = lengths[index]  # []
+        def cycle(s: _State) -> _State:
+            s = jax.lax.while_loop(lambda s: self.running(s) & self.drafts(s), self.draft_step, s)
+            return jax.lax.while_loop(lambda s: self.running(s) & ~self.drafts(s), plain_run, s)
 
-    def draft(context: ContextCache):
-        return propose(drafter, context, features, committed, last, key=draft_key if sampling else None,
-                       temperature=warp.temperature, top_k=warp.top_k, top_p=warp.top_p, min_p=warp.min_p,
-                       confidence_threshold=threshold, attention=attention)
+        return jax.lax.while_loop(self.running, cycle, s)
 
-    def keep_up(context: ContextCache):  # the next step verifies nothing: no drafts proposed
-        return (dataclasses.replace(s.proposal, num_tokens=jnp.zeros_like(s.proposal.num_tokens)),
-                append_context(drafter, context, features, committed, attention=attention))
+    def running(self, s: _State) -> jax.Array:
+        return ~s.done.all() & (s.step < s.budget) & (s.step < self.until)
 
-    history = s.history
-    if policy.settings is not None:
-        history = history.update(jnp.minimum(verified, s.proposal.num_tokens), accepted,
-                                 s.proposal.predicted_acceptance(), live, policy.settings.memory,
-                                 policy.settings.idle_memory)
-        remaining, running = s.budget - n_out, ~done
-        plan = policy.choose(None, history, seconds, remaining, running, sampling, verified=verified > 0)
-        ahead = jnp.where(force >= 0, force, plan)
-        drafts_next = lengths[ahead] > 0  # [] (False only where lengths[0] == 0)
-        proposal, context = jax.lax.cond(drafts_next, draft, keep_up, s.context)
-        chosen = policy.choose(proposal, history, seconds, remaining, running, sampling)
-        next_verify = jnp.where(force >= 0, force, jnp.where(drafts_next, chosen, 0)).astype(jnp.int32)
-    else:
-        proposal, context = draft(s.context)
-        next_verify = s.verify
-    if report:
-        jax.debug.callback(_report, call, n_out)
-    return _State(
-        step=s.step + 1,
-        target_cache=target_cache,
-        lengths=s.lengths + committed,
-        context=context,
-        anchor=jnp.where(live, last, s.anchor),
-        proposal=proposal,
-        out=out,
-        n_out=n_out,
-        budget=s.budget,
-        accept=s.accept.at[:, s.step].set(jnp.where(verified > 0, committed, 0)),
-        plain=s.plain + jnp.where(verified > 0, 0, committed),
-        done=done,
-        key=key,
-        verify=next_verify,
-        history=history,
-    )
+    def drafts(self, s: _State) -> jax.Array:
+        """`[]` bool: the next step drafts (the forced length's kind while the costs are measured)."""
+        return jnp.where(self.force >= 0, jnp.asarray(self.policy.lengths)[self.force] > 0, s.draft)
+
+    def draft_step(self, s: _State) -> _State:
+        """Draft from the pending context rows (`propose`), verify as many drafts as the policy chooses (a
+        `lax.switch` over the nonzero lengths: the target on that many rows), commit, and plan the next step."""
+        target, policy = self.target, self.policy
+        K = self.drafter.config.num_draft_tokens
+        draft_key, verify_key, key = jax.random.split(s.key, 3)
+        live = ~s.done
+        proposal, context = propose(
+            self.drafter, s.context, s.pending[:, : K + 1], s.num_pending, s.anchor,
+            key=draft_key if self.sampling else None, temperature=self.warp.temperature, top_k=self.warp.top_k,
+            top_p=self.warp.top_p, min_p=self.warp.min_p, confidence_threshold=self.threshold,
+            attention=self.attention)
+        index = self.verify_index(s, proposal)
+        drafts, _ = _in_vocabulary(proposal.tokens, target.vocab_size)
+        tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [batch, K + 1]
+
+        def verify(n: int):  # the anchor and the first n drafts through the target
+            def run(target_cache):
+                out = target(tokens[:, : n + 1], target_cache, s.lengths,
+                             layer_ids=self.drafter.config.checked_target_layer_ids)
+                accepted, last = _acceptance(verify_key if self.sampling else None, out.logits, proposal.head(n),
+                                             self.warp)
+                cache = target.commit(out.cache, jnp.where(live, accepted + 1, 0))  # the anchor, accepted drafts
+                features = jnp.pad(out.features, ((0, 0), (0, K - n), (0, 0)))  # [batch, K + 1, Lf*H]; n + 1 real
+                return cache, features, accepted, last
+            return run
+
+        branches = [verify(n) for n in policy.lengths if n > 0]
+        if len(branches) == 1:
+            target_cache, features, accepted, last = branches[0](s.target_cache)
+        else:
+            target_cache, features, accepted, last = jax.lax.switch(index - int(policy.plain), branches,
+                                                                    s.target_cache)
+        made = jnp.pad(proposal.tokens, ((0, 0), (0, 1)))
+        made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1] d_1..d_a, last
+        out, n_out, done = _commit(s.out, s.n_out, s.done, s.budget, self.stop, made, accepted)
+        committed = jnp.where(live, accepted + 1, 0)  # anchor + accepted drafts enter the caches
+        s = dataclasses.replace(
+            s, step=s.step + 1, target_cache=target_cache, lengths=s.lengths + committed, context=context,
+            pending=jax.lax.dynamic_update_slice(s.pending, features, (0, 0, 0)), num_pending=committed,
+            anchor=jnp.where(live, last, s.anchor), out=out, n_out=n_out,
+            accept=s.accept.at[:, s.step].set(committed), done=done, key=key)
+        if policy.settings is not None:
+            verified = jnp.minimum(jnp.asarray(policy.lengths)[index], proposal.num_tokens)  # [batch]
+            history = s.history.update(verified, accepted, proposal.predicted_acceptance(), live,
+                                       policy.settings.memory)
+            s = dataclasses.replace(s, history=history)
+        if policy.settings is not None and policy.plain:  # whether the next step drafts, from the history alone
+            running = ~done
+            plan = policy.choose(None, s.history, self.seconds, s.budget - n_out, running, self.sampling,
+                                 plain_margin=s.history.margin(policy.settings.margin, running))
+            draft = jnp.asarray(policy.lengths)[plan] > 0
+            longest = longest_gap(self.seconds, policy.settings.probe_share)
+            s = dataclasses.replace(s, draft=draft, probing=s.probing.after_verify(~draft, longest))
+        return self.reported(s)
+
+    def verify_index(self, s: _State, proposal: Proposal) -> jax.Array:
+        """`[]` int32: the index into `policy.lengths` of the drafting step's verify: the forced one while the costs
+        are measured, the longest at the first step (nothing is known yet), else the policy's choice."""
+        policy = self.policy
+        if policy.settings is None:
+            return jnp.zeros((), jnp.int32)
+        chosen = policy.choose(proposal, s.history, self.seconds, s.budget - s.n_out, ~s.done, self.sampling)
+        return jnp.where(self.force >= 0, self.force, jnp.where(s.step == 0, len(policy.lengths) - 1, chosen))
+
+    def plain_step(self, s: _State) -> _State:
+        """The target on each sequence's anchor alone: one token; its context row waits in `pending` (`flush`)."""
+        step_key, key = jax.random.split(s.key)
+        live = ~s.done
+        o = self.target(s.anchor[:, None], s.target_cache, s.lengths,
+                        layer_ids=self.drafter.config.checked_target_layer_ids)
+        nxt = _pick(step_key if self.sampling else None, o.logits[:, 0], self.warp)  # [batch]
+        out, n_out, done = _commit(s.out, s.n_out, s.done, s.budget, self.stop, nxt[:, None], jnp.zeros_like(nxt))
+        advance = live.astype(jnp.int32)  # [batch] 1 while running
+        batch = nxt.shape[0]
+        probing = s.probing.after_plain()
+        return self.reported(dataclasses.replace(
+            s, step=s.step + 1, target_cache=self.target.commit(o.cache, advance), lengths=s.lengths + advance,
+            pending=s.pending.at[jnp.arange(batch), s.num_pending].set(o.features[:, 0]),
+            num_pending=s.num_pending + advance, anchor=jnp.where(live, nxt, s.anchor), out=out, n_out=n_out,
+            plain=s.plain + advance, done=done, key=key, draft=probing.due(), probing=probing))
+
+    def flush(self, s: _State) -> _State:
+        """The pending context rows into the drafter's cache, all in one `append_context`."""
+        context = append_context(self.drafter, s.context, s.pending, s.num_pending, attention=self.attention)
+        return dataclasses.replace(s, context=context, num_pending=jnp.zeros_like(s.num_pending))
+
+    def reported(self, s: _State) -> _State:
+        if self.report:
+            jax.debug.callback(_report, self.call, s.n_out)
+        return s
 
 
 @functools.partial(
@@ -418,12 +489,10 @@ def _spec_step(target: Target, drafter: Drafter, stop, warp: Warp, threshold, ca
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Warp, threshold, call, seconds, force,
                  until, *, sampling: bool, attention: AttentionOptions, policy: _Policy,
                  report: bool = False) -> _State:
-    """Steps until every sequence is done (or `state.step` reaches `until`), as one `lax.while_loop`. `report`:
-    call the progress callback registered under `call` after every step (`_report`). `seconds`: the step costs
-    of `policy.lengths`; `force`: -1, or the index of the length every step takes (`_calibrate`)."""
-    step = functools.partial(_spec_step, target, drafter, stop, warp, threshold, call, seconds, force, sampling,
-                             attention, policy, report)
-    return jax.lax.while_loop(lambda s: ~s.done.all() & (s.step < s.budget) & (s.step < until), step, state)
+    """Decode steps from `state` as one program (`_Loop.run`), until every sequence is done or `state.step` reaches
+    `until`."""
+    return _Loop(target, drafter, stop, warp, threshold, call, seconds, force, until, sampling, attention, policy,
+                 report).run(state)
 
 
 _PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
@@ -455,10 +524,11 @@ def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, poli
 
 def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int,
                device: str) -> tuple[_State, StepCosts | None]:
-    """Measure the step costs on the run itself: `CALIBRATION_STEPS` decode steps at each length (longest first,
-    a plain length last, since it leaves no proposal), timed from the host after one untimed step at each.
-    Returns the state after them and the costs; None when the decode ended first (nothing is left to choose) or the
-    times are not usable (then the caller falls back to the longest length, with a warning)."""
+    """Measure the step costs on the run itself: `CALIBRATION_STEPS` decode steps at each length (longest first),
+    timed from the host after one untimed step at each; the plain steps' time includes appending their context
+    rows to the drafter's cache (`_Loop.flush`, once at the end). Returns the state after them and the costs; None
+    when the decode ended first (nothing is left to choose) or the times are not usable (then the caller falls back
+    to the longest length, with a warning)."""
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
     order = list(reversed(range(len(policy.lengths))))
     for i in order:  # one step each first: the first compiles, and the first call at each length is slower
@@ -562,8 +632,7 @@ def speculative_generate(
 
     start = time.perf_counter()
     caches = target.init_cache(batch, capacity), init_cache(drafter, batch, capacity, attention=attention)
-    state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, threshold, key,
-                          jnp.int32(max_new_tokens), jnp.int32(len(policy.lengths) - 1),
+    state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, key, jnp.int32(max_new_tokens),
                           capacity=round_up(max_new_tokens, BUDGET_BUCKET), sampling=sampling, attention=attention,
                           prefill_chunk=prefill_chunk)
     jax.block_until_ready(state)

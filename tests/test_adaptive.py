@@ -1,7 +1,8 @@
 """The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the cost model's best length,
-checked against expected tokens computed by enumerating the acceptance outcomes in NumPy; its history; bad cost
-tables and settings; and, in the loop, step costs measured once per setup, with the fixed length (and a warning)
-when they cannot be measured. Losslessness with the policy on: tests/test_generate*.py."""
+checked against expected tokens computed by enumerating the acceptance outcomes in NumPy; its history, margin and
+probing schedule; bad cost tables and settings; and, in the loop, step costs measured once per setup, with the
+fixed length (and a warning) when they cannot be measured, and a drafter that is never right costing few probes.
+Losslessness with the policy on: tests/test_generate*.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
-from dflash_jax.adaptive import History, choose_length, expected_tokens
+from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap
 from dflash_jax.testing import random_drafter, random_qwen3
 
 LENGTHS = (0, 3, 7, 16)
@@ -64,18 +65,72 @@ def test_the_choice_follows_acceptance_and_costs():
 
 
 def test_the_history():
-    """hits / tries / predicted after verifies and plain steps, against the sums by hand."""
+    """hits / tries / predicted after verifies, against the sums by hand; a sequence that verified nothing (a DSpark
+    cut) or has finished keeps its evidence as it was."""
     h = History.empty(2)
     confidence = jnp.asarray([[0.9, 0.8, 0.7, 0.6], [0.5, 0.5, 0.5, 0.5]])
     live = jnp.asarray([True, True])
-    h = h.update(jnp.asarray([3, 3]), jnp.asarray([3, 1]), confidence, live, 0.5, 0.9)  # all 3; 1 then a miss
+    h = h.update(jnp.asarray([3, 3]), jnp.asarray([3, 1]), confidence, live, 0.5)  # all 3; 1 then a miss
     np.testing.assert_allclose(np.asarray(h.hits), [3, 1])
     np.testing.assert_allclose(np.asarray(h.tries), [3, 2])
     np.testing.assert_allclose(np.asarray(h.predicted), [2.4, 1.0], rtol=1e-6)
-    h = h.update(jnp.asarray([0, 2]), jnp.asarray([0, 2]), confidence, jnp.asarray([True, False]), 0.5, 0.9)
-    np.testing.assert_allclose(np.asarray(h.hits), [2.7, 1])  # a plain step fades; a finished sequence keeps
-    np.testing.assert_allclose(np.asarray(h.rate(0.5)), [3.2 / 3.7, 1.5 / 3], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(h.scale(0.5)), [3.2 / (0.9 * 2.4 + 0.5), 1.5 / 1.5], rtol=1e-6)
+    h = h.update(jnp.asarray([0, 2]), jnp.asarray([0, 2]), confidence, jnp.asarray([True, False]), 0.5)
+    np.testing.assert_allclose(np.asarray(h.tries), [3, 2])  # nothing verified; finished
+    h = h.update(jnp.asarray([4, 2]), jnp.asarray([0, 2]), confidence, live, 0.5)  # a miss at once; both accepted
+    np.testing.assert_allclose(np.asarray(h.hits), [1.5, 2.5])
+    np.testing.assert_allclose(np.asarray(h.tries), [2.5, 3])
+    np.testing.assert_allclose(np.asarray(h.rate(0.5)), [2 / 3.5, 3 / 4], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(h.scale(0.5)), [2 / (1.2 + 0.9 + 0.5), 3 / (0.5 + 1 + 0.5)], rtol=1e-6)
+
+
+def test_the_margin_counts_the_accepted_drafts_on_record():
+    """`Adaptive.margin` in proportion to the running sequences' accepted drafts, in full from one: none for a
+    drafter that has not been right (a finished sequence's record does not count)."""
+    live = jnp.asarray([True, True, False])
+    for hits, want in [([0, 0, 5], 0.0), ([0.3, 0.2, 5], 0.05), ([3, 0, 0], 0.1), ([0.6, 0.6, 0], 0.1)]:
+        h = History(jnp.asarray(hits, jnp.float32), jnp.full(3, 10.0), jnp.full(3, 10.0))
+        assert float(h.margin(0.1, live)) == pytest.approx(want), hits
+
+
+def test_probes_space_out_geometrically():
+    """After a run of verifies the first probe comes after 1 plain step; each probe that finds drafting still not
+    paying doubles the gap, up to the longest (`longest_gap`: a probe's extra cost over the share it may take); a
+    probe that finds the drafter right keeps the gap, and the end of the run of verifies it starts resets it."""
+    longest = longest_gap(jnp.asarray([1.0, 1.25, 1.5]), 0.005)  # a probe costs 0.25 plain steps: 50 between them
+    assert int(longest) == 50
+    assert int(longest_gap(jnp.asarray([1.0, 0.9]), 0.005)) == 1  # probes cheaper than plain steps: every other step
+    p = Probing.start().after_verify(jnp.bool_(True), longest)  # a run of verifies ends
+    gaps = []
+    for _ in range(8):
+        plain = 0
+        while not bool(p.due()):
+            p, plain = p.after_plain(), plain + 1
+        gaps.append(plain)
+        p = p.after_verify(jnp.bool_(True), longest)  # the probe fails
+    assert gaps == [1, 2, 4, 8, 16, 32, 50, 50]
+    p = p.after_plain()
+    p = p.after_verify(jnp.bool_(False), longest)  # a probe finds the drafter right: drafting goes on
+    assert int(p.gap) == 50 and int(p.idle) == 0
+    assert int(p.after_verify(jnp.bool_(True), longest).gap) == 1  # until a verify ends the run
+
+
+@pytest.mark.parametrize("seconds", [(1.0, 1.25, 1.3, 1.45), (1.0, 1.4, 1.45, 1.55)])  # H200, 2k / 32k contexts
+def test_a_probe_that_finds_the_drafter_right_turns_to_drafting(seconds):
+    """The evidence of failed probes accumulates (ten of them: the memory's worth), yet one probe whose 3 drafts
+    are all accepted turns the batch back to drafting (the accepted drafts bring the margin), where one more failed
+    probe does not."""
+    h, k = History.empty(1), jnp.ones((1, 16))
+    live = jnp.ones(1, bool)
+    for _ in range(20):
+        h = h.update(jnp.asarray([3]), jnp.asarray([0]), k, live, 0.9)
+
+    def plan(h):
+        p = jnp.broadcast_to(h.rate(0.5)[:, None], (1, 16))
+        return int(choose_length(p, LENGTHS, jnp.asarray(seconds), jnp.int32(100), live, drafted=False,
+                                 plain_margin=h.margin(0.1, live)))
+
+    assert plan(h.update(jnp.asarray([3]), jnp.asarray([0]), k, live, 0.9)) == 0
+    assert plan(h.update(jnp.asarray([3]), jnp.asarray([3]), k, live, 0.9)) > 0
 
 
 @pytest.mark.parametrize("fields,says", [
@@ -96,7 +151,8 @@ def test_bad_cost_tables_are_refused(fields, says):
 
 @pytest.mark.parametrize("fields,error,says", [
     (dict(memory=1.0), ValueError, r"Adaptive.memory must be a number in \(0, 1\)"),
-    (dict(idle_memory=float("nan")), ValueError, "Adaptive.idle_memory"),
+    (dict(probe_share=float("nan")), ValueError, "Adaptive.probe_share"),
+    (dict(probe_share=0.0), ValueError, r"Adaptive.probe_share must be a number in \(0, 1\)"),
     (dict(prior=0.0), ValueError, "Adaptive.prior"),
     (dict(margin=-0.1), ValueError, r"Adaptive.margin must be a number in \[0, 1\)"),
     (dict(draft_lengths="037"), ValueError, "Adaptive.draft_lengths must be a non-empty sequence"),
@@ -167,3 +223,19 @@ def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
         runs.append(speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
                                          key=jax.random.key(3)))
     assert runs[0].tokens == runs[1].tokens and runs[0].plain_tokens == runs[1].plain_tokens == [0]
+
+
+def test_a_drafter_never_right_leaves_drafting_even_where_probes_are_cheap(models):
+    """A random drafter that is never right (on these prompts: no draft accepted at the fixed length either) where
+    a verify of 7 drafts costs 1.1 plain steps: the policy turns to plain steps once the prior's optimism is spent
+    (no margin: no draft was ever accepted), then probes at gaps of 1, 2, 4, 8 and 16 plain steps (the next after
+    21: a probe costs 0.1 plain steps and may take 0.5% of their time). 64 tokens: the prefill's, the first verify,
+    five more while the prior fades, five probes, 52 plain steps. (A policy whose margin held every verify never
+    left: 63 verifies.) The output is the target's."""
+    target, drafter = models
+    prompts = [[5, 17, 99], [90, 91, 92]]
+    cheap = Adaptive(draft_lengths=(0, 7), costs=StepCosts((0, 7), (1.0, 1.1), 2, "cpu"))
+    result = speculative_generate(target, drafter, prompts, max_new_tokens=64, draft_length=cheap)
+    assert result.tokens == greedy_generate(target, prompts, max_new_tokens=64).tokens
+    assert result.acceptance_lengths == [[1] * 11, [1] * 11]
+    assert result.plain_tokens == [52, 52]

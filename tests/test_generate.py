@@ -14,14 +14,17 @@ import pytest
 
 from dflash_jax import Adaptive, AttentionOptions, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
-from dflash_jax.drafting import init_cache
+from dflash_jax._shapes import round_up
+from dflash_jax.drafting import append_context, init_cache, propose
 from dflash_jax.generate import (
+    BUDGET_BUCKET,
+    CACHE_BUCKET,
     GenerationResult,
     _attach,
     _pad_prompts,
     _Policy,
+    _spec_decode,
     _spec_prefill,
-    _spec_step,
     _stop_array,
     greedy_generate,
     speculative_generate,
@@ -138,69 +141,91 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
 
 
 def _stepper(target, drafter):
-    """`(prefill(prompts), step(state, force))` of the speculative loop under the adaptive policy of lengths
-    (0, 3, 7), greedy, with 128-slot caches; `force`: the index of the length the step verifies (`_spec_step`)."""
-    stop, temperature, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
+    """`(prefill(prompts), steps(state, force, n))` of the speculative loop under the adaptive policy of lengths
+    (0, 3, 7), greedy, with the caches `speculative_generate` makes for PROMPTS (so the programs are shared; longer
+    prompts fit them too): `steps` runs `n` decode steps of the length of index `force` (0: plain steps, their
+    context rows appended to the drafter's cache at the end)."""
+    stop, warp, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
     policy, seconds = _Policy((0, 3, 7), Adaptive()), jnp.ones(3, jnp.float32)
+    budget = round_up(MAX_NEW, BUDGET_BUCKET)
+    capacity = round_up(_pad_prompts(PROMPTS)[0].shape[1] + budget + drafter.config.num_draft_tokens + 1,
+                        CACHE_BUCKET)
 
     def prefill(prompts):
         tokens, lengths = _pad_prompts(prompts)
-        caches = target.init_cache(len(prompts), 128), init_cache(drafter, len(prompts), 128)
-        return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, temperature, threshold,
-                             jax.random.key(0), jnp.int32(MAX_NEW), jnp.int32(2), capacity=MAX_NEW, sampling=False,
-                             attention=AttentionOptions(), prefill_chunk=PREFILL_CHUNK)
+        caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity)
+        return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, jax.random.key(0),
+                             jnp.int32(budget), capacity=budget, sampling=False, attention=AttentionOptions(),
+                             prefill_chunk=PREFILL_CHUNK)
 
-    step = jax.jit(_spec_step, static_argnums=(8, 9, 10, 11))
-    return prefill, lambda state, force: step(target, drafter, stop, temperature, threshold, 0, seconds,
-                                              jnp.int32(force), False, AttentionOptions(), policy, False, state)
+    def steps(state, force, n):
+        return _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(0), seconds, jnp.int32(force),
+                            state.step + n, sampling=False, attention=AttentionOptions(), policy=policy)
+
+    return prefill, steps
 
 
-def _assert_as_if_prefilled(prefill, state, prompts):
-    """Each sequence's target KV cache, drafter context and next proposal are what a fresh prefill of its committed
-    tokens (prompt + output, less the pending anchor) gives."""
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _assert_as_if_prefilled(prefill, drafter, state, prompts):
+    """Each sequence's target KV cache and drafter context (its cache with the rows still pending appended) are
+    what a fresh prefill of its committed tokens (prompt + output, less the pending anchor) gives, and so is the
+    next drafting step's proposal (the pending rows absorbed by `propose`, as the loop's next step does)."""
     out, n_out = np.asarray(state.out), np.asarray(state.n_out)
     committed = [p + out[b, : n_out[b] - 1].tolist() for b, p in enumerate(prompts)]
     fresh = prefill(committed)
     lengths = [len(c) for c in committed]
-    for got in (state.lengths, state.context.lengths, fresh.lengths, fresh.context.lengths):
+    context = append_context(drafter, _copy(state.context), state.pending, state.num_pending)
+    for got in (state.lengths, context.lengths, fresh.lengths, fresh.context.lengths):
         assert np.asarray(got).tolist() == lengths
     np.testing.assert_array_equal(np.asarray(state.anchor), out[np.arange(len(prompts)), n_out - 1])
     np.testing.assert_array_equal(np.asarray(fresh.anchor), np.asarray(state.anchor))
-    np.testing.assert_array_equal(np.asarray(fresh.proposal.tokens), np.asarray(state.proposal.tokens))
-    pairs = zip(state.target_cache.k + state.target_cache.v + state.context.keys + state.context.values,
+    pairs = zip(state.target_cache.k + state.target_cache.v + context.keys + context.values,
                 fresh.target_cache.k + fresh.target_cache.v + fresh.context.keys + fresh.context.values)
-    for a, b in pairs:  # per layer [batch, n_kv, T, d_h]
+    for a, b in pairs:  # per layer [batch, n_kv, T, d_h] (a ring layer's slots hold the same positions too)
         for row, n in enumerate(lengths):
             np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=0, atol=1e-5)
+    rows = drafter.config.num_draft_tokens + 1
+    assert int(state.num_pending.max()) <= rows  # the next drafting step takes them all
+    ours, _ = propose(drafter, _copy(state.context), state.pending[:, :rows], state.num_pending, state.anchor)
+    theirs, _ = propose(drafter, fresh.context, jnp.zeros_like(state.pending[:, :rows]),
+                        jnp.zeros_like(state.num_pending), fresh.anchor)
+    np.testing.assert_array_equal(np.asarray(ours.tokens), np.asarray(theirs.tokens))
 
 
-def test_caches_hold_exactly_the_committed_tokens(target, oracle):
-    """After a step with partial acceptance, the caches hold exactly the committed tokens: rejected drafts are
-    trimmed away, no accepted token is missing, and the next proposal is the same as after a fresh prefill."""
-    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
-    prefill, step = _stepper(nudged, _attach(nudged, oracle))
-    # One step: at most 1 + 8 tokens (no sequence reaches the budget), and the committed prompts stay in the
-    # prompts' bucket, so the fresh prefill reuses the compiled prefill.
-    state = step(prefill(PROMPTS), 2)  # all 7 drafts
-    assert not state.done.any() and len(set(np.asarray(state.n_out).tolist())) > 1  # different acceptances
-    _assert_as_if_prefilled(prefill, state, PROMPTS)
+@pytest.fixture(scope="module", params=["oracle", "tiny-dflash", "tiny-dflash2"])
+def family(request, tmp_path_factory, target, oracle):
+    """A drafter of each family on the target it is paired with: DSpark's oracle on a target that leaves the
+    successor map now and then (acceptances differ per sequence), random DFlash and DFlash2 drafters (a ring
+    layer of 16 rows) on the random target."""
+    if request.param == "oracle":
+        nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
+        return nudged, _attach(nudged, oracle)
+    return target, _attach(target, _drafter(tmp_path_factory, request.param, seed=2))
 
 
-def test_plain_steps_keep_the_drafters_context(target, oracle):
-    """A verify of 7 drafts, a plain step (no drafting after it), then a step of 3 rows with no drafts proposed
-    (it accepts none, then drafts): the caches and the proposal are again those of a fresh prefill, so the plain
-    steps' features were appended, once each, at the right positions, and a stale proposal was never accepted."""
-    nudged = successor_target(target, SUCCESSOR, layer_scale=0.9)
-    prefill, step = _stepper(nudged, _attach(nudged, oracle))
-    state = step(prefill(PROMPTS), 2)
-    n_out = np.asarray(state.n_out)
-    state = step(state, 0)
-    assert int(state.verify) == 0 and not np.asarray(state.proposal.num_tokens).any()  # nothing proposed
-    state = step(state, 1)
-    np.testing.assert_array_equal(np.asarray(state.n_out), n_out + 2)  # one token from each of the last two steps
-    np.testing.assert_array_equal(np.asarray(state.plain), np.ones(len(PROMPTS)))
-    np.testing.assert_array_equal(np.asarray(state.accept[:, :3]) > 0, [[True, False, True]] * len(PROMPTS))
-    _assert_as_if_prefilled(prefill, state, PROMPTS)
+def test_caches_hold_exactly_the_committed_tokens(family):
+    """After a verify with partial acceptance, then plain steps past the pending rows' buffer (appended to the
+    drafter's cache when it is full and when the plain run ends), then a verify of 3 drafts, the caches hold exactly
+    the committed tokens of each sequence of a ragged batch: rejected drafts are trimmed away, no committed token
+    is missing, every context row is at its position, and the next proposal is the one a fresh prefill gives. So
+    waiting rows change nothing the drafter sees."""
+    target, drafter = family
+    prefill, steps = _stepper(target, drafter)
+    state = steps(prefill(PROMPTS), 2, 1)  # all 7 drafts
+    assert not state.done.any()
+    _assert_as_if_prefilled(prefill, drafter, state, PROMPTS)  # the verify's rows pending
+    n_out, rows = np.asarray(state.n_out), state.pending.shape[1]
+    state = steps(state, 0, rows - 1)  # plain steps: the buffer fills on the way (a verify leaves at least a row)
+    np.testing.assert_array_equal(np.asarray(state.plain), np.full(len(PROMPTS), rows - 1))
+    np.testing.assert_array_equal(np.asarray(state.num_pending), np.zeros(len(PROMPTS)))
+    state = steps(state, 1, 1)  # 3 drafts, drafted from the flushed context
+    np.testing.assert_array_equal(np.asarray(state.accept[:, : rows + 1]) > 0,
+                                  [[True] + [False] * (rows - 1) + [True]] * len(PROMPTS))
+    assert (np.asarray(state.n_out) > n_out + rows - 1).all()
+    _assert_as_if_prefilled(prefill, drafter, state, PROMPTS)
 
 
 def test_stop_tokens_and_batch_independence(target, greedy, oracle):
