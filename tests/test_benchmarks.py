@@ -224,6 +224,18 @@ def test_plot_reads_the_scripts_json(long_context_json, adaptive_json):
     assert not mixed
 
 
+def test_loop_copies_small(monkeypatch, tmp_path):
+    """The adaptive decode program copies no buffer of the drafter's context cache (a step choosing between drafting
+    and appending with `lax.cond` copied it twice on a CPU), and the script finds copies where there are some (of
+    the target's KV cache, on a CPU, where a layer's attention reads it in a loop beside its in-place write)."""
+    out = tmp_path / "out.json"
+    run_script(monkeypatch, "loop_copies", "--small", "--prompt-len", "16", "--max-new", "8", "--programs",
+               "adaptive", "--json", str(out))
+    rows = {r["buffer"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["drafter context"]["copies"] == 0
+    assert rows["target KV"]["copies"] > 0
+
+
 @pytest.mark.plots
 def test_plot_writes_the_figures(monkeypatch, long_context_json, adaptive_json, tmp_path):
     """The command writes both PNGs from the scripts' JSON."""
