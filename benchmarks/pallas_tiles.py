@@ -26,7 +26,7 @@ from jax.experimental.pallas.ops.gpu import decode_attention  # Pallas Triton: t
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax._span_attention_mgpu import BLOCK_K, STAGES, span_partials  # noqa: E402
-from dflash_jax.attention import pallas_tile, split_keys  # noqa: E402
+from dflash_jax.attention import SPAN_BLOCK, Span, _span_xla, pallas_tile, split_keys  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import read_rate  # noqa: E402
@@ -69,6 +69,13 @@ def mosaic(q, k, v, stop, *, per_split, block_k=BLOCK_K, stages=None):
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def xla(q, k, v, stop):
+    """[batch, n_kv, rows, d] -> the normalised output, through the package's XLA span loop (`SPAN_BLOCK` keys a
+    step): what `attention.attend` runs where the kernel does not apply."""
+    p = _span_xla(q[:, :, :, None], Span(k, v, jnp.zeros_like(stop), stop), SPAN_BLOCK)
+    return (p.acc / jnp.where(p.l > 0, p.l, 1.0)[..., None])[:, :, :, 0].astype(q.dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spans", type=int, nargs="+", default=[2048, 32768, 131072])
@@ -76,6 +83,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="sequences (each with --kv-heads KV heads)")
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--xla", action="store_true", help="also time the XLA span loop")
     parser.add_argument("--keys-per-split", type=int, nargs="+", default=None,
                         help="also time the Mosaic kernel at these split lengths (the package's is always timed)")
     parser.add_argument("--sweep", action="store_true",
@@ -108,6 +116,9 @@ def main() -> None:
         row = {"span": T, "rows": rows, "batch": args.batch, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                "keys_per_split": per_split, "floor_ms": floor, **{f"{name}_ms": t for name, t in ms.items()},
                "max_diff": diff}
+        if args.xla:
+            row["xla_ms"] = loop_ms(xla, q, k, v, stop)
+            print(f"    xla span loop: {row['xla_ms']:.4f} ms", flush=True)
         for split in args.keys_per_split or ():
             if split != per_split and T % split == 0:
                 row[f"mosaic_{split}_ms"] = loop_ms(lambda *a, p=split: mosaic(*a, per_split=p), q, k, v, stop)
