@@ -174,7 +174,9 @@ def _commit(out: jax.Array, n_out: jax.Array, done: jax.Array, budget: jax.Array
 # --------------------------------------------------------------------------------------------------------------
 
 DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length at temperature 0: "adaptive" or "fixed"
-CALIBRATION_STEPS = 4  # decode steps timed per draft length when the costs are measured (`_calibrate`)
+# When the costs are measured (`_calibrate`), each length runs CALIBRATION_STEPS and then twice as many timed steps:
+# the difference is the steps' own time, without what a call of the decode program costs on its own.
+CALIBRATION_STEPS = 3
 PENDING_BLOCKS = 2  # plain steps' context rows wait in a buffer of this many verify blocks (K + 1 rows each)
 _NO_LIMIT = 2**31 - 1
 
@@ -524,9 +526,12 @@ def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, poli
 
 def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int,
                device: str) -> tuple[_State, StepCosts | None]:
-    """Measure the step costs on the run itself: `CALIBRATION_STEPS` decode steps at each length (longest first),
-    timed from the host after one untimed step at each; the plain steps' time includes appending their context
-    rows to the drafter's cache (`_Loop.flush`, once at the end). Returns the state after them and the costs; None
+    """Measure the step costs on the run itself, at each length (longest first): after one untimed step, a call of
+    n = `CALIBRATION_STEPS` steps and one of 2n, timed from the host; a step costs the difference over n. A call of
+    the decode program has a cost of its own (on an H200, 10-20 ms: dispatch, the loops' start, the host sync),
+    which a plain average over a few steps would add to every step: it made plain steps look 45% dearer than
+    greedy decoding's (docs/benchmarks.md). The plain steps' time includes appending their context rows to the
+    drafter's cache (`_Loop.flush`, once at the end of each call). Returns the state after them and the costs; None
     when the decode ended first (nothing is left to choose) or the times are not usable (then the caller falls back
     to the longest length, with a warning)."""
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
@@ -534,14 +539,18 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
     for i in order:  # one step each first: the first compiles, and the first call at each length is slower
         state = run(state, placeholder, jnp.int32(i), jnp.int32(int(state.step) + 1))  # (their tokens count)
     seconds = {}
+    n = CALIBRATION_STEPS
     for i in order:
-        first = int(state.step)
-        start = time.perf_counter()
-        state = run(state, placeholder, jnp.int32(i), jnp.int32(first + CALIBRATION_STEPS))
-        steps = int(state.step) - first  # a host sync: the steps are done
-        if steps < CALIBRATION_STEPS:
-            return state, None
-        seconds[i] = (time.perf_counter() - start) / steps
+        took = []
+        for count in (n, 2 * n):
+            first = int(state.step)
+            start = time.perf_counter()
+            state = run(state, placeholder, jnp.int32(i), jnp.int32(first + count))
+            if int(state.step) - first < count:  # (a host sync: the steps are done)
+                return state, None
+            took.append(time.perf_counter() - start)
+        difference = (took[1] - took[0]) / n
+        seconds[i] = difference if difference > 0 else took[1] / (2 * n)  # a clock too coarse for the difference
     measured = [seconds[i] for i in range(len(policy.lengths))]
     if jax.process_count() > 1:  # every process must choose the same lengths (one program): process 0's clock decides
         from jax.experimental import multihost_utils

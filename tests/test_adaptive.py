@@ -206,7 +206,7 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert stuck.tokens == expected and generate_module._COSTS == {}
-    assert stuck.plain_tokens == [1 + steps, 1 + steps]  # the plain steps of the measurement only
+    assert stuck.plain_tokens == [1 + 3 * steps] * 2  # the plain steps of the measurement only: 1, n and 2n
 
 
 def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
