@@ -32,7 +32,7 @@ from ._shapes import ceil_div, round_up
 from .tuning import on_gpu, tuning
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
-_PALLAS_MAX_ROWS = 128  # query rows per KV head up to which the GPU decode kernel is used (one tile of rows)
+_PALLAS_MAX_ROWS = 256  # query rows per KV head up to which the GPU kernel is used (it reads K/V once a 64-row tile)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
 # The GPU kernel's splits are tuned per device kind: `tuning.Tuning.span_splits`.
 
@@ -172,7 +172,8 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
 
     batch, n_kv, groups, Sq, d_h = q.shape
     capacity = span.k.shape[2]
-    keys = capacity // _splits(capacity, pallas_tile(groups * Sq))  # keys per split, a multiple of SPAN_ALIGN
+    programs = batch * n_kv * ceil_div(groups * Sq, 64)  # the kernel's CTAs per split
+    keys = capacity // _splits(capacity, pallas_tile(groups * Sq), programs)  # keys per split, SPAN_ALIGN-aligned
     acc, m, l = span_partials(q.reshape(batch, n_kv, groups * Sq, d_h), span.k, span.v, span.start, span.stop,
                               keys_per_split=keys)  # [batch, n_kv, rows(, d_h)]
     shape = (batch, n_kv, groups, Sq)
@@ -201,11 +202,16 @@ def span_capacity(rows: int) -> int:
     return round_up(rows, align)
 
 
-def _splits(capacity: int, tile: int) -> int:
+def _splits(capacity: int, tile: int, programs: int | None = None) -> int:
     """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about `split_keys` keys (exactly
     that for a `span_capacity`), so a long span is read by many programs at once (measured: 16 fixed splits ran a
-    128k span at 1/6 of the bandwidth); a split past a sequence's `stop` exits at once."""
-    blocks, per_split = capacity // SPAN_ALIGN, split_keys(capacity, tile) // SPAN_ALIGN
+    128k span at 1/6 of the bandwidth); a split past a sequence's `stop` exits at once. `programs` (sequences x KV
+    heads x query tiles) below `tuning.Tuning.span_programs` shortens the splits in proportion: a hybrid target's
+    2 KV heads of 256 at batch 1 read 8k slots in 0.030 ms with 128-key splits against 0.047 ms with 512 (H200,
+    docs/benchmarks.md)."""
+    blocks, per_split = capacity // SPAN_ALIGN, split_keys(capacity, tile) / SPAN_ALIGN
+    if programs is not None and programs < tuning().span_programs:
+        per_split = max(1.0, per_split * programs / tuning().span_programs)
     return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - per_split))
 
 

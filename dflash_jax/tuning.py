@@ -32,6 +32,9 @@ class Tuning:
     # split for query tiles of < 64 rows, for 64- and 128-row tiles). Also decides cache capacities
     # (`attention.span_capacity`), on every platform.
     span_splits: tuple[tuple[float, int, int], ...]
+    # The kernel's programs per split (sequences x KV heads x 64-row query tiles) at which `span_splits` was
+    # measured; a read with fewer programs takes proportionally shorter splits, so that as many CTAs run.
+    span_programs: int
     # Batches from this size on read the drafter's ring layers with the span kernel; smaller ones score a whole
     # ring densely (two kernel launches per ring cost more than one dense pass at small batches).
     ring_spans_min_batch: int
@@ -48,6 +51,7 @@ class Tuning:
 
 H200 = Tuning(
     span_splits=((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096)),
+    span_programs=8,  # 8 KV heads at batch 1 (Qwen3-8B shapes)
     ring_spans_min_batch=8,
     nvfp4_tile=256,
     moe_gather_max_rows=256,

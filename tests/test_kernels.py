@@ -90,6 +90,22 @@ def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback(monkeypatch):
     assert attention.span_capacity(17_000) == 5 * 4096 and attention.split_keys(17_000, 16) == 4096
 
 
+def test_span_splits_shorten_where_few_programs_read_the_cache(monkeypatch):
+    """The tuned split length holds at the programs it was measured with (8: sequences x KV heads x 64-row query
+    tiles) and above; fewer programs take proportionally shorter splits (a divisor of the capacity's blocks). The
+    kernel takes up to 256 query rows per KV head (a 17-token verify with 8 query heads per KV head: 136)."""
+    splits = attention._splits
+    assert 8192 // splits(8192, 16) == 8192 // splits(8192, 16, 8) == 8192 // splits(8192, 16, 64) == 512
+    assert 8192 // splits(8192, 16, 2) == 128 and 32768 // splits(32768, 16, 2) == 256  # 2 KV heads, batch 1
+    assert 8192 // splits(8192, 16, 1) == 128  # never below one 128-slot block
+    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
+    span = Span(jnp.zeros((1, 2, 256, 64), jnp.bfloat16), jnp.zeros((1, 2, 256, 64), jnp.bfloat16),
+                jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
+    verify = jnp.zeros((1, 2, 8, 17, 64), jnp.bfloat16)  # [batch, n_kv, groups, Sq, d_h]
+    assert attention.use_pallas(verify, span) and not attention.use_pallas(jnp.zeros((1, 2, 8, 33, 64),
+                                                                                     jnp.bfloat16), span)
+
+
 def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
     dequantization for the CPU, in one process."""
