@@ -66,11 +66,7 @@ def sliced(p: dict, c: moe.MoeDims, x: jax.Array) -> jax.Array:
                 * jnp.dot(w["up_proj"], xt[t], preferred_element_type=jnp.float32)  # [I]
             acc = acc + weights[t, j] * jnp.dot(w["down_proj"], h.astype(x.dtype), preferred_element_type=jnp.float32)
         rows.append(acc)
-    s = p["shared_expert"]
-    lin = moe.linear  # the package's bf16 linear, as `moe_block`'s shared expert
-    shared = lin(jax.nn.silu(lin(xt, s["gate_proj"])) * lin(xt, s["up_proj"]), s["down_proj"])  # [T, H]
-    gate = jax.nn.sigmoid(lin(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
-    return (jnp.stack(rows) + gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(x.shape)
+    return (jnp.stack(rows) + moe.gated_shared_expert(p, xt)).astype(x.dtype).reshape(x.shape)
 
 
 def block(p: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:

@@ -279,7 +279,13 @@ def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax
     with jax.named_scope("routed"):
         routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
     with jax.named_scope("shared"):
-        s = p["shared_expert"]
-        shared = linear(jax.nn.silu(linear(xt, s["gate_proj"])) * linear(xt, s["up_proj"]), s["down_proj"])  # [T, H]
-        shared_gate = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
-    return (routed + shared_gate * shared.astype(jnp.float32)).astype(x.dtype).reshape(batch, S, H)
+        shared = gated_shared_expert(p, xt)  # [T, H] float32
+    return (routed + shared).astype(x.dtype).reshape(batch, S, H)
+
+
+def gated_shared_expert(p: Params, x: jax.Array) -> jax.Array:
+    """The shared expert's SwiGLU of tokens `x [T, H]` times its sigmoid gate: `[T, H]` float32."""
+    s = p["shared_expert"]
+    shared = linear(jax.nn.silu(linear(x, s["gate_proj"])) * linear(x, s["up_proj"]), s["down_proj"])  # [T, H]
+    gate = jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    return gate * shared.astype(jnp.float32)
