@@ -1,7 +1,8 @@
 """The packed weight-only GEMMs `x [M, K] @ W.T` at drafter shapes, side by side: XLA's bf16 GEMM, XLA's
-dequantize-then-dot on the packed NVFP4 weight, the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="mosaic")`),
-and the FP8 weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product
-(the E4M3 conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla").
+dequantize-then-dot on the packed NVFP4 weight, the same product written for XLA to fuse ("xla f4": float4 codes
+times block scales, then the dot), the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="mosaic")`), and the FP8
+weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product (the E4M3
+conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla").
 
 Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc) and one of the Qwen3.6-35B-A3B drafter's
 (gate/up), at M = 16, 32, 64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
@@ -64,6 +65,16 @@ def random_packed(key: jax.Array, n: int, k: int) -> nvfp4.Packed:
     return nvfp4.Packed(codes, lax.bitcast_convert_type(scale, jnp.float8_e4m3fn), jnp.float32(1e-3))
 
 
+def f4_product(x: jax.Array, w: nvfp4.Packed) -> jax.Array:
+    """`x @ W.T` with the NVFP4 decode written for XLA to fuse: codes as float4_e2m1fn, times the E4M3 block scales
+    in bf16 (exact), the dot, times scale_2 (a candidate: XLA did not fuse it into the GEMM on the H200)."""
+    n, half = w.codes.shape
+    codes = lax.bitcast_convert_type(w.codes, jnp.float4_e2m1fn).reshape(n, half // 8, 16).astype(jnp.bfloat16)
+    weight = (codes * w.scale.astype(jnp.bfloat16)[:, :, None]).reshape(n, 2 * half)  # [N, K] exact
+    product = jnp.einsum("mk,nk->mn", x, weight, preferred_element_type=jnp.float32)
+    return (product * w.scale_2).astype(x.dtype)
+
+
 def to_fp8(w: jax.Array) -> fp8.Fp8:
     """A bf16 weight as ModelOpt FP8 per tensor (scale amax / 448), made on the device."""
     scale = jnp.max(jnp.abs(w.astype(jnp.float32))) / fp8.FP8_MAX
@@ -77,6 +88,7 @@ def variants(sweep: bool) -> dict:
         "xla packed": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="xla")),
         "xla bf16": ("bf16", lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.bfloat16)),
         "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="mosaic")),
+        "xla f4": ("packed", f4_product),
         "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
         "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),
     }
