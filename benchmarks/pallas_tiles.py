@@ -26,7 +26,7 @@ from jax.experimental.pallas.ops.gpu import decode_attention  # Pallas Triton: t
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax._span_attention_mgpu import BLOCK_K, STAGES, span_partials  # noqa: E402
-from dflash_jax.attention import SPAN_BLOCK, Span, _span_xla, pallas_tile, split_keys  # noqa: E402
+from dflash_jax.attention import SPAN_BLOCK, Span, _span_xla, kernel_keys_per_split, pallas_tile  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import read_rate  # noqa: E402
@@ -102,7 +102,8 @@ def main() -> None:
         v = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
         q = jax.random.normal(jax.random.key(2), (args.batch, args.kv_heads, rows, args.head_dim), jnp.bfloat16)
         stop = jnp.full((args.batch,), T - 200, jnp.int32)
-        per_split = split_keys(T, pallas_tile(rows))  # the package's split length (a `span_capacity` holds it whole)
+        # the package's split length, which both kernels use (a `span_capacity` holds it whole)
+        per_split = kernel_keys_per_split(T, rows, args.batch * args.kv_heads)
         floor = 2 * k.nbytes * (T - 200) / T / rate * 1e3  # the span's K and V, read once
         base = {"triton": lambda *a, p=per_split: triton(*a, per_split=p),
                 "mosaic": lambda *a, p=per_split: mosaic(*a, per_split=p)}

@@ -171,13 +171,18 @@ def _span_pallas(q: jax.Array, span: Span) -> _Partial:
     from ._span_attention_mgpu import span_partials
 
     batch, n_kv, groups, Sq, d_h = q.shape
-    capacity = span.k.shape[2]
-    programs = batch * n_kv * ceil_div(groups * Sq, 64)  # the kernel's CTAs per split
-    keys = capacity // _splits(capacity, pallas_tile(groups * Sq), programs)  # keys per split, SPAN_ALIGN-aligned
+    keys = kernel_keys_per_split(span.k.shape[2], groups * Sq, batch * n_kv)
     acc, m, l = span_partials(q.reshape(batch, n_kv, groups * Sq, d_h), span.k, span.v, span.start, span.stop,
                               keys_per_split=keys)  # [batch, n_kv, rows(, d_h)]
     shape = (batch, n_kv, groups, Sq)
     return _Partial(acc.reshape(*shape, d_h), m.reshape(shape), l.reshape(shape))
+
+
+def kernel_keys_per_split(capacity: int, rows: int, heads: int) -> int:
+    """Keys per split of the GPU kernel reading a cache of `capacity` slots with `rows` query rows per KV head, for
+    `heads` (sequences x KV heads) at once: the kernel runs a program per head, 64-row query tile and split."""
+    programs = heads * ceil_div(rows, 64)
+    return capacity // _splits(capacity, pallas_tile(rows), programs)  # SPAN_ALIGN-aligned
 
 
 def pallas_tile(rows: int) -> int:
