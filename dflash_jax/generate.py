@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -174,9 +175,13 @@ def _commit(out: jax.Array, n_out: jax.Array, done: jax.Array, budget: jax.Array
 # --------------------------------------------------------------------------------------------------------------
 
 DRAFT_LENGTH = "adaptive"  # `speculative_generate`'s default draft_length at temperature 0: "adaptive" or "fixed"
-# When the costs are measured (`_calibrate`), each length runs CALIBRATION_STEPS and then twice as many timed steps:
-# the difference is the steps' own time, without what a call of the decode program costs on its own.
-CALIBRATION_STEPS = 3
+# When the costs are measured (`_calibrate`), each length runs calls of CALIBRATION_STEPS and of twice as many steps,
+# CALIBRATION_REPEATS times each: the difference of the fastest of each is the steps' own time, without what a call
+# of the decode program costs on its own. Measured on an H200 (docs/benchmarks.md): 3 steps once gave K-draft steps
+# cheaper than plain ones (one slow call early in the run); 6 steps, fastest of 2, stay within 5% of the steps'
+# times in the decode.
+CALIBRATION_STEPS = 6
+CALIBRATION_REPEATS = 2
 PENDING_BLOCKS = 2  # plain steps' context rows wait in a buffer of this many verify blocks (K + 1 rows each)
 _NO_LIMIT = 2**31 - 1
 
@@ -526,11 +531,12 @@ def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, poli
 
 def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int,
                device: str) -> tuple[_State, StepCosts | None]:
-    """Measure the step costs on the run itself, at each length (longest first): after one untimed step, a call of
-    n = `CALIBRATION_STEPS` steps and one of 2n, timed from the host; a step costs the difference over n. A call of
-    the decode program has a cost of its own (on an H200, 10-20 ms: dispatch, the loops' start, the host sync),
-    which a plain average over a few steps would add to every step: it made plain steps look 45% dearer than
-    greedy decoding's (docs/benchmarks.md). The plain steps' time includes appending their context rows to the
+    """Measure the step costs on the run itself, at each length (longest first): after one untimed step, calls of
+    n = `CALIBRATION_STEPS` steps and of 2n, `CALIBRATION_REPEATS` times each, timed from the host; a step costs
+    the difference of the fastest call of each count over n. A call of the decode program has a cost of its own
+    (on an H200, 4-20 ms: dispatch, the loops' start, the host sync), which a plain average over a few steps would
+    add to every step: it made plain steps look 45% dearer than greedy decoding's; and a call early in a run can
+    be slower than the rest (docs/benchmarks.md). The plain steps' time includes appending their context rows to the
     drafter's cache (`_Loop.flush`, once at the end of each call). Returns the state after them and the costs; None
     when the decode ended first (nothing is left to choose) or the times are not usable (then the caller falls back
     to the longest length, with a warning)."""
@@ -541,16 +547,16 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
     seconds = {}
     n = CALIBRATION_STEPS
     for i in order:
-        took = []
-        for count in (n, 2 * n):
+        fastest = {n: math.inf, 2 * n: math.inf}
+        for count in (n, 2 * n) * CALIBRATION_REPEATS:
             first = int(state.step)
             start = time.perf_counter()
             state = run(state, placeholder, jnp.int32(i), jnp.int32(first + count))
             if int(state.step) - first < count:  # (a host sync: the steps are done)
                 return state, None
-            took.append(time.perf_counter() - start)
-        difference = (took[1] - took[0]) / n
-        seconds[i] = difference if difference > 0 else took[1] / (2 * n)  # a clock too coarse for the difference
+            fastest[count] = min(fastest[count], time.perf_counter() - start)
+        difference = (fastest[2 * n] - fastest[n]) / n
+        seconds[i] = difference if difference > 0 else fastest[2 * n] / (2 * n)  # a clock too coarse for it
     measured = [seconds[i] for i in range(len(policy.lengths))]
     if jax.process_count() > 1:  # every process must choose the same lengths (one program): process 0's clock decides
         from jax.experimental import multihost_utils

@@ -186,7 +186,8 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     the fixed length from there on, with the same tokens."""
     target, drafter = models
     policy = Adaptive(draft_lengths=(0, 7))
-    prompts, steps = [[5, 17, 99], [4]], generate_module.CALIBRATION_STEPS
+    prompts, steps = [[5, 17, 99], [4]], 2
+    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)  # the mechanism, in few of the 40 tokens
     expected = greedy_generate(target, prompts, max_new_tokens=40).tokens
     monkeypatch.setattr(generate_module, "_COSTS", {})
     result = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
@@ -201,12 +202,14 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     assert calls == [] and len(generate_module._COSTS) == 1
 
     monkeypatch.undo()
+    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)
     monkeypatch.setattr(generate_module, "_COSTS", {})
     monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert stuck.tokens == expected and generate_module._COSTS == {}
-    assert stuck.plain_tokens == [1 + 3 * steps] * 2  # the plain steps of the measurement only: 1, n and 2n
+    repeats = generate_module.CALIBRATION_REPEATS  # the plain steps of the measurement only: 1, then n and 2n
+    assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
 
 
 def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
