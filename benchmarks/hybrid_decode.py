@@ -46,7 +46,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop, the rates, the trace reader
 
 import gpu_trace  # noqa: E402
-from timing import call_seconds, read_rate  # noqa: E402
+from timing import call_seconds, print_row, read_rate  # noqa: E402
 
 from dflash_jax import tuning  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
@@ -234,9 +234,9 @@ def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: fl
                            greedy_floor_tps=floor, mean_acceptance=result.mean_acceptance_length,
                            same_as_greedy=result.tokens == greedy.tokens, peak_gb=peak_gb())
                 rows.append(row)
-                print(f"| {name} | {P} | {batch} | {run} | {row['prefill_s']:.2f} | {row['tokens_per_s']:.1f} | "
-                      f"{row['speedup']:.2f} | {floor:.1f} | {row['mean_acceptance']:.2f} | "
-                      f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
+                print_row(name, P, batch, run, f"{row['prefill_s']:.2f}", f"{row['tokens_per_s']:.1f}",
+                          f"{row['speedup']:.2f}", f"{floor:.1f}", f"{row['mean_acceptance']:.2f}",
+                          "yes" if row["same_as_greedy"] else "NO", f"{row['peak_gb']:.1f}")
     return rows
 
 

@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode's shapes and drafters
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
-from timing import matmul_rate, read_rate, write_rows  # noqa: E402
+from timing import matmul_rate, print_row, read_rate, write_rows  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
@@ -177,9 +177,9 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
                            mean_acceptance=results[-1].mean_acceptance_length,
                            plain_tokens=np.sum(results[-1].plain_tokens).item())
                 rows.append(row)
-                print(f"| {P} | {batch} | {name} | {prefill:.2f} | {row['prefill_mfu']:.0%} | {tps:.1f} | "
-                      f"{tps / base:.2f} | {floor_tps:.1f} | {row['mean_acceptance']:.2f} | {row['plain_tokens']} | "
-                      f"{'yes' if row['same_as_greedy'] else 'NO'} | {row['peak_gb']:.1f} |", flush=True)
+                print_row(P, batch, name, f"{prefill:.2f}", f"{row['prefill_mfu']:.0%}", f"{tps:.1f}",
+                          f"{tps / base:.2f}", f"{floor_tps:.1f}", f"{row['mean_acceptance']:.2f}",
+                          row["plain_tokens"], "yes" if row["same_as_greedy"] else "NO", f"{row['peak_gb']:.1f}")
     return rows
 
 

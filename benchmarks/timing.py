@@ -37,6 +37,11 @@ def matmul_rate(n: int) -> float:
     return 2 * n**3 / min(call_seconds(lambda: f(a), 5))
 
 
+def print_row(*cells: Any) -> None:
+    """One row of a Markdown table, printed at once (the benchmarks' tables go to docs/benchmarks.md as printed)."""
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+
+
 def write_rows(path: str | None, args: Any, rows: list[dict]) -> None:
     """The run's rows as JSON at `path` (none: nothing), with the device, the jax version and the arguments."""
     if path:

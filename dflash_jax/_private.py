@@ -71,10 +71,14 @@ def private_directory(directory: Path, what: str, variable: str) -> Path | None:
         problem = f"cannot use it ({e.strerror or e})"
     if problem is None:
         return directory
-    warn_once(str(directory), f"dflash_jax: not using {directory} for {what}: {problem}. Without it programs are "
-                              f"compiled in every process. Set {variable} to a private directory (yours, mode "
-                              "0700), or to '' to turn this cache off.")
+    _not_using(str(directory), directory, what, problem, f"Set {variable} to a private directory (yours, mode 0700)")
     return None
+
+
+def _not_using(once: str, directory: Path, what: str, problem: str, remedy: str) -> None:
+    """Warn (once per `once`) that the cache `directory` is off, why, and what turns it back on."""
+    warn_once(once, f"dflash_jax: not using {directory} for {what}: {problem}. Without it programs are compiled in "
+                    f"every process. {remedy}, or set it to '' to turn this cache off.")
 
 
 def _make_private(directory: Path) -> None:
@@ -132,9 +136,7 @@ def user_key(directory: Path, what: str, variable: str) -> bytes | None:
         problem = f"cannot use its key file {path} ({e.strerror or e})"
     if problem is None:
         return key
-    warn_once(str(path), f"dflash_jax: not using {directory} for {what}: {problem}. Without it programs are "
-                         f"compiled in every process. Set {variable} to another private directory, or to '' to "
-                         "turn this cache off.")
+    _not_using(str(path), directory, what, problem, f"Set {variable} to another private directory")
     return None
 
 

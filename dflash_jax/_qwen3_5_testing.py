@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ._qwen3_testing import placed_like, scaled_outputs, successor_heads
+from ._qwen3_testing import successor_params
 from .plan import init_leaves
 from .safetensors import write_tensors
 from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, params_tree, plan_qwen3_5
@@ -121,13 +121,5 @@ def successor_qwen3_5(target: Qwen3_5Target, successor: np.ndarray, *, margin: f
     """The hybrid target rebuilt as `_qwen3_testing.successor_target` rebuilds a dense one: its greedy next token
     is (nearly always) `successor[last token]`, every mixer's and MLP's output scaled by `layer_scale`. The final
     norm is zero-centred here (`(1 + w) * x_hat`): a zero weight is its unit gain."""
-    c, dtype = target.config, target.embed.dtype
-    embed, lm_head = successor_heads(c.vocab_size, c.hidden_size, successor, margin, seed, dtype)
-    params = {
-        "embed_tokens": {"weight": embed},
-        "lm_head": {"weight": lm_head},
-        "norm": {"weight": jnp.zeros((c.hidden_size,), dtype)},
-        "layers": scaled_outputs(target.params["layers"], layer_scale),
-    }
-    # an untied head: the `lm_head` leaf is read when present
-    return dataclasses.replace(target, params=placed_like(params, target))
+    params = successor_params(target, successor, margin, layer_scale, seed, unit_norm=0.0)  # (1 + w) gains
+    return dataclasses.replace(target, params=params)

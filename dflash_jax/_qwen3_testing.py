@@ -124,20 +124,24 @@ def scaled_outputs(layers: Any, scale: float) -> Any:
     return jax.tree_util.tree_map_with_path(scaled, layers)
 
 
-def successor_heads(vocab: int, hidden: int, successor: np.ndarray, margin: float, seed: int, dtype):
-    """`(embed, lm_head)` `[V, H]` making `successor[t]` the LM head's choice for a residual stream `embed[t]`:
-    unit-RMS random embedding rows, LM-head row v `margin / H * embed[successor^-1[v]]` (`successor_target`)."""
+def successor_params(target: Any, successor: np.ndarray, margin: float, layer_scale: float, seed: int,
+                     unit_norm: float) -> dict[str, Any]:
+    """The params of `target` rebuilt so that its greedy next token is (nearly always) `successor[last token]`
+    (`successor_target`, `_qwen3_5_testing.successor_qwen3_5`): unit-RMS random embedding rows, LM-head row v
+    `margin / H * embed[successor^-1[v]]`, the final norm's weight `unit_norm` (the value that is a unit gain),
+    every output projection times `layer_scale`. Each leaf is committed where `target`'s leaf of that name is (an
+    untied head beside a tied one: where the embedding is), when that one is committed (loaded): the rebuilt
+    target then runs the programs compiled for `target` instead of compiling them again for uncommitted arrays."""
+    vocab, hidden, dtype = target.config.vocab_size, target.config.hidden_size, target.embed.dtype
     embed = jax.random.normal(jax.random.key(seed), (vocab, hidden), jnp.float32)
     embed = embed / jnp.sqrt(jnp.mean(embed * embed, axis=1, keepdims=True))  # unit RMS rows
     predecessor = jnp.argsort(jnp.asarray(successor))  # predecessor[successor[t]] = t
-    return embed.astype(dtype), (embed[predecessor] * (margin / hidden)).astype(dtype)
-
-
-def placed_like(params: dict[str, Any], target: Any) -> dict[str, Any]:
-    """A rebuilt target's `params` (top-level names as `target.params`'), each leaf committed where `target`'s
-    leaf of that name is (an untied head beside a tied one: where the embedding is), when that one is committed
-    (loaded): the rebuilt target then runs the programs compiled for `target` instead of compiling them again
-    for uncommitted arrays."""
+    params = {
+        "embed_tokens": {"weight": embed.astype(dtype)},
+        "lm_head": {"weight": (embed[predecessor] * (margin / hidden)).astype(dtype)},  # an untied head
+        "norm": {"weight": jnp.full((hidden,), unit_norm, dtype)},
+        "layers": scaled_outputs(target.params["layers"], layer_scale),
+    }
     old = {"lm_head": target.params["embed_tokens"], **target.params}
 
     def place(new: jax.Array, was: jax.Array) -> jax.Array:
@@ -155,15 +159,8 @@ def successor_target(target: DecoderTarget, successor: np.ndarray, *, margin: fl
     `successor[t]` is `margin` and the others are about `N(0, margin^2 / H)`. Attention and MLP outputs are
     scaled by `layer_scale`: the earlier tokens still move the logits a little, and sometimes the winner.
     """
-    c, dtype = target.config, target.embed.dtype
-    embed, lm_head = successor_heads(c.vocab_size, c.hidden_size, successor, margin, seed, dtype)
-    params = {
-        "embed_tokens": {"weight": embed},
-        "lm_head": {"weight": lm_head},
-        "norm": {"weight": jnp.ones((c.hidden_size,), dtype)},
-        "layers": scaled_outputs(target.params["layers"], layer_scale),
-    }
-    return dataclasses.replace(target, params=placed_like(params, target))
+    params = successor_params(target, successor, margin, layer_scale, seed, unit_norm=1.0)
+    return dataclasses.replace(target, params=params)
 
 
 def successor_drafter(drafter: Drafter, successor: np.ndarray, *, scale: float = 100.0, seed: int = 0) -> Drafter:
