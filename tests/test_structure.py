@@ -13,7 +13,8 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 # The forward and the decode loop: pure model code. `dflash_jax.target` is the target protocol; the families'
 # model modules load checkpoints too (`from_pretrained`), so the loop sees targets only through the protocol.
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
-           "dflash_jax.target", "dflash_jax.target.moe")
+           "dflash_jax.target", "dflash_jax.target.moe", "dflash_jax.target.delta_rule",
+           "dflash_jax.adaptive", "dflash_jax.sampling")
 IO = ("dflash_jax.safetensors", "dflash_jax.loader", "dflash_jax.placement", "dflash_jax.validate",
       "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert",
       "dflash_jax.fp8.checkpoint")
