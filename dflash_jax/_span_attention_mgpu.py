@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ._shapes import ceil_div, round_up
+
 ROWS = 64  # query rows per CTA: one WGMMA M tile
 BLOCK_K = 64  # key slots per step
 STAGES = 2  # K/V slots in SMEM (1 for a head size of 256: 2 do not fit beside the rest)
@@ -125,10 +127,10 @@ def span_partials(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, st
         raise ValueError(f"span_partials: head size {d_h} (a multiple of 64 up to 256), capacity {capacity} and "
                          f"keys per split {keys_per_split} (multiples of {block_k}) do not fit the kernel")
     stages = stages or (STAGES if d_h <= 128 else 1)
-    bh, padded = batch * n_kv, -(-rows // ROWS) * ROWS
-    n_splits = -(-capacity // keys_per_split)
+    bh, padded = batch * n_kv, round_up(rows, ROWS)
+    n_splits = ceil_div(capacity, keys_per_split)
     q = jnp.pad(q.reshape(bh, rows, d_h), ((0, 0), (0, padded - rows), (0, 0)))  # [BH, Rp, d]
-    bounds = jnp.zeros((2, -(-batch // _BOUNDS) * _BOUNDS), jnp.int32)
+    bounds = jnp.zeros((2, round_up(batch, _BOUNDS)), jnp.int32)
     bounds = bounds.at[:, :batch].set(jnp.stack([start, stop]).astype(jnp.int32))  # [2, Bp]
     operand = lambda shape: plgpu.SMEM(  # noqa: E731  a WGMMA operand: 64-element tiles, 128-byte swizzle
         shape, q.dtype, transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)))

@@ -266,9 +266,9 @@ def attend(
 
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
     query see them). impl: "xla" (blocked loop), "pallas" (the Mosaic GPU kernel for spans, Hopper or newer) or
-    "auto" (the kernel where it applies: a program lowered for a Hopper or newer GPU, 16-bit operands, at most 128
-    query rows per KV head); another is a `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that
-    sees no key gets zeros.
+    "auto" (the kernel where it applies: a program lowered for a Hopper or newer GPU, 16-bit operands, at most
+    `_PALLAS_MAX_ROWS` (256) query rows per KV head); another is a `ValueError`. Returns `[batch, Sq, n_h, d_h]`
+    in q's dtype; a query that sees no key gets zeros.
     """
     check_impl("attend", impl, ATTEND_IMPLS)
     batch, Sq, n_h, d_h = q.shape

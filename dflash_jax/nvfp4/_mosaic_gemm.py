@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._shapes import ceil_div, round_up
 from ._reference import BLOCK
 
 
@@ -80,7 +81,7 @@ def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
     steps = k // tiling.tile_k
     if tiling.split_k:
         return tiling.split_k
-    tiles = n // tiling.tile_n * -(-m // tile_m_for(m))
+    tiles = n // tiling.tile_n * ceil_div(m, tile_m_for(m))
     splits = [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= 2)]
     return next((d for d in splits if tiles * d >= sms), splits[-1])
 
@@ -206,7 +207,7 @@ def _with_acc(step, acc_ref, indices, *refs):
 def split_x(x: jax.Array, tile_m: int) -> jax.Array:
     """x [M, K] -> x^T planes [2, K/2, M padded to tile_m]: [0] the even columns of x, [1] the odd ones."""
     m, k = x.shape
-    m_pad = -(-m // tile_m) * tile_m
+    m_pad = round_up(m, tile_m)
     x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     return x.reshape(m_pad, k // 2, 2).transpose(2, 1, 0)
 

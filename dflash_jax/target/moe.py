@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from .._precision import precision
+from .._shapes import ceil_div
 from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
@@ -223,11 +224,11 @@ def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: j
     less than one tile)."""
     T, k = experts.shape
     E, tile, P = c.num_experts, tuning().moe_tile_rows, T * k
-    n_tiles = -(-(P + min(E, P) * (tile - 1)) // tile)
+    n_tiles = ceil_div(P + min(E, P) * (tile - 1), tile)
     flat = experts.reshape(P)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [P] the pairs grouped by expert
     sizes = jnp.bincount(flat, length=E)  # [E] rows per expert
-    tiles = -(-sizes // tile)  # [E] tiles per expert
+    tiles = ceil_div(sizes, tile)  # [E] tiles per expert
     tile_end = jnp.cumsum(tiles)  # [E] one past each expert's last tile
     by_expert = flat[order]  # [P] the sorted pairs' experts
     rank = jnp.arange(P) - (jnp.cumsum(sizes) - sizes)[by_expert]  # [P] row within its expert's run
