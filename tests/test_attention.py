@@ -108,6 +108,44 @@ def test_a_span_reads_only_its_range(start, stop, garbage):
     np.testing.assert_array_equal(run(np.where(where, garbage, k), np.where(where, garbage, v)), run(k, v))
 
 
+def _kernel_twin(q, k, v, start, stop, *, keys_per_split, **_):
+    """`span_partials`' contract (module docstring of `_span_attention_mgpu`) written out in jnp: the unnormalised
+    partial softmax over `[start, stop)`, `m` -inf and `l` 0 where no key; the split length checked as the kernel
+    requires it (a multiple of its 64-key step dividing the capacity)."""
+    capacity, d_h = k.shape[2], q.shape[-1]
+    assert keys_per_split % 64 == 0 and capacity % keys_per_split == 0, (capacity, keys_per_split)
+    slots = jnp.arange(capacity)
+    ok = ((slots >= start[:, None]) & (slots < stop[:, None]))[:, None, None, :]  # [b, 1, 1, T]
+    s = jnp.where(ok, jnp.einsum("bhrd,bhtd->bhrt", q, k) * d_h**-0.5, -jnp.inf)
+    m = s.max(-1)  # [b, n_kv, rows]
+    p = jnp.where(ok, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)[..., None]), 0.0)
+    return jnp.einsum("bhrt,bhtd->bhrd", p, v), m, p.sum(-1)
+
+
+@pytest.mark.parametrize("n_h,n_kv", [(4, 2), (8, 2), (4, 4)])
+def test_the_kernel_path_splits_and_merges_like_one_softmax(monkeypatch, n_h, n_kv):
+    """`attend(impl="pallas")` on a CPU with the kernel replaced by a jnp twin of its contract: the wrapper's GQA
+    rows (query heads x block tokens per KV head), split length and merge with dense rows give one softmax over
+    every key (ragged spans, one empty, one the whole cache; the Mosaic kernel itself: the interpreter test above
+    and the GPU test below)."""
+    from dflash_jax import _span_attention_mgpu
+
+    monkeypatch.setattr(_span_attention_mgpu, "span_partials", _kernel_twin)
+    rng = np.random.default_rng(n_h + n_kv)
+    batch, T, Sq, rule = 3, 256, 3, LayerRule(True, None)
+    q, k, v = _inputs(rng, batch, Sq, n_h, n_kv, T + Sq)
+    start, stop = np.array([5, 0, 40]), np.array([200, 256, 40])  # the last: empty
+    q_pos = stop[:, None] + np.arange(Sq)
+    new_ok = np.ones((batch, Sq), bool)
+    span = Span(jnp.asarray(k[:, :, :T]), jnp.asarray(v[:, :, :T]), jnp.asarray(start), jnp.asarray(stop))
+    fresh = KeyValues(jnp.asarray(k[:, :, T:]), jnp.asarray(v[:, :, T:]), jnp.asarray(q_pos), jnp.asarray(new_ok))
+    got = attend(jnp.asarray(q), jnp.asarray(q_pos), rule, (fresh,), (span,), impl="pallas")
+    in_span = (np.arange(T) >= start[:, None]) & (np.arange(T) < stop[:, None])
+    mask = np.concatenate([np.broadcast_to(in_span[:, None, :], (batch, Sq, T)),
+                           new_ok[:, None, :] & rule_mask(q_pos, q_pos, rule)], axis=2)
+    np.testing.assert_allclose(np.asarray(got), naive(q, k, v, mask), rtol=2e-5, atol=2e-5)
+
+
 def test_bfloat16_stays_close_to_float32():
     rng = np.random.default_rng(3)
     q, k, v = _inputs(rng, 1, 4, 8, 2, 300)
