@@ -1,16 +1,20 @@
 """Adaptive draft length: per step, how many drafts to verify, from a cost model and the expected acceptance.
 
-A speculative step that verifies `l` drafts commits `E(l)` tokens in expectation and costs `seconds(l)`: the
-drafting step that makes the proposal plus the target on `l + 1` rows (`l = 0`: a plain target step, one token,
-no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one with
-the most expected tokens per second for the batch:
+A speculative step that verifies `l` drafts commits `E_i(l)` tokens of sequence i in expectation and costs
+`seconds(l)`: the drafting step that makes the proposal plus the target on `l + 1` rows (`l = 0`: a plain target
+step, one token, no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one
+that would finish the batch soonest if every later step verified it too:
 
-    rate(l) = sum over running sequences i of E_i(l) / seconds(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
+    finish(l) = seconds(l) * max over running sequences i of R_i / E_i(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
 
-where `p_ik` is the probability that draft k of sequence i is accepted given drafts 1..k-1 were (`p_i0 = 1`: the
-bonus token), counting only tokens within the sequence's budget. The sequences of a batch run in lockstep, one
-verify shape per step, so the choice is one length for the batch: a sequence that would do best with fewer drafts
-gains nothing from verifying fewer than the batch's rows, so maximising the batch's sum is the whole decision.
+where `R_i` is the tokens left in sequence i's budget, `p_ik` the probability that draft k of sequence i is
+accepted given drafts 1..k-1 were (`p_i0 = 1`: the bonus token), and `E_i(l)` counts only tokens within the budget.
+The sequences of a batch run in lockstep, one verify shape per step, and the call returns when the last one is
+done, so the sequence with the most steps still to go sets the time: tokens the others make faster do not bring
+the end nearer. (The batch's summed tokens per second, the objective of an engine that refills finished slots,
+would keep a batch with one never-accepted sequence verifying every step, each step dearer than a plain one, while
+that sequence still needs one step per token.) For one sequence, `finish` is least where `E(l) / seconds(l)` is
+greatest: the most expected tokens per second.
 
 Where `p_ik` comes from (`History`, per sequence, running means that forget old verifies):
 - before drafting (whether to draft at all): only the history is known, so `p_ik = alpha_i`, the sequence's
@@ -266,13 +270,17 @@ def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array
 
 def choose_length(p: jax.Array, lengths: tuple[int, ...], seconds: jax.Array, remaining: jax.Array,
                   live: jax.Array, drafted: bool, plain_margin: float | jax.Array = 0.0) -> jax.Array:
-    """The index into `lengths` with the most expected tokens per second for the batch (`[]` int32).
+    """The index into `lengths` that would finish the batch soonest (`[]` int32; module doc, `finish(l)`).
 
-    p, remaining: as `expected_tokens`; seconds: `[len(lengths)]` `StepCosts.seconds`; live: `[batch]` sequences
-    still running; drafted: a proposal is made, so only nonzero lengths are chosen (module doc); plain_margin: the
-    rate of a plain step (length 0) counts `1 - plain_margin` times (`Adaptive.margin`).
+    p, remaining: as `expected_tokens` (`remaining` >= 1 for live sequences); seconds: `[len(lengths)]`
+    `StepCosts.seconds`; live: `[batch]` sequences still running; drafted: a proposal is made, so only nonzero
+    lengths are chosen (module doc); plain_margin: a plain step (length 0) is taken only if it finishes the batch
+    sooner by that share (`Adaptive.margin`).
     """
-    tokens = jnp.where(live[:, None], expected_tokens(p, lengths, remaining), 0.0).sum(0)  # [len(lengths)]
-    rate = tokens / seconds
+    tokens = expected_tokens(p, lengths, remaining)  # [batch, len(lengths)]
+    remaining = jnp.broadcast_to(remaining, live.shape).astype(jnp.float32)  # [batch]
+    progress = tokens / jnp.maximum(remaining, 1.0)[:, None]  # [batch, len(lengths)]: share of the rest a step makes
+    slowest = jnp.where(live[:, None], progress, jnp.inf).min(0)  # [len(lengths)]: the sequence that sets the end
+    rate = slowest / seconds  # 1 / finish(l)
     rate = jnp.where(jnp.asarray(lengths) > 0, rate, -jnp.inf if drafted else rate * (1 - plain_margin))
     return jnp.argmax(rate).astype(jnp.int32)

@@ -27,8 +27,8 @@ Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: 
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
 How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default at temperature 0,
-`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step to maximise the
-expected tokens per second from measured step costs, the drafter's confidences and each sequence's acceptance
+`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step to finish the
+batch soonest (for one sequence: the most expected tokens per second) from measured step costs, the drafter's confidences and each sequence's acceptance
 history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut. A
 plain step's context row waits in a buffer (`_State.pending`) until the next drafting step or until the buffer is
 full, and then enters the drafter's cache with the other waiting rows in one `append_context` (the projections
@@ -609,7 +609,7 @@ def speculative_generate(
     changes acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time.
     A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
     (ValueError) unless `beyond_max_positions`. `draft_length`: "adaptive" (`Adaptive()`: per step, as many
-    drafts as maximise the expected tokens per second, none included; `dflash_jax.adaptive`), an `Adaptive`
+    drafts as finish the batch soonest, none included; `dflash_jax.adaptive`), an `Adaptive`
     with other settings or given costs, or "fixed" (every step verifies all of the drafter's drafts); None:
     `DRAFT_LENGTH` ("adaptive") at temperature 0, "fixed" above it. Sampled, the tokens a key draws depend on the
     lengths chosen (their distribution does not), and the adaptive lengths on step times measured in the run:

@@ -1,5 +1,6 @@
-"""The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the cost model's best length,
-checked against expected tokens computed by enumerating the acceptance outcomes in NumPy; its history, margin and
+"""The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the length that finishes the
+batch soonest under the cost model, checked against expected tokens computed by enumerating the acceptance outcomes
+in NumPy; its history, margin and
 probing schedule; bad cost tables and settings; and, in the loop, step costs measured once per setup, with the
 fixed length (and a warning) when they cannot be measured, and a drafter that is never right costing few probes.
 Losslessness with the policy on: tests/test_generate*.py."""
@@ -30,7 +31,7 @@ def _expected_by_enumeration(p: np.ndarray, length: int, remaining: int) -> floa
     return total
 
 
-def test_the_chosen_length_maximises_expected_tokens_per_second():
+def test_the_chosen_length_finishes_the_batch_soonest():
     rng = np.random.default_rng(0)
     choose = jax.jit(choose_length, static_argnames=("lengths", "drafted"))  # one program per `drafted`
     batch = 3
@@ -43,7 +44,8 @@ def test_the_chosen_length_maximises_expected_tokens_per_second():
         tokens = np.array([[_expected_by_enumeration(p[i], n, remaining[i]) for n in LENGTHS] for i in range(batch)])
         np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(p), LENGTHS, jnp.asarray(remaining))),
                                    tokens, rtol=1e-5)
-        rate = (tokens * live[:, None]).sum(0) / seconds
+        steps_left = (remaining[:, None] / tokens)[live].max(0)  # the slowest running sequence's, per length
+        rate = 1.0 / (steps_left * seconds)
         margin = rng.choice([0.0, 0.1, 0.3])
         for drafted in (False, True):
             plain = -np.inf if drafted else rate[0] * (1 - margin)
@@ -62,6 +64,20 @@ def test_the_choice_follows_acceptance_and_costs():
                                         (1.0, 1, False, 0), (1.0, 4, True, 1)]:
         got = choose_length(jnp.full((2, 16), p), LENGTHS, seconds, jnp.int32(remaining), live, drafted=drafted)
         assert int(got) == want, (p, remaining, drafted)
+
+
+def test_a_batch_waits_for_its_slowest_sequence():
+    """A batch that runs until its slowest sequence is done: with one sequence whose drafts are never accepted and
+    one whose drafts always are, every step makes one token of the first, so plain steps (the cheapest) finish the
+    batch soonest, though verifies would make far more tokens per second summed over the batch (the objective this
+    replaced: it chose the longest verify here). Once the slow sequence is done, the other one drafts."""
+    seconds = jnp.asarray([1.0, 1.2, 1.4, 1.8])
+    p = jnp.stack([jnp.zeros(16), jnp.ones(16)])
+    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.ones(2, bool), drafted=False)) == 0
+    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.ones(2, bool), drafted=True)) == 1
+    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.asarray([False, True]), drafted=False)) == 3
+    # the fast sequence further from its end than the slow one can make up with K drafts a step: it sets the time
+    assert int(choose_length(p, LENGTHS, seconds, jnp.asarray([2, 100]), jnp.ones(2, bool), drafted=False)) == 3
 
 
 def test_the_history():
