@@ -28,12 +28,12 @@ token drawn from p (greedy: the target's argmax), which is what the rule gives f
 
 How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default at temperature 0,
 `DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step to finish the
-batch soonest (for one sequence: the most expected tokens per second) from measured step costs, the drafter's confidences and each sequence's acceptance
-history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as past a confidence cut. A
-plain step's context row waits in a buffer (`_State.pending`) until the next drafting step or until the buffer is
-full, and then enters the drafter's cache with the other waiting rows in one `append_context` (the projections
-read their weights once for all of them): the drafter sees the same rows at the same positions as if each had
-been appended at once.
+batch soonest (for one sequence: the most expected tokens per second) from measured step costs, the drafter's
+confidences and each sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not
+proposed, as past a confidence cut. A plain step's context row waits in a buffer (`_State.pending`) until the next
+drafting step or until the buffer is full, and then enters the drafter's cache with the other waiting rows in one
+`append_context` (the projections read their weights once for all of them): the drafter sees the same rows at the
+same positions as if each had been appended at once.
 
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
 `decode` compile once per (batch, bucket) and the decode runs as ONE program of `lax.while_loop`s: runs of
