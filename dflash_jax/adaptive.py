@@ -3,18 +3,25 @@
 A speculative step that verifies `l` drafts commits `E_i(l)` tokens of sequence i in expectation and costs
 `seconds(l)`: the drafting step that makes the proposal plus the target on `l + 1` rows (`l = 0`: a plain target
 step, one token, no drafting). The policy picks, from a few static lengths (so that the loop compiles once), the one
-that would finish the batch soonest if every later step verified it too:
+with the most progress per second, each sequence's progress counted as the share of its remaining budget `R_i` the
+step makes and weighted by how likely the sequence is to be the one the batch waits for:
 
-    finish(l) = seconds(l) * max over running sequences i of R_i / E_i(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
+    rate(l) = sum over running i of w_i * E_i(l) / R_i / seconds(l),   E_i(l) = sum_{j=0..l} prod_{k<=j} p_ik
+    w_i = (S_i / max_j S_j) ** Adaptive.focus,   S_i = R_i / E_i(K) at the sequence's long-run acceptance
 
-where `R_i` is the tokens left in sequence i's budget, `p_ik` the probability that draft k of sequence i is
-accepted given drafts 1..k-1 were (`p_i0 = 1`: the bonus token), and `E_i(l)` counts only tokens within the budget.
-The sequences of a batch run in lockstep, one verify shape per step, and the call returns when the last one is
-done, so the sequence with the most steps still to go sets the time: tokens the others make faster do not bring
-the end nearer. (The batch's summed tokens per second, the objective of an engine that refills finished slots,
-would keep a batch with one never-accepted sequence verifying every step, each step dearer than a plain one, while
-that sequence still needs one step per token.) For one sequence, `finish` is least where `E(l) / seconds(l)` is
-greatest: the most expected tokens per second.
+where `p_ik` is the probability that draft k of sequence i is accepted given drafts 1..k-1 were (`p_i0 = 1`: the
+bonus token), `E_i(l)` counts only tokens within the budget, and `S_i` is the steps sequence i still needs at the
+longest length, from its acceptance over the whole call so far (`History.run_rate`). The sequences of a batch run
+in lockstep, one verify shape per step, and the call returns when the last one is done: tokens of a sequence that
+will finish well before the others do not bring the end nearer, so they count for little (focus 8: a sequence
+expected to need 10% fewer steps than the slowest counts 43%, 20% fewer 17%, half 0.4%). Two objectives this
+replaces fail where the other succeeds (benchmarks/adaptive_model.py, docs/benchmarks.md): the batch's summed
+tokens per second (focus 0: what an engine that refills finished slots maximises) kept a batch with never-accepted
+sequences verifying every step, each dearer than a plain one, while those sequences still needed a step per token;
+the time to finish if the current acceptance held (a max over the sequences' current estimates) took plain steps
+for the whole batch whenever one sequence was in a stretch of low acceptance, though its acceptance would recover
+and the others' progress would be needed then. The long-run weights tell the two cases apart. For one sequence the
+weight is 1 and the choice is the most expected tokens per second.
 
 Where `p_ik` comes from (`History`, per sequence, running means that forget old verifies):
 - before drafting (whether to draft at all): only the history is known, so `p_ik = alpha_i`, the sequence's
@@ -143,7 +150,9 @@ class Adaptive:
     prior: the acceptance rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps
     are taken only if they are that much faster than drafting, in proportion to the accepted drafts on record;
     probe_share: the share of the plain steps' time that probes of a drafter that keeps failing may cost, which
-    sets the longest gap between them (module doc, `longest_gap`).
+    sets the longest gap between them (module doc, `longest_gap`); focus: how much the choice serves the sequences
+    the batch will wait for, the exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8
+    by default, large values serve only the slowest).
     """
 
     draft_lengths: tuple[int, ...] | None = None
@@ -152,6 +161,7 @@ class Adaptive:
     prior: float = 0.5
     margin: float = 0.1
     probe_share: float = 0.005
+    focus: float = 8.0
 
     def __post_init__(self):
         if self.draft_lengths is not None:
@@ -165,6 +175,10 @@ class Adaptive:
         _fraction("prior", self.prior, True)
         _fraction("margin", self.margin, False)
         _fraction("probe_share", self.probe_share, True)
+        if isinstance(self.focus, bool) or not isinstance(self.focus, (int, float)) \
+                or not (math.isfinite(self.focus) and 0 <= self.focus <= 64):
+            raise ValueError(f"Adaptive.focus must be a number in [0, 64], got {self.focus!r}")
+        object.__setattr__(self, "focus", float(self.focus))
 
     def lengths(self, num_draft_tokens: int) -> tuple[int, ...]:
         """The draft lengths for a drafter of `num_draft_tokens` drafts per step."""
@@ -183,15 +197,22 @@ class History:
     hits: jax.Array  # accepted drafts
     tries: jax.Array  # draft positions tried: accepted + the first rejected, up to the verified length
     predicted: jax.Array  # the drafter's confidences summed over the tried positions
+    run_hits: jax.Array  # accepted drafts over the whole call, nothing forgotten
+    run_tries: jax.Array  # positions tried over the whole call
 
     @staticmethod
     def empty(batch: int) -> History:
         zeros = jnp.zeros((batch,), jnp.float32)
-        return History(zeros, zeros, zeros)
+        return History(zeros, zeros, zeros, zeros, zeros)
 
     def rate(self, prior: float) -> jax.Array:
-        """`[batch]` acceptance per tried position, with one pseudo-trial at `prior`."""
+        """`[batch]` recent acceptance per tried position, with one pseudo-trial at `prior`."""
         return (self.hits + prior) / (self.tries + 1)
+
+    def run_rate(self, prior: float) -> jax.Array:
+        """`[batch]` acceptance per tried position over the whole call, with one pseudo-trial at `prior`: what sets
+        how long a sequence will take (`weights`), where `rate` follows its recent stretch."""
+        return (self.run_hits + prior) / (self.run_tries + 1)
 
     def scale(self, prior: float) -> jax.Array:
         """`[batch]` accepted / predicted: what the drafter's confidences are multiplied by."""
@@ -204,14 +225,15 @@ class History:
         evidence and adds the step's (one that verified none, after a DSpark cut, keeps its evidence as it is)."""
         tried = jnp.minimum(accepted + 1, verified)  # [batch]
         positions = jnp.arange(confidence.shape[1]) < tried[:, None]  # [batch, K]
-        new = History(accepted.astype(jnp.float32), tried.astype(jnp.float32),
-                      jnp.where(positions, confidence, 0.0).sum(1))
+        hits, tries = accepted.astype(jnp.float32), tried.astype(jnp.float32)
+        predicted = jnp.where(positions, confidence, 0.0).sum(1)
         counts = live & (verified > 0)  # [batch]
 
-        def mix(old, step):
-            return jnp.where(counts, memory * old + step, old)
+        def mix(old, step, keep=memory):
+            return jnp.where(counts, keep * old + step, old)
 
-        return History(mix(self.hits, new.hits), mix(self.tries, new.tries), mix(self.predicted, new.predicted))
+        return History(mix(self.hits, hits), mix(self.tries, tries), mix(self.predicted, predicted),
+                       mix(self.run_hits, hits, 1.0), mix(self.run_tries, tries, 1.0))
 
     def margin(self, margin: float, live: jax.Array) -> jax.Array:
         """`[]` `Adaptive.margin` in proportion to the accepted drafts on record of the `live` `[batch]` sequences,
@@ -268,19 +290,29 @@ def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array
     return jnp.cumsum(reach, axis=1)[:, jnp.asarray(lengths)]
 
 
-def choose_length(p: jax.Array, lengths: tuple[int, ...], seconds: jax.Array, remaining: jax.Array,
-                  live: jax.Array, drafted: bool, plain_margin: float | jax.Array = 0.0) -> jax.Array:
-    """The index into `lengths` that would finish the batch soonest (`[]` int32; module doc, `finish(l)`).
+def weights(run_rate: jax.Array, num_draft_tokens: int, remaining: jax.Array, live: jax.Array,
+            focus: float) -> jax.Array:
+    """`[batch]` how much each sequence's progress counts (module doc, `w_i`): `(S_i / max S) ** focus` over the
+    `live` sequences (0 for the others), `S_i` the steps sequence i still needs at `num_draft_tokens` drafts a step
+    at its `run_rate` `[batch]` (`History.run_rate`), `remaining` `[batch]` tokens left in its budget."""
+    p = jnp.broadcast_to(run_rate[:, None], (run_rate.shape[0], num_draft_tokens))
+    remaining = jnp.maximum(jnp.broadcast_to(remaining, live.shape), 1)  # [batch]
+    steps = remaining.astype(jnp.float32) / expected_tokens(p, (num_draft_tokens,), remaining)[:, 0]  # [batch]
+    slowest = jnp.where(live, steps, 0.0).max()
+    return jnp.where(live, (steps / slowest) ** focus, 0.0)
 
-    p, remaining: as `expected_tokens` (`remaining` >= 1 for live sequences); seconds: `[len(lengths)]`
-    `StepCosts.seconds`; live: `[batch]` sequences still running; drafted: a proposal is made, so only nonzero
-    lengths are chosen (module doc); plain_margin: a plain step (length 0) is taken only if it finishes the batch
-    sooner by that share (`Adaptive.margin`).
+
+def choose_length(p: jax.Array, lengths: tuple[int, ...], seconds: jax.Array, remaining: jax.Array,
+                  weight: jax.Array, drafted: bool, plain_margin: float | jax.Array = 0.0) -> jax.Array:
+    """The index into `lengths` with the most weighted progress per second (`[]` int32; module doc, `rate(l)`).
+
+    p, remaining: as `expected_tokens`; seconds: `[len(lengths)]` `StepCosts.seconds`; weight: `[batch]` each
+    sequence's weight (`weights`; 0 for sequences no longer running); drafted: a proposal is made, so only nonzero
+    lengths are chosen (module doc); plain_margin: the rate of a plain step (length 0) counts `1 - plain_margin`
+    times (`Adaptive.margin`).
     """
-    tokens = expected_tokens(p, lengths, remaining)  # [batch, len(lengths)]
-    remaining = jnp.broadcast_to(remaining, live.shape).astype(jnp.float32)  # [batch]
-    progress = tokens / jnp.maximum(remaining, 1.0)[:, None]  # [batch, len(lengths)]: share of the rest a step makes
-    slowest = jnp.where(live[:, None], progress, jnp.inf).min(0)  # [len(lengths)]: the sequence that sets the end
-    rate = slowest / seconds  # 1 / finish(l)
+    remaining = jnp.maximum(jnp.broadcast_to(remaining, weight.shape), 1)  # [batch]
+    progress = expected_tokens(p, lengths, remaining) / remaining.astype(jnp.float32)[:, None]  # [batch, lengths]
+    rate = (weight[:, None] * progress).sum(0) / seconds  # [len(lengths)]
     rate = jnp.where(jnp.asarray(lengths) > 0, rate, -jnp.inf if drafted else rate * (1 - plain_margin))
     return jnp.argmax(rate).astype(jnp.int32)

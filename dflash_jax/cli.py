@@ -162,10 +162,11 @@ def parser() -> argparse.ArgumentParser:
                    help="DSpark drafters with a confidence head: verify drafts only up to the first whose "
                         "predicted acceptance is below C (default 0: every draft)")
     v.add_argument("--draft-length", choices=("adaptive", "fixed"), default=None,
-                   help="adaptive: per step, verify as many drafts as finish the batch soonest (one prompt: the most "
-                        "expected tokens per second), none included (dflash_jax.Adaptive, step costs measured on the "
-                        "first steps); fixed: every draft, every step; default: adaptive at temperature 0, fixed "
-                        "above it (a seed then reproduces its tokens)")
+                   help="adaptive: per step, verify as many drafts as make the most progress per second for the "
+                        "sequences the batch waits for (one prompt: the most expected tokens per second), none "
+                        "included (dflash_jax.Adaptive, step costs measured on the first steps); fixed: every draft, "
+                        "every step; default: adaptive at temperature 0, fixed above it (a seed then reproduces its "
+                        "tokens)")
     hosts = v.add_argument_group(
         "across processes (jax.distributed: every process runs the same command, process 0 prints the output)")
     hosts.add_argument("--distributed", action="store_true",

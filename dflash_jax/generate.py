@@ -27,13 +27,13 @@ Drafts past a DSpark confidence cut (`Proposal.num_tokens`) are never accepted: 
 token drawn from p (greedy: the target's argmax), which is what the rule gives for a draft that was not made.
 
 How many drafts a step verifies: `draft_length="fixed"`, all K; `"adaptive"` (the default at temperature 0,
-`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step to finish the
-batch soonest (for one sequence: the most expected tokens per second) from measured step costs, the drafter's
-confidences and each sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not
-proposed, as past a confidence cut. A plain step's context row waits in a buffer (`_State.pending`) until the next
-drafting step or until the buffer is full, and then enters the drafter's cache with the other waiting rows in one
-`append_context` (the projections read their weights once for all of them): the drafter sees the same rows at the
-same positions as if each had been appended at once.
+`DRAFT_LENGTH`), one of a few static lengths (0: a plain target step, no drafting) chosen per step for the most
+progress per second of the sequences the batch will wait for (for one sequence: the most expected tokens per second)
+from measured step costs, the drafter's confidences and each sequence's acceptance history (`dflash_jax.adaptive`).
+Drafts past the chosen length are not proposed, as past a confidence cut. A plain step's context row waits in a
+buffer (`_State.pending`) until the next drafting step or until the buffer is full, and then enters the drafter's
+cache with the other waiting rows in one `append_context` (the projections read their weights once for all of them):
+the drafter sees the same rows at the same positions as if each had been appended at once.
 
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
 `decode` compile once per (batch, bucket) and the decode runs as ONE program of `lax.while_loop`s: runs of
@@ -63,7 +63,7 @@ import numpy as np
 
 from ._arguments import check_cache_fits, check_generate
 from ._shapes import round_up
-from .adaptive import Adaptive, History, Probing, StepCosts, choose_length, longest_gap
+from .adaptive import Adaptive, History, Probing, StepCosts, choose_length, longest_gap, weights
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal, append_context, init_cache, propose
 from .errors import IncompatiblePairError
@@ -217,7 +217,8 @@ class _Policy:
             confidence = proposal.predicted_acceptance()[:, :n]  # [batch, n]
             p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
             p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
-        return choose_length(p, self.lengths, seconds, remaining, live, drafted=proposal is not None,
+        weight = weights(history.run_rate(prior), n, remaining, live, self.settings.focus)  # [batch]
+        return choose_length(p, self.lengths, seconds, remaining, weight, drafted=proposal is not None,
                              plain_margin=plain_margin)
 
 
@@ -605,15 +606,15 @@ def speculative_generate(
     the first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
     called after every step with the tokens made so far per sequence (`[batch]` NumPy).
 
-    attention: the drafter's attention rule (`AttentionOptions`; default: the trained rule; a draft window
-    changes acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time.
-    A prompt plus `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused
-    (ValueError) unless `beyond_max_positions`. `draft_length`: "adaptive" (`Adaptive()`: per step, as many
-    drafts as finish the batch soonest, none included; `dflash_jax.adaptive`), an `Adaptive`
+    attention: the drafter's attention rule (`AttentionOptions`; default: the trained rule; a draft window changes
+    acceptance, never the greedy output). Long prompts are prefilled `prefill_chunk` tokens at a time. A prompt plus
+    `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused (ValueError) unless
+    `beyond_max_positions`. `draft_length`: "adaptive" (`Adaptive()`: per step, as many drafts as make the most
+    progress per second for the sequences the batch waits for, none included; `dflash_jax.adaptive`), an `Adaptive`
     with other settings or given costs, or "fixed" (every step verifies all of the drafter's drafts); None:
     `DRAFT_LENGTH` ("adaptive") at temperature 0, "fixed" above it. Sampled, the tokens a key draws depend on the
-    lengths chosen (their distribution does not), and the adaptive lengths on step times measured in the run:
-    by default a key reproduces its tokens; pass "adaptive" to adapt anyway.
+    lengths chosen (their distribution does not), and the adaptive lengths on step times measured in the run: by
+    default a key reproduces its tokens; pass "adaptive" to adapt anyway.
     `GenerationResult.plain_tokens` counts the tokens of steps that verified no drafts.
     """
     if not isinstance(drafter, Drafter) and isinstance(getattr(drafter, "drafter", None), Drafter):

@@ -1,6 +1,6 @@
-"""The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the length that finishes the
-batch soonest under the cost model, checked against expected tokens computed by enumerating the acceptance outcomes
-in NumPy; its history, margin and
+"""The adaptive draft-length policy on its own (`dflash_jax.adaptive`): its choice is the length with the most
+weighted progress per second under the cost model, checked against a NumPy reference that enumerates the acceptance
+outcomes; its weights serve the sequences the batch waits for; its history, margin and
 probing schedule; bad cost tables and settings; and, in the loop, step costs measured once per setup, with the
 fixed length (and a warning) when they cannot be measured, and a drafter that is never right costing few probes.
 Losslessness with the policy on: tests/test_generate*.py."""
@@ -16,7 +16,7 @@ import pytest
 
 from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
-from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap
+from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap, weights
 from dflash_jax.testing import random_drafter, random_qwen3
 
 LENGTHS = (0, 3, 7, 16)
@@ -31,27 +31,37 @@ def _expected_by_enumeration(p: np.ndarray, length: int, remaining: int) -> floa
     return total
 
 
-def test_the_chosen_length_finishes_the_batch_soonest():
+def _weights_by_enumeration(run_rate: np.ndarray, remaining: np.ndarray, live: np.ndarray, focus: float) -> np.ndarray:
+    """(S_i / max S) ** focus over the live sequences, S_i = remaining_i / the tokens a K-draft step makes."""
+    steps = np.array([r / _expected_by_enumeration(np.full(16, a), 16, r) for a, r in zip(run_rate, remaining)])
+    return np.where(live, (steps / steps[live].max()) ** focus, 0.0)
+
+
+def test_the_chosen_length_has_the_most_weighted_progress_per_second():
     rng = np.random.default_rng(0)
     choose = jax.jit(choose_length, static_argnames=("lengths", "drafted"))  # one program per `drafted`
     batch = 3
     for trial in range(30):
         p = rng.uniform(0, 1, (batch, 16)) ** rng.uniform(0.1, 3)  # from rarely to nearly always accepted
+        run_rate = rng.uniform(0, 1, batch)
         seconds = np.sort(rng.uniform(1, 3, len(LENGTHS))) * rng.uniform(0.5, 2)  # longer verifies cost more
         remaining = rng.integers(1, 20, batch)
         live = rng.uniform(size=batch) < 0.8
         live[0] = True
+        focus = rng.choice([0.0, 1.0, 8.0])
         tokens = np.array([[_expected_by_enumeration(p[i], n, remaining[i]) for n in LENGTHS] for i in range(batch)])
         np.testing.assert_allclose(np.asarray(expected_tokens(jnp.asarray(p), LENGTHS, jnp.asarray(remaining))),
                                    tokens, rtol=1e-5)
-        steps_left = (remaining[:, None] / tokens)[live].max(0)  # the slowest running sequence's, per length
-        rate = 1.0 / (steps_left * seconds)
+        w = _weights_by_enumeration(run_rate, remaining, live, focus)
+        got_w = weights(jnp.asarray(run_rate, jnp.float32), 16, jnp.asarray(remaining), jnp.asarray(live), focus)
+        np.testing.assert_allclose(np.asarray(got_w), w, rtol=1e-4, atol=1e-7)
+        rate = (w[:, None] * tokens / remaining[:, None]).sum(0) / seconds
         margin = rng.choice([0.0, 0.1, 0.3])
         for drafted in (False, True):
             plain = -np.inf if drafted else rate[0] * (1 - margin)
             want = np.argmax(np.concatenate([[plain], rate[1:]]))
             got = choose(jnp.asarray(p, jnp.float32), LENGTHS, jnp.asarray(seconds, jnp.float32),
-                         jnp.asarray(remaining), jnp.asarray(live), drafted=drafted, plain_margin=margin)
+                         jnp.asarray(remaining), got_w, drafted=drafted, plain_margin=margin)
             assert int(got) == want, (trial, drafted, rate)
 
 
@@ -59,30 +69,50 @@ def test_the_choice_follows_acceptance_and_costs():
     """The extremes, by hand: drafts always accepted and a flat cost -> the longest; never accepted -> a plain
     step, or after drafting the cheapest verify; a sequence with one token left gains nothing from drafts."""
     seconds = jnp.asarray([1.0, 1.2, 1.4, 1.8])
-    live = jnp.ones(2, bool)
+    weight = jnp.ones(2)
     for p, remaining, drafted, want in [(1.0, 100, False, 3), (0.0, 100, False, 0), (0.0, 100, True, 1),
                                         (1.0, 1, False, 0), (1.0, 4, True, 1)]:
-        got = choose_length(jnp.full((2, 16), p), LENGTHS, seconds, jnp.int32(remaining), live, drafted=drafted)
+        got = choose_length(jnp.full((2, 16), p), LENGTHS, seconds, jnp.int32(remaining), weight, drafted=drafted)
         assert int(got) == want, (p, remaining, drafted)
 
 
 def test_a_batch_waits_for_its_slowest_sequence():
-    """A batch that runs until its slowest sequence is done: with one sequence whose drafts are never accepted and
-    one whose drafts always are, every step makes one token of the first, so plain steps (the cheapest) finish the
-    batch soonest, though verifies would make far more tokens per second summed over the batch (the objective this
-    replaced: it chose the longest verify here). Once the slow sequence is done, the other one drafts."""
+    """With one sequence whose drafts are never accepted and one whose drafts always are (over the whole call so
+    far), every step makes one token of the first, which sets when the batch ends: plain steps (the cheapest) are
+    chosen, though verifies make far more tokens per second summed over the batch (focus 0, the objective this
+    replaced, chooses the longest verify here). Once the slow sequence is done, or where the fast one is far further
+    from its end, the fast one's tokens count and it drafts."""
     seconds = jnp.asarray([1.0, 1.2, 1.4, 1.8])
-    p = jnp.stack([jnp.zeros(16), jnp.ones(16)])
-    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.ones(2, bool), drafted=False)) == 0
-    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.ones(2, bool), drafted=True)) == 1
-    assert int(choose_length(p, LENGTHS, seconds, jnp.int32(100), jnp.asarray([False, True]), drafted=False)) == 3
-    # the fast sequence further from its end than the slow one can make up with K drafts a step: it sets the time
-    assert int(choose_length(p, LENGTHS, seconds, jnp.asarray([2, 100]), jnp.ones(2, bool), drafted=False)) == 3
+    p, run_rate = jnp.stack([jnp.zeros(16), jnp.ones(16)]), jnp.asarray([0.0, 1.0])
+
+    def choice(remaining, live=(True, True), focus=8.0, drafted=False):
+        remaining, live = jnp.asarray(remaining), jnp.asarray(live)
+        return int(choose_length(p, LENGTHS, seconds, remaining, weights(run_rate, 16, remaining, live, focus),
+                                 drafted=drafted))
+
+    assert choice([100, 100]) == 0
+    assert choice([100, 100], drafted=True) == 1  # drafted anyway: the cheapest verify
+    assert choice([100, 100], focus=0.0) == 3
+    assert choice([100, 100], live=(False, True)) == 3
+    assert choice([2, 100]) == 3
+
+
+def test_sequences_in_a_stretch_of_low_acceptance_do_not_hold_the_batch_back():
+    """Equal acceptance over the call so far (equal weights), one sequence in a stretch of low acceptance and one in
+    a stretch of high: the choice is the summed progress's (the longest verify here), not the plain steps that would
+    suit the first alone; its acceptance will recover, and the batch will need the second's tokens then."""
+    seconds = jnp.asarray([1.0, 1.4, 1.5, 1.8])
+    p = jnp.stack([jnp.full(16, 0.1), jnp.full(16, 0.95)])
+    remaining, live = jnp.asarray([100, 100]), jnp.ones(2, bool)
+    w = weights(jnp.asarray([0.6, 0.6]), 16, remaining, live, 8.0)
+    np.testing.assert_allclose(np.asarray(w), [1.0, 1.0])
+    assert int(choose_length(p, LENGTHS, seconds, remaining, w, drafted=False)) == 3
+    assert int(choose_length(p[:1], LENGTHS, seconds, remaining[:1], w[:1], drafted=False)) == 0
 
 
 def test_the_history():
-    """hits / tries / predicted after verifies, against the sums by hand; a sequence that verified nothing (a DSpark
-    cut) or has finished keeps its evidence as it was."""
+    """hits / tries / predicted and the call's totals after verifies, against the sums by hand; a sequence that
+    verified nothing (a DSpark cut) or has finished keeps its evidence as it was."""
     h = History.empty(2)
     confidence = jnp.asarray([[0.9, 0.8, 0.7, 0.6], [0.5, 0.5, 0.5, 0.5]])
     live = jnp.asarray([True, True])
@@ -97,6 +127,9 @@ def test_the_history():
     np.testing.assert_allclose(np.asarray(h.tries), [2.5, 3])
     np.testing.assert_allclose(np.asarray(h.rate(0.5)), [2 / 3.5, 3 / 4], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(h.scale(0.5)), [2 / (1.2 + 0.9 + 0.5), 3 / (0.5 + 1 + 0.5)], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(h.run_hits), [3, 3])  # over the call: nothing forgotten
+    np.testing.assert_allclose(np.asarray(h.run_tries), [4, 4])
+    np.testing.assert_allclose(np.asarray(h.run_rate(0.5)), [3.5 / 5, 3.5 / 5], rtol=1e-6)
 
 
 def test_the_margin_counts_the_accepted_drafts_on_record():
@@ -104,7 +137,7 @@ def test_the_margin_counts_the_accepted_drafts_on_record():
     drafter that has not been right (a finished sequence's record does not count)."""
     live = jnp.asarray([True, True, False])
     for hits, want in [([0, 0, 5], 0.0), ([0.3, 0.2, 5], 0.05), ([3, 0, 0], 0.1), ([0.6, 0.6, 0], 0.1)]:
-        h = History(jnp.asarray(hits, jnp.float32), jnp.full(3, 10.0), jnp.full(3, 10.0))
+        h = History(jnp.asarray(hits, jnp.float32), *[jnp.full(3, 10.0)] * 4)
         assert float(h.margin(0.1, live)) == pytest.approx(want), hits
 
 
@@ -142,7 +175,7 @@ def test_a_probe_that_finds_the_drafter_right_turns_to_drafting(seconds):
 
     def plan(h):
         p = jnp.broadcast_to(h.rate(0.5)[:, None], (1, 16))
-        return int(choose_length(p, LENGTHS, jnp.asarray(seconds), jnp.int32(100), live, drafted=False,
+        return int(choose_length(p, LENGTHS, jnp.asarray(seconds), jnp.int32(100), jnp.ones(1), drafted=False,
                                  plain_margin=h.margin(0.1, live)))
 
     assert plan(h.update(jnp.asarray([3]), jnp.asarray([0]), k, live, 0.9)) == 0
@@ -171,6 +204,8 @@ def test_bad_cost_tables_are_refused(fields, says):
     (dict(probe_share=0.0), ValueError, r"Adaptive.probe_share must be a number in \(0, 1\)"),
     (dict(prior=0.0), ValueError, "Adaptive.prior"),
     (dict(margin=-0.1), ValueError, r"Adaptive.margin must be a number in \[0, 1\)"),
+    (dict(focus=-1.0), ValueError, r"Adaptive.focus must be a number in \[0, 64\]"),
+    (dict(focus=float("inf")), ValueError, "Adaptive.focus"),
     (dict(draft_lengths="037"), ValueError, "Adaptive.draft_lengths must be a non-empty sequence"),
     (dict(costs=(1.0, 2.0)), TypeError, "Adaptive.costs must be a dflash_jax.StepCosts"),
     (dict(draft_lengths=(0, 7), costs=StepCosts((0, 3), (1.0, 1.5), 1, "cpu")), ValueError,

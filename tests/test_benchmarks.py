@@ -172,6 +172,18 @@ def test_adaptive_small(adaptive_json):
     assert rows["acceptance 0"]["acceptance"] == 0 and rows["acceptance 1"]["acceptance"] == 1
 
 
+def test_adaptive_model_small(monkeypatch, tmp_path):
+    """The policy under a cost model: the decisions run, and on a batch whose sequences are accepted at 0 to 1 the
+    default focus serves the never-accepted ones (close to greedy's time) where the batch's summed tokens per second
+    (focus 0) keeps verifying for the others (fails if the weights stop counting)."""
+    out = tmp_path / "out.json"
+    run_script(monkeypatch, "adaptive_model", "--small", "--batch", "8", "--focus", "0", "8",
+               "--workloads", "mixed batch", "acceptance 1", "--json", str(out))
+    rows = {r["workload"]: r["x_greedy"] for r in json.loads(out.read_text())["rows"]}
+    assert rows["mixed batch"]["focus 8"] > max(rows["mixed batch"]["focus 0"], rows["mixed batch"]["fixed"]) + 0.1
+    assert rows["acceptance 1"]["focus 8"] == pytest.approx(rows["acceptance 1"]["fixed"], rel=0.05)
+
+
 def _plot_module():
     spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "benchmarks", "plot.py"))
     module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,157 @@
+"""The adaptive policy's choices under a step-cost model: decode time over greedy's, per workload and policy.
+
+No model runs: each step's outcome is drawn from the workload (does the token at each output position agree with
+the drafter's map, as in adaptive.py's dialled drafters) and its time taken from a cost table, while the decisions
+are the package's own (`dflash_jax.adaptive`: `weights`, `choose_length`, `History`, `Probing`, `longest_gap`),
+taken in the order `generate._Loop` takes them: the first step verifies every draft; after each verify the history
+decides whether the next step drafts; a drafting step's verify length comes from the drafts' confidences (here 1:
+an uninformative drafter, so its calibration is the history) times the calibration; plain steps run until a probe
+is due. What this leaves out: the step costs are fixed (not measured by a calibration), the context rows' buffer is
+flushed for free, and a sequence's budget is its only stop.
+
+Workloads (as adaptive.py's, one agreement draw per output position): `acceptance f`, `mixed` (0.9 and 0.3 in
+stretches of `--switch-every` tokens), `mixed batch` (sequence i at 0, 0.3, 0.6, 0.9, 1, 0.3, 0.9, 0). Policies:
+`fixed` (every draft, every step), and `Adaptive(focus=f)` for each `--focus` (0: the batch's summed tokens per
+second; 8: the default). Figures: greedy's time over the policy's (x greedy, the mean of `--seeds` draws).
+
+    python benchmarks/adaptive_model.py --batch 8 --seconds 5.9 8.5 9.3 11.5
+    python benchmarks/adaptive_model.py --small      # a short check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.adaptive import Adaptive, History, Probing, choose_length, longest_gap, weights
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/
+from timing import write_rows  # noqa: E402
+
+LENGTHS = (0, 3, 7, 16)  # Adaptive's default lengths for a 16-draft drafter
+BATCH_RATES = (0.0, 0.3, 0.6, 0.9, 1.0, 0.3, 0.9, 0.0)  # adaptive.py's mixed batch
+
+
+def workloads(batch: int, span: int, switch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """`[batch, span]` bool by workload: whether the token at each output position agrees with the drafter's map
+    (the draft after it is then accepted)."""
+    draws = lambda rate: rng.uniform(size=(batch, span)) < rate  # noqa: E731
+    out = {f"acceptance {f:g}": draws(f) for f in (0.0, 0.3, 0.6, 0.9, 1.0)}
+    out["mixed"] = draws(np.where((np.arange(span) // switch) % 2 == 0, 0.9, 0.3)[None])
+    if batch > 1:
+        out["mixed batch"] = draws(np.asarray([BATCH_RATES[i % len(BATCH_RATES)] for i in range(batch)])[:, None])
+    return out
+
+
+@jax.jit
+def _plan(history: History, seconds, remaining, live, margin, focus, prior):
+    """Whether the next step drafts (`_Loop.draft_step`'s plan after a verify): the index of the length the history
+    alone chooses."""
+    n = LENGTHS[-1]
+    p = jnp.broadcast_to(history.rate(prior)[:, None], (live.shape[0], n))
+    w = weights(history.run_rate(prior), n, remaining, live, focus)
+    return choose_length(p, LENGTHS, seconds, remaining, w, drafted=False,
+                         plain_margin=history.margin(margin, live))
+
+
+@jax.jit
+def _verify_index(history: History, seconds, remaining, live, focus, prior):
+    """A drafting step's verify length (`_Policy.choose` with a proposal): confidences of 1 times the calibration."""
+    n = LENGTHS[-1]
+    p = jnp.clip(jnp.broadcast_to(history.scale(prior)[:, None], (live.shape[0], n)), 0.0, 1.0)
+    w = weights(history.run_rate(prior), n, remaining, live, focus)
+    return choose_length(p, LENGTHS, seconds, remaining, w, drafted=True)
+
+
+
+def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: Adaptive | None) -> float:
+    """Model seconds of a decode of `budget` tokens a sequence (the first from the prefill) under `policy` (None:
+    the fixed length), `seconds` the step costs of LENGTHS."""
+    batch = agree.shape[0]
+    K = LENGTHS[-1]
+    n_out = np.ones(batch, np.int64)
+    history, probing = History.empty(batch), Probing.start()
+    secs = jnp.asarray(seconds, jnp.float32)
+    longest = longest_gap(secs, policy.probe_share) if policy else None
+    draft, step, total = True, 0, 0.0
+    while (n_out < budget).any():
+        live = n_out < budget
+        remaining = jnp.asarray(budget - n_out, jnp.int32)
+        if not draft:  # a plain step: one token each
+            n_out = np.where(live, n_out + 1, n_out)
+            total += seconds[0]
+            probing = probing.after_plain()
+            draft = bool(probing.due())
+            step += 1
+            continue
+        if policy is None or step == 0:
+            index = len(LENGTHS) - 1
+        else:
+            index = int(_verify_index(history, secs, remaining, jnp.asarray(live), policy.focus, policy.prior))
+        n = LENGTHS[index]
+        accepted = np.zeros(batch, np.int64)
+        for b in range(batch):  # drafts accepted while the tokens before them agree
+            while accepted[b] < n and agree[b, n_out[b] + accepted[b]]:
+                accepted[b] += 1
+        total += seconds[index]
+        step += 1
+        if policy is not None:
+            history = history.update(jnp.full((batch,), n), jnp.asarray(accepted), jnp.ones((batch, K)),
+                                     jnp.asarray(live), policy.memory)
+        n_out = np.where(live, np.minimum(n_out + accepted + 1, budget), n_out)
+        running = n_out < budget
+        if policy is None or not running.any():
+            continue
+        plan = _plan(history, secs, jnp.asarray(budget - n_out, jnp.int32), jnp.asarray(running), policy.margin,
+                     policy.focus, policy.prior)
+        draft = LENGTHS[int(plan)] > 0
+        probing = probing.after_verify(jnp.asarray(not draft), longest)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--seconds", type=float, nargs=4, default=[5.9, 8.5, 9.3, 11.5],
+                        help="ms of a step verifying 0, 3, 7, 16 drafts")
+    parser.add_argument("--max-new", type=int, default=384)
+    parser.add_argument("--switch-every", type=int, default=128)
+    parser.add_argument("--focus", type=float, nargs="+", default=[0.0, 2.0, 8.0, 64.0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--workloads", nargs="+", default=None)
+    parser.add_argument("--small", action="store_true", help="a short check: 64 tokens, one seed")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.small:
+        args.max_new, args.seeds, args.switch_every = 64, 1, 16
+    start = time.perf_counter()
+    seconds = np.asarray(args.seconds)
+    policies = {"fixed": None, **{f"focus {f:g}": Adaptive(focus=f) for f in args.focus}}
+    print(f"step ms {args.seconds} (0, 3, 7, 16 drafts), {args.max_new} new tokens, {args.seeds} seeds")
+    print("| batch | workload | " + " | ".join(policies) + " |")
+    print("|---:|---|" + "---:|" * len(policies), flush=True)
+    rows = []
+    for batch in args.batch:
+        span = args.max_new + LENGTHS[-1] + 2
+        names = list(workloads(batch, span, args.switch_every, np.random.default_rng(0)))
+        for name in names if args.workloads is None else [n for n in names if n in args.workloads]:
+            times = {p: [] for p in policies}
+            for seed in range(args.seeds):
+                agree = workloads(batch, span, args.switch_every, np.random.default_rng(seed))[name]
+                for label, policy in policies.items():
+                    times[label].append(decode_seconds(agree, args.max_new, seconds, policy))
+            greedy = (args.max_new - 1) * seconds[0]
+            x = {label: greedy / float(np.mean(t)) for label, t in times.items()}
+            rows.append(dict(batch=batch, workload=name, step_ms=args.seconds, x_greedy=x))
+            print(f"| {batch} | {name} | " + " | ".join(f"{v:.3f}" for v in x.values()) + " |", flush=True)
+    print(f"total {time.perf_counter() - start:.1f} s")
+    write_rows(args.json, args, rows)
+
+
+if __name__ == "__main__":
+    main()
