@@ -1,13 +1,13 @@
 """The adaptive policy's choices under a step-cost model: decode time over greedy's, per workload and policy.
 
-No model runs: each step's outcome is drawn from the workload (does the token at each output position agree with
-the drafter's map, as in adaptive.py's dialled drafters) and its time taken from a cost table, while the decisions
-are the package's own (`dflash_jax.adaptive`: `weights`, `choose_length`, `History`, `Probing`, `longest_gap`),
-taken in the order `generate._Loop` takes them: the first step verifies every draft; after each verify the history
-decides whether the next step drafts; a drafting step's verify length comes from the drafts' confidences (here 1:
-an uninformative drafter, so its calibration is the history) times the calibration; plain steps run until a probe
-is due. What this leaves out: the step costs are fixed (not measured by a calibration), the context rows' buffer is
-flushed for free, and a sequence's budget is its only stop.
+No model runs: each step's outcome is drawn from the workload (does the token at each output position agree with the
+drafter's map, as in adaptive.py's dialled drafters) and its time taken from a cost table, while the decisions are
+the package's own (`generate._Policy.choose`, over `dflash_jax.adaptive`'s `weights` and `choose_length`; `History`,
+`Probing`, `longest_gap`), taken in the order `generate._Loop` takes them: the first step verifies every draft;
+after each verify the history decides whether the next step drafts; a drafting step's verify length comes from the
+drafts' confidences (here 1: an uninformative drafter, so its calibration is the history) times the calibration;
+plain steps run until a probe is due. What this leaves out: the step costs are fixed (not measured by a
+calibration), the context rows' buffer is flushed for free, and a sequence's budget is its only stop.
 
 Workloads (as adaptive.py's, one agreement draw per output position): `acceptance f`, `mixed` (0.9 and 0.3 in
 stretches of `--switch-every` tokens), `mixed batch` (sequence i at 0, 0.3, 0.6, 0.9, 1, 0.3, 0.9, 0). Policies:
@@ -21,6 +21,7 @@ second; 8: the default). Figures: greedy's time over the policy's (x greedy, the
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -28,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.adaptive import Adaptive, History, Probing, choose_length, longest_gap, weights
+from dflash_jax.adaptive import Adaptive, History, Probing, longest_gap
+from dflash_jax.generate import _Policy, _resolve_policy
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/
 from timing import write_rows  # noqa: E402
@@ -48,25 +50,24 @@ def workloads(batch: int, span: int, switch: int, rng: np.random.Generator) -> d
     return out
 
 
-@jax.jit
-def _plan(history: History, seconds, remaining, live, margin, focus, prior):
-    """Whether the next step drafts (`_Loop.draft_step`'s plan after a verify): the index of the length the history
-    alone chooses."""
-    n = LENGTHS[-1]
-    p = jnp.broadcast_to(history.rate(prior)[:, None], (live.shape[0], n))
-    w = weights(history.run_rate(prior), n, remaining, live, focus)
-    return choose_length(p, LENGTHS, seconds, remaining, w, drafted=False,
-                         plain_margin=history.margin(margin, live))
+class _UninformativeProposal:
+    """What `_Policy.choose` reads of a proposal: every draft proposed, each with confidence 1."""
+
+    def __init__(self, batch: int):
+        self.num_tokens = jnp.full((batch,), LENGTHS[-1], jnp.int32)
+
+    def predicted_acceptance(self) -> jax.Array:
+        return jnp.ones((self.num_tokens.shape[0], LENGTHS[-1]), jnp.float32)
 
 
-@jax.jit
-def _verify_index(history: History, seconds, remaining, live, focus, prior):
-    """A drafting step's verify length (`_Policy.choose` with a proposal): confidences of 1 times the calibration."""
-    n = LENGTHS[-1]
-    p = jnp.clip(jnp.broadcast_to(history.scale(prior)[:, None], (live.shape[0], n)), 0.0, 1.0)
-    w = weights(history.run_rate(prior), n, remaining, live, focus)
-    return choose_length(p, LENGTHS, seconds, remaining, w, drafted=True)
-
+@functools.partial(jax.jit, static_argnames=("policy", "drafted"))
+def _choose(policy: _Policy, history: History, seconds, remaining, live, drafted: bool):
+    """The loop's choice (`_Policy.choose`): after a verify, whether the next step drafts (the history alone, with
+    the margin); in a drafting step, its verify length (the proposal's confidences times the calibration)."""
+    if drafted:
+        return policy.choose(_UninformativeProposal(live.shape[0]), history, seconds, remaining, live, False)
+    return policy.choose(None, history, seconds, remaining, live, False,
+                         plain_margin=history.margin(policy.settings.margin, live))
 
 
 def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: Adaptive | None) -> float:
@@ -78,6 +79,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
     history, probing = History.empty(batch), Probing.start()
     secs = jnp.asarray(seconds, jnp.float32)
     longest = longest_gap(secs, policy.probe_share) if policy else None
+    loop_policy = _resolve_policy(policy, LENGTHS[-1])[0] if policy else None  # what the compiled loop knows
     draft, step, total = True, 0, 0.0
     while (n_out < budget).any():
         live = n_out < budget
@@ -92,7 +94,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
         if policy is None or step == 0:
             index = len(LENGTHS) - 1
         else:
-            index = int(_verify_index(history, secs, remaining, jnp.asarray(live), policy.focus, policy.prior))
+            index = int(_choose(loop_policy, history, secs, remaining, jnp.asarray(live), drafted=True))
         n = LENGTHS[index]
         accepted = np.zeros(batch, np.int64)
         for b in range(batch):  # drafts accepted while the tokens before them agree
@@ -107,8 +109,8 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
         running = n_out < budget
         if policy is None or not running.any():
             continue
-        plan = _plan(history, secs, jnp.asarray(budget - n_out, jnp.int32), jnp.asarray(running), policy.margin,
-                     policy.focus, policy.prior)
+        plan = _choose(loop_policy, history, secs, jnp.asarray(budget - n_out, jnp.int32), jnp.asarray(running),
+                       drafted=False)
         draft = LENGTHS[int(plan)] > 0
         probing = probing.after_verify(jnp.asarray(not draft), longest)
     return total
