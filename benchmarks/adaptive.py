@@ -17,6 +17,7 @@ measured acceptance per draft position (accepted drafts / positions tried), both
 the adaptive run's plain tokens, and whether both outputs equal greedy's.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -W ignore benchmarks/adaptive.py --budget-s 330 --json adaptive.json
+    python3 benchmarks/adaptive.py --prompts 2048 --batch 1 --lengths 16    # the policy's bookkeeping, no switch
     python benchmarks/adaptive.py --small      # tiny shapes, for a CPU check of the script
 """
 
@@ -29,6 +30,7 @@ import time
 import jax
 import numpy as np
 
+from dflash_jax import Adaptive
 from dflash_jax.config import parse_config
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
@@ -93,6 +95,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=384)
     parser.add_argument("--switch-every", type=int, default=128, help="the mixed workload's phase, in tokens")
     parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                        help="the adaptive policy's draft lengths (default: Adaptive's, 0 3 7 K); e.g. K alone runs "
+                             "its bookkeeping without plain steps or a choice of verify length")
     add_run_arguments(parser)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -109,6 +114,7 @@ def main() -> None:
                "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
+    adaptive = "adaptive" if args.lengths is None else Adaptive(draft_lengths=tuple(args.lengths))
     span = args.max_new + 2 * K + 2
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
           f"in {time.perf_counter() - start:.1f} s", flush=True)
@@ -145,10 +151,10 @@ def main() -> None:
                     continue
                 drafter = successor_drafter(base, maps[name])
                 results = {}
-                for mode in ("fixed", "adaptive"):
+                for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive)):
                     if name == names[0]:
-                        run(drafter, mode)  # compiles; the adaptive one also measures the step costs
-                    results[mode] = run(drafter, mode)
+                        run(drafter, draft_length)  # compiles; the adaptive one also measures the step costs
+                    results[mode] = run(drafter, draft_length)
                 fixed, adaptive = results["fixed"], results["adaptive"]
                 same = fixed.tokens == greedy.tokens and adaptive.tokens == greedy.tokens
                 g, f, a = (r.decode_tokens_per_second for r in (greedy, fixed, adaptive))
