@@ -114,7 +114,7 @@ def main() -> None:
                "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
-    adaptive = "adaptive" if args.lengths is None else Adaptive(draft_lengths=tuple(args.lengths))
+    adaptive_length = "adaptive" if args.lengths is None else Adaptive(draft_lengths=tuple(args.lengths))
     span = args.max_new + 2 * K + 2
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
           f"in {time.perf_counter() - start:.1f} s", flush=True)
@@ -151,7 +151,7 @@ def main() -> None:
                     continue
                 drafter = successor_drafter(base, maps[name])
                 results = {}
-                for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive)):
+                for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive_length)):
                     if name == names[0]:
                         run(drafter, draft_length)  # compiles; the adaptive one also measures the step costs
                     results[mode] = run(drafter, draft_length)
