@@ -17,7 +17,7 @@ import pytest
 from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
 from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap, weights
-from dflash_jax.testing import random_drafter, random_qwen3
+from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
 
 LENGTHS = (0, 3, 7, 16)
 
@@ -293,3 +293,37 @@ def test_a_drafter_never_right_leaves_drafting_even_where_probes_are_cheap(model
     assert result.tokens == greedy_generate(target, prompts, max_new_tokens=64).tokens
     assert result.acceptance_lengths == [[1] * 11, [1] * 11]
     assert result.plain_tokens == [52, 52]
+
+
+def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
+    """The weights inside the decode loop (greedy, costs given): a successor target, and a DSpark drafter walking a
+    map that agrees with it along sequence 1's continuation and nowhere along sequence 0's. Sequence 0 will need a
+    step per token whatever is verified, so once the first verify has shown it, the default focus takes plain steps
+    for both (the cheapest), verifying only to probe; the summed tokens per second (focus 0) keeps verifying for
+    sequence 1 until it is done, and the batch takes as many steps, more of them verifies. Both outputs are the
+    target's greedy tokens."""
+    V, span = 128, 48
+    order = np.random.default_rng(0).permutation(V)
+    successor = np.empty(V, np.int64)
+    successor[order] = np.roll(order, -1)  # one cycle through the vocabulary
+    drafted = successor.copy()
+    wrong = order[:span]  # sequence 0 walks order[0 ..], sequence 1 order[64 ..]
+    drafted[wrong] = successor[np.roll(wrong, -1)]
+    target = successor_target(random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32), successor)
+    base = random_drafter("tiny-dspark", dtype=jnp.float32).attach(embed=target.embed, lm_head=target.lm_head)
+    drafter = successor_drafter(base, drafted)
+    prompts = [[5, 9, int(order[0])], [7, 3, int(order[64])]]
+    K = drafter.config.num_draft_tokens
+    lengths = Adaptive().lengths(K)
+    costs = StepCosts(lengths, (1.0, 1.6, 1.8)[:len(lengths)], 2, "cpu")
+    expected = greedy_generate(target, prompts, max_new_tokens=32).tokens
+    runs = {focus: speculative_generate(target, drafter, prompts, max_new_tokens=32,
+                                        draft_length=Adaptive(costs=costs, focus=focus)) for focus in (8.0, 0.0)}
+    assert all(r.tokens == expected for r in runs.values())
+    assert all(set(r.acceptance_lengths[0]) == {1} for r in runs.values())  # sequence 0's drafts never accepted
+    weighted, summed = runs[8.0], runs[0.0]
+    assert summed.plain_tokens[1] == 0 and set(summed.acceptance_lengths[1]) == {K + 1}  # never waits for 0
+    assert weighted.plain_tokens[1] > 0  # held to plain steps with sequence 0
+    # sequence 0 sets the batch's end: one step per token either way, fewer of them (dearer) verifies
+    steps = [len(r.acceptance_lengths[0]) + r.plain_tokens[0] for r in (weighted, summed)]
+    assert steps == [31, 31] and len(weighted.acceptance_lengths[0]) < len(summed.acceptance_lengths[0])
