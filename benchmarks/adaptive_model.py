@@ -32,18 +32,18 @@ import numpy as np
 from dflash_jax.adaptive import Adaptive, History, Probing, longest_gap
 from dflash_jax.generate import _Policy, _resolve_policy
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/
+sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: adaptive.py's workload rates
+from adaptive import BATCH_RATES, RATES  # noqa: E402
 from timing import write_rows  # noqa: E402
 
 LENGTHS = (0, 3, 7, 16)  # Adaptive's default lengths for a 16-draft drafter
-BATCH_RATES = (0.0, 0.3, 0.6, 0.9, 1.0, 0.3, 0.9, 0.0)  # adaptive.py's mixed batch
 
 
 def workloads(batch: int, span: int, switch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """`[batch, span]` bool by workload: whether the token at each output position agrees with the drafter's map
     (the draft after it is then accepted)."""
     draws = lambda rate: rng.uniform(size=(batch, span)) < rate  # noqa: E731
-    out = {f"acceptance {f:g}": draws(f) for f in (0.0, 0.3, 0.6, 0.9, 1.0)}
+    out = {f"acceptance {f:g}": draws(f) for f in RATES}
     out["mixed"] = draws(np.where((np.arange(span) // switch) % 2 == 0, 0.9, 0.3)[None])
     if batch > 1:
         out["mixed batch"] = draws(np.asarray([BATCH_RATES[i % len(BATCH_RATES)] for i in range(batch)])[:, None])
@@ -79,7 +79,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
     history, probing = History.empty(batch), Probing.start()
     secs = jnp.asarray(seconds, jnp.float32)
     longest = longest_gap(secs, policy.probe_share) if policy else None
-    loop_policy = _resolve_policy(policy, LENGTHS[-1])[0] if policy else None  # what the compiled loop knows
+    loop_policy = _resolve_policy(policy, K)[0] if policy else None  # what the compiled loop knows
     draft, step, total = True, 0, 0.0
     while (n_out < budget).any():
         live = n_out < budget
