@@ -12,7 +12,8 @@ accepted where the token before it is in the set. Workloads (each row: one promp
 
 Each row runs greedy (once per prompt length and batch), `draft_length="fixed"` and `"adaptive"` (step costs
 measured on the first adaptive run of the shape, then kept) in the same process; the first run of each program
-compiles, then one timed run each. Figures: decode tokens/s (`decode_tokens_per_second`), the fixed run's
+compiles, then `--repeats` timed runs each, interleaved (greedy, fixed, adaptive, greedy, ...). Figures: the median
+decode tokens/s (`decode_tokens_per_second`) of each, the range of adaptive / fixed over the repeats, the fixed run's
 measured acceptance per draft position (accepted drafts / positions tried), both runs' mean tokens per verify,
 the adaptive run's plain tokens, and whether both outputs equal greedy's.
 
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=384)
     parser.add_argument("--switch-every", type=int, default=128, help="the mixed workload's phase, in tokens")
     parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decoding, interleaved")
     parser.add_argument("--lengths", type=int, nargs="+", default=None,
                         help="the adaptive policy's draft lengths (default: Adaptive's, 0 3 7 K); e.g. K alone runs "
                              "its bookkeeping without plain steps or a choice of verify length")
@@ -119,9 +121,9 @@ def main() -> None:
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
           f"in {time.perf_counter() - start:.1f} s", flush=True)
     print("| prompt | batch | workload | acceptance (fixed) | greedy tok/s | fixed tok/s | adaptive tok/s | "
-          "adaptive / fixed | adaptive / greedy | tokens per verify fixed, adaptive | plain tokens | same |",
+          "adaptive / fixed (range) | adaptive / greedy | tokens per verify fixed, adaptive | plain tokens | same |",
           flush=True)
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|", flush=True)
+    print("|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|---|", flush=True)
 
     rows = []
     for prompt_len in args.prompts:
@@ -143,30 +145,42 @@ def main() -> None:
                 print(f"| {prompt_len} | {batch} | skipped: over the time budget | | | | | | | | | |", flush=True)
                 continue
             run()  # compiles
-            greedy = run()
+            drafters = {name: successor_drafter(base, maps[name]) for name in names}
+            for name in names[:1]:
+                for draft_length in ("fixed", adaptive_length):
+                    run(drafters[name], draft_length)  # compiles; the adaptive one also measures the step costs
+            timed: dict[str, list] = {"greedy": []}
+            for _ in range(args.repeats):
+                timed["greedy"].append(run())
+                for name in names:
+                    if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                        continue
+                    for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive_length)):
+                        timed.setdefault((name, mode), []).append(run(drafters[name], draft_length))
+            greedy = timed["greedy"]
+            g = float(np.median([r.decode_tokens_per_second for r in greedy]))
             for name in names:
-                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+                fixed, adaptive = timed.get((name, "fixed"), []), timed.get((name, "adaptive"), [])
+                if len(adaptive) < args.repeats:
                     print(f"| {prompt_len} | {batch} | {name}: skipped, over the time budget | | | | | | | | | |",
                           flush=True)
                     continue
-                drafter = successor_drafter(base, maps[name])
-                results = {}
-                for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive_length)):
-                    if name == names[0]:
-                        run(drafter, draft_length)  # compiles; the adaptive one also measures the step costs
-                    results[mode] = run(drafter, draft_length)
-                fixed, adaptive = results["fixed"], results["adaptive"]
-                same = fixed.tokens == greedy.tokens and adaptive.tokens == greedy.tokens
-                g, f, a = (r.decode_tokens_per_second for r in (greedy, fixed, adaptive))
-                row = dict(prompt=prompt_len, batch=batch, workload=name, acceptance=draft_acceptance(fixed, K),
-                           greedy_tps=g, fixed_tps=f, adaptive_tps=a, fixed_tokens_per_verify=
-                           fixed.mean_acceptance_length, adaptive_tokens_per_verify=adaptive.mean_acceptance_length,
-                           adaptive_plain_tokens=int(np.sum(adaptive.plain_tokens)), same_as_greedy=same)
+                f_runs = [r.decode_tokens_per_second for r in fixed]
+                a_runs = [r.decode_tokens_per_second for r in adaptive]
+                ratios = [a / f for a, f in zip(a_runs, f_runs)]
+                f, a = float(np.median(f_runs)), float(np.median(a_runs))
+                same = all(r.tokens == greedy[0].tokens for r in greedy + fixed + adaptive)
+                row = dict(prompt=prompt_len, batch=batch, workload=name, acceptance=draft_acceptance(fixed[0], K),
+                           greedy_tps=g, fixed_tps=f, adaptive_tps=a, greedy_tps_runs=[r.decode_tokens_per_second
+                           for r in greedy], fixed_tps_runs=f_runs, adaptive_tps_runs=a_runs,
+                           fixed_tokens_per_verify=fixed[0].mean_acceptance_length,
+                           adaptive_tokens_per_verify=adaptive[0].mean_acceptance_length,
+                           adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same)
                 rows.append(row)
                 print(f"| {prompt_len} | {batch} | {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
-                      f"{a / f:.2f} | {a / g:.2f} | {fixed.mean_acceptance_length:.2f}, "
-                      f"{adaptive.mean_acceptance_length:.2f} | {row['adaptive_plain_tokens']} | "
-                      f"{'yes' if same else 'NO'} |", flush=True)
+                      f"{a / f:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {a / g:.2f} | "
+                      f"{fixed[0].mean_acceptance_length:.2f}, {adaptive[0].mean_acceptance_length:.2f} | "
+                      f"{row['adaptive_plain_tokens']} | {'yes' if same else 'NO'} |", flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     write_rows(args.json, args, rows)
 

@@ -48,7 +48,7 @@ def adaptive_json(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("adaptive") / "adaptive.json"
     with pytest.MonkeyPatch.context() as monkeypatch:
         run_script(monkeypatch, "adaptive", "--small", "--prompts", "16", "--batch", "2", "--max-new", "8",
-                   "--workloads", *ADAPTIVE_WORKLOADS, "--json", str(out))
+                   "--repeats", "2", "--workloads", *ADAPTIVE_WORKLOADS, "--json", str(out))
     return out
 
 
