@@ -159,7 +159,10 @@ def traced(run: Callable[[], Any], directory: str | pathlib.Path, steps: int, hl
     """`run()` (a compiled program of `steps` steps; compiled and warm already) once under the profiler, waited
     on: `(summary, run's result)`, the summary `summarize`'s, its scopes from `hlo_text` (the program's compiled
     HLO), plus `trace_lines` where no device event was found (a CPU; or a trace layout this reader does not know)."""
-    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # device events are what is read; Python frames and every loaded program's HLO
+    options.enable_hlo_proto = False  # (the caller gives the one that matters) only slow the trace down
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True, profiler_options=options):
         begin = time.perf_counter()
         result = jax.block_until_ready(run())
         wall = time.perf_counter() - begin
