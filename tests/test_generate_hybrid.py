@@ -21,7 +21,7 @@ from dflash_jax.testing import (
     successor_qwen3_5,
 )
 
-from .test_generate_sampling import PROMPT, SAMPLES, T, V, _chi2_z, _distribution, _small_vocab
+from .test_generate_sampling import PROMPT, SAMPLES, WHOLE_BATCH, T, V, _chi2_z, _distribution, _small_vocab
 
 MAX_NEW = 20
 CHUNK = 16  # prefill chunk: the 40-token prompt takes three, the drafters' append two
@@ -77,7 +77,8 @@ def test_sampling_follows_the_targets_distribution():
     logits = small(jnp.asarray(seqs), small.init_cache(len(seqs), 8), jnp.zeros(len(seqs), jnp.int32)).logits
     exact = _distribution(np.asarray(logits), T)
 
-    result = speculative_generate(small, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1)
+    result = speculative_generate(small, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1,
+                                  prefill_chunk=WHOLE_BATCH)
     tokens = np.array(result.tokens)  # [SAMPLES, 3]
     first_steps = [steps[0] for steps in result.acceptance_lengths]
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10

@@ -41,6 +41,9 @@ from ._numpy_reference import warped_distribution
 V, MASK, T = 16, 15, 1.0
 PROMPT = [3, 9, 4, 1]
 SAMPLES = 1000  # test_the_bound_has_power: a distribution this close is still refused (z about 7.5 > 4)
+# 1000 prompts prefilled in one step (padded to 16 tokens each) rather than 2048-row chunks of 2 tokens a prompt:
+# the chunked prefill is tested on long prompts (test_generate); here it tripled the decoding's time
+WHOLE_BATCH = SAMPLES * 16
 
 
 def _small_vocab(preset: str) -> dict:
@@ -118,7 +121,7 @@ def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, th
 
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T,
                                   key=jax.random.key(1), confidence_threshold=threshold,
-                                  draft_length=draft_length, **controls)
+                                  draft_length=draft_length, prefill_chunk=WHOLE_BATCH, **controls)
     tokens = np.array(result.tokens)  # [SAMPLES, 3]
     first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10

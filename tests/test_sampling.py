@@ -18,7 +18,7 @@ from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
 from dflash_jax.sampling import Warp, choose, rng_key, sampling_controls, warp_logits
 
 from ._numpy_reference import warped_distribution
-from .test_generate_sampling import PROMPT, SAMPLES, V, _chi2_z, _distribution
+from .test_generate_sampling import PROMPT, SAMPLES, WHOLE_BATCH, V, _chi2_z, _distribution
 
 CONTROLS = [dict(top_k=7), dict(top_p=0.6), dict(min_p=0.3), dict(top_k=12, top_p=0.9, min_p=0.05),
             dict(top_k=1), dict(top_p=1e-6), dict(top_k=0, top_p=1.0, min_p=0.0), dict(top_k=500)]
@@ -72,7 +72,8 @@ def test_sample_generate_follows_the_warped_distribution(target, logits):
     exact = _distribution(logits, 0.8, **controls)
     assert (_distribution(logits, 0.8, top_k=6) > 0).sum() > (exact > 0).sum()  # top_p / min_p cut more
     tokens = np.array(sample_generate(target, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=0.8,
-                                      key=jax.random.key(4), **controls).tokens)  # [SAMPLES, 3]
+                                      key=jax.random.key(4), prefill_chunk=WHOLE_BATCH,
+                                      **controls).tokens)  # [SAMPLES, 3]
     joint12 = np.zeros((V, V))
     np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)
     assert _chi2_z(joint12, SAMPLES * exact.sum(2)) < 4
