@@ -15,7 +15,8 @@ measured on the first adaptive run of the shape, then kept) in the same process;
 compiles, then `--repeats` timed runs each, interleaved (greedy, fixed, adaptive, greedy, ...). Figures: the median
 decode tokens/s (`decode_tokens_per_second`) of each, the range of adaptive / fixed over the repeats, the fixed run's
 measured acceptance per draft position (accepted drafts / positions tried), both runs' mean tokens per verify,
-the adaptive run's plain tokens, and whether both outputs equal greedy's.
+the adaptive run's plain tokens, and whether both outputs equal greedy's; after the table, the step costs the
+policy measured for each shape (`GenerationResult.step_costs`).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -W ignore benchmarks/adaptive.py --budget-s 330 --json adaptive.json
     python3 benchmarks/adaptive.py --prompts 2048 --batch 1 --lengths 16    # the policy's bookkeeping, no switch
@@ -125,7 +126,7 @@ def main() -> None:
           flush=True)
     print("|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|---|", flush=True)
 
-    rows = []
+    rows, measured = [], []
     for prompt_len in args.prompts:
         for batch in args.batch:
             starts = np.arange(batch) * (V // max(batch, 1) // 2)  # each sequence on its own stretch of the cycle
@@ -147,8 +148,9 @@ def main() -> None:
             run()  # compiles
             drafters = {name: successor_drafter(base, maps[name]) for name in names}
             for name in names[:1]:
-                for draft_length in ("fixed", adaptive_length):
-                    run(drafters[name], draft_length)  # compiles; the adaptive one also measures the step costs
+                run(drafters[name], "fixed")  # compiles
+                costs = run(drafters[name], adaptive_length).step_costs  # compiles, measures the step costs
+                measured.append((prompt_len, batch, costs))
             timed: dict[str, list] = {"greedy": []}
             for _ in range(args.repeats):
                 timed["greedy"].append(run())
@@ -175,12 +177,18 @@ def main() -> None:
                            for r in greedy], fixed_tps_runs=f_runs, adaptive_tps_runs=a_runs,
                            fixed_tokens_per_verify=fixed[0].mean_acceptance_length,
                            adaptive_tokens_per_verify=adaptive[0].mean_acceptance_length,
-                           adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same)
+                           adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same,
+                           step_costs_ms=dict(zip(costs.draft_lengths, [t * 1e3 for t in costs.seconds]))
+                           if costs is not None else None)
                 rows.append(row)
                 print(f"| {prompt_len} | {batch} | {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
                       f"{a / f:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {a / g:.2f} | "
                       f"{fixed[0].mean_acceptance_length:.2f}, {adaptive[0].mean_acceptance_length:.2f} | "
                       f"{row['adaptive_plain_tokens']} | {'yes' if same else 'NO'} |", flush=True)
+    for prompt_len, batch, costs in measured:  # what the policy chose by (adaptive_model.py --seconds takes them)
+        times = ", ".join(f"{n}: {t * 1e3:.2f}" for n, t in zip(costs.draft_lengths, costs.seconds)) if costs else \
+            "not measured (the fixed length ran)"
+        print(f"step costs at prompt {prompt_len}, batch {batch} (drafts: ms): {times}", flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     write_rows(args.json, args, rows)
 

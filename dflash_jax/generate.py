@@ -86,7 +86,10 @@ class GenerationResult:
     target steps made (steps verifying no drafts, which the adaptive policy chooses), not verifies; one prompt is
     `result.tokens[0]`. Acceptance lengths count the bonus token (the reference's tau per step: accepted drafts +
     1); the first new token comes from the prefill and belongs to no step. Times are wall clock and include
-    compilation the first time a shape is seen: warm up first to measure speed.
+    compilation the first time a shape is seen: warm up first to measure speed. `step_costs`: the step times the
+    adaptive policy chose lengths by (measured in this call or an earlier one of the same setup, or given), None at
+    the fixed length or where they could not be measured; `Adaptive(costs=result.step_costs)` gives them to a call in
+    another process, which then measures nothing.
     """
 
     tokens: list[list[int]]
@@ -94,6 +97,7 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     plain_tokens: list[int]
+    step_costs: StepCosts | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -679,7 +683,8 @@ def speculative_generate(
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
     steps = [[int(a) for a in row if a > 0] for row in accept]
-    return GenerationResult(_to_lists(out, n_out), steps, prefill, decode, [int(n) for n in plain])
+    return GenerationResult(_to_lists(out, n_out), steps, prefill, decode, [int(n) for n in plain],
+                            costs if policy.adaptive else None)
 
 
 def _check_positions(prompts: list[list[int]], max_new_tokens: int, target: Target, drafter: Drafter | None,

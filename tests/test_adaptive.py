@@ -232,9 +232,10 @@ def test_costs_for_another_setup_are_refused(models):
 
 
 def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(models, monkeypatch):
-    """The first run measures the step costs on its own steps (their tokens are the output's) and keeps them; a
-    second run of the same setup reuses them. A clock that does not move gives no usable costs: a warning, and
-    the fixed length from there on, with the same tokens."""
+    """The first run measures the step costs on its own steps (their tokens are the output's), keeps them and
+    reports them (`GenerationResult.step_costs`); a second run of the same setup reuses them, and so does a run
+    given them (as another process would be), measuring nothing. A clock that does not move gives no usable costs:
+    a warning, and the fixed length from there on, with the same tokens and no costs reported."""
     target, drafter = models
     policy = Adaptive(draft_lengths=(0, 7))
     prompts, steps = [[5, 17, 99], [4]], 2
@@ -245,12 +246,19 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     assert result.tokens == expected
     (costs,) = generate_module._COSTS.values()
     assert costs.draft_lengths == (0, 7) and costs.batch == 2 and costs.device == "cpu"
-    assert all(t > 0 for t in costs.seconds)
+    assert all(t > 0 for t in costs.seconds) and result.step_costs is costs
 
     calls = []
     monkeypatch.setattr(generate_module, "_calibrate", lambda *args: calls.append(args))
-    assert speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy).tokens == expected
+    again = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
+    assert again.tokens == expected and again.step_costs is costs
     assert calls == [] and len(generate_module._COSTS) == 1
+    monkeypatch.setattr(generate_module, "_COSTS", {})  # a fresh process, given what the first one measured
+    given = speculative_generate(target, drafter, prompts, max_new_tokens=40,
+                                 draft_length=Adaptive(draft_lengths=(0, 7), costs=result.step_costs))
+    assert given.tokens == expected and given.step_costs == costs and calls == [] and generate_module._COSTS == {}
+    fixed = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length="fixed")
+    assert fixed.step_costs is None and greedy_generate(target, prompts, max_new_tokens=40).step_costs is None
 
     monkeypatch.undo()
     monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)
@@ -258,7 +266,7 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
-    assert stuck.tokens == expected and generate_module._COSTS == {}
+    assert stuck.tokens == expected and generate_module._COSTS == {} and stuck.step_costs is None
     repeats = generate_module.CALIBRATION_REPEATS  # the plain steps of the measurement only: 1, then n and 2n
     assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
 
