@@ -510,6 +510,7 @@ def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Wa
 _PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
 _CALLS = itertools.count()
 _COSTS: dict[tuple, StepCosts] = {}  # measured step costs, by what determines them (`_costs_key`)
+_PARTIAL_COSTS: dict[tuple, dict[int, float]] = {}  # seconds by length index, of calibrations a call's end cut short
 
 
 def _report(call: np.ndarray, n_out: np.ndarray) -> None:
@@ -534,22 +535,24 @@ def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, poli
             repr(drafter.config), dtypes, batch, capacity, policy.lengths, sampling, attention)
 
 
-def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int,
-               device: str) -> tuple[_State, StepCosts | None]:
-    """Measure the step costs on the run itself, at each length (longest first): after one untimed step, calls of
-    n = `CALIBRATION_STEPS` steps and of 2n, `CALIBRATION_REPEATS` times each, timed from the host; a step costs
-    the difference of the fastest call of each count over n. A call of the decode program has a cost of its own
-    (on an H200, 4-20 ms: dispatch, the loops' start, the host sync), which a plain average over a few steps would
-    add to every step: it made plain steps look 45% dearer than greedy decoding's; and a call early in a run can
-    be slower than the rest (docs/benchmarks.md). The plain steps' time includes appending their context rows to the
-    drafter's cache (`_Loop.flush`, once at the end of each call). Returns the state after them and the costs; None
-    when the decode ended first (nothing is left to choose) or the times are not usable (then the caller falls back
-    to the longest length, with a warning)."""
+def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int, device: str,
+               known: dict[int, float]) -> tuple[_State, StepCosts | None, dict[int, float]]:
+    """Measure the step costs on the run itself, at each length not in `known` (seconds by length index, what
+    earlier calls of the setup measured before they ended), longest first: after one untimed step each, calls of n =
+    `CALIBRATION_STEPS` steps and of 2n, `CALIBRATION_REPEATS` times each, timed from the host; a step costs the
+    difference of the fastest call of each count over n. A call of the decode program has a cost of its own (on an
+    H200, 4-20 ms: dispatch, the loops' start, the host sync), which a plain average over a few steps would add to
+    every step: it made plain steps look 45% dearer than greedy decoding's; and a call early in a run can be slower
+    than the rest (docs/benchmarks.md). The plain steps' time includes appending their context rows to the drafter's
+    cache (`_Loop.flush`, once at the end of each call). Returns the state after them, the costs, and the seconds
+    measured so far by length index. The costs are None when the decode ended first (then the next call of the setup
+    goes on from the lengths measured: short calls would otherwise never finish a calibration) or the times are not
+    usable (with a warning); the caller falls back to the longest length."""
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
-    order = list(reversed(range(len(policy.lengths))))
+    seconds = dict(known)
+    order = [i for i in reversed(range(len(policy.lengths))) if i not in seconds]
     for i in order:  # one step each first: the first compiles, and the first call at each length is slower
         state = run(state, placeholder, jnp.int32(i), jnp.int32(int(state.step) + 1))  # (their tokens count)
-    seconds = {}
     n = CALIBRATION_STEPS
     for i in order:
         fastest = {n: math.inf, 2 * n: math.inf}
@@ -558,7 +561,7 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
             start = time.perf_counter()
             state = run(state, placeholder, jnp.int32(i), jnp.int32(first + count))
             if int(state.step) - first < count:  # (a host sync: the steps are done)
-                return state, None
+                return state, None, seconds
             fastest[count] = min(fastest[count], time.perf_counter() - start)
         difference = (fastest[2 * n] - fastest[n]) / n
         seconds[i] = difference if difference > 0 else fastest[2 * n] / (2 * n)  # a clock too coarse for it
@@ -568,11 +571,11 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
 
         measured = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(measured, np.float32))]
     try:
-        return state, StepCosts(policy.lengths, tuple(measured), batch, device)
+        return state, StepCosts(policy.lengths, tuple(measured), batch, device), {}
     except ValueError as e:  # a clock that did not move: no costs to trust, so the longest length from here on
         warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
                       f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
-        return state, None
+        return state, None, {}
 
 
 def speculative_generate(
@@ -669,9 +672,11 @@ def speculative_generate(
 
         force = jnp.int32(-1)
         if policy.adaptive and costs is None:
-            state, costs = _calibrate(run, state, policy, batch, device)
+            state, costs, partial = _calibrate(run, state, policy, batch, device, _PARTIAL_COSTS.pop(cost_key, {}))
             if costs is None:
                 force = jnp.int32(len(policy.lengths) - 1)  # the fixed length: never wrong output, only slower
+                if partial:
+                    _PARTIAL_COSTS[cost_key] = partial
             else:
                 _COSTS[cost_key] = costs
                 seconds = jnp.asarray(costs.seconds, jnp.float32)

@@ -271,6 +271,29 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
 
 
+def test_a_calibration_cut_short_by_the_budget_goes_on_in_the_next_call(models, monkeypatch):
+    """Calls too short to measure every length keep what they measured, and the next call of the setup measures
+    only the rest: without that, calls of a few tokens would each start the calibration over and never leave the
+    forced lengths. Each length takes 1 + 3 * 2 * 2 = 13 steps here; a call has 19 (a drafter never accepted: one
+    token a step), so the first measures 7 drafts (after one step at each length) and the second plain steps, then
+    adapts."""
+    target, drafter = models
+    policy, prompts = Adaptive(draft_lengths=(0, 7)), [[5, 17, 99], [4]]
+    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 2)
+    monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 2)
+    monkeypatch.setattr(generate_module, "_COSTS", {})
+    monkeypatch.setattr(generate_module, "_PARTIAL_COSTS", {})
+    expected = greedy_generate(target, prompts, max_new_tokens=20).tokens
+    first = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
+    assert first.tokens == expected and first.step_costs is None and generate_module._COSTS == {}
+    (partial,) = generate_module._PARTIAL_COSTS.values()
+    assert set(partial) == {1}  # 7 drafts measured; the plain steps' measurement was cut short
+    second = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
+    assert second.tokens == expected and generate_module._PARTIAL_COSTS == {}
+    assert second.step_costs is not None and second.step_costs.seconds[1] == partial[1]
+    assert second.plain_tokens[0] > 13  # the plain steps measured (13), then the policy's own
+
+
 def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
     """At temperature > 0 the default draft length is the fixed one, whatever step times the run measures: the
     tokens a key draws depend on the verify lengths, so a default that adapted to a clock would not reproduce them.
@@ -280,8 +303,8 @@ def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
     runs = []
     for seconds in ((0.1, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 0.1)):
         monkeypatch.setattr(generate_module, "_COSTS", {})
-        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, s=seconds: (
-            state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device)))
+        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, known,
+                            s=seconds: (state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device), {}))
         runs.append(speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
                                          key=jax.random.key(3)))
     assert runs[0].tokens == runs[1].tokens and runs[0].plain_tokens == runs[1].plain_tokens == [0]
