@@ -94,9 +94,10 @@ def test_greedy_baseline(target, greedy):
 def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
-    is right, wrong, or cut by its confidence head at varying points.) Under the adaptive policy the loop turns
-    to plain steps (after measuring the step costs on its first steps, DSpark), and every token is the
-    prefill's, a verify's or a plain step's."""
+    is right, wrong, or cut by its confidence head at varying points.) Every token is the prefill's, a verify's or
+    a plain step's; under the adaptive policy some are plain steps (the policy's, with the costs given, dflash2;
+    with DSpark the 24 tokens end while the costs are measured, whose first steps include one at each length,
+    plain too)."""
     drafter = _drafter(tmp_path_factory, preset, seed=2)
     result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=draft_length)
     assert result.tokens == greedy.tokens
