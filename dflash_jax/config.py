@@ -96,15 +96,20 @@ ROPE_SCALARS = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale"
                 "low_freq_factor", "high_freq_factor")  # RopeScaling's float fields
 
 
-def rope_float32_problems(config: RopeConfig) -> list[str]:
-    """The RoPE scalars (`rope_theta`, the `rope_scaling` floats) whose float32 rounding is 0, Inf or subnormal
-    though the value is not 0: the tables are computed in float32, where such a value (a Llama 3 `factor` of
-    1e-50, a `low_freq_factor` of 1e39) divides by zero or overflows and makes every logit NaN."""
+def rope_problems(config: RopeConfig) -> list[str]:
+    """What would make the RoPE tables wrong: an odd `head_dim` (rotary embeddings turn pairs of dimensions, and
+    the frequencies, `ceil(d / 2)` of them, would not fit the `d // 2` pairs: a shape error or a silent
+    misrotation), and the RoPE scalars (`rope_theta`, the `rope_scaling` floats) whose float32 rounding is 0, Inf or
+    subnormal though the value is not 0: the tables are computed in float32, where such a value (a Llama 3 `factor`
+    of 1e-50, a `low_freq_factor` of 1e39) divides by zero or overflows and makes every logit NaN."""
+    problems = []
+    if config.head_dim % 2:
+        problems.append(f"head_dim={config.head_dim} is odd; rotary embeddings turn pairs of dimensions, so it must "
+                        "be even")
     tiny = float(np.finfo(np.float32).tiny)
     scaling = config.rope_scaling
     values = [("rope_theta", config.rope_theta)] + [
         (f"rope_scaling.{f}", getattr(scaling, f)) for f in ROPE_SCALARS if scaling is not None]
-    problems = []
     for name, value in values:
         if value is None or value == 0 or not math.isfinite(value):
             continue  # 0 where allowed (mscale), and NaN/Inf, are the bounds' and `_non_finite`'s to refuse
@@ -576,7 +581,7 @@ def check(config: DflashConfig, source: str) -> None:
     factor = config.rope_scaling.factor if config.rope_scaling else None
     if config.rope_type == "yarn" and not 1 <= (factor or 0) <= MAX_ROPE_FACTOR:
         fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
-    for problem in rope_float32_problems(config):
+    for problem in rope_problems(config):
         fail(problem)
 
 

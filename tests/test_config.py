@@ -235,6 +235,19 @@ def test_derived_target_layer_ids_stay_within_the_target():
         parse_config({**raw, "num_target_layers": 2**31})
 
 
+def test_an_odd_head_dim_is_refused_for_drafters_and_targets():
+    """Rotary embeddings turn pairs of dimensions: an odd head size is a ConfigError naming it, for a drafter and
+    for each dense target kind, never a shape error (or a silent misrotation) inside the RoPE tables."""
+    from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
+    from dflash_jax.testing import QWEN3_TINY_CONFIGS
+
+    with pytest.raises(ConfigError, match="head_dim=5 is odd"):
+        parse_config(base(head_dim=5))
+    for name, kind in (("tiny-qwen3", Qwen3Config), ("tiny-llama", LlamaConfig)):
+        with pytest.raises(ConfigError, match="head_dim=7 is odd"):
+            parse_decoder_config({**QWEN3_TINY_CONFIGS[name], "head_dim": 7}, kind)
+
+
 def test_rope_config_is_what_both_config_kinds_provide():
     """`model.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
     from dflash_jax.config import RopeConfig

@@ -420,6 +420,9 @@ CASES = [
     Case("rope_theta 1e-300", config(lambda c: c.update(rope_theta=1e-300)), ConfigError,
          ("config.json", "$.rope_theta", "> 1")),
     Case("rope_theta 1", config(lambda c: c.update(rope_theta=1.0)), ConfigError, ("config.json", "$.rope_theta")),
+    Case("odd head_dim under YaRN", config(lambda c: c.update(head_dim=5)), ConfigError,
+         ("config.json", "head_dim=5 is odd"), base="tiny-dspark"),  # found by test_fuzz: a raw shape error in RoPE
+    Case("odd head_dim", config(lambda c: c.update(head_dim=15)), ConfigError, ("config.json", "head_dim=15 is odd")),
     Case("YaRN factor 1e-300", config(lambda c: c["rope_scaling"].update(factor=1e-300)), ConfigError,
          ("config.json", "rope_scaling.factor=1e-300", "[1, 1e+06]"), base="tiny-dspark"),
     Case("YaRN beta_fast negative", config(lambda c: c["rope_scaling"].update(beta_fast=-32.0)), ConfigError,

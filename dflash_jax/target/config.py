@@ -20,7 +20,7 @@ from ..config import (
     RopeTheta,
     declared_rope_type,
     normalise_raw,
-    rope_float32_problems,
+    rope_problems,
 )
 from ..errors import ConfigError
 
@@ -139,7 +139,7 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<
             problems.append(f"rope type 'llama3' needs {', '.join(absent)} in rope_scaling / rope_parameters")
         elif low is not None and high is not None and low >= high:  # both stated: not absent
             problems.append(f"llama3 RoPE: low_freq_factor={low} must be below high_freq_factor={high}")
-    problems += rope_float32_problems(config)
+    problems += rope_problems(config)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     return config
