@@ -40,7 +40,6 @@ from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 from ._io import load_file
 from .hostile import forge
 
-SHARED_CONFIGS = Path(__file__).parent.parent.parent / "shared" / "configs"
 CONFIGS_DIR = Path(__file__).parent.parent / "configs"
 
 _PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -241,7 +240,8 @@ def test_valid_files_read_bit_exactly(scratch, tensors, order, gap, pad, metadat
 # --- the config decoder ------------------------------------------------------------------------------
 
 def released_configs() -> list[dict]:
-    files = sorted(SHARED_CONFIGS.glob("*.json")) if SHARED_CONFIGS.is_dir() else sorted(CONFIGS_DIR.glob("*.json"))
+    """The repository's copies of released configs (the same bases on every machine) and the tiny presets."""
+    files = sorted(CONFIGS_DIR.glob("*.json"))
     return [json.loads(f.read_text()) for f in files] + list(TINY_CONFIGS.values())
 
 
