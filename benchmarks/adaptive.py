@@ -150,7 +150,8 @@ def main() -> None:
             for name in names[:1]:
                 run(drafters[name], "fixed")  # compiles
                 costs = run(drafters[name], adaptive_length).step_costs  # compiles, measures the step costs
-                measured.append((prompt_len, batch, costs))
+                step_ms = dict(zip(costs.draft_lengths, [t * 1e3 for t in costs.seconds])) if costs else None
+                measured.append((prompt_len, batch, step_ms))
             timed: dict[str, list] = {"greedy": []}
             for _ in range(args.repeats):
                 timed["greedy"].append(run())
@@ -178,15 +179,14 @@ def main() -> None:
                            fixed_tokens_per_verify=fixed[0].mean_acceptance_length,
                            adaptive_tokens_per_verify=adaptive[0].mean_acceptance_length,
                            adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same,
-                           step_costs_ms=dict(zip(costs.draft_lengths, [t * 1e3 for t in costs.seconds]))
-                           if costs is not None else None)
+                           step_costs_ms=step_ms)
                 rows.append(row)
                 print(f"| {prompt_len} | {batch} | {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
                       f"{a / f:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {a / g:.2f} | "
                       f"{fixed[0].mean_acceptance_length:.2f}, {adaptive[0].mean_acceptance_length:.2f} | "
                       f"{row['adaptive_plain_tokens']} | {'yes' if same else 'NO'} |", flush=True)
-    for prompt_len, batch, costs in measured:  # what the policy chose by (adaptive_model.py --seconds takes them)
-        times = ", ".join(f"{n}: {t * 1e3:.2f}" for n, t in zip(costs.draft_lengths, costs.seconds)) if costs else \
+    for prompt_len, batch, step_ms in measured:  # what the policy chose by (adaptive_model.py --seconds takes them)
+        times = ", ".join(f"{n}: {t:.2f}" for n, t in step_ms.items()) if step_ms else \
             "not measured (the fixed length ran)"
         print(f"step costs at prompt {prompt_len}, batch {batch} (drafts: ms): {times}", flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)

@@ -688,8 +688,7 @@ def speculative_generate(
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent
 
     steps = [[int(a) for a in row if a > 0] for row in accept]
-    return GenerationResult(_to_lists(out, n_out), steps, prefill, decode, [int(n) for n in plain],
-                            costs if policy.adaptive else None)
+    return GenerationResult(_to_lists(out, n_out), steps, prefill, decode, [int(n) for n in plain], costs)
 
 
 def _check_positions(prompts: list[list[int]], max_new_tokens: int, target: Target, drafter: Drafter | None,

@@ -33,7 +33,7 @@ import pytest
 
 from dflash_jax import Adaptive, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
-from dflash_jax.generate import _attach, speculative_generate
+from dflash_jax.generate import PROMPT_BUCKET, _attach, speculative_generate
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 from ._numpy_reference import warped_distribution
@@ -41,9 +41,9 @@ from ._numpy_reference import warped_distribution
 V, MASK, T = 16, 15, 1.0
 PROMPT = [3, 9, 4, 1]
 SAMPLES = 1000  # test_the_bound_has_power: a distribution this close is still refused (z about 7.5 > 4)
-# 1000 prompts prefilled in one step (padded to 16 tokens each) rather than 2048-row chunks of 2 tokens a prompt:
-# the chunked prefill is tested on long prompts (test_generate); here it tripled the decoding's time
-WHOLE_BATCH = SAMPLES * 16
+# 1000 prompts prefilled in one step (each padded to PROMPT_BUCKET tokens) rather than 2048-row chunks of 2 tokens
+# a prompt: the chunked prefill is tested on long prompts (test_generate); here it tripled the prefill's time
+WHOLE_BATCH = SAMPLES * PROMPT_BUCKET
 
 
 def _small_vocab(preset: str) -> dict:
