@@ -198,7 +198,8 @@ def test_errors(tmp_path, tiny):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 def test_fused_prefill_equals_the_chunked_one():
     """On a GPU the prompt is prefilled at once with cuDNN's flash kernel: the same cache, features and last
-    logits (bf16 tolerance) as the chunked XLA path, ragged prompts longer than a chunk."""
+    logits (bf16 tolerance) as the chunked XLA path, ragged prompts longer than a chunk; one sequence a step
+    (`max_rows` one prompt's) as all at once."""
     from dflash_jax.testing import random_qwen3
 
     target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4}, seed=3)
@@ -208,6 +209,7 @@ def test_fused_prefill_equals_the_chunked_one():
     runs = [target.prefill(tokens, target.init_cache(2, 768), lengths, layer_ids=(1, 5), chunk=256, impl=impl)
             for impl in ("cudnn", "xla")]
     fused, chunked = runs
+    by_sequence = prefill_fused(target, tokens, target.init_cache(2, 768), lengths, (1, 5), "cudnn", max_rows=640)
 
     def close(a, b):  # bf16 roundings differ between the kernels (6 random layers): each row against its norm
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)  # [..., rows, width]
@@ -220,12 +222,18 @@ def test_fused_prefill_equals_the_chunked_one():
         close(fused.features[row, :n], chunked.features[row, :n])
         for a, b in zip(fused.cache.k + fused.cache.v, chunked.cache.k + chunked.cache.v):
             close(a[row, :, :n], b[row, :, :n])
+    close(by_sequence.logits, fused.logits)  # one sequence a step, written at its batch offset
+    for row, n in enumerate(np.asarray(lengths)):
+        close(by_sequence.features[row, :n], fused.features[row, :n])
+        for a, b in zip(by_sequence.cache.k + by_sequence.cache.v, fused.cache.k + fused.cache.v):
+            close(a[row, :, :n], b[row, :, :n])
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["chunked", "fused-twin"])
+@pytest.mark.parametrize("fused", [None, 1 << 16, 9], ids=["chunked", "fused-twin", "fused-twin-by-sequence"])
 def test_prefill_matches_numpy_reference(tiny, fused):
     """`prefill` in chunks of 4, and the fused (cuDNN) branch run with XLA's twin of its kernel (its causal mask
-    over right-padded rows and its last-row gather, on a CPU): for ragged prompts of 9, 3 and 6 tokens every
+    over right-padded rows and its last-row gather, on a CPU), all sequences in one step or (at most 9 rows a
+    step) one sequence a step written at its batch offset: for ragged prompts of 9, 3 and 6 tokens every
     feature row of each prompt and the last token's logits equal the uncached NumPy forward; the cache then
     continues as one filled at once."""
     directory, target = tiny
@@ -236,8 +244,8 @@ def test_prefill_matches_numpy_reference(tiny, fused):
     lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     cache = target.init_cache(batch, 32)
     if fused:
-        out = jax.jit(prefill_fused, static_argnums=(4, 5))(target, jnp.asarray(tokens), cache, lengths, LAYER_IDS,
-                                                             "xla")
+        out = jax.jit(prefill_fused, static_argnums=(4, 5, 6))(target, jnp.asarray(tokens), cache, lengths,
+                                                                LAYER_IDS, "xla", fused)
     else:
         out = target.prefill(jnp.asarray(tokens), cache, lengths, layer_ids=LAYER_IDS, chunk=4)
     assert out.logits.shape == (batch, 128) and out.features.shape == (batch, width, len(LAYER_IDS) * 64)

@@ -3,7 +3,8 @@
 On the 8 simulated CPU devices: for meshes (1, 8), (4, 2), (8, 1) over ("data", "model"), speculative tokens
 (and on (4, 2) greedy ones) equal the single-device run's and every leaf (and the cache) has its planned sharding; on
 (2, 4), the vocabulary-sharded embedding and LM head are used without being gathered; the Llama target equals the NumPy
-reference in both config layouts; bad tensor axes and unknown architectures are refused by name.
+reference in both config layouts; the fused prefill run a sequence at a time on a mesh equals the unsharded one; bad
+tensor axes and unknown architectures are refused by name.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.model import lm_logits
 from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
-from dflash_jax.target.dense import Qwen3Target, plan_decoder
+from dflash_jax.target.dense import Qwen3Target, plan_decoder, prefill_fused
 from dflash_jax.target.layout import CACHE_AXES, make_layout
 from dflash_jax.testing import preset_dict, write_checkpoint
 
@@ -216,3 +217,25 @@ def test_shard_places_as_from_pretrained(pair):
     three = jax.make_mesh((1, 3), ("data", "model"), devices=jax.devices()[:3])
     with pytest.raises(ConfigError, match=r"shard: tensor axis 'model' has 3 devices.*num_attention_heads=8"):
         load_target(root / "target", dtype=jnp.float32).shard(three)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fused_prefill_by_sequence_on_a_mesh(pair, shape):
+    """The fused prefill (XLA's twin of its cuDNN kernel) at most one prompt's rows a step: on a tensor-only mesh
+    one sequence a step is written at its batch offset of the head-split cache; where the data axis splits the
+    batch, the whole batch is one step. Both equal the single-device prefill of all sequences at once."""
+    root, _ = pair
+    width = max(map(len, PROMPTS))
+    tokens = jnp.asarray([p + [0] * (width - len(p)) for p in PROMPTS], jnp.int32)
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    run = jax.jit(prefill_fused, static_argnums=(4, 5, 6))
+    single = load_target(root / "target", dtype=jnp.float32)
+    expected = run(single, tokens, single.init_cache(len(PROMPTS), 16), lengths, (1, 3), "xla", 1 << 16)
+    target = load_target(root / "target", mesh=jax.make_mesh(shape, ("data", "model")), dtype=jnp.float32)
+    out = run(target, tokens, target.init_cache(len(PROMPTS), 16), lengths, (1, 3), "xla", width)
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(expected.logits), rtol=1e-5, atol=1e-5)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(out.features[b, :n]), np.asarray(expected.features[b, :n]),
+                                   rtol=1e-5, atol=1e-5)
+        for a, e in zip(out.cache.k + out.cache.v, expected.cache.k + expected.cache.v):
+            np.testing.assert_allclose(np.asarray(a[b, :, :n]), np.asarray(e[b, :, :n]), rtol=1e-5, atol=1e-5)

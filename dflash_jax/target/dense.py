@@ -63,7 +63,7 @@ from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, ro
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
-from ..tuning import on_gpu
+from ..tuning import on_gpu, tuning
 from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
@@ -390,7 +390,7 @@ def _prefill(
     batch = tokens.shape[0]
 
     def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once, cuDNN's kernel
-        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn")
+        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn", tuning().fused_prefill_rows)
 
     def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
         return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
@@ -406,22 +406,48 @@ def _prefill(
 
 
 def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"]
+                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int
                 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """The whole prompt at once into an empty cache: `(last_hidden [batch, H], features, cache)`."""
-    batch = tokens.shape[0]
-    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    hidden, features, cache = _layers(target, tokens, cache, jnp.zeros((batch,), jnp.int32), layer_ids,
-                                      implementation)
-    return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [batch, H]
+    """The whole prompts into an empty cache, whole sequences at a time: `(last_hidden [batch, H], features
+    [batch, P, Lf * H], cache)`. A step runs `group` sequences (the largest divisor of the batch whose rows,
+    group x P, stay within `max_rows`; at least one), a `lax.scan` over the groups writing each one's cache rows
+    at its batch offset: a step's activations (the MLP's [rows, intermediate], the GEMM autotuner's scratch)
+    scale with its rows. Where a mesh splits the batch the whole batch is one step (a batch-offset slice of a
+    split axis would gather it)."""
+    batch, P = tokens.shape
+    group = max([g for g in range(1, batch + 1) if batch % g == 0 and g * P <= max_rows], default=1)
+    if target.layout is not None and target.layout.splits_batch(batch):
+        group = batch
+
+    def run(tokens, cache, lengths):
+        last = lengths.astype(jnp.int32) - 1  # [group] each prompt's last row
+        hidden, features, cache = _layers(target, tokens, cache, jnp.zeros(last.shape, jnp.int32), layer_ids,
+                                          implementation)
+        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [group, H]
+
+    if group == batch:
+        return run(tokens, cache, lengths)
+
+    def step(cache: KVCache, first: jax.Array):
+        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, first, group)  # noqa: E731  [group, ...]
+        last_hidden, features, written = run(rows(tokens), jax.tree.map(rows, cache), rows(lengths))
+        cache = jax.tree.map(lambda a, w: jax.lax.dynamic_update_slice_in_dim(a, w, first, 0), cache, written)
+        return cache, (last_hidden, features)
+
+    cache, (last_hidden, features) = jax.lax.scan(step, cache, jnp.arange(0, batch, group, dtype=jnp.int32))
+    # last_hidden: [batch / group, group, H]; features: [batch / group, group, P, Lf * H]
+    return last_hidden.reshape(batch, -1), features.reshape(batch, P, -1), cache
 
 
 def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"]) -> TargetOutput:
-    """The whole prompt at once into an empty cache, each layer's attention `causal_self_attention` of
-    `implementation` ("cudnn", as `prefill` runs it; "xla" runs the same masking and last-row gather on any
-    backend, as the tests do)."""
-    last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation)
+                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None
+                  ) -> TargetOutput:
+    """The whole prompts into an empty cache, each layer's attention `causal_self_attention` of `implementation`
+    ("cudnn", as `prefill` runs it; "xla" runs the same masking, last-row gather and grouping of sequences on any
+    backend, as the tests do); at most `max_rows` prompt rows a step (default: the device's
+    `fused_prefill_rows`)."""
+    max_rows = tuning().fused_prefill_rows if max_rows is None else max_rows
+    last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation, max_rows)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 

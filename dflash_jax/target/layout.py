@@ -34,14 +34,22 @@ class Layout:
     def tensor_size(self) -> int:
         return self.mesh.shape[self.tensor_axis] if self.tensor_axis else 1
 
+    @property
+    def batch_devices(self) -> int:
+        """The devices a batch is split over (where its size divides by this)."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    def splits_batch(self, batch_size: int) -> bool:
+        """Whether a batch of `batch_size` sequences is split over more than one device."""
+        return self.batch_devices > 1 and batch_size % self.batch_devices == 0
+
     def spec(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> PartitionSpec:
         """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
         rules: dict[str | None, str | tuple[str, ...] | None] = {
             VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis, EXPERT_MLP: self.tensor_axis,
             KV_HEADS: self.tensor_axis if self.split_kv else None}
-        batch = math.prod(self.mesh.shape[a] for a in self.batch_axes)
-        rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None and batch_size % batch == 0 \
-            else None
+        rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None \
+            and batch_size % self.batch_devices == 0 else None
         return PartitionSpec(*(rules.get(a) for a in axes))
 
     def sharding(self, axes: tuple[str | None, ...], batch_size: int | None = None) -> NamedSharding:
