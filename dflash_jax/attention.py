@@ -97,10 +97,13 @@ class Span:
     stop: jax.Array  # [batch] int32 (exclusive; an empty range contributes nothing)
 
 
-def write_slots(cache: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """`cache [batch, n_kv, capacity, d_h]` with `rows [batch, n_kv, n, d_h]` written at `slots [batch, n]` (per
-    sequence; a slot >= capacity drops its row). In place when the cache is donated."""
-    seq, heads = jnp.arange(cache.shape[0])[:, None, None], jnp.arange(cache.shape[1])[None, :, None]
+def write_slots(cache: jax.Array, rows: jax.Array, slots: jax.Array, first: jax.Array | int = 0) -> jax.Array:
+    """`cache [sequences, n_kv, capacity, d_h]` with `rows [batch, n_kv, n, d_h]` written at `slots [batch, n]`
+    of sequences `first .. first + batch - 1` (per sequence; a slot >= capacity drops its row). In place when
+    the cache is donated, in a loop too (a scatter: a `dynamic_update_slice` at a loop-varying batch offset made
+    XLA:GPU copy the whole cache)."""
+    seq = first + jnp.arange(rows.shape[0])[:, None, None]
+    heads = jnp.arange(cache.shape[1])[None, :, None]
     return cache.at[seq, heads, slots[:, None, :]].set(rows, mode="drop")  # indices broadcast to [batch, n_kv, n]
 
 

@@ -48,7 +48,8 @@ class Tuning:
     # them in place inside a multiply-and-reduce (`target.moe._gathered_in_place`).
     moe_few_rows: Literal["gather", "reduce"]
     # The dense target's fused (cuDNN) prefill runs whole sequences, at most this many prompt rows (batch x P) a
-    # step (`target.dense._fused_rows`): 8 x 32k rows at once ran an 80 GB H100 out of memory (docs/benchmarks.md).
+    # step (`target.dense._fused_rows`): 8 x 32k rows at once ran an 80 GB H100 out of memory (docs/benchmarks.md);
+    # 32k-row GEMMs are compute-bound already.
     fused_prefill_rows: int
 
 
@@ -60,7 +61,7 @@ H200 = Tuning(
     moe_gather_max_rows=256,
     moe_tile_rows=128,
     moe_few_rows="reduce",
-    fused_prefill_rows=65536,
+    fused_prefill_rows=32768,
 )
 TUNING: dict[str, Tuning] = {"NVIDIA H200": H200}
 FALLBACK = H200  # a device kind never measured (and the CPU, where only `span_splits` sizes the caches)

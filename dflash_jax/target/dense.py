@@ -298,9 +298,11 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
 
 
 def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
-               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None):
+               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None,
+               first: jax.Array):
     """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
-    K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[batch, n_kv, T, d_h]`.
+    K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[sequences, n_kv, T, d_h]`
+    (its sequences `first ..`: 0 but in a fused prefill's groups).
 
     The new rows attend to the cache's slots `[0, start)` (a span) and causally to themselves; `fused` ("cudnn",
     or "xla" for the CPU twin): the cache is empty and `causal_self_attention` runs the rows over themselves.
@@ -312,10 +314,10 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
     head, which it slices out of its full copy. `num_heads`: the target's query heads (all devices together).
     """
 
-    def local(q, k, v, past_k, past_v, positions, start):
+    def local(q, k, v, past_k, past_v, positions, start, first):
         n_kv = k.shape[1]
-        new_k = write_slots(past_k, k.astype(past_k.dtype), positions)  # past the end: dropped
-        new_v = write_slots(past_v, v.astype(past_v.dtype), positions)
+        new_k = write_slots(past_k, k.astype(past_k.dtype), positions, first)  # past the end: dropped
+        new_v = write_slots(past_v, v.astype(past_v.dtype), positions, first)
         if layout is not None and layout.tensor_axis and not layout.split_kv:
             group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
             k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
@@ -326,27 +328,31 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
         return out, new_k, new_v
 
     if layout is None:
-        return local(q, k, v, past_k, past_v, positions, start)
+        return local(q, k, v, past_k, past_v, positions, start, first)
     batch = q.shape[0]
     rows = layout.spec((BATCH, None), batch)
     q_spec = layout.spec((BATCH, None, HEADS, None), batch)  # [batch, S, n_h, d_h]
     kv_spec = layout.spec(CACHE_AXES, batch)  # [batch, n_kv, rows, d_h]
+    cache_spec = layout.spec(CACHE_AXES, past_k.shape[0])  # [sequences, n_kv, T, d_h]
     return jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, kv_spec, kv_spec, rows, PartitionSpec(rows[0])),
-        out_specs=(q_spec, kv_spec, kv_spec), check_vma=False,
-    )(q, k, v, past_k, past_v, positions, start)
+        local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec, rows,
+                                           PartitionSpec(rows[0]), PartitionSpec()),
+        out_specs=(q_spec, cache_spec, cache_spec), check_vma=False,
+    )(q, k, v, past_k, past_v, positions, start, first)
 
 
 def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
-            fused: Literal["cudnn", "xla"] | None = None):
+            fused: Literal["cudnn", "xla"] | None = None, first: jax.Array | None = None):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
     to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
-    empty (start = 0) and the new rows attend to themselves with `causal_self_attention` of that implementation."""
+    empty (start = 0) and the new rows attend to themselves with `causal_self_attention` of that implementation,
+    their K/V written to the cache's sequences from `first` on (default 0)."""
     params, c, layout = target.params, target.config, target.layout
     N = c.num_hidden_layers
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
+    first = jnp.int32(0) if first is None else first
     rope = rope_tables(c, positions)  # cos/sin [batch, S, d_h]
 
     x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
@@ -357,7 +363,7 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
             q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
             k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
             out, new_k, new_v = _attention(layout, c.num_attention_heads, q, k, v, keys[i], values[i], positions,
-                                            start, fused)
+                                            start, fused, first)
             return out.reshape(batch, S, -1), (new_k, new_v)
 
         x, (keys[i], values[i]) = decoder_layer(p, c, x, attention)
@@ -410,31 +416,28 @@ def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, length
                 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """The whole prompts into an empty cache, whole sequences at a time: `(last_hidden [batch, H], features
     [batch, P, Lf * H], cache)`. A step runs `group` sequences (the largest divisor of the batch whose rows,
-    group x P, stay within `max_rows`; at least one), a `lax.scan` over the groups writing each one's cache rows
+    group x P, stay within `max_rows`; at least one), a `lax.scan` over the groups writing each one's K/V in place
     at its batch offset: a step's activations (the MLP's [rows, intermediate], the GEMM autotuner's scratch)
-    scale with its rows. Where a mesh splits the batch the whole batch is one step (a batch-offset slice of a
-    split axis would gather it)."""
+    scale with its rows. Where a mesh splits the batch the whole batch is one step (a batch offset into a split
+    axis would gather it)."""
     batch, P = tokens.shape
     group = max([g for g in range(1, batch + 1) if batch % g == 0 and g * P <= max_rows], default=1)
     if target.layout is not None and target.layout.splits_batch(batch):
         group = batch
 
-    def run(tokens, cache, lengths):
-        last = lengths.astype(jnp.int32) - 1  # [group] each prompt's last row
-        hidden, features, cache = _layers(target, tokens, cache, jnp.zeros(last.shape, jnp.int32), layer_ids,
-                                          implementation)
-        return jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0], features, cache  # [group, H]
-
-    if group == batch:
-        return run(tokens, cache, lengths)
-
-    def step(cache: KVCache, first: jax.Array):
-        rows = lambda a: jax.lax.dynamic_slice_in_dim(a, first, group)  # noqa: E731  [group, ...]
-        last_hidden, features, written = run(rows(tokens), jax.tree.map(rows, cache), rows(lengths))
-        cache = jax.tree.map(lambda a, w: jax.lax.dynamic_update_slice_in_dim(a, w, first, 0), cache, written)
+    def run(cache: KVCache, first: jax.Array):
+        tokens_, lengths_ = (jax.lax.dynamic_slice_in_dim(a, first, group) for a in (tokens, lengths))  # [group, ..]
+        last = lengths_.astype(jnp.int32) - 1  # [group] each prompt's last row
+        hidden, features, cache = _layers(target, tokens_, cache, jnp.zeros(last.shape, jnp.int32), layer_ids,
+                                          implementation, first)
+        last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [group, H]
         return cache, (last_hidden, features)
 
-    cache, (last_hidden, features) = jax.lax.scan(step, cache, jnp.arange(0, batch, group, dtype=jnp.int32))
+    if group == batch:
+        cache, (last_hidden, features) = run(cache, jnp.int32(0))
+        return last_hidden, features, cache
+
+    cache, (last_hidden, features) = jax.lax.scan(run, cache, jnp.arange(0, batch, group, dtype=jnp.int32))
     # last_hidden: [batch / group, group, H]; features: [batch / group, group, P, Lf * H]
     return last_hidden.reshape(batch, -1), features.reshape(batch, P, -1), cache
 
