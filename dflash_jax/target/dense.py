@@ -299,7 +299,7 @@ def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
 
 def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
                past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None,
-               first: jax.Array):
+               first: jax.Array | int = 0):
     """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
     K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[sequences, n_kv, T, d_h]`
     (its sequences `first ..`: 0 but in a fused prefill's groups).
@@ -342,7 +342,7 @@ def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array
 
 
 def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
-            fused: Literal["cudnn", "xla"] | None = None, first: jax.Array | None = None):
+            fused: Literal["cudnn", "xla"] | None = None, first: jax.Array | int = 0):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
     to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
@@ -352,7 +352,6 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
     N = c.num_hidden_layers
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
-    first = jnp.int32(0) if first is None else first
     rope = rope_tables(c, positions)  # cos/sin [batch, S, d_h]
 
     x = x0 = jnp.take(target.embed, tokens, axis=0).astype(target.embed.dtype)  # [batch, S, H]
