@@ -50,7 +50,7 @@ _BASE_TINY = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "num_target_layers": 6, "block_size": 8,
+    "num_target_layers": 4, "block_size": 8,
     "dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 3]},
 }
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -85,7 +85,7 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "layer_types": ["full_attention", "full_attention"], "markov_head_type": "vanilla", "markov_rank": 32,
         "mask_token_id": 4, "max_position_embeddings": 4096, "moe_intermediate_size": None, "num_anchors": 512,
         "num_attention_heads": 4, "num_experts": None, "num_global_key_value_heads": 1, "num_hidden_layers": 2,
-        "num_key_value_heads": 2, "num_kv_shared_layers": 0, "num_target_layers": 6, "pad_token_id": 0,
+        "num_key_value_heads": 2, "num_kv_shared_layers": 0, "num_target_layers": 4, "pad_token_id": 0,
         "rms_norm_eps": 1e-06,
         "rope_parameters": {
             "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},

@@ -8,11 +8,11 @@ from the target's p, so both accepts and rejects happen often. DFlash2 draws fro
 (q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes; DSpark's q has full
 support (DFlash's softmax plus a Markov bias; the rule does not depend on the family, and each family's q is
 checked against the NumPy reference in tests/test_drafting.py), and its confidence cut ends proposals early.
-Every run has the adaptive draft-length policy on, with given step costs: DFlash2's make plain target steps
-cheap, so the first step verifies the shortest length (3 of 7 drafts) and x3 comes from a plain step wherever it
-made only x2 (a plain step samples from the target, and when to take one depends on earlier steps only);
-DFlash's make 3 drafts the best buy every step (drafts past the chosen length are not proposed, as past the
-DSpark cut); DSpark's measure nothing, so the run measures them on its first steps, at forced lengths.
+Every run has the adaptive draft-length policy on; its first step verifies every draft (nothing is known yet).
+With given step costs: DFlash2's make plain target steps cheap, so x3 comes from a plain step wherever the first
+verify made only x2 (a plain step samples from the target, and when to take one depends on earlier steps only);
+DFlash's make 3 drafts the best buy after it (drafts past the chosen length are not proposed, as past the DSpark
+cut); DSpark's measure nothing, so the run measures them on its first steps, at forced lengths.
 
 Each run has one of the sampling controls on (top-p, min-p, top-k; `dflash_jax.sampling`), with the drafts drawn
 under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy
@@ -116,7 +116,7 @@ def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, th
     uncut = _distribution(logits, T).sum(2).ravel()  # the control's power: samples of T alone are refused
     cells = np.random.default_rng(0).choice(V * V, SAMPLES, p=uncut / uncut.sum())
     assert _chi2_z(np.bincount(cells, minlength=V * V), SAMPLES * exact.sum(2)) > 4
-    write_checkpoint(tmp_path, _small_vocab(preset), seed=11)
+    write_checkpoint(tmp_path, _small_vocab(preset), seed=12)  # first verifies take both paths often
     drafter = _attach(target, load_drafter(tmp_path, dtype=jnp.float32))
 
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T,
@@ -127,8 +127,6 @@ def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, th
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
     if preset == "tiny-dflash2":  # the sequences whose first verify made only x2 made x3 in a plain step
         assert np.asarray(result.plain_tokens).sum() == first_steps.count(1)
-    if preset == "tiny-dflash":  # 3 drafts verified of 7: a step makes at most 4 tokens
-        assert max(first_steps) == 4
 
     joint12 = np.zeros((V, V))
     np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)

@@ -169,13 +169,13 @@ def test_a_cache_that_cannot_exist_is_refused_with_its_size(target, drafter, mon
     with pytest.raises(ValueError, match=r"would need \d+ positions per sequence, past int32 positions"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**31 - 1, beyond_max_positions=True)
     monkeypatch.setattr(dflash_jax._memory, "host_available_bytes", lambda: 8 * GiB)
-    # 6 layers x K and V x 2 KV heads x 16 x float32 = 1.5 KiB per position: 2**24 positions are 24 GiB; the
+    # 4 layers x K and V x 2 KV heads x 16 x float32 = 1 KiB per position: 2**24 positions are 16 GiB; the
     # drafter's cache (2 layers) adds 0.5 KiB per position
     with pytest.raises(ValueError, match=r"greedy_generate: the KV caches for 1 sequence\(s\) of 16777344 positions "
-                                         r"need 24.01 GiB, but the target's 1 device\(s\) \(1 on the host's "
+                                         r"need 16.00 GiB, but the target's 1 device\(s\) \(1 on the host's "
                                          r"available memory\) have 8.00 GiB free"):
         greedy_generate(target, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
-    with pytest.raises(ValueError, match=r"speculative_generate: the KV caches .* need 32.01 GiB"):
+    with pytest.raises(ValueError, match=r"speculative_generate: the KV caches .* need 24.00 GiB"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
 
 

@@ -205,8 +205,8 @@ def test_random_bf16_target_verifies_and_commits():
     and a commit; the pending cache holds S + 1 states and K - 1 + S conv rows, the committed one the shapes of
     an empty cache (whatever S: a while_loop carry)."""
     target = random_qwen3_5("tiny-qwen3_5-tied", dtype=jnp.bfloat16)
-    assert target.lm_head is target.embed and target.num_layers == 6 and target.hidden_size == 64
-    assert target.config.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 2
+    assert target.lm_head is target.embed and target.num_layers == 4 and target.hidden_size == 64
+    assert target.config.layer_types == ("linear_attention",) * 2 + ("full_attention", "linear_attention")
     empty = target.init_cache(2, 16)
     out = target.prefill(jnp.array([[3, 4, 5, 6], [7, 8, 0, 0]]), empty, jnp.array([4, 2]), layer_ids=(1, 3))
     block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(1, 3))
@@ -221,7 +221,7 @@ def test_random_bf16_target_verifies_and_commits():
 
 @pytest.mark.parametrize("change, field", [
     ({"layer_types": ["linear_attention", "sliding_attention"] * 3}, r"layer_types\[1\] is 'sliding_attention'"),
-    ({"layer_types": ["full_attention"] * 5}, "layer_types has 5 entries for num_hidden_layers=6"),
+    ({"layer_types": ["full_attention"] * 5}, "layer_types has 5 entries for num_hidden_layers=4"),
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({"linear_num_key_heads": 3}, "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3"),
     ({"attn_output_gate": False}, "attn_output_gate"),
@@ -243,7 +243,7 @@ def test_a_missing_text_config_is_refused():
 
 
 @pytest.mark.parametrize("name, change, message", [
-    ("model.layers.4.linear_attn.A_log", None, "missing tensor 'model.layers.4.linear_attn.A_log'"),
+    ("model.layers.3.linear_attn.A_log", None, "missing tensor 'model.layers.3.linear_attn.A_log'"),
     ("model.layers.1.linear_attn.in_proj_qkv.weight", None,
      r"missing tensor 'model.layers.1.linear_attn.in_proj_qkv.weight' \(the delta net's fused q, k, v projection, "
      r"expected shape \[128, 64\]\)"),
