@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.adaptive import Adaptive, History, Probing, longest_gap
-from dflash_jax.generate import _Policy, _resolve_policy
+from dflash_jax.generate import _Policy, _resolve_policy, _Settings
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: adaptive.py's workload rates
 from adaptive import BATCH_RATES, RATES  # noqa: E402
@@ -61,13 +61,14 @@ class _UninformativeProposal:
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "drafted"))
-def _choose(policy: _Policy, history: History, seconds, remaining, live, drafted: bool):
+def _choose(policy: _Policy, settings: _Settings, history: History, seconds, remaining, live, drafted: bool):
     """The loop's choice (`_Policy.choose`): after a verify, whether the next step drafts (the history alone, with
     the margin); in a drafting step, its verify length (the proposal's confidences times the calibration)."""
     if drafted:
-        return policy.choose(_UninformativeProposal(live.shape[0]), history, seconds, remaining, live, False)
-    return policy.choose(None, history, seconds, remaining, live, False,
-                         plain_margin=history.margin(policy.settings.margin, live))
+        return policy.choose(settings, _UninformativeProposal(live.shape[0]), history, seconds, remaining, live,
+                             False)
+    return policy.choose(settings, None, history, seconds, remaining, live, False,
+                         plain_margin=history.margin(settings.margin, live))
 
 
 def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: Adaptive | None) -> float:
@@ -79,7 +80,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
     history, probing = History.empty(batch), Probing.start()
     secs = jnp.asarray(seconds, jnp.float32)
     longest = longest_gap(secs, policy.probe_share) if policy else None
-    loop_policy = _resolve_policy(policy, K)[0] if policy else None  # what the compiled loop knows
+    loop_policy, settings, _ = _resolve_policy(policy or "fixed", K)  # what the compiled loop knows
     draft, step, total = True, 0, 0.0
     while (n_out < budget).any():
         live = n_out < budget
@@ -94,7 +95,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
         if policy is None or step == 0:
             index = len(LENGTHS) - 1
         else:
-            index = int(_choose(loop_policy, history, secs, remaining, jnp.asarray(live), drafted=True))
+            index = int(_choose(loop_policy, settings, history, secs, remaining, jnp.asarray(live), drafted=True))
         n = LENGTHS[index]
         accepted = np.zeros(batch, np.int64)
         for b in range(batch):  # drafts accepted while the tokens before them agree
@@ -109,8 +110,8 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
         running = n_out < budget
         if policy is None or not running.any():
             continue
-        plan = _choose(loop_policy, history, secs, jnp.asarray(budget - n_out, jnp.int32), jnp.asarray(running),
-                       drafted=False)
+        plan = _choose(loop_policy, settings, history, secs, jnp.asarray(budget - n_out, jnp.int32),
+                       jnp.asarray(running), drafted=False)
         draft = LENGTHS[int(plan)] > 0
         probing = probing.after_verify(jnp.asarray(not draft), longest)
     return total

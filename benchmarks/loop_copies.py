@@ -111,11 +111,11 @@ def main() -> None:
     def lowered(mode: str):
         if mode == "greedy":
             return generate._greedy_decode.lower(target, greedy, stop, warp, sampling=False)
-        policy, _ = generate._resolve_policy(mode, K)
+        policy, settings, _ = generate._resolve_policy(mode, K)
         seconds = jax.ShapeDtypeStruct((len(policy.lengths),), jnp.float32)
         return generate._spec_decode.lower(
             target, drafter, speculative, stop, warp, jax.ShapeDtypeStruct((), jnp.float32), scalar, seconds,
-            scalar, scalar, sampling=False, attention=AttentionOptions(), policy=policy)
+            scalar, scalar, settings, sampling=False, attention=AttentionOptions(), policy=policy)
 
     rows = []
     for mode in args.programs:

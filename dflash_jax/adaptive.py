@@ -205,21 +205,21 @@ class History:
         zeros = jnp.zeros((batch,), jnp.float32)
         return History(zeros, zeros, zeros, zeros, zeros)
 
-    def rate(self, prior: float) -> jax.Array:
+    def rate(self, prior: float | jax.Array) -> jax.Array:
         """`[batch]` recent acceptance per tried position, with one pseudo-trial at `prior`."""
         return (self.hits + prior) / (self.tries + 1)
 
-    def run_rate(self, prior: float) -> jax.Array:
+    def run_rate(self, prior: float | jax.Array) -> jax.Array:
         """`[batch]` acceptance per tried position over the whole call, with one pseudo-trial at `prior`: what sets
         how long a sequence will take (`weights`), where `rate` follows its recent stretch."""
         return (self.run_hits + prior) / (self.run_tries + 1)
 
-    def scale(self, prior: float) -> jax.Array:
+    def scale(self, prior: float | jax.Array) -> jax.Array:
         """`[batch]` accepted / predicted: what the drafter's confidences are multiplied by."""
         return (self.hits + prior) / (self.predicted + prior)
 
     def update(self, verified: jax.Array, accepted: jax.Array, confidence: jax.Array, live: jax.Array,
-               memory: float) -> History:
+               memory: float | jax.Array) -> History:
         """After a verify of `verified` `[batch]` of the drafts whose confidences are `confidence` `[batch, K]`,
         `accepted` `[batch]` of them accepted: each running sequence that verified drafts keeps `memory` of its
         evidence and adds the step's (one that verified none, after a DSpark cut, keeps its evidence as it is)."""
@@ -235,7 +235,7 @@ class History:
         return History(mix(self.hits, hits), mix(self.tries, tries), mix(self.predicted, predicted),
                        mix(self.run_hits, hits, 1.0), mix(self.run_tries, tries, 1.0))
 
-    def margin(self, margin: float, live: jax.Array) -> jax.Array:
+    def margin(self, margin: float | jax.Array, live: jax.Array) -> jax.Array:
         """`[]` `Adaptive.margin` in proportion to the accepted drafts on record of the `live` `[batch]` sequences,
         in full from one on: no hysteresis for a drafter that has not been right (module doc)."""
         return margin * jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
@@ -269,7 +269,7 @@ class Probing:
         return Probing(gap.astype(jnp.int32), jnp.zeros_like(self.idle))
 
 
-def longest_gap(seconds: jax.Array, share: float) -> jax.Array:
+def longest_gap(seconds: jax.Array, share: float | jax.Array) -> jax.Array:
     """`[]` int32: the most plain steps between probes, `c / share` for a probe costing `c = seconds[1] / seconds[0]
     - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0, l_1), so that a drafter that keeps
     failing costs at most `share` of the plain steps' time in probes; at least 1, at most 2**20."""
@@ -291,7 +291,7 @@ def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array
 
 
 def weights(run_rate: jax.Array, num_draft_tokens: int, remaining: jax.Array, live: jax.Array,
-            focus: float) -> jax.Array:
+            focus: float | jax.Array) -> jax.Array:
     """`[batch]` how much each sequence's progress counts (module doc, `w_i`): `(S_i / max S) ** focus` over the
     `live` sequences (0 for the others), `S_i` the steps sequence i still needs at `num_draft_tokens` drafts a step
     at its `run_rate` `[batch]` (`History.run_rate`), `remaining` `[batch]` tokens left in its budget."""

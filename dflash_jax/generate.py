@@ -190,53 +190,67 @@ PENDING_BLOCKS = 2  # plain steps' context rows wait in a buffer of this many ve
 _NO_LIMIT = 2**31 - 1
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """`Adaptive`'s numbers as the loop's traced input (`[]` float32 each): another setting runs the same program."""
+
+    memory: jax.Array
+    prior: jax.Array
+    margin: jax.Array
+    probe_share: jax.Array
+    focus: jax.Array
+
+    @classmethod
+    def of(cls, adaptive: Adaptive | None) -> _Settings:
+        adaptive = adaptive or Adaptive()  # the fixed length reads none of them
+        return cls(*(jnp.float32(getattr(adaptive, f.name)) for f in dataclasses.fields(cls)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Policy:
-    """What the compiled loop knows of the draft-length policy (static): the lengths it chooses from, and the
-    `Adaptive` settings without their costs (a traced input), or None: every step verifies `lengths[0]`, the
+    """What the compiled loop knows of the draft-length policy (static): the lengths it chooses from, and whether
+    it chooses (`adaptive`; its settings are a traced `_Settings`); if not, every step verifies `lengths[0]`, the
     drafter's K."""
 
     lengths: tuple[int, ...]
-    settings: Adaptive | None
-
-    @property
-    def adaptive(self) -> bool:
-        return self.settings is not None
+    adaptive: bool
 
     @property
     def plain(self) -> bool:
         """Plain target steps are among the lengths (`lengths[0]` is 0)."""
         return self.lengths[0] == 0
 
-    def choose(self, proposal: Proposal | None, history: History, seconds: jax.Array, remaining: jax.Array,
-               live: jax.Array, sampling: bool, plain_margin: jax.Array | float = 0.0) -> jax.Array:
+    def choose(self, settings: _Settings, proposal: Proposal | None, history: History, seconds: jax.Array,
+               remaining: jax.Array, live: jax.Array, sampling: bool, plain_margin: jax.Array | float = 0.0
+               ) -> jax.Array:
         """The index of a step's length: before drafting (`proposal` None) from the history alone, a plain step's
         rate counting `1 - plain_margin` times; after, from the proposal's calibrated confidences at T = 0 and the
         history at T > 0 (`dflash_jax.adaptive`)."""
-        assert self.settings is not None
-        batch, n, prior = live.shape[0], self.lengths[-1], self.settings.prior
+        assert self.adaptive
+        batch, n, prior = live.shape[0], self.lengths[-1], settings.prior
         if proposal is None or sampling:
             p = jnp.broadcast_to(history.rate(prior)[:, None], (batch, n))
         else:
             confidence = proposal.predicted_acceptance()[:, :n]  # [batch, n]
             p = jnp.clip(confidence * history.scale(prior)[:, None], 0.0, 1.0)
             p = jnp.where(jnp.arange(n) < proposal.num_tokens[:, None], p, 0.0)  # past a DSpark cut: not proposed
-        weight = weights(history.run_rate(prior), n, remaining, live, self.settings.focus)  # [batch]
+        weight = weights(history.run_rate(prior), n, remaining, live, settings.focus)  # [batch]
         return choose_length(p, self.lengths, seconds, remaining, weight, drafted=proposal is not None,
                              plain_margin=plain_margin)
 
 
-def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, StepCosts | None]:
-    """`speculative_generate`'s `draft_length` as the loop's `_Policy` and the costs the user gave, if any."""
+def _resolve_policy(draft_length: Any, num_draft_tokens: int) -> tuple[_Policy, _Settings, StepCosts | None]:
+    """`speculative_generate`'s `draft_length` as the loop's `_Policy`, its settings and the costs the user gave,
+    if any."""
     if isinstance(draft_length, str) and draft_length == "fixed":
-        return _Policy((num_draft_tokens,), None), None
+        return _Policy((num_draft_tokens,), False), _Settings.of(None), None
     if isinstance(draft_length, str) and draft_length == "adaptive":
         draft_length = Adaptive()
     if not isinstance(draft_length, Adaptive):
         raise TypeError(f"speculative_generate: draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive, "
                         f"got {draft_length!r}")
-    settings = dataclasses.replace(draft_length, draft_lengths=None, costs=None)  # static: no arrays, no times
-    return _Policy(draft_length.lengths(num_draft_tokens), settings), draft_length.costs
+    return _Policy(draft_length.lengths(num_draft_tokens), True), _Settings.of(draft_length), draft_length.costs
 
 
 @jax.tree_util.register_dataclass
@@ -373,6 +387,7 @@ class _Loop:
     sampling: bool
     attention: AttentionOptions
     policy: _Policy
+    settings: _Settings
     report: bool
 
     def run(self, s: _State) -> _State:
@@ -444,17 +459,17 @@ class _Loop:
             pending=jax.lax.dynamic_update_slice(s.pending, features, (0, 0, 0)), num_pending=committed,
             anchor=jnp.where(live, last, s.anchor), out=out, n_out=n_out,
             accept=s.accept.at[:, s.step].set(committed), done=done, key=key)
-        if policy.settings is not None:
+        if policy.adaptive:
             verified = jnp.minimum(jnp.asarray(policy.lengths)[index], proposal.num_tokens)  # [batch]
             history = s.history.update(verified, accepted, proposal.predicted_acceptance(), live,
-                                       policy.settings.memory)
+                                       self.settings.memory)
             s = dataclasses.replace(s, history=history)
-        if policy.settings is not None and policy.plain:  # whether the next step drafts, from the history alone
+        if policy.adaptive and policy.plain:  # whether the next step drafts, from the history alone
             running = ~done
-            plan = policy.choose(None, s.history, self.seconds, s.budget - n_out, running, self.sampling,
-                                 plain_margin=s.history.margin(policy.settings.margin, running))
+            plan = policy.choose(self.settings, None, s.history, self.seconds, s.budget - n_out, running,
+                                 self.sampling, plain_margin=s.history.margin(self.settings.margin, running))
             draft = jnp.asarray(policy.lengths)[plan] > 0
-            longest = longest_gap(self.seconds, policy.settings.probe_share)
+            longest = longest_gap(self.seconds, self.settings.probe_share)
             s = dataclasses.replace(s, draft=draft, probing=s.probing.after_verify(~draft, longest))
         return self.reported(s)
 
@@ -462,9 +477,10 @@ class _Loop:
         """`[]` int32: the index into `policy.lengths` of the drafting step's verify: the forced one while the costs
         are measured, the longest at the first step (nothing is known yet), else the policy's choice."""
         policy = self.policy
-        if policy.settings is None:
+        if not policy.adaptive:
             return jnp.zeros((), jnp.int32)
-        chosen = policy.choose(proposal, s.history, self.seconds, s.budget - s.n_out, ~s.done, self.sampling)
+        chosen = policy.choose(self.settings, proposal, s.history, self.seconds, s.budget - s.n_out, ~s.done,
+                               self.sampling)
         return jnp.where(self.force >= 0, self.force, jnp.where(s.step == 0, len(policy.lengths) - 1, chosen))
 
     def plain_step(self, s: _State) -> _State:
@@ -499,12 +515,12 @@ class _Loop:
     jax.jit, static_argnames=("sampling", "attention", "policy", "report"), donate_argnames=("state",),
 )
 def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Warp, threshold, call, seconds, force,
-                 until, *, sampling: bool, attention: AttentionOptions, policy: _Policy,
+                 until, settings: _Settings, *, sampling: bool, attention: AttentionOptions, policy: _Policy,
                  report: bool = False) -> _State:
     """Decode steps from `state` as one program (`_Loop.run`), until every sequence is done or `state.step` reaches
     `until`."""
     return _Loop(target, drafter, stop, warp, threshold, call, seconds, force, until, sampling, attention, policy,
-                 report).run(state)
+                 settings, report).run(state)
 
 
 _PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
@@ -635,7 +651,7 @@ def speculative_generate(
     K = drafter.config.num_draft_tokens
     if draft_length is None:
         draft_length = DRAFT_LENGTH if temperature == 0 else "fixed"
-    policy, costs = _resolve_policy(draft_length, K)
+    policy, settings, costs = _resolve_policy(draft_length, K)
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
     tokens, lengths = _pad_prompts(prompts)
@@ -667,7 +683,7 @@ def speculative_generate(
     try:
         def run(state: _State, seconds: jax.Array, force: jax.Array, until: jax.Array) -> _State:
             return _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(call), seconds, force,
-                                until, sampling=sampling, attention=attention, policy=policy,
+                                until, settings, sampling=sampling, attention=attention, policy=policy,
                                 report=progress is not None)
 
         force = jnp.int32(-1)

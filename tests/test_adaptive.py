@@ -348,8 +348,12 @@ def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
     lengths = Adaptive().lengths(K)
     costs = StepCosts(lengths, (1.0, 1.6, 1.8)[:len(lengths)], 2, "cpu")
     expected = greedy_generate(target, prompts, max_new_tokens=32).tokens
-    runs = {focus: speculative_generate(target, drafter, prompts, max_new_tokens=32,
-                                        draft_length=Adaptive(costs=costs, focus=focus)) for focus in (8.0, 0.0)}
+    runs, programs = {}, []
+    for focus in (8.0, 0.0):
+        runs[focus] = speculative_generate(target, drafter, prompts, max_new_tokens=32,
+                                           draft_length=Adaptive(costs=costs, focus=focus))
+        programs.append(generate_module._spec_decode._cache_size())
+    assert programs[1] == programs[0]  # another setting runs the same program (the settings are traced)
     assert all(r.tokens == expected for r in runs.values())
     assert all(set(r.acceptance_lengths[0]) == {1} for r in runs.values())  # sequence 0's drafts never accepted
     weighted, summed = runs[8.0], runs[0.0]

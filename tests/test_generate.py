@@ -23,6 +23,7 @@ from dflash_jax.generate import (
     _attach,
     _pad_prompts,
     _Policy,
+    _Settings,
     _spec_decode,
     _spec_prefill,
     _stop_array,
@@ -148,7 +149,7 @@ def _stepper(target, drafter):
     prompts fit them too): `steps` runs `n` decode steps of the length of index `force` (0: plain steps, their
     context rows appended to the drafter's cache at the end)."""
     stop, warp, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
-    policy, seconds = _Policy((0, 3, 7), Adaptive()), jnp.ones(3, jnp.float32)
+    policy, settings, seconds = _Policy((0, 3, 7), True), _Settings.of(Adaptive()), jnp.ones(3, jnp.float32)
     budget = round_up(MAX_NEW, BUDGET_BUCKET)
     capacity = round_up(_pad_prompts(PROMPTS)[0].shape[1] + budget + drafter.config.num_draft_tokens + 1,
                         CACHE_BUCKET)
@@ -162,7 +163,7 @@ def _stepper(target, drafter):
 
     def steps(state, force, n):
         return _spec_decode(target, drafter, state, stop, warp, threshold, jnp.int32(0), seconds, jnp.int32(force),
-                            state.step + n, sampling=False, attention=AttentionOptions(), policy=policy)
+                            state.step + n, settings, sampling=False, attention=AttentionOptions(), policy=policy)
 
     return prefill, steps
 
