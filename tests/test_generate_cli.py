@@ -219,7 +219,9 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
 
 def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
     """`--tensor-parallel 2`: the target split over a (1, 2) ("data", "model") mesh, the DSpark drafter replicated
-    on the same two devices; with `--confidence-threshold` the tokens are still the single-device greedy ones."""
+    on the same two devices; with `--confidence-threshold` the tokens are still the single-device greedy ones. At
+    the fixed draft length (one verify program to compile): the adaptive one over several devices is
+    test_multihost's."""
     import dflash_jax.generate
 
     seen, real = {}, dflash_jax.generate.speculative_generate
@@ -231,7 +233,8 @@ def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
     monkeypatch.setattr(dflash_jax.generate, "speculative_generate", spy)
     target_dir, drafter_dir = checkpoints
     assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6"]) == 0
+                 "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6",
+                 "--draft-length", "fixed"]) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
                                stop_token_ids=target.config.eos_token_ids).tokens[0]

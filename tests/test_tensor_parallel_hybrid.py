@@ -124,13 +124,17 @@ def test_sharded_equals_unsharded(model, shape):
 @pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-moe-tp", (2, 4))],
                          indirect=["model"], ids=["dense-4x2", "moe-2x4"])
 def test_speculative_tokens_equal_unsharded_greedy(model, shape):
+    """The dense target at the fixed draft length, the MoE one under the adaptive policy (plain steps and verifies
+    of each length on the mesh): each verify length is one more program to compile."""
     root, unsharded = model
     prompts = [p[:n].tolist() for p, n in zip(PROMPTS, LENGTHS)]
     greedy = greedy_generate(unsharded, prompts, max_new_tokens=MAX_NEW).tokens
     mesh = jax.make_mesh(shape, ("data", "model"))
     target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", mesh=mesh, dtype=jnp.float32)
-    assert speculative_generate(target, drafter, prompts, max_new_tokens=MAX_NEW).tokens == greedy
+    draft_length = "adaptive" if target.config.is_moe else "fixed"
+    assert speculative_generate(target, drafter, prompts, max_new_tokens=MAX_NEW,
+                                draft_length=draft_length).tokens == greedy
 
 
 @pytest.mark.gpu
