@@ -366,6 +366,8 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
             return out.reshape(batch, S, -1), (new_k, new_v)
 
         x, (keys[i], values[i]) = decoder_layer(p, c, x, attention)
+        if fused:  # each layer's K/V written before the next runs: XLA:GPU otherwise held every layer's new rows
+            x, keys[i], values[i] = jax.lax.optimization_barrier((x, keys[i], values[i]))  # to the end (36 x 128 MiB)
         if layout is not None:  # the row-parallel o/down sums end replicated over the tensor axis
             x = layout.constrain(x, ROWS_AXES)
         if i in layer_ids and i < N - 1:
