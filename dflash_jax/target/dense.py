@@ -396,8 +396,8 @@ def _prefill(
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch = tokens.shape[0]
 
-    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # the whole prompt at once, cuDNN's kernel
-        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn", tuning().fused_prefill_rows)
+    def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # whole prompts, cuDNN's kernel
+        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn")
 
     def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
         return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
@@ -413,15 +413,16 @@ def _prefill(
 
 
 def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int
+                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None
                 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """The whole prompts into an empty cache, whole sequences at a time: `(last_hidden [batch, H], features
     [batch, P, Lf * H], cache)`. A step runs `group` sequences (the largest divisor of the batch whose rows,
-    group x P, stay within `max_rows`; at least one), a `lax.scan` over the groups writing each one's K/V in place
-    at its batch offset: a step's activations (the MLP's [rows, intermediate], the GEMM autotuner's scratch)
-    scale with its rows. Where a mesh splits the batch the whole batch is one step (a batch offset into a split
-    axis would gather it)."""
+    group x P, stay within `max_rows`, default the device's `fused_prefill_rows`; at least one), a `lax.scan` over
+    the groups writing each one's K/V in place at its batch offset: a step's activations (the MLP's [rows,
+    intermediate], the GEMM autotuner's scratch) scale with its rows. Where a mesh splits the batch the whole batch
+    is one step (a batch offset into a split axis would gather it)."""
     batch, P = tokens.shape
+    max_rows = tuning().fused_prefill_rows if max_rows is None else max_rows
     group = max([g for g in range(1, batch + 1) if batch % g == 0 and g * P <= max_rows], default=1)
     if target.layout is not None and target.layout.splits_batch(batch):
         group = batch
@@ -450,7 +451,6 @@ def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, leng
     ("cudnn", as `prefill` runs it; "xla" runs the same masking, last-row gather and grouping of sequences on any
     backend, as the tests do); at most `max_rows` prompt rows a step (default: the device's
     `fused_prefill_rows`)."""
-    max_rows = tuning().fused_prefill_rows if max_rows is None else max_rows
     last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation, max_rows)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
