@@ -89,15 +89,16 @@ def check_block_inputs(config: DflashConfig, where: str, target_hidden, block_id
 
 
 def check_propose_inputs(config: DflashConfig, where: str, cache_batch: int, target_hidden, num_new,
-                         anchor_ids=None) -> None:
-    """`propose` / `append_context`: target_hidden `[batch, n_new, Lf*H]` with the cache's batch, num_new
-    `[batch]` in `[0, n_new]`, anchor_ids (`propose`'s) `[batch]` of token ids."""
-    width = len(config.checked_target_layer_ids) * config.hidden_size
+                         anchor_ids=None, projected: bool = False) -> None:
+    """`propose` / `append_context`: target_hidden `[batch, n_new, Lf*H]` (`projected`: `[batch, n_new, H]`) with
+    the cache's batch, num_new `[batch]` in `[0, n_new]`, anchor_ids (`propose`'s) `[batch]` of token ids."""
+    layers = 1 if projected else len(config.checked_target_layer_ids)
+    width = layers * config.hidden_size
     hidden = _shape(target_hidden)
     if len(hidden) != 3 or hidden[2] != width or hidden[0] != cache_batch:
+        what = "projected context rows of hidden" if projected else f"{layers} target layers x hidden"
         raise ValueError(f"{where}: target_hidden has shape {list(hidden)}, expected [{cache_batch}, n_new, {width}] "
-                         f"(the cache's batch, {len(config.checked_target_layer_ids)} target layers x hidden "
-                         f"{config.hidden_size})")
+                         f"(the cache's batch, {what} {config.hidden_size})")
     batch, n_new = hidden[:2]
     for name, x in (("num_new", num_new), ("anchor_ids", anchor_ids)):
         if x is not None and _shape(x) != (batch,):

@@ -50,6 +50,7 @@ from .attention import (
     span_capacity,
     write_slots,
 )
+from .config import DflashConfig
 from .drafter import Drafter, draft_to_target_ids
 from .model import (
     Absorb,
@@ -66,6 +67,7 @@ from .model import (
     rope_tables,
 )
 from .sampling import Warp, choose
+from .target import FeatureMap
 from .tuning import tuning
 
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
@@ -384,19 +386,19 @@ def _context_slots(cache: ContextCache, rows: int, ring: bool, num_new: jax.Arra
 
 
 def _append_chunked(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array,
-                    chunk: int) -> ContextCache:
-    """Project and append `target_hidden [batch, n_new, Lf*H]` `chunk` rows at a time (a `lax.scan`), so a long
-    prompt needs a chunk's activations, not the prompt's. Each step slices its rows out of `target_hidden` (a
-    chunk-major copy of it would double the features' memory: 10.7 GB at 8 x 32k rows of a Qwen3-8B); the last
+                    chunk: int, projected: bool = False) -> ContextCache:
+    """Project and append `target_hidden [batch, n_new, Lf*H]` (`projected`: already projected, `[batch, n_new,
+    H]`) `chunk` rows at a time (a `lax.scan`), so a long prompt needs a chunk's activations, not the prompt's.
+    Each step slices its rows out of `target_hidden` (a chunk-major copy of it would double its memory); the last
     step's slice ends at `n_new` and starts early, its rows rolled so that the new ones come first."""
     params, config = drafter.params, drafter.config
     n = target_hidden.shape[1]
 
     def step(cache, c):
         start = jnp.minimum(c * chunk, n - chunk)
-        rows = jax.lax.dynamic_slice_in_dim(target_hidden, start, chunk, axis=1)  # [batch, chunk, Lf*H]
+        rows = jax.lax.dynamic_slice_in_dim(target_hidden, start, chunk, axis=1)  # [batch, chunk, Lf*H or H]
         rows = jnp.roll(rows, start - c * chunk, axis=1)  # the last step: its rows before c * chunk go last
-        ctx = project_context(params, config, rows)  # [batch, chunk, H]
+        ctx = rows if projected else project_context(params, config, rows)  # [batch, chunk, H]
         rope = rope_tables(config, cache.lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32))
         keys_values = layer_functions(config).keys_values  # the variant's (Gemma 4: V from K)
         kv = [keys_values(p["self_attn"], config, ctx, rope) for p in params["layers"]]
@@ -469,26 +471,48 @@ def append_context(
     *,
     attention: AttentionOptions = AttentionOptions(),
     append_chunk: int = APPEND_CHUNK,
+    projected: bool = False,
 ) -> ContextCache:
     """Append context rows without drafting: `propose`'s first half, for steps that make no drafts.
 
     target_hidden `[batch, n_new, Lf*H]` and num_new `[batch]` as in `propose`; the rows are projected and their
-    K/V written `append_chunk` at a time. The cache is donated; `attention` must be the cache's.
+    K/V written `append_chunk` at a time. `projected`: target_hidden is already `context_projection(drafter)` of
+    the features, `[batch, n_new, H]` (what a target's `prefill` returns given it). The cache is donated;
+    `attention` must be the cache's.
     """
     num_new = as_ids("append_context", "num_new", num_new)
     return call_donating("append_context", cache, _append_context, drafter, cache, target_hidden, num_new,
-                         attention=attention, append_chunk=append_chunk)
+                         attention=attention, append_chunk=append_chunk, projected=projected)
 
 
-@functools.partial(jax.jit, static_argnames=("attention", "append_chunk"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("attention", "append_chunk", "projected"), donate_argnames=("cache",))
 def _append_context(drafter: Drafter, cache: ContextCache, target_hidden: jax.Array, num_new: jax.Array, *,
-                    attention: AttentionOptions, append_chunk: int) -> ContextCache:
+                    attention: AttentionOptions, append_chunk: int, projected: bool) -> ContextCache:
     check_integer("append_context", "append_chunk", append_chunk, 1)
     check_params(drafter.config, drafter.params, "append_context")
-    check_propose_inputs(drafter.config, "append_context", cache.lengths.shape[0], target_hidden, num_new)
+    check_propose_inputs(drafter.config, "append_context", cache.lengths.shape[0], target_hidden, num_new,
+                         projected=projected)
     _check_attention(cache, attention, "append_context")
     return _append_chunked(drafter, cache, target_hidden, jnp.asarray(num_new, jnp.int32),
-                           min(append_chunk, target_hidden.shape[1]))
+                           min(append_chunk, target_hidden.shape[1]), projected)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ContextProjection:
+    """`project_context` of one drafter config: hashable, so that a `FeatureMap` of it keys compiled programs."""
+
+    config: DflashConfig
+
+    def __call__(self, params: dict, features: jax.Array) -> jax.Array:
+        return project_context(params, self.config, features)  # [batch, rows, H]
+
+
+def context_projection(drafter: Drafter) -> FeatureMap:
+    """The drafter's context projection (`fc`, then `hidden_norm`: `[batch, rows, Lf*H] -> [batch, rows, H]`) as a
+    `FeatureMap`, for a target's `prefill` to apply as it makes the features; `append_context(...,
+    projected=True)` takes its output."""
+    params = {name: drafter.params[name] for name in ("fc", "hidden_norm")}
+    return FeatureMap(params, _ContextProjection(drafter.config))
 
 
 def propose(

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 import math
 import time
@@ -65,7 +66,7 @@ from ._arguments import check_cache_fits, check_generate
 from ._shapes import round_up
 from .adaptive import Adaptive, History, Probing, StepCosts, choose_length, longest_gap, weights
 from .drafter import Drafter
-from .drafting import ContextCache, Proposal, append_context, init_cache, propose
+from .drafting import ContextCache, Proposal, append_context, context_projection, init_cache, propose
 from .errors import IncompatiblePairError
 from .model import AttentionOptions
 from .pairing import check_pair
@@ -335,24 +336,29 @@ def _spec_prefill(
     budget, *, capacity: int, sampling: bool, attention: AttentionOptions, prefill_chunk: int
 ) -> _State:
     """Run the prompts through the target, take the first token and fill the drafter's context with the prompts'
-    features; the first step drafts from there.
+    features; the first step drafts from there. A target whose `prefill` takes a `FeatureMap` returns the
+    features already projected for the drafter, a step at a time: the prompts' `Lf * H`-wide features never
+    exist whole (8 x 32k rows of a Qwen3-8B: 10 GiB).
 
     The empty caches come in as arguments: made inside, XLA would constant-fold work over them at compile time.
     """
     batch = tokens.shape[0]
     K = drafter.config.num_draft_tokens
     first_key, key = jax.random.split(key)
+    projected = "project" in inspect.signature(target.prefill).parameters
+    mapping = {"project": context_projection(drafter)} if projected else {}
     out = target.prefill(tokens, target_cache, lengths, layer_ids=drafter.config.checked_target_layer_ids,
-                         chunk=prefill_chunk)
+                         chunk=prefill_chunk, **mapping)
     first = _pick(first_key if sampling else None, out.logits, warp)  # [batch]
     context = append_context(drafter, context, out.features, lengths, attention=attention,
-                             append_chunk=prefill_chunk)
+                             append_chunk=prefill_chunk, projected=projected)
+    width = len(drafter.config.checked_target_layer_ids) * target.hidden_size  # Lf * H
     return _State(
         step=jnp.zeros((), jnp.int32),
         target_cache=out.cache,
         lengths=lengths,
         context=context,
-        pending=jnp.zeros((batch, PENDING_BLOCKS * (K + 1), out.features.shape[-1]), out.features.dtype),
+        pending=jnp.zeros((batch, PENDING_BLOCKS * (K + 1), width), target.embed.dtype),  # features: embed's dtype
         num_pending=jnp.zeros((batch,), jnp.int32),
         anchor=first,
         out=jnp.zeros((batch, capacity), jnp.int32).at[:, 0].set(first),

@@ -6,6 +6,8 @@ cuts and batches of prompts of different lengths."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +231,38 @@ def test_caches_hold_exactly_the_committed_tokens(family):
                                   [[True] + [False] * (rows - 1) + [True]] * len(PROMPTS))
     assert (np.asarray(state.n_out) > n_out + rows - 1).all()
     _assert_as_if_prefilled(prefill, drafter, state, PROMPTS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _WholeFeatures:
+    """A target whose `prefill` takes no `project` (the protocol before `FeatureMap`): features returned whole."""
+
+    inner: Any
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copies, unflattening)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def prefill(self, tokens, cache, lengths, *, layer_ids, chunk):
+        return self.inner.prefill(tokens, cache, lengths, layer_ids=layer_ids, chunk=chunk)
+
+
+def test_a_prefill_that_takes_no_feature_map_fills_the_same_context(tmp_path_factory, target):
+    """The speculative prefill hands the target's `prefill` the drafter's context projection (so the prompts'
+    features exist a step at a time); a target whose `prefill` takes none returns them whole and the loop projects
+    them after: the same drafter context, row for row, and the same first token."""
+    drafter = _attach(target, _drafter(tmp_path_factory, "tiny-dflash", seed=2))
+    mapped, whole = (_stepper(t, drafter)[0](PROMPTS) for t in (target, _WholeFeatures(target)))
+    np.testing.assert_array_equal(np.asarray(mapped.anchor), np.asarray(whole.anchor))
+    lengths = [len(p) for p in PROMPTS]
+    for a, b in zip(mapped.context.keys + mapped.context.values, whole.context.keys + whole.context.values):
+        for row, n in enumerate(lengths):  # [batch, n_kv, T, d_h]
+            np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=0, atol=0)
 
 
 def test_stop_tokens_and_batch_independence(target, greedy, oracle):

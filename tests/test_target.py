@@ -18,6 +18,7 @@ from dflash_jax.target import Target
 from dflash_jax.target.dense import Qwen3Target, plan_decoder, prefill_fused
 
 from . import _numpy_reference as ref
+from ._feature_maps import numpy_squash, squash
 from ._io import leaf, load_file, save_file
 from ._numpy_reference import numpy_decoder
 
@@ -229,13 +230,15 @@ def test_fused_prefill_equals_the_chunked_one():
             close(a[row, :, :n], b[row, :, :n])
 
 
-@pytest.mark.parametrize("fused", [None, 1 << 16, 9], ids=["chunked", "fused-twin", "fused-twin-by-sequence"])
-def test_prefill_matches_numpy_reference(tiny, fused):
+@pytest.mark.parametrize("fused, mapped", [(None, True), (1 << 16, False), (9, True)],
+                         ids=["chunked-mapped", "fused-twin", "fused-twin-by-sequence-mapped"])
+def test_prefill_matches_numpy_reference(tiny, fused, mapped):
     """`prefill` in chunks of 4, and the fused (cuDNN) branch run with XLA's twin of its kernel (its causal mask
     over right-padded rows and its last-row gather, on a CPU), all sequences in one step or (at most 9 rows a
     step) one sequence a step written at its batch offset: for ragged prompts of 9, 3 and 6 tokens every
     feature row of each prompt and the last token's logits equal the uncached NumPy forward; the cache then
-    continues as one filled at once."""
+    continues as one filled at once. `mapped`: the features come through a `FeatureMap` applied a step at a time
+    (as the speculative prefill's drafter projection): each row is the map of the NumPy forward's."""
     directory, target = tiny
     batch, width = len(PROMPTS), max(map(len, PROMPTS))
     tokens = np.zeros((batch, width), np.int32)
@@ -243,16 +246,20 @@ def test_prefill_matches_numpy_reference(tiny, fused):
         row[: len(p)] = p
     lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     cache = target.init_cache(batch, 32)
+    project, w = squash(len(LAYER_IDS) * 64, 48) if mapped else (None, None)
     if fused:
         out = jax.jit(prefill_fused, static_argnums=(4, 5, 6))(target, jnp.asarray(tokens), cache, lengths,
-                                                                LAYER_IDS, "xla", fused)
+                                                                LAYER_IDS, "xla", fused, project)
     else:
-        out = target.prefill(jnp.asarray(tokens), cache, lengths, layer_ids=LAYER_IDS, chunk=4)
-    assert out.logits.shape == (batch, 128) and out.features.shape == (batch, width, len(LAYER_IDS) * 64)
+        out = target.prefill(jnp.asarray(tokens), cache, lengths, layer_ids=LAYER_IDS, chunk=4, project=project)
+    assert out.logits.shape == (batch, 128)
+    assert out.features.shape == (batch, width, 48 if mapped else len(LAYER_IDS) * 64)
     for b, seq in enumerate(PROMPTS):
         logits, states = numpy_decoder(directory, seq)
         np.testing.assert_allclose(np.asarray(out.logits[b]), logits[-1], **TOL)
-        np.testing.assert_allclose(np.asarray(out.features[b, : len(seq)]), _features(states, LAYER_IDS), **TOL)
+        features = _features(states, LAYER_IDS)
+        np.testing.assert_allclose(np.asarray(out.features[b, : len(seq)]),
+                                   numpy_squash(w, features) if mapped else features, **TOL)
     nxt = jnp.asarray([[11], [12], [13]], jnp.int32)
     step = target(nxt, out.cache, lengths, layer_ids=())
     for b, seq in enumerate(PROMPTS):

@@ -64,7 +64,7 @@ from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from ..tuning import on_gpu, tuning
-from . import PREFILL_CHUNK, HFTarget, KVCache, TargetOutput
+from . import PREFILL_CHUNK, FeatureMap, HFTarget, KVCache, TargetOutput, mapped
 from .config import DecoderConfig, Qwen3Config, load_decoder_config
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 
@@ -256,7 +256,7 @@ class DecoderTarget(HFTarget):
 
     def prefill(
         self, tokens: jax.Array, cache: KVCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-        chunk: int = PREFILL_CHUNK, impl: Impl = "auto",
+        chunk: int = PREFILL_CHUNK, impl: Impl = "auto", project: FeatureMap | None = None,
     ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
@@ -267,12 +267,12 @@ class DecoderTarget(HFTarget):
         with 16-bit weights): the whole prompt at once, each layer's attention cuDNN's fused causal flash kernel
         (no `[P, P]` scores either; measured faster, docs/benchmarks.md). Another `impl` is a `ValueError`. The
         cache is donated: keep the returned one.
-        Returns the features of every row `[batch, P, Lf * H]`, the logits of each prompt's last token
-        `[batch, V]` float32, and the cache.
+        Returns the features of every row `[batch, P, Lf * H]` (a `FeatureMap` `project`: its map of them, made a
+        step at a time), the logits of each prompt's last token `[batch, V]` float32, and the cache.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
         impl = check_impl("prefill", impl, PREFILL_IMPLS)
-        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, impl)
+        return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk, impl)
 
 
 @jax.tree_util.register_dataclass
@@ -390,18 +390,19 @@ def _forward(
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "impl"), donate_argnames=("cache",))
 def _prefill(
-    target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...],
-    chunk: int, impl: Impl,
+    target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, project: FeatureMap | None,
+    layer_ids: tuple[int, ...], chunk: int, impl: Impl,
 ) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch = tokens.shape[0]
 
     def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # whole prompts, cuDNN's kernel
-        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn")
+        return _fused_rows(target, tokens, cache, lengths, layer_ids, "cudnn", project=project)
 
     def chunked(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:
         return prefill_chunks(lambda piece, cache, start: _layers(target, piece, cache, start, layer_ids), tokens,
-                              cache, lengths, chunk, jnp.zeros((batch, target.config.hidden_size), target.embed.dtype))
+                              cache, lengths, chunk, jnp.zeros((batch, target.config.hidden_size), target.embed.dtype),
+                              project)
 
     if impl == "cudnn":
         last_hidden, features, cache = fused(cache)
@@ -413,14 +414,14 @@ def _prefill(
 
 
 def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None
-                ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """The whole prompts into an empty cache, whole sequences at a time: `(last_hidden [batch, H], features
-    [batch, P, Lf * H], cache)`. A step runs `group` sequences (the largest divisor of the batch whose rows,
-    group x P, stay within `max_rows`, default the device's `fused_prefill_rows`; at least one), a `lax.scan` over
-    the groups writing each one's K/V in place at its batch offset: a step's activations (the MLP's [rows,
-    intermediate], the GEMM autotuner's scratch) scale with its rows. Where a mesh splits the batch the whole batch
-    is one step (a batch offset into a split axis would gather it)."""
+                layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None,
+                project: FeatureMap | None = None) -> tuple[jax.Array, jax.Array, KVCache]:
+    """The whole prompts into an empty cache, whole sequences at a time: `(last_hidden [batch, H], features [batch, P,
+    Lf * H] or `project`'s map of each step's, cache)`. A step runs `group` sequences (the largest divisor of the batch
+    whose rows, group x P, stay within `max_rows`, default the device's `fused_prefill_rows`; at least one), a
+    `lax.scan` over the groups writing each one's K/V in place at its batch offset: a step's activations (the MLP's
+    [rows, intermediate], the GEMM autotuner's scratch) scale with its rows. Where a mesh splits the batch the whole
+    batch is one step (a batch offset into a split axis would gather it)."""
     batch, P = tokens.shape
     max_rows = tuning().fused_prefill_rows if max_rows is None else max_rows
     group = max([g for g in range(1, batch + 1) if batch % g == 0 and g * P <= max_rows], default=1)
@@ -433,38 +434,40 @@ def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, length
         hidden, features, cache = _layers(target, tokens_, cache, jnp.zeros(last.shape, jnp.int32), layer_ids,
                                           implementation, first)
         last_hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]  # [group, H]
-        return cache, (last_hidden, features)
+        return cache, (last_hidden, mapped(project, features))  # features: [group, P, Lf * H or D]
 
     if group == batch:
         cache, (last_hidden, features) = run(cache, jnp.int32(0))
         return last_hidden, features, cache
 
     cache, (last_hidden, features) = jax.lax.scan(run, cache, jnp.arange(0, batch, group, dtype=jnp.int32))
-    # last_hidden: [batch / group, group, H]; features: [batch / group, group, P, Lf * H]
+    # last_hidden: [batch / group, group, H]; features: [batch / group, group, P, Lf * H or D]
     return last_hidden.reshape(batch, -1), features.reshape(batch, P, -1), cache
 
 
 def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array,
-                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None
-                  ) -> TargetOutput:
+                  layer_ids: tuple[int, ...], implementation: Literal["cudnn", "xla"], max_rows: int | None = None,
+                  project: FeatureMap | None = None) -> TargetOutput:
     """The whole prompts into an empty cache, each layer's attention `causal_self_attention` of `implementation`
     ("cudnn", as `prefill` runs it; "xla" runs the same masking, last-row gather and grouping of sequences on any
     backend, as the tests do); at most `max_rows` prompt rows a step (default: the device's
-    `fused_prefill_rows`)."""
-    last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation, max_rows)
+    `fused_prefill_rows`); `project` as `prefill`'s."""
+    last_hidden, features, cache = _fused_rows(target, tokens, cache, lengths, layer_ids, implementation, max_rows,
+                                               project)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 
 def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, jax.Array, Any]], tokens: jax.Array,
-                   cache: Any, lengths: jax.Array, chunk: int, last_hidden: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, Any]:
-    """Right-padded prompts `tokens [batch, P]` run `chunk` token rows at a time over the whole batch (`chunk //
-    batch` of each sequence, at least one) through `run(piece [batch, rows], cache, start [batch]) -> (hidden
-    [batch, rows, H], features [batch, rows, F], cache)` (a `lax.scan`; the last piece padded): `(hidden of each
-    prompt's last real row [batch, H], features [batch, P, F], cache)`. `last_hidden`: zeros of the hidden states'
-    shape and dtype. Shared by the targets' chunked prefills. A step's activations (MoE tiles, delta-rule chunks,
-    attention scores) scale with batch x rows, so bounding that product by `chunk` keeps a batch's prefill within
-    the memory one sequence's takes (a 2048-row chunk of 8 sequences of the 35B-A3B ran the H200 out of memory)."""
+                   cache: Any, lengths: jax.Array, chunk: int, last_hidden: jax.Array,
+                   project: FeatureMap | None = None) -> tuple[jax.Array, jax.Array, Any]:
+    """Right-padded prompts `tokens [batch, P]` run `chunk` token rows at a time over the whole batch (`chunk // batch`
+    of each sequence, at least one) through `run(piece [batch, rows], cache, start [batch]) -> (hidden [batch, rows, H],
+    features [batch, rows, F], cache)` (a `lax.scan`; the last piece padded): `(hidden of each prompt's last real row
+    [batch, H], features [batch, P, F] or `project`'s map of each step's, cache)`. `last_hidden`: zeros of the hidden
+    states' shape and dtype. Shared by the targets' chunked prefills. A step's activations (MoE tiles, delta-rule
+    chunks, attention scores) scale with batch x rows, so bounding that product by `chunk` keeps a batch's prefill
+    within the memory one sequence's takes (a 2048-row chunk of 8 sequences of the 35B-A3B ran the H200 out of
+    memory)."""
     batch, P = tokens.shape
     last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
     chunk = min(P, max(1, chunk // batch))  # rows of each sequence a step
@@ -478,9 +481,9 @@ def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, j
         row = jnp.clip(last - c * chunk, 0, chunk - 1)
         here = ((last >= c * chunk) & (last < (c + 1) * chunk))[:, None]
         last_hidden = jnp.where(here, jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0], last_hidden)
-        return (cache, last_hidden), features
+        return (cache, last_hidden), mapped(project, features)
 
     (cache, last_hidden), features = jax.lax.scan(
         step, (cache, last_hidden), (jnp.arange(n_chunks), pieces)
-    )  # features: [n_chunks, batch, chunk, Lf * H]
+    )  # features: [n_chunks, batch, chunk, Lf * H or D]
     return last_hidden, features.swapaxes(0, 1).reshape(batch, n_chunks * chunk, -1)[:, :P], cache

@@ -64,7 +64,7 @@ from ..model import Rope, apply_rope, linear, lm_logits, rope_tables
 from ..plan import TensorPlan, build_tree, check_tensors, planned
 from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
-from . import PREFILL_CHUNK, HFTarget, TargetOutput
+from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
 from .config import TARGET, is_drafter_config, not_a_target
 from .delta_net import (
     CONV,
@@ -345,18 +345,20 @@ class Qwen3_5Target(HFTarget):
         return commit(pending, kept)
 
     def prefill(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-                chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK) -> TargetOutput:
+                chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK, project: FeatureMap | None = None
+                ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
         token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
         tiles among them, are those of `chunk` tokens whatever the batch; `dense.prefill_chunks`) through every
         layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
-        state carried across; padding rows leave the states untouched). Returns the features of every row
-        `[batch, P, Lf * H]`, the logits of each prompt's last token `[batch, V]` float32, and the committed cache
-        after each prompt's real tokens. A chunk or delta chunk below 1 or not an int: `ValueError`/`TypeError`.
+        state carried across; padding rows leave the states untouched). Returns the features of every row `[batch, P, Lf
+        * H]` (a `FeatureMap` `project`: its map of them, made a chunk at a time), the logits of each prompt's last
+        token `[batch, V]` float32, and the committed cache after each prompt's real tokens. A chunk or delta chunk
+        below 1 or not an int: `ValueError`/`TypeError`.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
         delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
-        return _prefill(self, tokens, cache, lengths, tuple(layer_ids), chunk, delta_chunk)
+        return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk, delta_chunk)
 
 
 def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
@@ -477,7 +479,7 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
 
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
 def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
-             layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
+             project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
     _check_layer_ids(layer_ids, target.config.num_hidden_layers)
     lengths = lengths.astype(jnp.int32)
 
@@ -486,5 +488,5 @@ def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
         return _layers(target, piece, cache, start, layer_ids, valid, delta_chunk)
 
     zeros = jnp.zeros((tokens.shape[0], target.config.hidden_size), target.embed.dtype)
-    last_hidden, features, cache = prefill_chunks(run, tokens, cache, lengths, chunk, zeros)
+    last_hidden, features, cache = prefill_chunks(run, tokens, cache, lengths, chunk, zeros, project)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
