@@ -126,6 +126,6 @@ result = speculative_generate(target, paired, prompts, max_new_tokens=max_new, d
 print(f"process {process_id}: tokens {json.dumps(result.tokens)}")
 # sampled: the same key in every process; every draw is a global computation, so the processes agree
 sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, temperature=float(sys.argv[7]),
-                               top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])))
+                               top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])), draft_length="fixed")
 print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")
 jax.distributed.shutdown()

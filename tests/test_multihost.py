@@ -72,7 +72,8 @@ def test_two_process_load(checkpoints):
     one_drafter = load_drafter(drafter, dtype=jnp.float32)
     expected = greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the target's own decoding
     sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
-                                   top_k=TOP_K, key=jax.random.key(SEED)).tokens
+                                   top_k=TOP_K, key=jax.random.key(SEED), draft_length="fixed").tokens  # the workers'
+    # draft length (the adaptive policy across processes: the CLI run below)
     assert sampled != expected
     for i, out in enumerate(outputs):
         assert json.loads(re.search(rf"process {i}: tokens (.*)", out).group(1)) == expected, f"process {i}"

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dflash_jax import greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax import Adaptive, greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax.target.delta_net import CONV_AXES
 from dflash_jax.target.qwen3_5 import Qwen3_5Target, plan_qwen3_5
 from dflash_jax.testing import preset_dict, write_checkpoint, write_qwen3_5_checkpoint
@@ -124,15 +124,16 @@ def test_sharded_equals_unsharded(model, shape):
 @pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-moe-tp", (2, 4))],
                          indirect=["model"], ids=["dense-4x2", "moe-2x4"])
 def test_speculative_tokens_equal_unsharded_greedy(model, shape):
-    """The dense target at the fixed draft length, the MoE one under the adaptive policy (plain steps and verifies
-    of each length on the mesh): each verify length is one more program to compile."""
+    """The dense target at the fixed draft length, the MoE one under the adaptive policy choosing between plain
+    steps and verifies of every draft on the mesh (two lengths: each length is one more branch to compile)."""
     root, unsharded = model
     prompts = [p[:n].tolist() for p, n in zip(PROMPTS, LENGTHS)]
     greedy = greedy_generate(unsharded, prompts, max_new_tokens=MAX_NEW).tokens
     mesh = jax.make_mesh(shape, ("data", "model"))
     target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", mesh=mesh, dtype=jnp.float32)
-    draft_length = "adaptive" if target.config.is_moe else "fixed"
+    K = drafter.config.num_draft_tokens
+    draft_length = Adaptive(draft_lengths=(0, K)) if target.config.is_moe else "fixed"
     assert speculative_generate(target, drafter, prompts, max_new_tokens=MAX_NEW,
                                 draft_length=draft_length).tokens == greedy
 
