@@ -295,6 +295,9 @@ def test_num_new_as_a_list_and_a_reused_donated_cache(drafter):
 @pytest.mark.parametrize("call,says", [
     (lambda d, h, n, a: propose(d, init_cache(d, 2, 32), h, n, a, append_chunk=0), "propose: append_chunk=0"),
     (lambda d, h, n, a: append_context(d, init_cache(d, 2, 32), h, n, append_chunk=-1), "append_context: append_chunk"),
+    (lambda d, h, n, a: append_context(d, init_cache(d, 2, 32), h, n, projected=True),  # features not projected
+     r"append_context: target_hidden has shape \[2, \d+, \d+\], expected \[2, n_new, 64\] \(the cache's batch, "
+     r"projected context rows of hidden 64\)"),
     (lambda d, h, n, a: init_cache(d, 2, 0), r"init_cache: max_context=0 is outside \[1, "),
     (lambda d, h, n, a: init_cache(d, True, 8), "init_cache: batch_size must be an int, got bool"),
     (lambda d, h, n, a: init_cache(d, 2, 8, dtype=jnp.float64), "init_cache: dtype=float64 cannot hold"),
