@@ -52,7 +52,8 @@ SHAPES = {  # name: (N, K)
 }
 SMALL_SHAPES = {"small": (64, 256)}
 MS = (16, 32, 64, 128, 256, 512)
-SWEEP = (Tiling(64, 256, 4), Tiling(128, 256, 4), Tiling(64, 512, 3), Tiling(64, 256, 6), Tiling(64, 256, 4, 1))
+# shallower pipelines (more CTAs an SM), wider tiles, more K splits than the default Tiling(64, 256, 4)
+SWEEP = (Tiling(64, 256, 2), Tiling(64, 256, 1), Tiling(64, 512, 1), Tiling(128, 256, 2), Tiling(64, 256, 2, 8))
 PROGRAM_BYTES = 256 * 2**20
 
 
