@@ -276,7 +276,9 @@ def test_a_calibration_cut_short_by_the_budget_goes_on_in_the_next_call(models, 
     only the rest: without that, calls of a few tokens would each start the calibration over and never leave the
     forced lengths. Each length takes 1 + 3 * 2 * 2 = 13 steps here; a call has 19 (a drafter never accepted: one
     token a step), so the first measures 7 drafts (after one step at each length) and the second plain steps, then
-    adapts."""
+    adapts. The kept time of 7 drafts is set to a second before the second call: it is that time, not a new
+    measurement, that the second call's costs hold, and (a CPU's step times being noise) it makes plain steps the
+    policy's choice for certain once the calibration ends."""
     target, drafter = models
     policy, prompts = Adaptive(draft_lengths=(0, 7)), [[5, 17, 99], [4]]
     monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 2)
@@ -288,6 +290,7 @@ def test_a_calibration_cut_short_by_the_budget_goes_on_in_the_next_call(models, 
     assert first.tokens == expected and first.step_costs is None and generate_module._COSTS == {}
     (partial,) = generate_module._PARTIAL_COSTS.values()
     assert set(partial) == {1}  # 7 drafts measured; the plain steps' measurement was cut short
+    partial[1] = 1.0  # seconds: far dearer than any plain step of these models (measured: under a millisecond)
     second = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
     assert second.tokens == expected and generate_module._PARTIAL_COSTS == {}
     assert second.step_costs is not None and second.step_costs.seconds[1] == partial[1]
