@@ -134,8 +134,9 @@ def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile, monkeypatch):
     rows = np.concatenate([np.repeat(rng.standard_normal((1, dims.hidden_size)), 10, 0),
                            rng.standard_normal((5, dims.hidden_size))])
     x = jnp.asarray(rows.astype(np.float32).reshape(1, 15, dims.hidden_size))
-    np.testing.assert_allclose(np.asarray(moe.moe_block(block, dims, x, "tiled")),
-                               np.asarray(dense_block(block, dims, x)), rtol=0, atol=1e-6)
+    tiled = jax.jit(lambda block, x: moe.moe_block(block, dims, x, "tiled"))  # one program (traced with this tile)
+    np.testing.assert_allclose(np.asarray(tiled(block, x)), np.asarray(dense_block(block, dims, x)), rtol=0,
+                               atol=1e-6)
 
 
 def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
@@ -149,12 +150,16 @@ def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
     fallback = dflash_jax.tuning.FALLBACK
+
+    def block_traced():  # the choice is made while tracing: nothing compiles
+        jax.eval_shape(lambda: moe.moe_block(block, dims, x))
+
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="gather"))
-    moe.moe_block(block, dims, x)
+    block_traced()
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="reduce"))
-    moe.moe_block(block, dims, x)
+    block_traced()
     monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_gather_max_rows=5))
-    moe.moe_block(block, dims, x)
+    block_traced()
     assert calls == ["_gathered", "_gathered_in_place", "_tiled"]
     with pytest.raises(ValueError, match="moe impl"):
         moe.moe_block(block, dims, x, "ragged")
