@@ -104,13 +104,13 @@ def test_dflash2_selector(case):
     outputs, which have no lattice, followed it): measured 7.9e-7 / 2.9e-6 / 9.2e-7."""
     drafter, io = golden(case)
     rows, anchors = _draft_rows(case)
-    greedy = sample_drafts(drafter, rows, anchors)
+    greedy = jax.jit(sample_drafts)(drafter, rows, anchors)  # one program each, not op by op
     drafts = io["expected_draft_tokens"][0]
     np.testing.assert_array_equal(np.asarray(greedy.tokens[0]), drafts)
 
     copies = 16
-    sampled = sample_drafts(drafter, jnp.repeat(rows, copies, 0), jnp.repeat(anchors, copies, 0),
-                            key=jax.random.key(0), temperature=1.0)
+    sampled = jax.jit(functools.partial(sample_drafts, temperature=1.0))(
+        drafter, jnp.repeat(rows, copies, 0), jnp.repeat(anchors, copies, 0), key=jax.random.key(0))
     tokens, q = np.asarray(sampled.tokens), np.asarray(sampled.probs)  # [copies, n], [copies, n, V]
     candidates = io["expected_candidate_ids"][0]  # [n, K]
     checked = np.zeros(len(drafts), bool)

@@ -92,14 +92,17 @@ def random_nvfp4(rng, shape_nk, finite=True):
 BACKENDS = ["xla", "kernel-decode"]
 
 
+_DECODE = jax.jit(_mosaic_gpu.decode, static_argnums=3)  # one program a shape, not one an operation
+
+
 def deq(backend, packed, scale, scale_2, dtype=jnp.bfloat16):
     """"kernel-decode": the kernel's arithmetic on every block at once (`decode`: bytes [blocks, 8], scale bytes
     [blocks] -> u32 words, low half first), bitcast to `dtype` as the kernel's caller does."""
     if backend == "kernel-decode":
         packed = np.asarray(packed)
         scale = np.asarray(scale).view(np.uint8).ravel()  # [blocks]
-        words = _mosaic_gpu.decode(jnp.asarray(packed).reshape(-1, 8), jnp.asarray(scale), jnp.float32(scale_2),
-                                   dtype)  # [blocks, 8] u32
+        words = _DECODE(jnp.asarray(packed).reshape(-1, 8), jnp.asarray(scale), jnp.float32(scale_2),
+                        dtype)  # [blocks, 8] u32
         return np.asarray(jax.lax.bitcast_convert_type(words, dtype)).reshape(*packed.shape[:-1], -1)
     return np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend=backend))
 
