@@ -351,10 +351,10 @@ class Qwen3_5Target(HFTarget):
         token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
         tiles among them, are those of `chunk` tokens whatever the batch; `dense.prefill_chunks`) through every
         layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
-        state carried across; padding rows leave the states untouched). Returns the features of every row `[batch, P, Lf
-        * H]` (a `FeatureMap` `project`: its map of them, made a chunk at a time), the logits of each prompt's last
-        token `[batch, V]` float32, and the committed cache after each prompt's real tokens. A chunk or delta chunk
-        below 1 or not an int: `ValueError`/`TypeError`.
+        state carried across; padding rows leave the states untouched). Returns the features of every row
+        `[batch, P, Lf * H]` (a `FeatureMap` `project`: its map of them, made a chunk at a time), the logits of
+        each prompt's last token `[batch, V]` float32, and the committed cache after each prompt's real tokens. A
+        chunk or delta chunk below 1 or not an int: `ValueError`/`TypeError`.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
         delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
