@@ -7,7 +7,7 @@ The drafter is replicated over a 4-device mesh; the target is tensor-parallel ov
 and every read of tensor data this process makes is recorded (the byte ranges of the views `Checkpoint.read`
 hands out, from their addresses in the map) and compared with the ranges of its own devices' shards, worked
 out here from the planned shardings by row-major arithmetic. Then both processes decode the same prompts with
-the target split across them, greedily and sampled with one key, and print the tokens.
+the target split across them, sampled with one key, and print the tokens.
 """
 
 import json
@@ -118,13 +118,11 @@ assert not reads, f"tensors read outside the plan: {sorted(reads)}"
 print(f"process {process_id}: target ok, read {read_bytes} of {total_bytes} bytes")
 
 # Speculative decoding across the processes: the target split over both processes' devices, the drafter replicated
-# on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens.
+# on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens. Sampled with
+# the same key in every process: every draw is a global computation, so the processes agree. (Greedy decoding across
+# processes, under the adaptive policy: tests/test_multihost.py's CLI run.)
 paired = load_drafter(checkpoint, mesh=target.layout.mesh, dtype=jnp.float32)
 prompts, max_new = json.loads(sys.argv[5]), int(sys.argv[6])
-result = speculative_generate(target, paired, prompts, max_new_tokens=max_new, draft_length="fixed")  # (the
-# adaptive policy across processes: tests/test_multihost.py's CLI run)
-print(f"process {process_id}: tokens {json.dumps(result.tokens)}")
-# sampled: the same key in every process; every draw is a global computation, so the processes agree
 sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, temperature=float(sys.argv[7]),
                                top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])), draft_length="fixed")
 print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")

@@ -1,8 +1,8 @@
 """Two JAX processes on this machine (CPU devices, loopback coordinator) load a drafter replicated and a target
 tensor-parallel onto a global 2-process mesh; each reads and places only its own devices' copies and shards
 (the audit of the byte ranges each process read: tests/multihost_worker.py). Then both decode the same prompts
-with the target split across them and the drafter replicated, greedily and sampled with one key, and get the tokens
-one process gets. `dflash-jax generate --distributed` does the same from the shell."""
+with the target split across them and the drafter replicated, sampled with one key, and get the tokens one process
+gets; `dflash-jax generate --distributed` decodes greedily across two processes from the shell."""
 
 import json
 import os
@@ -70,13 +70,11 @@ def test_two_process_load(checkpoints):
         assert read < 0.6 * total  # 4-way split over 2 processes: half of each split tensor, the norms whole
     one_target = load_target(target, dtype=jnp.float32)
     one_drafter = load_drafter(drafter, dtype=jnp.float32)
-    expected = greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the target's own decoding
     sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                    top_k=TOP_K, key=jax.random.key(SEED), draft_length="fixed").tokens  # the workers'
-    # draft length (the adaptive policy across processes: the CLI run below)
-    assert sampled != expected
+    # draft length (greedy decoding across processes, under the adaptive policy: the CLI run below)
+    assert sampled != greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the temperature tells
     for i, out in enumerate(outputs):
-        assert json.loads(re.search(rf"process {i}: tokens (.*)", out).group(1)) == expected, f"process {i}"
         assert json.loads(re.search(rf"process {i}: sampled (.*)", out).group(1)) == sampled, f"process {i}"
 
 

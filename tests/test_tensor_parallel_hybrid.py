@@ -124,8 +124,9 @@ def test_sharded_equals_unsharded(model, shape):
 @pytest.mark.parametrize("model, shape", [("tiny-qwen3_5-tp", (4, 2)), ("tiny-qwen3_5-moe-tp", (2, 4))],
                          indirect=["model"], ids=["dense-4x2", "moe-2x4"])
 def test_speculative_tokens_equal_unsharded_greedy(model, shape):
-    """The dense target at the fixed draft length, the MoE one under the adaptive policy choosing between plain
-    steps and verifies of every draft on the mesh (two lengths: each length is one more branch to compile)."""
+    """The MoE target at the fixed draft length, the dense one under the adaptive policy choosing between plain
+    steps and verifies of every draft on the mesh (two lengths: each length is one more branch to compile, and a
+    branch of the MoE target compiles for twice as long as the dense one's)."""
     root, unsharded = model
     prompts = [p[:n].tolist() for p, n in zip(PROMPTS, LENGTHS)]
     greedy = greedy_generate(unsharded, prompts, max_new_tokens=MAX_NEW).tokens
@@ -133,7 +134,7 @@ def test_speculative_tokens_equal_unsharded_greedy(model, shape):
     target = load_target(root / "target", mesh=mesh, dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", mesh=mesh, dtype=jnp.float32)
     K = drafter.config.num_draft_tokens
-    draft_length = Adaptive(draft_lengths=(0, K)) if target.config.is_moe else "fixed"
+    draft_length = "fixed" if target.config.is_moe else Adaptive(draft_lengths=(0, K))
     assert speculative_generate(target, drafter, prompts, max_new_tokens=MAX_NEW,
                                 draft_length=draft_length).tokens == greedy
 
