@@ -190,8 +190,9 @@ def _assert_as_if_prefilled(prefill, drafter, state, prompts):
     pairs = zip(state.target_cache.k + state.target_cache.v + context.keys + context.values,
                 fresh.target_cache.k + fresh.target_cache.v + fresh.context.keys + fresh.context.values)
     for a, b in pairs:  # per layer [batch, n_kv, T, d_h] (a ring layer's slots hold the same positions too)
+        a, b = np.asarray(a), np.asarray(b)  # sliced on the host: a device slice compiles per (row, length)
         for row, n in enumerate(lengths):
-            np.testing.assert_allclose(np.asarray(a[row, :, :n]), np.asarray(b[row, :, :n]), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(a[row, :, :n], b[row, :, :n], rtol=0, atol=1e-5)
     rows = drafter.config.num_draft_tokens + 1
     assert int(state.num_pending.max()) <= rows  # the next drafting step takes them all
     ours, _ = propose(drafter, _copy(state.context), state.pending[:, :rows], state.num_pending, state.anchor)
