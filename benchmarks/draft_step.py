@@ -9,10 +9,8 @@ drives it (`crop` back after the block). Random bf16 weights; the same values in
 Each step is timed alone, host-synchronised (what a decoding loop waits for), median over `--iters`.
 Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
 
-`--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s leaves):
-`nvfp4` (random E2M1 codes, unit block scales, a global scale giving the bf16 weights' spread: timing only;
-`nvfp4.matmul`'s "auto", XLA's dequantize-then-dot today), `nvfp4-mosaic` (the same with the Mosaic GPU kernel,
-`nvfp4.packed.AUTO_MOSAIC` set for those rows), `fp8` (the bf16 weights in ModelOpt's per-tensor FP8). Each
+`--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s leaves, made
+on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-mosaic`, `fp8` (`weight_forms.py`). Each
 row states the drafter's own weight bytes and a floor: the bytes a step must read (the drafter's weights, the
 LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
 `--contexts` sets the cached context rows (2048; the issue's long-context row is 131072).
@@ -44,19 +42,15 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the read rate
 from timing import read_rate  # noqa: E402
+from weight_forms import WEIGHTS, mosaic_backend, quantized  # noqa: E402
 
-from dflash_jax import fp8, nvfp4  # noqa: E402
 from dflash_jax.config import DflashConfig, parse_config  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
 from dflash_jax.drafting import ContextCache, init_cache, propose  # noqa: E402
 from dflash_jax.model import draft_logits  # noqa: E402
-from dflash_jax.plan import build_tree  # noqa: E402
-from dflash_jax.spec import LINEAR  # noqa: E402
 from dflash_jax.testing import full_plan, preset_dict, random_drafter  # noqa: E402
 
 CONTEXT, NEW_ROWS = 2048, 7
-WEIGHTS = ("bf16", "nvfp4", "nvfp4-mosaic", "fp8")
-E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
 
 
 def timed(fn, iters: int, warmup: int = 5) -> float:
@@ -94,26 +88,6 @@ def _step(drafter: Drafter, cache: ContextCache, new, num_new, anchors, lengths)
     """`propose` from a cache holding `lengths` rows (reset each call, so every timed step is the same)."""
     proposal, cache = propose(drafter, dataclasses.replace(cache, lengths=lengths), new, num_new, anchors)
     return proposal.tokens, cache
-
-
-def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
-    """`drafter` with every linear weight as a `weights` leaf ("nvfp4*": random codes at the weight's spread,
-    "fp8": the weight in per-tensor FP8), made on the device; "bf16" as is."""
-    if weights == "bf16":
-        return drafter
-    leaves = []
-    for i, t in enumerate(plan):
-        leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
-        if t.kind == LINEAR and weights.startswith("nvfp4"):
-            n, k = leaf.shape
-            codes = jax.random.bits(jax.random.key(i), (n, k // 2), jnp.uint8)
-            spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
-            leaf = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
-        elif t.kind == LINEAR:
-            scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
-            leaf = fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
-        leaves.append(leaf)
-    return dataclasses.replace(drafter, params=build_tree(plan, leaves))
 
 
 def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool, context: int = CONTEXT) -> dict:
@@ -290,20 +264,18 @@ def main() -> None:
     print(f"  read rate {rate / 1e12:.2f} TB/s (jnp.sum over 4 GiB)", flush=True)
     for weights in args.weights:
         form = quantized(drafter, plan, weights)
-        nvfp4.packed.AUTO_MOSAIC = weights == "nvfp4-mosaic"  # read when `propose` is traced
-        jax.clear_caches()  # the step compiled for another backend must not be reused
-        for context in args.contexts:
-            for batch in args.batch:
-                row = {"weights": weights, "context": context, "batch": batch,
-                       "drafter_weight_bytes": form.param_bytes,
-                       **bench_ours(form, batch, args.iters, profile=model is not None, context=context)}
-                row["floor_ms"] = row["bytes_read"] / rate * 1e3
-                if model is not None and weights == "bf16" and context == CONTEXT:
-                    row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)
-                    row["ratio"] = row["ours_ms"] / row["reference_ms"]
-                results["rows"].append(row)
-                print(f"  {weights}, context {context}, batch {batch}: {row}", flush=True)
-    nvfp4.packed.AUTO_MOSAIC = False
+        with mosaic_backend(weights):
+            for context in args.contexts:
+                for batch in args.batch:
+                    row = {"weights": weights, "context": context, "batch": batch,
+                           "drafter_weight_bytes": form.param_bytes,
+                           **bench_ours(form, batch, args.iters, profile=model is not None, context=context)}
+                    row["floor_ms"] = row["bytes_read"] / rate * 1e3
+                    if model is not None and weights == "bf16" and context == CONTEXT:
+                        row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)
+                        row["ratio"] = row["ours_ms"] / row["reference_ms"]
+                    results["rows"].append(row)
+                    print(f"  {weights}, context {context}, batch {batch}: {row}", flush=True)
     results["read_rate"] = rate
 
     print("\n| weights | context | batch | drafter weights (GB) | ours (ms) | reference (ms) | ours / reference "

@@ -12,7 +12,9 @@ Part `decode`: `speculative_generate` and `greedy_generate` on a Qwen3-8B-shaped
 positions, as Qwen3 documents for long contexts) made by `successor_target` (so acceptance can be dialled), with
 the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each at the fixed draft length
 and with the adaptive policy (`draft_length="adaptive"`: as many drafts per step as pay, plain target steps
-while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device memory. Floors: greedy decoding
+while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device memory. `--drafter-weights`
+adds the same runs with the drafters' layer weights packed (`weight_forms.py`: "nvfp4", "nvfp4-mosaic", "fp8";
+their heads stay bf16, so the maps are still walked), named "<run>, <form>". Floors: greedy decoding
 reads the weights and the KV cache each token, at the same read rate; a prefill does `2 x params x tokens` plus
 causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with the bf16 matmul rate measured in
 the same run (an 8192^3 GEMM).
@@ -42,12 +44,14 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
 from timing import matmul_rate, print_row, read_rate, write_rows  # noqa: E402
+from weight_forms import WEIGHTS, mosaic_backend, quantized  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.model import attention_rules  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
+    full_plan,
     preset_dict,
     random_drafter,
     random_qwen3,
@@ -124,7 +128,7 @@ def peak_gb() -> float:
 
 
 def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, flops: float, small: bool,
-                chunk: int, wanted) -> list[dict]:
+                chunk: int, wanted, forms=("bf16",)) -> list[dict]:
     """One row per prompt, batch and run: prefill (beside the GEMM rate `flops`), decode tokens/s (beside greedy's
     floor at the read rate `rate`, bytes/s), x greedy, acceptance."""
     config = {**SMALL, "max_position_embeddings": 4096} if small else LONG_QWEN3_8B
@@ -133,10 +137,13 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
     successor, other = rng.permutation(V), rng.permutation(V)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=0.2)
     raw = drafter_configs(config, small)["dspark"]
-    dspark = random_drafter(parse_config(raw), seed=1)
-    dspark = dspark.attach(embed=target.embed, lm_head=target.lm_head)
-    drafters = {"full acceptance": successor_drafter(dspark, successor),
-                "zero acceptance": successor_drafter(dspark, other)}
+    dspark_config = parse_config(raw)
+    dspark = random_drafter(dspark_config, seed=1).attach(embed=target.embed, lm_head=target.lm_head)
+    walking = {"full acceptance": successor_drafter(dspark, successor),
+               "zero acceptance": successor_drafter(dspark, other)}
+    # each form of the drafter's linear weights (`weight_forms`): runs named "<acceptance>, <form>" beyond bf16
+    drafters = {(name, form): quantized(d, full_plan(dspark_config), form) for form in forms
+                for name, d in walking.items()}
     policies = {"": "fixed", " + adaptive": "adaptive"}
     c = target.config
     params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
@@ -151,17 +158,21 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
             runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new_tokens=max_new,
                                                                           prefill_chunk=chunk, beyond_max_positions=b)}
-            for (name, d), (suffix, policy) in itertools.product(drafters.items(), policies.items()):
-                runs[name + suffix] = lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
+            forms_of = {"greedy": "bf16"}
+            for ((name, form), d), (suffix, policy) in itertools.product(drafters.items(), policies.items()):
+                if name + suffix not in wanted:
+                    continue
+                named = name + suffix + ("" if form == "bf16" else f", {form}")  # e.g. "full acceptance, nvfp4"
+                runs[named] = lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
                     target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b,
                     draft_length=po)
+                forms_of[named] = form
             base, greedy_tokens = None, None
             for name, run in runs.items():
-                if name != "greedy" and name not in wanted:
-                    continue
-                if not small:  # --small checks the script, not the speed: its one run includes compiling
-                    run()
-                results = [run() for _ in range(repeats)]
+                with mosaic_backend(forms_of[name]):
+                    if not small:  # --small checks the script, not the speed: its one run includes compiling
+                        run()
+                    results = [run() for _ in range(repeats)]
                 tps = statistics.median(r.decode_tokens_per_second for r in results)
                 prefill = min(r.prefill_seconds for r in results)
                 tokens = results[-1].tokens
@@ -170,7 +181,8 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
                 prefill_flops = batch * (2 * params * P + attention_flops)
                 mean_len = P + max_new / 2
                 floor_tps = batch / ((weight_bytes + batch * kv_row * mean_len) / rate)
-                row = dict(part="decode", run=name, prompt=P, batch=batch, prefill_s=prefill,
+                row = dict(part="decode", run=name, drafter_weights=forms_of[name], prompt=P, batch=batch,
+                           prefill_s=prefill,
                            prefill_mfu=prefill_flops / prefill / flops, tokens_per_s=tps, speedup=tps / base,
                            greedy_floor_tps=floor_tps, read_rate=rate, matmul_rate=flops,
                            same_as_greedy=tokens == greedy_tokens, peak_gb=peak_gb(),
@@ -195,6 +207,9 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=256)
     parser.add_argument("--runs", nargs="+", default=list(DECODE_RUNS), choices=DECODE_RUNS,
                         help="decode runs (greedy always runs: the others are compared with it)")
+    parser.add_argument("--drafter-weights", nargs="+", default=["bf16"], choices=WEIGHTS,
+                        help="forms of the decode drafters' linear weights (weight_forms.py; runs beyond bf16 are "
+                        "named '<run>, <form>')")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
@@ -223,7 +238,7 @@ def main() -> None:
               "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
               flush=True)
         rows += decode_rows(args.prompts, args.decode_batch, args.max_new, args.repeats, rate, flops,
-                            args.small, args.chunk, args.runs)
+                            args.small, args.chunk, args.runs, args.drafter_weights)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     write_rows(args.json, args, rows)
 

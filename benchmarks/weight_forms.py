@@ -1,0 +1,65 @@
+"""A drafter's linear weights in the forms `load_drafter(weights="packed")` keeps them, made on the device from a
+random bf16 drafter (no checkpoint): for benchmarks at real sizes (`draft_step.py`, `long_context.py`).
+
+Forms: "bf16" (as drawn), "nvfp4" (packed NVFP4: random codes, unit block scales, a `scale_2` that gives the bf16
+weight's rms; products by `nvfp4.matmul`'s "auto", XLA's dequantize-then-dot today), "nvfp4-mosaic" (the same
+with the Pallas Mosaic GPU kernel: `nvfp4.packed.AUTO_MOSAIC` set while its programs are traced, `mosaic_backend`),
+"fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the drafts (a DSpark Markov head, a
+confidence head) stay bf16, as quantized drafters ship them, so a drafter built to walk a map still walks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import fp8, nvfp4
+from dflash_jax.drafter import Drafter
+from dflash_jax.plan import build_tree
+from dflash_jax.spec import CONFIDENCE, LINEAR, MARKOV
+
+WEIGHTS = ("bf16", "nvfp4", "nvfp4-mosaic", "fp8")
+E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
+KEPT_HEADS = (MARKOV, CONFIDENCE)  # top-level params names left in bf16
+
+
+def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
+    """`drafter` with every linear weight outside `KEPT_HEADS` in the form `weights` (module doc)."""
+    if weights == "bf16":
+        return drafter
+    leaves = []
+    for i, t in enumerate(plan):
+        leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
+        if t.kind == LINEAR and t.path[0] not in KEPT_HEADS and weights.startswith("nvfp4"):
+            n, k = leaf.shape
+            codes = jax.random.bits(jax.random.key(i), (n, k // 2), jnp.uint8)
+            spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
+            leaf = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+        elif t.kind == LINEAR and t.path[0] not in KEPT_HEADS:
+            scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
+            leaf = fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
+        leaves.append(leaf)
+    return dataclasses.replace(drafter, params=build_tree(plan, leaves))
+
+
+@contextlib.contextmanager
+def mosaic_backend(weights: str) -> Iterator[None]:
+    """Programs traced inside run the packed products of the form `weights` as they should: for "nvfp4-mosaic"
+    `AUTO_MOSAIC` is set and the compiled programs are dropped on entry and exit (a program traced for the other
+    backend has the same arguments and would be reused); any other form runs as is."""
+    if weights != "nvfp4-mosaic":
+        yield
+        return
+    nvfp4.packed.AUTO_MOSAIC = True
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        nvfp4.packed.AUTO_MOSAIC = False
+        jax.clear_caches()
