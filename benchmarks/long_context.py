@@ -141,7 +141,7 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
     dspark = random_drafter(dspark_config, seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     walking = {"full acceptance": successor_drafter(dspark, successor),
                "zero acceptance": successor_drafter(dspark, other)}
-    # each form of the drafter's linear weights (`weight_forms`): runs named "<acceptance>, <form>" beyond bf16
+    # each form of the drafters' linear weights (`weight_forms`): runs named "<run>, <form>" beyond bf16
     drafters = {(name, form): quantized(d, full_plan(dspark_config), form) for form in forms
                 for name, d in walking.items()}
     policies = {"": "fixed", " + adaptive": "adaptive"}

@@ -5,7 +5,7 @@ Forms: "bf16" (as drawn), "nvfp4" (packed NVFP4: random codes, unit block scales
 weight's rms; products by `nvfp4.matmul`'s "auto", XLA's dequantize-then-dot today), "nvfp4-mosaic" (the same
 with the Pallas Mosaic GPU kernel: `nvfp4.packed.AUTO_MOSAIC` set while its programs are traced, `mosaic_backend`),
 "fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the drafts (a DSpark Markov head, a
-confidence head) stay bf16, as quantized drafters ship them, so a drafter built to walk a map still walks it.
+confidence head) stay bf16, so a drafter built to walk a map (`testing.successor_drafter`) still walks it.
 """
 
 from __future__ import annotations
