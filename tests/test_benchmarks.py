@@ -38,8 +38,8 @@ def long_context_json(tmp_path_factory) -> pathlib.Path:
     """`long_context.py --small --json` (both parts), run once: its test and plot.py's read the file."""
     out = tmp_path_factory.mktemp("long_context") / "long_context.json"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        run_script(monkeypatch, "long_context", "--small", "--runs", *LONG_CONTEXT_RUNS, "--drafter-weights", "bf16",
-                   "nvfp4", "--json", str(out))
+        run_script(monkeypatch, "long_context", "--small", "--runs", *LONG_CONTEXT_RUNS, "--drafter-weights", "nvfp4",
+                   "--json", str(out))
     return out
 
 
@@ -62,14 +62,15 @@ def test_long_context_small(long_context_json):
     assert propose and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in propose)
     assert len({r["read_rate"] for r in rows}) == 1 and rows[0]["read_rate"] > 0
     assert all(r["matmul_rate"] > 0 and r["greedy_floor_tps"] > 0 for r in decode)
-    assert {r["run"] for r in decode} == {"greedy", *LONG_CONTEXT_RUNS, *(f"{r}, nvfp4" for r in LONG_CONTEXT_RUNS)}
+    # the drafters' layers packed (the bf16 form runs the same code on the weights as drawn, one compile less of
+    # each decode program): their heads stay bf16 and still walk the maps
+    assert {r["run"] for r in decode} == {"greedy", *(f"{r}, nvfp4" for r in LONG_CONTEXT_RUNS)}
     assert all(r["same_as_greedy"] for r in decode)
     by_run = {r["run"]: r for r in decode}
-    for form in ("", ", nvfp4"):  # the drafters' layers packed: their heads stay bf16 and still walk the maps
-        full, zero = by_run[f"full acceptance + adaptive{form}"], by_run[f"zero acceptance + adaptive{form}"]
-        assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
-        assert zero["mean_acceptance"] == 1  # the other never is
-        assert zero["plain_tokens"] > 0  # the adaptive policy turns to plain steps (and measures them, full too)
+    full, zero = by_run["full acceptance + adaptive, nvfp4"], by_run["zero acceptance + adaptive, nvfp4"]
+    assert full["mean_acceptance"] > 10  # the successor drafter is accepted: the script measures what it says
+    assert zero["mean_acceptance"] == 1  # the other never is
+    assert zero["plain_tokens"] > 0  # the adaptive policy turns to plain steps (and measures them, full too)
 
 
 def test_moe_block_small(monkeypatch, tmp_path):
