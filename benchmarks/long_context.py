@@ -141,9 +141,9 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
     dspark = random_drafter(dspark_config, seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     walking = {"full acceptance": successor_drafter(dspark, successor),
                "zero acceptance": successor_drafter(dspark, other)}
+    plan = full_plan(dspark_config)
     # each form of the drafters' linear weights (`weight_forms`): runs named "<run>, <form>" beyond bf16
-    drafters = {(name, form): quantized(d, full_plan(dspark_config), form) for form in forms
-                for name, d in walking.items()}
+    drafters = {(name, form): quantized(d, plan, form) for form in forms for name, d in walking.items()}
     policies = {"": "fixed", " + adaptive": "adaptive"}
     c = target.config
     params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
@@ -156,20 +156,18 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
                 continue  # batch > 1 at the shortest prompt only
             prompts = rng.integers(0, V, (batch, P)).tolist()
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
-            runs = {"greedy": lambda p=prompts, b=beyond: greedy_generate(target, p, max_new_tokens=max_new,
-                                                                          prefill_chunk=chunk, beyond_max_positions=b)}
-            forms_of = {"greedy": "bf16"}
+            runs = {"greedy": ("bf16", lambda p=prompts, b=beyond: greedy_generate(  # name: (drafter form, run)
+                target, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b))}
             for ((name, form), d), (suffix, policy) in itertools.product(drafters.items(), policies.items()):
                 if name + suffix not in wanted:
                     continue
                 named = name + suffix + ("" if form == "bf16" else f", {form}")  # e.g. "full acceptance, nvfp4"
-                runs[named] = lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
+                runs[named] = form, lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
                     target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b,
                     draft_length=po)
-                forms_of[named] = form
             base, greedy_tokens = None, None
-            for name, run in runs.items():
-                with mosaic_backend(forms_of[name]):
+            for name, (form, run) in runs.items():
+                with mosaic_backend(form):
                     if not small:  # --small checks the script, not the speed: its one run includes compiling
                         run()
                     results = [run() for _ in range(repeats)]
@@ -181,7 +179,7 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
                 prefill_flops = batch * (2 * params * P + attention_flops)
                 mean_len = P + max_new / 2
                 floor_tps = batch / ((weight_bytes + batch * kv_row * mean_len) / rate)
-                row = dict(part="decode", run=name, drafter_weights=forms_of[name], prompt=P, batch=batch,
+                row = dict(part="decode", run=name, drafter_weights=form, prompt=P, batch=batch,
                            prefill_s=prefill,
                            prefill_mfu=prefill_flops / prefill / flops, tokens_per_s=tps, speedup=tps / base,
                            greedy_floor_tps=floor_tps, read_rate=rate, matmul_rate=flops,

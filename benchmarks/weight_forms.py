@@ -36,15 +36,16 @@ def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
     leaves = []
     for i, t in enumerate(plan):
         leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
-        if t.kind == LINEAR and t.path[0] not in KEPT_HEADS and weights.startswith("nvfp4"):
+        if t.kind != LINEAR or t.path[0] in KEPT_HEADS:
+            leaves.append(leaf)
+        elif weights.startswith("nvfp4"):
             n, k = leaf.shape
             codes = jax.random.bits(jax.random.key(i), (n, k // 2), jnp.uint8)
             spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
-            leaf = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
-        elif t.kind == LINEAR and t.path[0] not in KEPT_HEADS:
+            leaves.append(nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS))
+        else:
             scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
-            leaf = fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
-        leaves.append(leaf)
+            leaves.append(fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale))
     return dataclasses.replace(drafter, params=build_tree(plan, leaves))
 
 
