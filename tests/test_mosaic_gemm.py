@@ -117,16 +117,73 @@ def test_lowers_for_hopper_on_a_cpu(m, tiling):
     assert "mosaic_gpu" in text and "triton" not in text.lower()
 
 
-def test_e2m1_and_e4m3_integer_decoding_is_exact():
-    """The kernel's integer decodings, every code and every finite scale byte, against the NumPy definitions."""
-    codes = jnp.arange(256, dtype=jnp.int32)  # every byte: low nibble b & 15, high nibble b >> 4
-    for high, nibbles in ((False, np.arange(256) & 15), (True, np.arange(256) >> 4)):
-        got = np.asarray(_mosaic_gemm._e2m1_quarter(codes, high=high)) * 4
-        np.testing.assert_array_equal(got, E2M1[nibbles])
-        np.testing.assert_array_equal(np.signbit(got), nibbles >= 8)  # code 8 is -0
+def run_ptx(ptx: str, word: np.ndarray, scale_pair: np.ndarray) -> np.ndarray:
+    """A NumPy model of the five PTX instructions the kernel's decode uses (PTX ISA: shl/shr/and/mov .b32, lop3.b32,
+    mul.rn.bf16x2 with subnormals kept), run on u32 arrays for $1 (the code word) and $2 (the bf16 scale pair)."""
+    regs = {"$1": word.astype(np.uint32), "$2": scale_pair.astype(np.uint32)}
+    value = lambda a: regs[a] if a in regs else np.uint32(int(a, 0))  # noqa: E731
+    for line in ptx.splitlines():
+        op, _, args = line.strip().rstrip(";").partition(" ")
+        if op in ("", "{", "}", ".reg"):
+            continue
+        d, *a = [x.strip() for x in args.split(",")]
+        if op == "shl.b32":
+            regs[d] = value(a[0]) << np.uint32(int(a[1]))
+        elif op == "shr.b32":
+            regs[d] = value(a[0]) >> np.uint32(int(a[1]))
+        elif op == "and.b32":
+            regs[d] = value(a[0]) & value(a[1])
+        elif op == "mov.b32":
+            regs[d] = value(a[0])
+        elif op == "lop3.b32":  # bit i of d = bit (4 a_i + 2 b_i + c_i) of the LUT, a/b/c standing for 0xF0/0xCC/0xAA
+            x, y, z, lut = value(a[0]), value(a[1]), value(a[2]), int(a[3], 0)
+            regs[d] = np.zeros_like(x)
+            for bit in range(8):
+                if lut >> bit & 1:
+                    pick = lambda v, b: v if b else ~v  # noqa: E731
+                    regs[d] |= pick(x, bit >> 2 & 1) & pick(y, bit >> 1 & 1) & pick(z, bit & 1)
+        elif op == "mul.rn.bf16x2":
+            halves = [np.stack([v & 0xFFFF, v >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
+                      for v in (value(a[0]), value(a[1]))]
+            product = (halves[0].astype(np.float64) * halves[1].astype(np.float64)).astype(ml_dtypes.bfloat16)
+            bits = product.view(np.uint16).astype(np.uint32)
+            regs[d] = bits[..., 0] | bits[..., 1] << np.uint32(16)
+        else:
+            raise AssertionError(f"unmodelled PTX: {line}")
+    return regs["$0"]
+
+
+def test_the_decode_ptx_gives_every_code_times_every_scale_exactly():
+    """The kernel's PTX (`_ptx_pair`, run by the NumPy model above) on every code at every nibble position, times
+    every finite E4M3 scale as the kernel prepares it (x 2^117 in bf16): the pair of nibbles p and p + 4 of a word
+    is e2m1 x scale x 2^-9 exactly, low half first. The E4M3 decode the expansion feeds is exact too."""
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)
-    got = np.asarray(_mosaic_gemm._e4m3_x1024(jnp.asarray(finite))) / 1024
-    np.testing.assert_array_equal(got, np_e4m3(finite.astype(np.uint8)))
+    e4m3_x1024 = np.asarray(_mosaic_gemm._e4m3_x1024(jnp.asarray(finite)))
+    np.testing.assert_array_equal(e4m3_x1024 / 1024, np_e4m3(finite.astype(np.uint8)))
+    scale = np_e4m3(finite.astype(np.uint8))  # [S]
+    scale_bf16 = (scale * 2.0**117).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(scale_bf16.astype(np.float64), scale * 2.0**117)  # 4 significant bits: exact
+    scale_pair = scale_bf16.view(np.uint16).astype(np.uint32) * np.uint32(0x10001)  # [S]: (s, s)
+    nibbles = np.arange(16, dtype=np.uint32)
+    for p in range(4):
+        word = (nibbles << np.uint32(4 * p)) | ((15 - nibbles) << np.uint32(4 * p + 16))  # nibble p: c, p + 4: 15 - c
+        word |= np.uint32(0x5A5A5A5A) & ~(np.uint32(0xF000F) << np.uint32(4 * p))  # other nibbles: noise
+        got = run_ptx(_mosaic_gemm._ptx_pair(p), word[:, None], scale_pair[None, :])  # [16, S]
+        halves = np.stack([got & 0xFFFF, got >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
+        want = np.stack([E2M1[nibbles][:, None] * scale, E2M1[15 - nibbles][:, None] * scale], -1) * 2.0**-9
+        np.testing.assert_array_equal(halves.astype(np.float64), want)
+        np.testing.assert_array_equal(np.signbit(halves.astype(np.float64)),
+                                      np.stack([nibbles >= 8, 15 - nibbles >= 8], -1)[:, None, :]
+                                      ^ np.signbit(scale)[None, :, None])
+
+
+def test_the_decoded_columns_and_x_rows_are_in_one_order():
+    """`column_order` (the register mapping) is a permutation of K, and x's rows are laid out in it
+    (`permute_x`), so the product sums each code with its own column of x."""
+    order = _mosaic_gemm.column_order(256)
+    assert sorted(order) == list(range(256)) and list(order[:8]) == [0, 4, 16, 20, 32, 36, 48, 52]
+    x = np.random.default_rng(0).standard_normal((5, 256)).astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(np.asarray(_mosaic_gemm.permute_x(jnp.asarray(x), 16))[:, :5], x[:, order].T)
 
 
 def test_bad_shapes_and_dtypes_are_refused():
