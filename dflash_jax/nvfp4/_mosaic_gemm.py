@@ -7,8 +7,9 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   (16-512) the weight must be the left operand: the kernel computes out^T [N, M] = W [N, K] @ x^T [K, M], and
   XLA transposes the small result back.
 - The decode is the kernel's cost (a product's TMA copies and WGMMAs alone take half its time; docs/benchmarks.md),
-  so it works on packed words: the codes are read as u32 words (8 codes, k = 8j .. 8j + 7, nibble i = code
-  8j + i) and each word becomes 4 registers of bf16 pairs by inline PTX (`plgpu.inline_mgpu`): nibbles p and
+  so it works on packed words: a thread reads 8 code bytes a register (Mosaic's WGMMA_UPCAST_4X layout), two
+  u32 words (8 codes each, k = 8j .. 8j + 7, nibble i = code 8j + i), and each word becomes 4 registers of bf16
+  pairs by inline PTX (`plgpu.inline_mgpu`): nibbles p and
   p + 4 shifted into one pair's halves and masked (their exponent and mantissa bits land in bf16's exponent LSBs
   and mantissa MSB: the E2M1 value x 2^-126, code 0.5 a bf16 subnormal), one `mul.rn.bf16x2` by the block scale,
   the sign bits XORed in (`_ptx_pair`: 5 instructions for 2 weights). The pairs go to the WGMMA from registers
@@ -97,7 +98,7 @@ def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
     """Pipeline steps in flight: the tiling's, or fewer where a step's buffers (codes, scales, x's two planes)
     would not fit beside the fixed ones (the two bf16 planes, the scales, E, the output tile)."""
     tn, tk = tiling.tile_n, tiling.tile_k
-    step = tn * tk // 2 + tn * tk // BLOCK + tk * tile_m * 2  # code words, scale bytes, x^T
+    step = tn * tk // 2 + tn * tk // BLOCK + tk * tile_m * 2  # code bytes, scale bytes, x^T
     fixed = tn * (tk // BLOCK) * 2 + (tk // BLOCK) * (tk // 8) * 2 \
         + tn * tile_m * jnp.dtype(out_dtype).itemsize + 1024  # bf16 scales, E, the output tile; barriers, alignment
     return max(0, min(tiling.max_concurrent_steps, (SMEM_BYTES - fixed) // step))
@@ -165,10 +166,11 @@ def _ptx_pair(p: int) -> str:
     return _PTX_PAIR.format(mag_shift=mag, sign_shift=sign)
 
 
-def _decode_registers(ctx, words, word_scale):
-    """Mosaic GPU (lane level): u32 code words [tn, tk/8] and each word's block scale x 2^117 (f32, same shape),
-    both in the WGMMA layout -> the weight tile x 2^-9, bf16 [tn, tk] in the WGMMA layout, columns in
-    `column_order`. Exact: a code (2 significant bits) x an E4M3 scale (4) fits bf16."""
+def _decode_registers(ctx, codes, word_scale):
+    """Mosaic GPU (lane level): code bytes [tn, tk/2] in the WGMMA_UPCAST_4X layout (a thread's register: 8
+    consecutive bytes, u32 words 8 g + 2 t and 8 g + 2 t + 1 of its row) and each word's block scale x 2^117
+    (f32 [tn, tk/8], the WGMMA layout: the same threads and rows) -> the weight tile x 2^-9, bf16 [tn, tk] in the
+    WGMMA layout, columns in `column_order`. Exact: a code (2 significant bits) x an E4M3 scale (4) fits bf16."""
     del ctx
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import llvm, vector
@@ -178,9 +180,10 @@ def _decode_registers(ctx, words, word_scale):
 
     i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
-    tn, words_per_row = words.shape
-    out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tn, 8 * words_per_row)), dtype=object)
-    for index, word_pair in np.ndenumerate(words.registers):  # vector<2 x i32>: words 8 g + 2 t + {0, 1}
+    tn, half_k = codes.shape
+    out = np.empty(fa.WGMMA_LAYOUT.registers_shape((tn, 2 * half_k)), dtype=object)
+    for index, eight_bytes in np.ndenumerate(codes.registers):  # vector<8 x i8>: words 8 g + 2 t + {0, 1}
+        word_pair = vector.bitcast(ir.VectorType.get((2,), i32), eight_bytes)
         scale = vector.extract(word_scale.registers[index], [], [0])  # both words share a block's scale
         scale_pair = cast(ir.Value, llvm.inline_asm(i32, [scale], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f"))
         for e in range(2):
@@ -191,12 +194,12 @@ def _decode_registers(ctx, words, word_scale):
     return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
 
-def _decode_interpreted(words: jax.Array, word_scale: jax.Array) -> jax.Array:
-    """`_decode_registers`'s result with jax ops (Pallas's interpret mode runs no PTX): words [tn, tk/8] u32,
+def _decode_interpreted(codes: jax.Array, word_scale: jax.Array) -> jax.Array:
+    """`_decode_registers`'s result with jax ops (Pallas's interpret mode runs no PTX): codes [tn, tk/2] u8,
     word_scale [tn, tk/8] f32 -> bf16 [tn, tk] in `column_order`."""
-    tn, words_per_row = words.shape
-    shifts = lax.broadcasted_iota(jnp.uint32, (1, 1, 8), 2) * 4
-    nibbles = ((words[:, :, None] >> shifts) & 15).astype(jnp.int32)  # [tn, tk/8, 8], k order
+    tn, words_per_row = word_scale.shape
+    nibbles = jnp.stack([codes & 15, codes >> 4], axis=-1).astype(jnp.int32)  # [tn, tk/2, 2]
+    nibbles = nibbles.reshape(tn, words_per_row, 8)  # [tn, tk/8, 8], k order
     e, m = (nibbles >> 1) & 3, (nibbles & 1).astype(jnp.float32)
     magnitude = jnp.where(e == 0, 0.5 * m, (1 + 0.5 * m) * (1 << e).astype(jnp.float32) * 0.5)
     value = jnp.where(nibbles >= 8, -magnitude, magnitude) * (word_scale[:, :, None] * 2.0**-126)
@@ -205,7 +208,7 @@ def _decode_interpreted(words: jax.Array, word_scale: jax.Array) -> jax.Array:
     return value.reshape(tn, 8 * words_per_row).astype(jnp.bfloat16)
 
 
-def _gemm_kernel(words_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out_gmem,
+def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out_gmem,
                  s_smem, expand_smem, out_smem, barrier, *w_smem, tiling: Tiling, tile_m: int, depth: int,
                  to_wgmma: Any, interpret: bool):
     """One CTA: out^T[split, n tile, m tile] = sum over the split's K range of W tile @ x^T tile, times scale_2."""
@@ -214,20 +217,20 @@ def _gemm_kernel(words_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
 
     tn, tk = tiling.tile_n, tiling.tile_k
     ni, mi, si = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    k_steps = words_gmem.shape[1] * 8 // tk // out_gmem.shape[0]  # this CTA's steps
+    k_steps = codes_gmem.shape[1] * 2 // tk // out_gmem.shape[0]  # this CTA's steps
     plgpu.copy_gmem_to_smem(expand_gmem, expand_smem, barrier)  # E, once per CTA
     plgpu.barrier_wait(barrier)
     if interpret:  # the interpreter's WGMMA reads its left operand from shared memory only
-        def decode(words, word_scale):
-            w_smem[0][...] = _decode_interpreted(words, word_scale)
+        def decode(codes, word_scale):
+            w_smem[0][...] = _decode_interpreted(codes, word_scale)
             return w_smem[0]
     else:
         decode = plgpu.inline_mgpu(
-            arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+            arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA),
             return_type=plgpu.ShapeDtypeStruct((tn, tk), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
         )(_decode_registers)
 
-    def step(_, words_smem, scale_smem, xt_smem, acc_ref):
+    def step(_, codes_smem, scale_smem, xt_smem, acc_ref):
         # Block scales -> bf16 [tn, tk/16] in shared memory (1024 x value: exact in bf16, <= 4 significant bits).
         scales = _e4m3_x1024(scale_smem[...].astype(jnp.int32))  # [tn, tk/16]
         s_smem[...] = to_wgmma(scales.astype(jnp.float32).astype(jnp.bfloat16))
@@ -239,7 +242,8 @@ def _gemm_kernel(words_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
             return acc_s[...]
 
         word_scale = pl.run_scoped(expand, plgpu.ACC((tn, tk // 8), jnp.float32))  # [tn, tk/8]
-        w = decode(to_wgmma(words_smem[...]), word_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
+        codes = codes_smem[...] if interpret else plgpu.layout_cast(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+        w = decode(codes, word_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
         plgpu.wgmma(acc_ref, w, xt_smem)  # [tn, tk] @ [tk, tile_m]
 
     def accumulate(acc_ref):
@@ -247,13 +251,13 @@ def _gemm_kernel(words_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
             functools.partial(_with_acc, step, acc_ref),
             grid=(k_steps,),
             in_specs=[
-                plgpu.BlockSpec((tn, tk // 8), lambda k: (ni, si * k_steps + k)),  # code words
+                plgpu.BlockSpec((tn, tk // 2), lambda k: (ni, si * k_steps + k)),  # code bytes
                 plgpu.BlockSpec((tn, tk // BLOCK), lambda k: (ni, si * k_steps + k)),  # scale bytes
                 plgpu.BlockSpec((tk, tile_m), lambda k: (si * k_steps + k, mi)),  # x^T, rows in column_order
             ],
             max_concurrent_steps=min(depth, k_steps),
         )
-        pipeline(words_gmem, scale_gmem, xt_gmem)
+        pipeline(codes_gmem, scale_gmem, xt_gmem)
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
@@ -290,7 +294,6 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     tile_m = tile_m_for(m)
     xt = permute_x(x, tile_m)  # [K, M_pad]
     m_pad = xt.shape[1]
-    words = lax.bitcast_convert_type(codes.reshape(n, k // 8, 4), jnp.uint32)  # [N, K/8]: 8 codes a word
     if scale.dtype != jnp.uint8:
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     expand = jnp.asarray(expansion_matrix(tiling.tile_k))
@@ -318,7 +321,7 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
         **params,
     )
     # The decoded tile is the weight x 2^-9 (`_decode_registers`), undone with scale_2.
-    out_t = kernel(words, scale, xt, expand, (scale_2.astype(jnp.float32) * 2.0**9).reshape(1))  # [splits, N, M_pad]
+    out_t = kernel(codes, scale, xt, expand, (scale_2.astype(jnp.float32) * 2.0**9).reshape(1))  # [splits, N, M_pad]
     out_t = out_t[0] if splits == 1 else out_t.sum(0)  # [N, M_pad]
     return out_t[:, :m].T.astype(out_dtype)
 
