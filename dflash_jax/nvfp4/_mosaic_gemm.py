@@ -245,6 +245,13 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
         codes = codes_smem[...] if interpret else plgpu.layout_cast(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
         w = decode(codes, word_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
         plgpu.wgmma(acc_ref, w, xt_smem)  # [tn, tk] @ [tk, tile_m]
+        if not overlap:  # the pipeline refills this step's x^T buffer next
+            plgpu.wgmma_wait(0)
+
+    # With 2 or more steps in flight, a step's product runs on while the next step decodes: x^T's buffer is
+    # released one step late (`delay_release`), after the next step's wgmma_wait(0). With 1, K has 1 step.
+    concurrent = min(depth, k_steps)
+    overlap = concurrent >= 2
 
     def accumulate(acc_ref):
         pipeline = plgpu.emit_pipeline(
@@ -253,9 +260,10 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
             in_specs=[
                 plgpu.BlockSpec((tn, tk // 2), lambda k: (ni, si * k_steps + k)),  # code bytes
                 plgpu.BlockSpec((tn, tk // BLOCK), lambda k: (ni, si * k_steps + k)),  # scale bytes
-                plgpu.BlockSpec((tk, tile_m), lambda k: (si * k_steps + k, mi)),  # x^T, rows in column_order
+                plgpu.BlockSpec((tk, tile_m), lambda k: (si * k_steps + k, mi),  # x^T, rows in column_order
+                                delay_release=int(overlap)),
             ],
-            max_concurrent_steps=min(depth, k_steps),
+            max_concurrent_steps=concurrent,
         )
         pipeline(codes_gmem, scale_gmem, xt_gmem)
         plgpu.wgmma_wait(0)
