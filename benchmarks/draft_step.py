@@ -10,13 +10,13 @@ Each step is timed alone, host-synchronised (what a decoding loop waits for), me
 Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
 
 `--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s leaves, made
-on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-mosaic`, `fp8` (`weight_forms.py`). Each
+on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-xla`, `fp8` (`weight_forms.py`). Each
 row states the drafter's own weight bytes and a floor: the bytes a step must read (the drafter's weights, the
 LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
 `--contexts` sets the cached context rows (2048; the issue's long-context row is 131072).
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
-    python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-mosaic fp8 --batch 1 8 32 --contexts 2048 131072
+    python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-xla fp8 --batch 1 8 32 --contexts 2048 131072
     python benchmarks/draft_step.py --small       # tiny shapes, a CPU check of the script (tests run it)
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the read rate
 from timing import read_rate  # noqa: E402
-from weight_forms import WEIGHTS, mosaic_backend, quantized  # noqa: E402
+from weight_forms import WEIGHTS, packed_backend, quantized  # noqa: E402
 
 from dflash_jax.config import DflashConfig, parse_config  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
@@ -264,7 +264,7 @@ def main() -> None:
     print(f"  read rate {rate / 1e12:.2f} TB/s (jnp.sum over 4 GiB)", flush=True)
     for weights in args.weights:
         form = quantized(drafter, plan, weights)
-        with mosaic_backend(weights):
+        with packed_backend(weights):
             for context in args.contexts:
                 for batch in args.batch:
                     row = {"weights": weights, "context": context, "batch": batch,

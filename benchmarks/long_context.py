@@ -13,7 +13,7 @@ positions, as Qwen3 documents for long contexts) made by `successor_target` (so 
 the full-acceptance and zero-acceptance drafters of `benchmarks/spec_decode.py`, each at the fixed draft length
 and with the adaptive policy (`draft_length="adaptive"`: as many drafts per step as pay, plain target steps
 while drafts are rarely accepted): prefill seconds, decode tokens/s, peak device memory. `--drafter-weights`
-adds the same runs with the drafters' layer weights packed (`weight_forms.py`: "nvfp4", "nvfp4-mosaic", "fp8";
+adds the same runs with the drafters' layer weights packed (`weight_forms.py`: "nvfp4", "nvfp4-xla", "fp8";
 their heads stay bf16, so the maps are still walked), named "<run>, <form>". Floors: greedy decoding
 reads the weights and the KV cache each token, at the same read rate; a prefill does `2 x params x tokens` plus
 causal attention `2 x 2 x layers x heads x d_h x P^2 / 2` FLOPs, compared with the bf16 matmul rate measured in
@@ -44,7 +44,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode
 
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
 from timing import matmul_rate, print_row, read_rate, write_rows  # noqa: E402
-from weight_forms import WEIGHTS, mosaic_backend, quantized  # noqa: E402
+from weight_forms import WEIGHTS, packed_backend, quantized  # noqa: E402
 
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
@@ -167,7 +167,7 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
                     draft_length=po)
             base, greedy_tokens = None, None
             for name, (form, run) in runs.items():
-                with mosaic_backend(form):
+                with packed_backend(form):
                     if not small:  # --small checks the script, not the speed: its one run includes compiling
                         run()
                     results = [run() for _ in range(repeats)]

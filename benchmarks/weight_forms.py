@@ -2,8 +2,8 @@
 random bf16 drafter (no checkpoint): for benchmarks at real sizes (`draft_step.py`, `long_context.py`).
 
 Forms: "bf16" (as drawn), "nvfp4" (packed NVFP4: random codes, unit block scales, a `scale_2` that gives the bf16
-weight's rms; products by `nvfp4.matmul`'s "auto", XLA's dequantize-then-dot today), "nvfp4-mosaic" (the same
-with the Pallas Mosaic GPU kernel: `nvfp4.packed.AUTO_MOSAIC` set while its programs are traced, `mosaic_backend`),
+weight's rms; products by `nvfp4.matmul`'s "auto": the Pallas Mosaic GPU kernel on Hopper), "nvfp4-xla" (the same
+with XLA's dequantize-then-dot: `nvfp4.packed.AUTO_MOSAIC` cleared while its programs are traced, `packed_backend`),
 "fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the drafts (a DSpark Markov head, a
 confidence head) stay bf16, so a drafter built to walk a map (`testing.successor_drafter`) still walks it.
 """
@@ -24,7 +24,7 @@ from dflash_jax.drafter import Drafter
 from dflash_jax.plan import build_tree
 from dflash_jax.spec import CONFIDENCE, LINEAR, MARKOV
 
-WEIGHTS = ("bf16", "nvfp4", "nvfp4-mosaic", "fp8")
+WEIGHTS = ("bf16", "nvfp4", "nvfp4-xla", "fp8")
 E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
 KEPT_HEADS = (MARKOV, CONFIDENCE)  # top-level params names left in bf16
 
@@ -50,17 +50,17 @@ def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
 
 
 @contextlib.contextmanager
-def mosaic_backend(weights: str) -> Iterator[None]:
-    """Programs traced inside run the packed products of the form `weights` as they should: for "nvfp4-mosaic"
-    `AUTO_MOSAIC` is set and the compiled programs are dropped on entry and exit (a program traced for the other
-    backend has the same arguments and would be reused); any other form runs as is."""
-    if weights != "nvfp4-mosaic":
+def packed_backend(weights: str) -> Iterator[None]:
+    """Programs traced inside run the packed products of the form `weights` as they should: for "nvfp4-xla"
+    `AUTO_MOSAIC` is cleared and the compiled programs are dropped on entry and exit (a program traced for the
+    other backend has the same arguments and would be reused); any other form runs as is."""
+    if weights != "nvfp4-xla":
         yield
         return
-    nvfp4.packed.AUTO_MOSAIC = True
+    nvfp4.packed.AUTO_MOSAIC = False
     jax.clear_caches()
     try:
         yield
     finally:
-        nvfp4.packed.AUTO_MOSAIC = False
+        nvfp4.packed.AUTO_MOSAIC = True
         jax.clear_caches()

@@ -118,6 +118,18 @@ def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_the_packed_gemm_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+    """`nvfp4.matmul(backend="auto")` in a process with a Hopper GPU: the Mosaic GEMM in a program lowered for the
+    GPU, XLA's dequantize-then-dot in one lowered for the CPU (a packed drafter placed on the host)."""
+    for module in (dflash_jax.tuning, nvfp4.packed):
+        monkeypatch.setattr(module, "has_cuda", lambda: True)
+    monkeypatch.setattr(nvfp4.packed, "hopper", lambda: True)
+    w = nvfp4.Packed(jnp.zeros((64, 128), jnp.uint8), jnp.ones((64, 16), jnp.float8_e4m3fn), jnp.float32(1))
+    traced = jax.jit(lambda x, w: nvfp4.matmul(x, w)).trace(jnp.ones((2, 16, 256), jnp.bfloat16), w)
+    assert "mosaic_gpu" not in traced.lower().as_text()
+    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not dflash_jax.tuning.has_cuda(), reason="needs a CUDA GPU")
 def test_on_a_gpu_auto_lowers_the_kernels():

@@ -202,15 +202,18 @@ def test_bad_shapes_and_dtypes_are_refused():
         nvfp4.matmul(x, w, backend="triton")  # type: ignore[arg-type]
 
 
-def test_auto_stays_xla_for_now(monkeypatch):
-    """`backend="auto"` is decided in `_auto_backend` alone: XLA until `AUTO_MOSAIC` is set after the H200
-    verification, and off a Hopper GPU even then; `mosaic_takes` names the operands the kernel takes."""
+def test_auto_takes_the_kernel_on_hopper_only(monkeypatch):
+    """`backend="auto"` is decided in `_auto_backend` alone: the kernel on a Hopper GPU (where `AUTO_MOSAIC`, set
+    since the kernel passed the GPU tests, allows it), XLA elsewhere and when cleared; `mosaic_takes` names the
+    operands the kernel takes."""
     w = nvfp4.Packed(jnp.zeros((64, 256), jnp.uint8), jnp.ones((64, 32), jnp.float8_e4m3fn), jnp.float32(1))
     x = jnp.zeros((2, 4, 512), jnp.bfloat16)
-    assert nvfp4.packed._auto_backend(x, w) == "xla"
-    monkeypatch.setattr(nvfp4.packed, "AUTO_MOSAIC", True)
     assert nvfp4.packed._auto_backend(x, w) == ("mosaic" if on_gpu and jax.devices()[0].compute_capability == "9.0"
                                                  else "xla")
+    monkeypatch.setattr(nvfp4.packed, "hopper", lambda: True)
+    assert nvfp4.packed._auto_backend(x, w) == "mosaic"
+    monkeypatch.setattr(nvfp4.packed, "AUTO_MOSAIC", False)
+    assert nvfp4.packed._auto_backend(x, w) == "xla"
     assert nvfp4.packed.mosaic_takes(x, w)
     assert not nvfp4.packed.mosaic_takes(x.astype(jnp.float32), w)  # x must be bf16
     assert not nvfp4.packed.mosaic_takes(x, nvfp4.Packed(w.codes, w.scale, w.scale_2, jnp.float32))

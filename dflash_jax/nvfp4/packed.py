@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .._gpu import hopper
 from .._precision import weight_dot
-from ..tuning import has_cuda
+from ..tuning import has_cuda, on_gpu
 from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
@@ -112,7 +112,8 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     The weight-only GEMM of packed drafters. Backends: "xla" dequantizes to `w.dtype` and multiplies (the
     reference); "mosaic" runs the Pallas Mosaic GPU kernel that dequantizes in registers and feeds WGMMA
     (`_mosaic_gemm`: Hopper, bf16 x and weight, N % 64 == 0, K % 256 == 0; on a CPU in Pallas's interpret
-    mode, slowly); "auto" is what `_auto_backend` picks. Jit-compatible.
+    mode, slowly); "auto" is what `_auto_backend` picks: the kernel on Hopper where it takes the operands, XLA
+    elsewhere. Jit-compatible.
     """
     if not isinstance(w, Packed):
         raise TypeError(f"nvfp4.matmul: w must be an nvfp4.Packed, got {type(w).__name__}")
@@ -121,22 +122,32 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
                          f"expects {w.shape[1]}")
     if backend not in ("auto", "xla", "mosaic"):
         raise ValueError(f"nvfp4.matmul: backend must be 'auto', 'xla' or 'mosaic', got {backend!r}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if backend == "auto":
-        backend = _auto_backend(x, w)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if backend == "auto" and _auto_backend(x, w) == "mosaic":  # the kernel where the program is lowered for a GPU
+        return on_gpu(lambda x, w: _mosaic(x, w, out_dtype), lambda x, w: _xla(x, w, out_dtype), x, w)
     if backend == "mosaic":
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"nvfp4.matmul: backend='mosaic' computes in bfloat16; the weight's dtype is "
                              f"{w.dtype.name}")
-        *lead, k = x.shape
-        # Pallas' interpreter in a process without a GPU (its callbacks cannot sit in a `platform_dependent` branch)
-        out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=jnp.dtype(out_dtype),
-                            interpret=not has_cuda())  # [M, N]
-        return out.reshape(*lead, w.shape[0])
+        return _mosaic(x, w, out_dtype)
+    return _xla(x, w, out_dtype)
+
+
+def _mosaic(x: jax.Array, w: Packed, out_dtype: Any) -> jax.Array:
+    *lead, k = x.shape
+    # Pallas' interpreter in a process without a GPU (its callbacks cannot sit in a `platform_dependent` branch)
+    out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=out_dtype,
+                        interpret=not has_cuda())  # [M, N]
+    return out.reshape(*lead, w.shape[0])
+
+
+def _xla(x: jax.Array, w: Packed, out_dtype: Any) -> jax.Array:
     return weight_dot(x, w.dequantize(), out_dtype)
 
 
-AUTO_MOSAIC = False  # `backend="auto"` runs the Mosaic kernel on Hopper: set once it is verified on the H200
+# `backend="auto"` runs the Mosaic kernel on Hopper: it passed the GPU tests on every drafter shape and beats the
+# dequantize-then-dot product at every M measured (docs/benchmarks.md, "Packed NVFP4 GEMM").
+AUTO_MOSAIC = True
 
 
 def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
