@@ -6,14 +6,14 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
 - WGMMA's left operand has 64-row tiles and its right operand 8..256 columns, so with M = batch x block rows
   (16-512) the weight must be the left operand: the kernel computes out^T [N, M] = W [N, K] @ x^T [K, M], and
   XLA transposes the small result back.
-- The decode is the kernel's cost (a product's TMA copies and WGMMAs alone take half its time; docs/benchmarks.md),
-  so it works on packed words: a thread reads 8 code bytes a register (Mosaic's WGMMA_UPCAST_4X layout), two
-  u32 words (8 codes each, k = 8j .. 8j + 7, nibble i = code 8j + i), and each word becomes 4 registers of bf16
-  pairs by inline PTX (`plgpu.inline_mgpu`): nibbles p and
-  p + 4 shifted into one pair's halves and masked (their exponent and mantissa bits land in bf16's exponent LSBs
-  and mantissa MSB: the E2M1 value x 2^-126, code 0.5 a bf16 subnormal), one `mul.rn.bf16x2` by the block scale,
-  the sign bits XORed in (`_ptx_pair`: 5 instructions for 2 weights). The pairs go to the WGMMA from registers
-  (its left operand may live there), never through shared memory.
+- The decode is the kernel's cost (decoding one code at a time in float32 took more than half of a product's time:
+  docs/benchmarks.md, Decisions), so it works on packed words: a thread reads 8 code bytes a register (Mosaic's
+  WGMMA_UPCAST_4X layout), two u32 words (8 codes each, k = 8j .. 8j + 7, nibble i = code 8j + i), and each word
+  becomes 4 registers of bf16 pairs by inline PTX (`plgpu.inline_mgpu`): nibbles p and p + 4 shifted into one
+  pair's halves and masked (their exponent and mantissa bits land in bf16's exponent LSBs and mantissa MSB: the
+  E2M1 value x 2^-126, code 0.5 a bf16 subnormal), one `mul.rn.bf16x2` by the block scale, the sign bits XORed
+  in (`_ptx_pair`: 5 instructions for 2 weights). The pairs go to the WGMMA as its register operand, never
+  through shared memory.
 - Which K a register column holds follows from Mosaic's WGMMA register layout (a thread holds u32 words 8g + 2t
   and 8g + 2t + 1 of its rows, t its lane % 4): `column_order`. x^T is laid out in that order by XLA
   (`permute_x`, x is small beside the weight), so the sum pairs each code with its own x.
@@ -95,8 +95,8 @@ def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
 
 
 def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
-    """Pipeline steps in flight: the tiling's, or fewer where a step's buffers (codes, scales, x's two planes)
-    would not fit beside the fixed ones (the two bf16 planes, the scales, E, the output tile)."""
+    """Pipeline steps in flight: the tiling's, or fewer where a step's buffers (code bytes, scale bytes, x^T) would
+    not fit beside the fixed ones (the bf16 scales, E, the output tile)."""
     tn, tk = tiling.tile_n, tiling.tile_k
     step = tn * tk // 2 + tn * tk // BLOCK + tk * tile_m * 2  # code bytes, scale bytes, x^T
     fixed = tn * (tk // BLOCK) * 2 + (tk // BLOCK) * (tk // 8) * 2 \
