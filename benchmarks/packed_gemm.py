@@ -16,10 +16,14 @@ the output), the read rate that of a `jnp.sum` over 4 GiB and the matmul rate th
 measured in the same run. `of read rate` is bytes / time / read rate (the issue's goal: >= 80% for the kernel at
 M <= 64). The kernel's output (not the FP8 ones: another quantization) is compared with the XLA packed
 path's: the share of bit-identical bf16 elements and the largest difference relative to the largest output (the
-XLA path rounds the weight to bf16 first; the kernel does not, so they differ by rounding).
+XLA path rounds the weight to bf16 first; the kernel does not, so they differ by rounding). With `--trace`, each
+program also runs once under `jax.profiler` (`gpu_trace.traced`): the busiest kernel's time and the GPU's busy
+time a product, which leave out the program call's own cost (on an H100 about 240 us a call of 8 Mosaic products)
+that the wall time spreads over the products.
 
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --json $OUT/packed_gemm.json
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --sweep --m 16 64 128   # also other tilings of the kernel
+    PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --m 16 64 --trace   # also the GPU's own times (a trace)
     python benchmarks/packed_gemm.py --small     # tiny shapes, a CPU check of the script (the kernel interpreted)
 """
 
@@ -30,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -40,6 +45,7 @@ from jax import lax
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the timing loop
 
+import gpu_trace  # noqa: E402
 from timing import call_seconds, matmul_rate, read_rate  # noqa: E402
 
 from dflash_jax import fp8, nvfp4  # noqa: E402
@@ -107,6 +113,20 @@ def agreement(a: jax.Array, b: jax.Array) -> tuple[float, float]:
     return float(same.mean()), float(np.max(np.abs(a32 - b32)) / max(np.max(np.abs(b32)), 1e-30))
 
 
+def gpu_times(run, products: int) -> tuple[float | None, float | None]:
+    """(the busiest kernel's us, the GPU's busy us) a product for `run()`, a program of `products` products, from
+    one traced call; (None, None) where the trace holds no device events (a CPU)."""
+    with tempfile.TemporaryDirectory() as directory:
+        summary, _ = gpu_trace.traced(run, directory, products, "")
+    if not summary["top"]:
+        return None, None
+    return summary["top"][0]["us_per_step"], summary["busy_ms"] * 1e3
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=list(MS), help="rows of x")
@@ -115,6 +135,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--variants", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also the busiest kernel's and the GPU busy time a product, from a profiler trace")
     args = parser.parse_args()
     shapes, ms = (SMALL_SHAPES, [8]) if args.small else (SHAPES, args.m)
     rate = read_rate(0.01 if args.small else 4.0)
@@ -123,8 +145,8 @@ def main() -> None:
     print(f"{device.device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum), "
           f"{flops / 1e12:.0f} TFLOP/s (bf16 8192^3); kernel tiling {_mosaic_gemm.tiling_for(device)}")
     print("| shape | M | variant | us | floor us | x floor | of read rate | TFLOP/s | identical to xla packed "
-          "| max diff (of max) |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| max diff (of max) | kernel us | GPU busy us |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     key = jax.random.key(0)
     for name, (n, k) in shapes.items():
@@ -154,13 +176,14 @@ def main() -> None:
                 seconds = statistics.median(call_seconds(lambda: program(x, ws), args.iters, warmup=2)) / copies  # noqa: B023
                 identical, diff = (agreement(out, reference) if reference is not None and form != "fp8"
                                    else (float("nan"),) * 2)
+                kernel_us, busy_us = gpu_times(lambda: program(x, ws), copies) if args.trace else (None, None)  # noqa: B023
                 rows.append(dict(shape=name, n=n, k=k, m=m, variant=variant, us=seconds * 1e6, floor_us=floor * 1e6,
                                  bytes=moved, read_fraction=moved / seconds / rate,
                                  tflops=2 * m * n * k / seconds / 1e12, identical_to_xla_packed=identical,
-                                 max_diff=diff, copies=copies))
+                                 max_diff=diff, copies=copies, kernel_us=kernel_us, gpu_busy_us=busy_us))
                 print(f"| {name} | {m} | {variant} | {seconds * 1e6:.1f} | {floor * 1e6:.1f} | {seconds / floor:.2f} "
                       f"| {moved / seconds / rate:.0%} | {2 * m * n * k / seconds / 1e12:.1f} | {identical:.1%} "
-                      f"| {diff:.1e} |", flush=True)
+                      f"| {diff:.1e} | {_us(kernel_us)} | {_us(busy_us)} |", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=device.device_kind, jax=jax.__version__, read_rate=rate, matmul_rate=flops,

@@ -102,12 +102,13 @@ def test_hybrid_decode_small(monkeypatch, tmp_path):
 
 
 def test_packed_gemm_small(monkeypatch, tmp_path):
-    """Every variant (FP8 too) runs beside its floor; XLA's bf16 GEMM of the dequantized weight is the packed XLA
-    path bit for bit; the Mosaic kernel (interpreted on a CPU) agrees with it to bf16 rounding (measured 3.2e-3 of
-    the max)."""
+    """Every variant (FP8 too) runs beside its floor, traced too (no GPU times on a CPU); XLA's bf16 GEMM of the
+    dequantized weight is the packed XLA path bit for bit; the Mosaic kernel (interpreted on a CPU) agrees with it
+    to bf16 rounding (measured 3.2e-3 of the max)."""
     out = tmp_path / "out.json"
-    run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--json", str(out))
+    run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--trace", "--json", str(out))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["kernel_us"] is None for r in rows.values())  # a CPU's trace holds no device events
     assert set(rows) == {"xla packed", "xla bf16", "mosaic", "xla f4", "fp8 scaled", "fp8 xla"}
     assert rows["xla f4"]["max_diff"] < 2.0**-6  # it rounds the weight nowhere, the XLA packed path once
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["bytes"] > 0 for r in rows.values())
