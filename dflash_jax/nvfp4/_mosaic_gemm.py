@@ -210,7 +210,7 @@ def _decode_interpreted(codes: jax.Array, word_scale: jax.Array) -> jax.Array:
 
 def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out_gmem,
                  s_smem, expand_smem, out_smem, barrier, *w_smem, tiling: Tiling, tile_m: int, depth: int,
-                 to_wgmma: Any, interpret: bool):
+                 interpret: bool):
     """One CTA: out^T[split, n tile, m tile] = sum over the split's K range of W tile @ x^T tile, times scale_2."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -220,6 +220,9 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
     k_steps = codes_gmem.shape[1] * 2 // tk // out_gmem.shape[0]  # this CTA's steps
     plgpu.copy_gmem_to_smem(expand_gmem, expand_smem, barrier)  # E, once per CTA
     plgpu.barrier_wait(barrier)
+    def in_layout(a, layout):  # the register layout Mosaic gives `a`; the interpreter has none
+        return a if interpret else plgpu.layout_cast(a, layout)
+
     if interpret:  # the interpreter's WGMMA reads its left operand from shared memory only
         def decode(codes, word_scale):
             w_smem[0][...] = _decode_interpreted(codes, word_scale)
@@ -233,7 +236,7 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
     def step(_, codes_smem, scale_smem, xt_smem, acc_ref):
         # Block scales -> bf16 [tn, tk/16] in shared memory (1024 x value: exact in bf16, <= 4 significant bits).
         scales = _e4m3_x1024(scale_smem[...].astype(jnp.int32))  # [tn, tk/16]
-        s_smem[...] = to_wgmma(scales.astype(jnp.float32).astype(jnp.bfloat16))
+        s_smem[...] = in_layout(scales.astype(jnp.float32).astype(jnp.bfloat16), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
 
         def expand(acc_s):  # [tn, tk/16] @ E [tk/16, tk/8] -> each code word's block scale x 2^117, f32
@@ -242,7 +245,7 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, expand_gmem, scale_2_gmem, out
             return acc_s[...]
 
         word_scale = pl.run_scoped(expand, plgpu.ACC((tn, tk // 8), jnp.float32))  # [tn, tk/8]
-        codes = codes_smem[...] if interpret else plgpu.layout_cast(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)
+        codes = in_layout(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)  # [tn, tk/2] u8, 8 bytes a register
         w = decode(codes, word_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
         plgpu.wgmma(acc_ref, w, xt_smem)  # [tn, tk] @ [tk, tile_m]
         if not overlap:  # the pipeline refills this step's x^T buffer next
@@ -312,9 +315,8 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
         params["interpret"] = _interpret_params()
     else:
         params["compiler_params"] = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-    to_wgmma = (lambda a: a) if interpret else (lambda a: plgpu.layout_cast(a, plgpu.Layout.WGMMA))
     kernel = plgpu.kernel(
-        functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, to_wgmma=to_wgmma, interpret=interpret,
+        functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, interpret=interpret,
                           depth=pipeline_depth(tiling, tile_m, part_dtype)),
         out_type=jax.ShapeDtypeStruct((splits, n, m_pad), part_dtype),
         grid=(n // tiling.tile_n, m_pad // tile_m, splits),
