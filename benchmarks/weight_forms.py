@@ -57,10 +57,10 @@ def packed_backend(weights: str) -> Iterator[None]:
     if weights != "nvfp4-xla":
         yield
         return
-    nvfp4.packed.AUTO_MOSAIC = False
+    previous, nvfp4.packed.AUTO_MOSAIC = nvfp4.packed.AUTO_MOSAIC, False
     jax.clear_caches()
     try:
         yield
     finally:
-        nvfp4.packed.AUTO_MOSAIC = True
+        nvfp4.packed.AUTO_MOSAIC = previous
         jax.clear_caches()
