@@ -1,4 +1,6 @@
-"""Which GPU the package's Pallas kernels compile for."""
+"""Which GPU the package's Pallas kernels compile for, and how they run on a CPU."""
+
+from typing import Any
 
 import jax
 
@@ -17,3 +19,15 @@ def hopper_or_newer() -> bool:
 def hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.0: WGMMA, which later GPUs do not have)."""
     return _compute_capability() == 9.0
+
+
+def interpret_params() -> Any:
+    """Pallas's Mosaic GPU interpret-mode parameters (a kernel run on the CPU): `plgpu.InterpretGPUParams` where jax
+    exports it, else its jax 0.10 home (`jax._src.pallas.mosaic_gpu.interpret.params`)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if hasattr(plgpu, "InterpretGPUParams"):
+        return plgpu.InterpretGPUParams()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()

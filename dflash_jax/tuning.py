@@ -45,8 +45,9 @@ class Tuning:
     moe_gather_max_rows: int
     moe_tile_rows: int
     # How those few pairs run: "gather" copies each token's experts' weights out, then multiplies; "reduce" reads
-    # them in place inside a multiply-and-reduce (`target.moe._gathered_in_place`).
-    moe_few_rows: Literal["gather", "reduce"]
+    # them in place inside a multiply-and-reduce (`target.moe._gathered_in_place`); "slots" reads each distinct
+    # expert once in place in a Mosaic GPU kernel (`target._expert_gemm`).
+    moe_few_rows: Literal["gather", "reduce", "slots"]
     # The dense target's fused (cuDNN) prefill runs whole sequences, at most this many prompt rows (batch x P) a
     # step (`target.dense._fused_rows`): 8 x 32k rows at once ran an 80 GB H100 out of memory (docs/benchmarks.md);
     # 32k-row GEMMs are compute-bound already.

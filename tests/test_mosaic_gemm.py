@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import nvfp4
+from dflash_jax._gpu import interpret_params
 from dflash_jax.nvfp4 import _mosaic_gemm
 from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
 
@@ -35,7 +36,7 @@ on_gpu = jax.default_backend() == "gpu"
 
 def _interpret_available() -> bool:
     try:
-        _mosaic_gemm._interpret_params()
+        interpret_params()
     except ImportError:
         return False
     return True

@@ -25,7 +25,7 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"mosaic_gpu(_v\d+)?")
 # The modules that name Pallas, each covered by an entry point below.
 PALLAS_MODULES = {"attention.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_mosaic_gemm.py", "target/moe.py",
-                  "_span_attention_mgpu.py", "_gpu.py",
+                  "target/_expert_gemm.py", "_span_attention_mgpu.py", "_gpu.py",
                   "drafting.py"}  # names the "pallas" impl it passes on to `attend`
 # jax.experimental.pallas.ops.gpu modules written with Pallas Triton (the `*_mgpu` ones are Mosaic GPU).
 TRITON_OPS = {"attention", "decode_attention", "layer_norm", "paged_attention", "rms_norm", "softmax"}
@@ -94,6 +94,16 @@ def test_moe_grouped_matmul(as_on_hopper):
     """The MoE target's grouped matmul on its kernel branch (JAX's `ragged_dot_mgpu`)."""
     calls = custom_calls(lambda r, w, s: moe._grouped_matmul(r, w, s, True), spec((256, 512), jnp.bfloat16),
                          spec((8, 256, 512), jnp.bfloat16), spec((8,), jnp.int32))
+    assert_mosaic_only(calls)
+
+
+def test_moe_slots(as_on_hopper):
+    """The MoE target's few-rows kernel (`target._expert_gemm`) as `moe_block(impl="slots")` takes it."""
+    stack = spec((16, 128, 256), jnp.bfloat16)
+    calls = custom_calls(lambda p, x, w, e: moe._routed(p, None, x, w, e, "slots"),
+                         {"experts": {"gate_proj": stack, "up_proj": stack, "down_proj": spec((16, 256, 128),
+                                                                                              jnp.bfloat16)}},
+                         spec((3, 256), jnp.bfloat16), spec((3, 4), jnp.float32), spec((3, 4), jnp.int32))
     assert_mosaic_only(calls)
 
 

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._gpu import interpret_params
 from .._shapes import ceil_div, round_up
 from ._reference import BLOCK
 
@@ -301,7 +302,7 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     part_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)  # partial sums stay f32
     params: dict[str, Any] = {}
     if interpret:
-        params["interpret"] = _interpret_params()
+        params["interpret"] = interpret_params()
     else:
         params["compiler_params"] = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     kernel = plgpu.kernel(
@@ -321,14 +322,3 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     out_t = out_t[0] if splits == 1 else out_t.sum(0)  # [N, M_pad]
     return out_t[:, :m].T.astype(out_dtype)
 
-
-def _interpret_params() -> Any:
-    """Pallas's GPU interpret-mode parameters: `plgpu.InterpretGPUParams` where jax exports it, else its jax 0.10
-    home (`jax._src.pallas.mosaic_gpu.interpret.params`)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()

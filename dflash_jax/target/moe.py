@@ -11,9 +11,10 @@ Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen
 
 The routed experts run one of two ways by default (`_routed`), both reading only the experts the tokens route to
 and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's
-experts' weights are gathered (copied out, or read in place by a multiply-and-reduce: `tuning.Tuning.moe_few_rows`);
-for more, the pairs are sorted by expert into tiles of one expert each and each tile multiplies its expert's
-weights (a grouped matmul in batched form). Every shape is static.
+experts' weights are gathered (copied out, or read in place by a multiply-and-reduce, or each distinct expert read
+once in place by a Mosaic GPU kernel: `tuning.Tuning.moe_few_rows`); for more, the pairs are sorted by expert
+into tiles of one expert each and each tile multiplies its expert's weights (a grouped matmul in batched form).
+Every shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -45,6 +46,7 @@ from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
 from ..tuning import on_gpu, tuning
+from ._expert_gemm import expert_matmul, padded_columns, slots_of, takes
 
 Params = dict[str, Any]
 
@@ -175,6 +177,36 @@ def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax
     return jnp.einsum("tkh,tk->th", jnp.sum(down * h, axis=-1), weights)  # [T, k, H] -> [T, H]
 
 
+def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, interpret: bool = False) -> jax.Array:
+    """Each distinct routed expert's weights read once, in place, by the Mosaic GPU kernel (`_expert_gemm`), for
+    all T tokens as its columns; each (token, expert) pair takes its own column: `[T, H]` float32, rounded as
+    `_gathered` rounds (h to x's dtype between the products)."""
+    T, k = experts.shape
+    P, N = T * k, padded_columns(T)
+    slot_expert, used, slot_of = slots_of(experts.reshape(P))  # [P], [], [P]
+    token = jnp.arange(P) // k  # [P] pair t * k + j is token t's
+    e = p["experts"]
+
+    def pairs(partials: jax.Array) -> jax.Array:  # [splits, S, out, N] -> [P, out]: each pair's slot and token
+        return partials.sum(0)[slot_of, :, token]
+
+    xt = jnp.pad(x, ((0, N - T), (0, 0))).T  # [H, N]
+    gate, up = (pairs(expert_matmul(xt, e[name], slot_expert, used, interpret=interpret))
+                for name in ("gate_proj", "up_proj"))  # [P, I] float32
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)  # [P, I]
+    rhs = jnp.zeros((P, N, h.shape[1]), x.dtype).at[slot_of, token].set(h, unique_indices=True)  # [S, N, I]
+    out = pairs(expert_matmul(rhs.transpose(0, 2, 1), e["down_proj"], slot_expert, used, interpret=interpret))
+    return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1), weights)  # [P, H] -> [T, H]
+
+
+def _slotted_where_it_runs(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+    """`_slotted` where the program is lowered for a GPU and the kernel takes the stacks (bf16, tileable), else
+    `_gathered_in_place`."""
+    if x.dtype == jnp.bfloat16 and all(takes(w.shape, w.dtype) for w in p["experts"].values()):
+        return on_gpu(_slotted, _gathered_in_place, p, x, weights, experts)
+    return _gathered_in_place(p, x, weights, experts)
+
+
 def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel: bool) -> jax.Array:
     """`rows [M, in] @ stack[e].T` for each expert e's run of `sizes[e]` consecutive rows: `[M, out]`, rows' dtype.
 
@@ -245,16 +277,17 @@ def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: j
     return jnp.einsum("tkh,tk->th", out, weights)
 
 
-Impl = Literal["auto", "gather", "reduce", "tiled", "grouped", "ragged_dot"]
-IMPLS: tuple[Impl, ...] = ("auto", "gather", "reduce", "tiled", "grouped", "ragged_dot")
+Impl = Literal["auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_dot"]
+IMPLS: tuple[Impl, ...] = ("auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_dot")
 
 
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": for at most
     `tuning.Tuning.moe_gather_max_rows` pairs the device kind's `moe_few_rows` ("gather": copied out,
-    `_gathered`; "reduce": read in place, `_gathered_in_place`), tiled beyond; "grouped": JAX's Mosaic GPU grouped
-    matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    `_gathered`; "reduce": read in place, `_gathered_in_place`; "slots": each distinct expert read once in place
+    by the Mosaic GPU kernel where it runs, `_slotted`, else "reduce"), tiled beyond; "grouped": JAX's Mosaic GPU
+    grouped matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
     if impl == "auto" and experts.size <= tuning().moe_gather_max_rows:
@@ -263,6 +296,8 @@ def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: 
         return _gathered(p, x, weights, experts)
     if impl == "reduce":
         return _gathered_in_place(p, x, weights, experts)
+    if impl == "slots":
+        return _slotted_where_it_runs(p, x, weights, experts)
     if impl in ("auto", "tiled"):
         return _tiled(p, c, x, weights, experts)
     # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
