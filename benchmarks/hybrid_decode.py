@@ -23,8 +23,8 @@ batch 1 and the shortest prompt, a greedy step, a 17-row verify, and `commit` al
 `--profile DIR` runs only the part `step` programs, each once under `jax.profiler.trace` (traces under DIR), and
 reports from the trace (`gpu_trace.py`): kernels a step, GPU busy time against the step's wall time, the top
 kernels, the time of each model scope (embed, gated_attention, delta_net/{inputs,rule,out}, moe/{router,routed,
-shared}, lm_head, commit). `--moe-few-rows gather|reduce` overrides the device's `tuning` entry for the MoE block's
-decode and verify rows.
+shared}, lm_head, commit). `--moe-few-rows gather|reduce|slots` overrides the device's `tuning` entry for the MoE
+block's decode and verify rows.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--no-steps", action="store_true", help="skip part `step`")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="only profile the greedy step and the verify (traces under DIR; gpu_trace.py)")
-    parser.add_argument("--moe-few-rows", choices=["gather", "reduce"], default=None,
+    parser.add_argument("--moe-few-rows", choices=["gather", "reduce", "slots"], default=None,
                         help="how the MoE block runs decode and verify rows (default: the device's tuning entry)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
