@@ -17,8 +17,8 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   shared memory.
 - The scale bytes are read in the WGMMA layout, where a thread holds 2 consecutive bytes of its rows: exactly the
   scales of its two code blocks. They are decoded with jax ops in registers (`_e4m3_x1024`, times 2^107: the scale
-  x 2^117, exact), with no trip through shared memory and no wait, so a step's decode runs while the previous
-  step's product is still in the tensor cores.
+  x 2^117, exact), with no trip through shared memory and no extra WGMMA; a step loads its codes and scales
+  while the previous step's product is still in the tensor cores.
 - Which K a register column holds follows from the two layouts (a thread holds u16 elements 32 g + 8 t .. + 7 of
   its rows, t its lane % 4): `column_order`. x^T is laid out in that order by XLA (`permute_x`, x is small beside
   the weight), so the sum pairs each code with its own x.
@@ -235,14 +235,17 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, scale_2_gmem, out_gmem, out_sm
         scale_bytes = in_layout(scale_smem[...], plgpu.Layout.WGMMA).astype(jnp.int32)  # [tn, tk/16]
         block_scale = _e4m3_x1024(scale_bytes).astype(jnp.float32) * _SCALE_SHIFT  # the scale x 2^117, exact
         codes = in_layout(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)  # [tn, tk/4] u16, 16 bytes a register
+        # The previous step's product must end before the decode writes its tile: PTX leaves a register operand
+        # written before its wgmma.wait_group undefined (decoding during it gave wrong sums on an H100 where the
+        # pipeline loop had 4 steps). Its x^T buffer is released after this step.
+        plgpu.wgmma_wait(0)
         w = decode(codes, block_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
-        plgpu.wgmma_wait(0)  # the previous step's product: x^T's buffer it read is released after this step
         plgpu.wgmma(acc_ref, w, xt_smem)  # [tn, tk] @ [tk, tile_m]
         if not overlap:  # the pipeline refills this step's x^T buffer next
             plgpu.wgmma_wait(0)
 
-    # With 2 or more steps in flight, a step's product runs on while the next step decodes: x^T's buffer is
-    # released one step late (`delay_release`), after the next step's wgmma_wait(0). With 1, K has 1 step.
+    # With 2 or more steps in flight, a step's product runs on while the next step loads its codes and scales: x^T's
+    # buffer is released one step late (`delay_release`), after the next step's wgmma_wait(0). With 1, K has 1 step.
     concurrent = min(depth, k_steps)
     overlap = concurrent >= 2
 

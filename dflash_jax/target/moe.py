@@ -183,7 +183,10 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
     `_gathered` rounds (h to x's dtype between the products)."""
     T, k = experts.shape
     P, N = T * k, padded_columns(T)
-    slot_expert, used, slot_of = slots_of(experts.reshape(P))  # [P], [], [P]
+    if T == 1:  # one token's k experts are distinct: each pair is its own slot, no sort
+        slot_expert, used, slot_of = experts.reshape(P), jnp.asarray(P), jnp.arange(P, dtype=jnp.int32)
+    else:
+        slot_expert, used, slot_of = slots_of(experts.reshape(P))  # [P], [], [P]
     token = jnp.arange(P) // k  # [P] pair t * k + j is token t's
     e = p["experts"]
 
