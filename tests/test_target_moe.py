@@ -88,7 +88,7 @@ def dense_block(p, c: MoeDims, x: jax.Array) -> jax.Array:
 
 
 _block = jax.jit(moe_block, static_argnums=(1, 3))
-IMPLS = ("gather", "reduce", "tiled", "grouped", "ragged_dot")  # how the routed experts run (`moe._routed`)
+IMPLS = ("gather", "reduce", "slots", "tiled", "grouped", "ragged_dot")  # how the routed experts run (`moe._routed`)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
