@@ -31,3 +31,18 @@ def interpret_params() -> Any:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+def kernel_params(interpret: bool) -> dict[str, Any]:
+    """`plgpu.kernel`'s keyword arguments for a Mosaic GPU kernel written with warpgroup semantics: its interpret
+    mode's parameters (`interpret`: run on the CPU), else warpgroup lowering."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if interpret:
+        return {"interpret": interpret_params()}
+    return {"compiler_params": plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)}
+
+
+def sm_count() -> int:
+    """The default device's streaming multiprocessors (1 where it does not say: a CPU)."""
+    return getattr(jax.devices()[0], "core_count", 0) or 1

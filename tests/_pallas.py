@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import pytest
 
+from dflash_jax._gpu import interpret_params
+
 T = TypeVar("T")
 
 
@@ -38,3 +40,16 @@ def interpreted(run: Callable[[], T]) -> T:
         finally:
             switch.set_local(previous)
     pytest.skip("no Pallas interpreter runs the kernel on this CPU: " + "; ".join(errors))
+
+
+def _mosaic_interpreter() -> bool:
+    try:
+        interpret_params()
+    except ImportError:
+        return False
+    return True
+
+
+# Kernels that take `interpret=True` (Pallas's Mosaic GPU interpreter: jax 0.10's private module, or jax 0.11's).
+needs_mosaic_interpreter = pytest.mark.skipif(not _mosaic_interpreter(),
+                                              reason="this jax has no Mosaic GPU interpret mode")

@@ -15,22 +15,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dflash_jax._gpu import interpret_params
 from dflash_jax.target import moe
 from dflash_jax.target._expert_gemm import expert_matmul, slots_of, splits_for
+
+from ._pallas import needs_mosaic_interpreter
 
 on_gpu = jax.default_backend() == "gpu"
 
 
-def _interpret_available() -> bool:
-    try:
-        interpret_params()
-    except ImportError:
-        return False
-    return True
-
-
-needs_interpret = pytest.mark.skipif(not _interpret_available(), reason="this jax has no Mosaic GPU interpret mode")
 
 
 def random_block(rng: np.random.Generator, E: int, H: int, I: int, T: int, k: int):
@@ -72,7 +64,7 @@ def test_slots_hold_each_distinct_expert_once():
     assert splits_for(8, 512, 2048, 132) == 4 and splits_for(136, 512, 2048, 132) == 1
 
 
-@needs_interpret
+@needs_mosaic_interpreter
 @pytest.mark.parametrize("T,k", [(1, 4), (5, 4)])
 def test_interpret_mode_against_numpy(T, k):
     """Shared experts between tokens included (5 tokens x 4 of 8 experts); K split in two at one token."""
@@ -82,7 +74,7 @@ def test_interpret_mode_against_numpy(T, k):
     check(got, stacks, x, experts, weights)
 
 
-@needs_interpret
+@needs_mosaic_interpreter
 def test_slots_past_the_used_count_are_never_read():
     """A slot at or past `slots_used` exits at once: its output stays as the kernel found it (not the product)."""
     rng = np.random.default_rng(0)

@@ -24,25 +24,16 @@ import numpy as np
 import pytest
 
 from dflash_jax import nvfp4
-from dflash_jax._gpu import interpret_params
 from dflash_jax.nvfp4 import _mosaic_gemm
 from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
 
+from ._pallas import needs_mosaic_interpreter
 from .test_nvfp4 import E2M1, np_e4m3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 on_gpu = jax.default_backend() == "gpu"
 
 
-def _interpret_available() -> bool:
-    try:
-        interpret_params()
-    except ImportError:
-        return False
-    return True
-
-
-needs_interpret = pytest.mark.skipif(not _interpret_available(), reason="this jax has no Mosaic GPU interpret mode")
 
 
 def random_weight(rng: np.random.Generator, n: int, k: int):
@@ -75,7 +66,7 @@ def check(got, x, codes, scale, scale_2, rows=None, u_out=2.0**-8) -> float:
 
 # --- CPU: the kernel in Pallas's GPU interpret mode ----------------------------------------------------------
 
-@needs_interpret
+@needs_mosaic_interpreter
 @pytest.mark.parametrize("m,n,k,tiling", [
     (16, 128, 512, Tiling(64, 256, 2)),  # 2 CTAs along N, 2 pipeline steps
     (8, 64, 1024, Tiling(64, 256, 2, split_k=2)),  # 2 CTAs along K, their float32 partial sums added
@@ -92,7 +83,7 @@ def test_interpret_mode_against_numpy(m, n, k, tiling):
     check(got, x, codes, scale, scale_2)  # measured: up to 0.87 of the bound (the bf16 rounding reaches 1.0)
 
 
-@needs_interpret
+@needs_mosaic_interpreter
 def test_matmul_backend_mosaic_keeps_leading_dims():
     """`nvfp4.matmul(..., backend="mosaic")` on [batch, block, K] with a float32 output (interpret mode here)."""
     rng = np.random.default_rng(1)

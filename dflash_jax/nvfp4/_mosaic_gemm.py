@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._gpu import interpret_params
+from .._gpu import kernel_params, sm_count
 from .._shapes import ceil_div, round_up
 from ._reference import BLOCK
 
@@ -309,13 +309,8 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     if scale.dtype != jnp.uint8:
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     expand = jnp.asarray(expansion_matrix(tiling.tile_k))
-    splits = split_for(tiling, n, m, k, getattr(jax.devices()[0], "core_count", 0) or 1)
+    splits = split_for(tiling, n, m, k, sm_count())
     part_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)  # partial sums stay f32
-    params: dict[str, Any] = {}
-    if interpret:
-        params["interpret"] = interpret_params()
-    else:
-        params["compiler_params"] = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
     kernel = plgpu.kernel(
         functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, interpret=interpret,
                           depth=pipeline_depth(tiling, tile_m, part_dtype)),
@@ -329,7 +324,7 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
             plgpu.Barrier(num_arrivals=1),  # E's copy
             *([plgpu.SMEM((tiling.tile_n, tiling.tile_k), jnp.bfloat16)] if interpret else []),  # the tile
         ],
-        **params,
+        **kernel_params(interpret),
     )
     # The decoded tile is the weight x 2^-9 (`_decode_registers`), undone with scale_2.
     out_t = kernel(codes, scale, xt, expand, (scale_2.astype(jnp.float32) * 2.0**9).reshape(1))  # [splits, N, M_pad]

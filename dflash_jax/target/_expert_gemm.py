@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._gpu import interpret_params
+from .._gpu import kernel_params, sm_count
 from .._shapes import ceil_div
 
 TILE_N = 64  # rows of the expert per CTA: WGMMA's M
@@ -113,19 +113,14 @@ def expert_matmul(rhs: jax.Array, stack: jax.Array, slot_expert: jax.Array, slot
         raise ValueError(f"expert kernel: stack {stack.shape} {stack.dtype}, rhs {rhs.shape} {rhs.dtype}, "
                          f"{slots} slots (stack bf16 [E, out % 64, in % 128], rhs bf16 [(S,) in, N % 16])")
     tile_k = tile_k_for(inner)
-    splits = splits or splits_for(slots, out, inner, getattr(jax.devices()[0], "core_count", 0) or 1)
-    params: dict[str, Any] = {}
-    if interpret:
-        params["interpret"] = interpret_params()
-    else:
-        params["compiler_params"] = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    splits = splits or splits_for(slots, out, inner, sm_count())
     kernel = plgpu.kernel(
         functools.partial(_kernel, out_rows=out, tile_k=tile_k, shared_rhs=shared_rhs, columns=columns),
         out_type=jax.ShapeDtypeStruct((splits, slots, out, columns), jnp.float32),
         grid=(slots, out // TILE_N, splits),
         grid_names=("slot", "n", "split"),
         scratch_types=[plgpu.SMEM((TILE_N, columns), jnp.float32)],  # the output tile
-        **params,
+        **kernel_params(interpret),
     )
     flat_rhs = rhs if shared_rhs else rhs.reshape(slots * inner, columns)  # [(S *) in, N]
     return kernel(slot_expert.astype(jnp.int32), slots_used.astype(jnp.int32).reshape(1),
