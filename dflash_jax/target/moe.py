@@ -204,7 +204,8 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
 
 def _slotted_where_it_runs(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """`_slotted` where the program is lowered for a GPU and the kernel takes the stacks (bf16, tileable), else
-    `_gathered_in_place`."""
+    `_gathered_in_place`. For one device: XLA does not partition a Mosaic GPU call, so on a mesh that splits the
+    experts it would gather the stacks first (as for "grouped")."""
     if x.dtype == jnp.bfloat16 and all(takes(w.shape, w.dtype) for w in p["experts"].values()):
         return on_gpu(_slotted, _gathered_in_place, p, x, weights, experts)
     return _gathered_in_place(p, x, weights, experts)
