@@ -9,7 +9,8 @@ greedy step and 17 for a 16-draft verify, 136 for a verify at batch 8, 2048 for 
 - `reduce`: the same products as a multiply and a float32 sum over the weights' last axis, which XLA fuses with the
   gather: each routed slice read in place, never copied;
 - `slots`: each distinct routed expert read once, in place, by the package's Mosaic GPU kernel
-  (`target._expert_gemm`; on a CPU, or at shapes it does not take, `reduce`), up to 256 (token, expert) pairs;
+  (`target._expert_gemm`; on a CPU, or at shapes it does not take, `reduce`), up to the few-row path's
+  `tuning.Tuning.moe_gather_max_rows` (token, expert) pairs (its outputs are [slots, out, tokens]);
 - `tiled`: the pairs sorted by expert into tiles of one expert each, batched matmuls over the tiles;
 - `grouped`: the pairs sorted by expert, JAX's Pallas Mosaic GPU grouped matmul
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`; XLA's `ragged_dot` off the GPU);
@@ -47,13 +48,13 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop
 from timing import call_seconds, read_rate  # noqa: E402
 
 from dflash_jax.target import moe  # noqa: E402
+from dflash_jax.tuning import tuning  # noqa: E402
 
 QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
 VARIANTS = ("ragged_dot", "gather", "reduce", "slots", "tiled", "sliced")
 SLICED_MAX_PAIRS = 16
-SLOTS_MAX_PAIRS = 256  # its outputs are [slots, out, tokens]: the few-row path's `tuning` bound
 
 
 def sliced(p: dict, c: moe.MoeDims, x: jax.Array) -> jax.Array:
@@ -133,7 +134,7 @@ def main() -> None:
         for impl in args.variants:
             if impl == "sliced" and T * c.num_experts_per_tok > SLICED_MAX_PAIRS:
                 continue
-            if impl == "slots" and T * c.num_experts_per_tok > SLOTS_MAX_PAIRS:
+            if impl == "slots" and T * c.num_experts_per_tok > tuning().moe_gather_max_rows:  # few rows only
                 continue
             f = jax.jit(run_layers, static_argnums=(1, 3))
             out = one_block(first, c, x, impl)  # one block: 8 in a row, unnormalised, would amplify the rounding

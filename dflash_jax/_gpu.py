@@ -46,3 +46,11 @@ def kernel_params(interpret: bool) -> dict[str, Any]:
 def sm_count() -> int:
     """The default device's streaming multiprocessors (1 where it does not say: a CPU)."""
     return getattr(jax.devices()[0], "core_count", 0) or 1
+
+
+def k_splits(steps: int, tiles: int, sms: int) -> int:
+    """How many CTAs share each output tile's K range of `steps` pipeline steps: the fewest that give each of the
+    `sms` SMs a CTA (`tiles` output tiles x splits), among the splits that divide the steps and leave each CTA 2
+    steps or more (a product narrow in its output leaves most SMs idle otherwise)."""
+    splits = [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= 2)]
+    return next((d for d in splits if tiles * d >= sms), splits[-1])

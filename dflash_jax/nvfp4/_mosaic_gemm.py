@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._gpu import kernel_params, sm_count
+from .._gpu import k_splits, kernel_params, sm_count
 from .._shapes import ceil_div, round_up
 from ._reference import BLOCK
 
@@ -84,15 +84,11 @@ def tile_m_for(m: int) -> int:
 
 
 def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
-    """How many CTAs share each output tile's K range: `tiling.split_k`, or (0) the fewest that give each of the
-    `sms` SMs a CTA, among the splits that divide K's pipeline steps and leave each CTA 2 steps or more (a
-    weight small in N leaves most SMs idle otherwise: 8B-b16's k_proj is 16 tiles of 64 rows)."""
-    steps = k // tiling.tile_k
+    """How many CTAs share each output tile's K range: `tiling.split_k`, or (0) `k_splits`'s rule over the
+    output tiles (8B-b16's k_proj is 16 tiles of 64 rows: without a split most SMs would idle)."""
     if tiling.split_k:
         return tiling.split_k
-    tiles = n // tiling.tile_n * ceil_div(m, tile_m_for(m))
-    splits = [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= 2)]
-    return next((d for d in splits if tiles * d >= sms), splits[-1])
+    return k_splits(k // tiling.tile_k, n // tiling.tile_n * ceil_div(m, tile_m_for(m)), sms)
 
 
 def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:

@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._gpu import kernel_params, sm_count
-from .._shapes import ceil_div
+from .._gpu import k_splits, kernel_params, sm_count
 
 TILE_N = 64  # rows of the expert per CTA: WGMMA's M
 MIN_COLUMNS = 16  # N, the tokens, padded to a multiple of this (bf16 rows of 32 bytes in shared memory)
@@ -47,12 +46,8 @@ def takes(stack_shape: tuple[int, ...], dtype: Any) -> bool:
 
 
 def splits_for(slots: int, out: int, inner: int, sms: int) -> int:
-    """The fewest K splits that give each of `sms` SMs a CTA (slots x row tiles x splits), each split 2 steps or
-    more."""
-    steps = inner // tile_k_for(inner)
-    tiles = slots * (out // TILE_N)
-    splits = [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= 2)]
-    return next((d for d in splits if tiles * d >= sms), splits[-1])
+    """K splits by `k_splits`'s rule over the slots x row tiles."""
+    return k_splits(inner // tile_k_for(inner), slots * (out // TILE_N), sms)
 
 
 def _kernel(slot_expert_gmem, used_gmem, w_gmem, rhs_gmem, out_gmem, out_smem, *, out_rows: int, tile_k: int,
@@ -142,7 +137,3 @@ def slots_of(experts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     slot_of = jnp.zeros((P,), jnp.int32).at[order].set(slot_sorted.astype(jnp.int32), unique_indices=True)
     return slot_expert, used, slot_of
 
-
-def padded_columns(tokens: int) -> int:
-    """N for `tokens` columns: a multiple of MIN_COLUMNS."""
-    return ceil_div(tokens, MIN_COLUMNS) * MIN_COLUMNS

@@ -41,12 +41,12 @@ import jax
 import jax.numpy as jnp
 
 from .._precision import precision
-from .._shapes import ceil_div
+from .._shapes import ceil_div, round_up
 from ..errors import ConfigError
 from ..model import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
 from ..tuning import on_gpu, tuning
-from ._expert_gemm import expert_matmul, padded_columns, slots_of, takes
+from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes
 
 Params = dict[str, Any]
 
@@ -182,7 +182,7 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
     all T tokens as its columns; each (token, expert) pair takes its own column: `[T, H]` float32, rounded as
     `_gathered` rounds (h to x's dtype between the products)."""
     T, k = experts.shape
-    P, N = T * k, padded_columns(T)
+    P, N = T * k, round_up(T, MIN_COLUMNS)  # N: the kernel's columns, the tokens padded
     if T == 1:  # one token's k experts are distinct: each pair is its own slot, no sort
         slot_expert, used, slot_of = experts.reshape(P), jnp.asarray(P), jnp.arange(P, dtype=jnp.int32)
     else:
@@ -197,8 +197,8 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
     gate, up = (pairs(expert_matmul(xt, e[name], slot_expert, used, interpret=interpret))
                 for name in ("gate_proj", "up_proj"))  # [P, I] float32
     h = (jax.nn.silu(gate) * up).astype(x.dtype)  # [P, I]
-    rhs = jnp.zeros((P, N, h.shape[1]), x.dtype).at[slot_of, token].set(h, unique_indices=True)  # [S, N, I]
-    out = pairs(expert_matmul(rhs.transpose(0, 2, 1), e["down_proj"], slot_expert, used, interpret=interpret))
+    rhs = jnp.zeros((P, h.shape[1], N), x.dtype).at[slot_of, :, token].set(h, unique_indices=True)  # [S, I, N]
+    out = pairs(expert_matmul(rhs, e["down_proj"], slot_expert, used, interpret=interpret))
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1), weights)  # [P, H] -> [T, H]
 
 
