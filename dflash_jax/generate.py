@@ -52,7 +52,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -532,7 +531,7 @@ def _spec_decode(target: Target, drafter: Drafter, state: _State, stop, warp: Wa
 _PROGRESS: dict[int, Callable[[np.ndarray], None]] = {}  # the progress callbacks of the calls running now, by id
 _CALLS = itertools.count()
 _COSTS: dict[tuple, StepCosts] = {}  # measured step costs, by what determines them (`_costs_key`)
-_PARTIAL_COSTS: dict[tuple, dict[int, float]] = {}  # seconds by length index, of calibrations a call's end cut short
+_CALIBRATIONS: dict[tuple, _Calibration] = {}  # what calls of a setup measured before they ended (`_calibrate`)
 
 
 def _report(call: np.ndarray, n_out: np.ndarray) -> None:
@@ -557,47 +556,74 @@ def _costs_key(target: Target, drafter: Drafter, batch: int, capacity: int, poli
             repr(drafter.config), dtypes, batch, capacity, policy.lengths, sampling, attention)
 
 
+@dataclasses.dataclass
+class _Calibration:
+    """A setup's measurement so far, kept across its calls (`_calibrate`): the length indices that ran their untimed
+    step in this process, and the seconds of each timed call by (length index, steps)."""
+
+    warmed: set[int] = dataclasses.field(default_factory=set)
+    seconds: dict[tuple[int, int], list[float]] = dataclasses.field(default_factory=dict)
+
+
+def _sure_steps(state: _State, drafts: int) -> int:
+    """Steps of `drafts` drafts the decode from `state` runs for certain (short of a stop token): a step makes at
+    most drafts + 1 tokens a sequence, and the batch runs while any sequence has budget left."""
+    n_out, done = jax.device_get((state.n_out, state.done))
+    left = np.where(done, 0, int(state.budget) - n_out)  # [batch]
+    return int(np.max(-(-left // (drafts + 1))))
+
+
 def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch: int, device: str,
-               known: dict[int, float]) -> tuple[_State, StepCosts | None, dict[int, float]]:
-    """Measure the step costs on the run itself, at each length not in `known` (seconds by length index, what
-    earlier calls of the setup measured before they ended), longest first: after one untimed step each, calls of n =
-    `CALIBRATION_STEPS` steps and of 2n, `CALIBRATION_REPEATS` times each, timed from the host; a step costs the
-    difference of the fastest call of each count over n. A call of the decode program has a cost of its own (on an
-    H200, 4-20 ms: dispatch, the loops' start, the host sync), which a plain average over a few steps would add to
-    every step: it made plain steps look 45% dearer than greedy decoding's; and a call early in a run can be slower
-    than the rest (docs/benchmarks.md). The plain steps' time includes appending their context rows to the drafter's
-    cache (`_Loop.flush`, once at the end of each call). Returns the state after them, the costs, and the seconds
-    measured so far by length index. The costs are None when the decode ended first (then the next call of the setup
-    goes on from the lengths measured: short calls would otherwise never finish a calibration) or the times are not
-    usable (with a warning); the caller falls back to the longest length."""
+               progress: _Calibration) -> tuple[_State, StepCosts | None]:
+    """Measure the step costs on the run itself, going on from `progress` (which it updates), longest length first:
+    at each length, calls of n = `CALIBRATION_STEPS` steps and of 2n, `CALIBRATION_REPEATS` times each, timed from
+    the host, after one untimed step the first time the process runs that length (the first call at a length is
+    slower); a step costs the difference of the fastest call of each count over n. A call of the decode program has
+    a cost of its own (on an H200, 4-20 ms: dispatch, the loops' start, the host sync), which a plain average over a
+    few steps would add to every step: it made plain steps look 45% dearer than greedy decoding's; and a call early
+    in a run can be slower than the rest (docs/benchmarks.md). The plain steps' time includes appending their
+    context rows to the drafter's cache (`_Loop.flush`, once at the end of each call).
+
+    A timed call starts only where the decode surely lasts its steps even if every draft is accepted
+    (`_sure_steps`): a run too short for the next one forces no step to another length and keeps its progress, so
+    short runs decode at the fixed length at its own speed and longer ones finish the measurement. Returns the state
+    and the costs, or None (the caller runs the fixed length) while the measurement is unfinished or its times are not
+    usable (with a warning)."""
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
-    seconds = dict(known)
-    order = [i for i in reversed(range(len(policy.lengths))) if i not in seconds]
-    for i in order:  # one step each first: the first compiles, and the first call at each length is slower
-        state = run(state, placeholder, jnp.int32(i), jnp.int32(int(state.step) + 1))  # (their tokens count)
     n = CALIBRATION_STEPS
-    for i in order:
-        fastest = {n: math.inf, 2 * n: math.inf}
+    for i in reversed(range(len(policy.lengths))):
+        left = {count: CALIBRATION_REPEATS - len(progress.seconds.get((i, count), ())) for count in (n, 2 * n)}
         for count in (n, 2 * n) * CALIBRATION_REPEATS:
+            if left[count] <= 0:
+                continue
+            warm = i not in progress.warmed
+            if _sure_steps(state, policy.lengths[i]) < count + warm:
+                return state, None
+            if warm:  # the first call at each length (the first of all compiles) is slower
+                state = run(state, placeholder, jnp.int32(i), jnp.int32(int(state.step) + 1))
+                progress.warmed.add(i)
             first = int(state.step)
             start = time.perf_counter()
             state = run(state, placeholder, jnp.int32(i), jnp.int32(first + count))
-            if int(state.step) - first < count:  # (a host sync: the steps are done)
-                return state, None, seconds
-            fastest[count] = min(fastest[count], time.perf_counter() - start)
-        difference = (fastest[2 * n] - fastest[n]) / n
-        seconds[i] = difference if difference > 0 else fastest[2 * n] / (2 * n)  # a clock too coarse for it
-    measured = [seconds[i] for i in range(len(policy.lengths))]
+            if int(state.step) - first < count:  # (a host sync: the steps are done) a stop token ended the decode
+                return state, None
+            progress.seconds.setdefault((i, count), []).append(time.perf_counter() - start)
+            left[count] -= 1
+    measured = []
+    for i in range(len(policy.lengths)):
+        once, twice = (min(progress.seconds[i, count]) for count in (n, 2 * n))
+        measured.append((twice - once) / n if twice > once else twice / (2 * n))  # else a clock too coarse for it
     if jax.process_count() > 1:  # every process must choose the same lengths (one program): process 0's clock decides
         from jax.experimental import multihost_utils
 
         measured = [float(t) for t in multihost_utils.broadcast_one_to_all(np.asarray(measured, np.float32))]
+    progress.seconds.clear()  # measured: a setup that cannot use these times measures anew
     try:
-        return state, StepCosts(policy.lengths, tuple(measured), batch, device), {}
+        return state, StepCosts(policy.lengths, tuple(measured), batch, device)
     except ValueError as e:  # a clock that did not move: no costs to trust, so the longest length from here on
         warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
                       f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
-        return state, None, {}
+        return state, None
 
 
 def speculative_generate(
@@ -694,11 +720,10 @@ def speculative_generate(
 
         force = jnp.int32(-1)
         if policy.adaptive and costs is None:
-            state, costs, partial = _calibrate(run, state, policy, batch, device, _PARTIAL_COSTS.pop(cost_key, {}))
+            progress_so_far = _CALIBRATIONS.setdefault(cost_key, _Calibration())
+            state, costs = _calibrate(run, state, policy, batch, device, progress_so_far)
             if costs is None:
                 force = jnp.int32(len(policy.lengths) - 1)  # the fixed length: never wrong output, only slower
-                if partial:
-                    _PARTIAL_COSTS[cost_key] = partial
             else:
                 _COSTS[cost_key] = costs
                 seconds = jnp.asarray(costs.seconds, jnp.float32)

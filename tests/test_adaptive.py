@@ -242,6 +242,7 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)  # the mechanism, in few of the 40 tokens
     expected = greedy_generate(target, prompts, max_new_tokens=40).tokens
     monkeypatch.setattr(generate_module, "_COSTS", {})
+    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
     result = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert result.tokens == expected
     (costs,) = generate_module._COSTS.values()
@@ -263,6 +264,7 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     monkeypatch.undo()
     monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)
     monkeypatch.setattr(generate_module, "_COSTS", {})
+    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
     monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
@@ -271,29 +273,32 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
 
 
-def test_a_calibration_cut_short_by_the_budget_goes_on_in_the_next_call(models, monkeypatch):
-    """Calls too short to measure every length keep what they measured, and the next call of the setup measures
-    only the rest: without that, calls of a few tokens would each start the calibration over and never leave the
-    forced lengths. Each length takes 1 + 3 * 2 * 2 = 13 steps here; a call has 19 (a drafter never accepted: one
-    token a step), so the first measures 7 drafts (after one step at each length) and the second plain steps, then
-    adapts. The kept time of 7 drafts is set to a second before the second call: it is that time, not a new
-    measurement, that the second call's costs hold, and (a CPU's step times being noise) it makes plain steps the
-    policy's choice for certain once the calibration ends."""
+def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_next_run(models, monkeypatch):
+    """A timed call of n steps starts only where the decode lasts n steps even if every draft is accepted (7 drafts: 8
+    tokens a step), so a run too short for the next one forces no step to another length: it decodes at the fixed
+    length and keeps its progress, and a longer run of the setup measures only the rest, then adapts. Here n = 2 and
+    2n = 4 steps, twice each; the drafter is never accepted (one token a step). A run of 20 tokens (19 after the
+    prefill's) has 3 sure steps of 7 drafts: the untimed one and one call of 2; then 16 tokens are 2 sure steps, too few
+    for 4, so it stops there, no plain step forced. A run of 40 tokens measures the other three calls at 7 drafts,
+    then plain steps (1 untimed + 12). The kept time of the first run is set to -1 s before the second: it is that
+    time, not a new measurement, that the costs are made of, and it makes 7 drafts look half a second dearer than a
+    plain step, so that the policy takes plain steps for certain once it has the costs."""
     target, drafter = models
     policy, prompts = Adaptive(draft_lengths=(0, 7)), [[5, 17, 99], [4]]
     monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 2)
     monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 2)
     monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_PARTIAL_COSTS", {})
-    expected = greedy_generate(target, prompts, max_new_tokens=20).tokens
+    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
     first = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
-    assert first.tokens == expected and first.step_costs is None and generate_module._COSTS == {}
-    (partial,) = generate_module._PARTIAL_COSTS.values()
-    assert set(partial) == {1}  # 7 drafts measured; the plain steps' measurement was cut short
-    partial[1] = 1.0  # seconds: far dearer than any plain step of these models (measured: under a millisecond)
-    second = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
-    assert second.tokens == expected and generate_module._PARTIAL_COSTS == {}
-    assert second.step_costs is not None and second.step_costs.seconds[1] == partial[1]
+    assert first.tokens == greedy_generate(target, prompts, max_new_tokens=20).tokens
+    assert first.step_costs is None and first.plain_tokens == [0, 0] and generate_module._COSTS == {}
+    (progress,) = generate_module._CALIBRATIONS.values()
+    assert progress.warmed == {1} and list(progress.seconds) == [(1, 2)] and len(progress.seconds[1, 2]) == 1
+    progress.seconds[1, 2] = [-1.0]
+    second = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
+    assert second.tokens == greedy_generate(target, prompts, max_new_tokens=40).tokens
+    assert progress.warmed == {0, 1} and progress.seconds == {}
+    assert second.step_costs is not None and second.step_costs.seconds[1] > 0.5
     assert second.plain_tokens[0] > 13  # the plain steps measured (13), then the policy's own
 
 
@@ -306,8 +311,8 @@ def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
     runs = []
     for seconds in ((0.1, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 0.1)):
         monkeypatch.setattr(generate_module, "_COSTS", {})
-        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, known,
-                            s=seconds: (state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device), {}))
+        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, progress,
+                            s=seconds: (state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device)))
         runs.append(speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
                                          key=jax.random.key(3)))
     assert runs[0].tokens == runs[1].tokens and runs[0].plain_tokens == runs[1].plain_tokens == [0]
