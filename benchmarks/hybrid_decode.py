@@ -9,7 +9,8 @@ follows a fixed map of the last token (every layer still runs at full size):
   drafter shapes.
 
 Runs: `greedy` (the target alone), `full acceptance` (a DSpark drafter of the pairing's backbone whose Markov
-head walks the target's map: every draft accepted) and `zero acceptance` (walking another map: none). Reported:
+head walks the target's map: every draft accepted) and `zero acceptance` (walking another map: none), every draft
+verified, or under the adaptive draft-length policy (`--runs "zero acceptance + adaptive"`). Reported:
 prefill seconds, decode tokens/s, the speedup over greedy, peak device memory; every speculative output is
 checked against greedy's. Floors, from the bytes a greedy step must read at the read rate of a `jnp.sum` over
 4 GiB measured in the same run: the non-expert weights, the routed experts (distinct experts of the batch's
@@ -220,8 +221,10 @@ def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: fl
                 def go(run=run, prompts=prompts):
                     if run == "greedy":
                         return greedy_generate(target, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk)
-                    return speculative_generate(target, runs[run], prompts, max_new_tokens=args.max_new,
-                                                prefill_chunk=args.chunk)
+                    drafter, adaptive = runs[run.removesuffix(" + adaptive")], run.endswith(" + adaptive")
+                    return speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,
+                                                prefill_chunk=args.chunk,
+                                                draft_length="adaptive" if adaptive else "fixed")
 
                 if not args.small:
                     go()  # compile
@@ -246,7 +249,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="batch > 1 at the shortest prompt")
     parser.add_argument("--max-new", type=int, default=256)
-    parser.add_argument("--runs", nargs="+", default=["full acceptance", "zero acceptance"])
+    parser.add_argument("--runs", nargs="+", default=["full acceptance", "zero acceptance"],
+                        choices=[f"{a} acceptance{p}" for a in ("full", "zero") for p in ("", " + adaptive")],
+                        help="the drafter's draft length: fixed, or the adaptive policy (' + adaptive')")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--budget-s", type=float, default=None, help="start no prompt length after this many seconds")
