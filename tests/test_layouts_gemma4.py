@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import ConfigError, load_drafter
+from dflash_jax import generate as generate_module
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
 from dflash_jax.config import parse_config
 from dflash_jax.generate import speculative_generate
@@ -114,12 +115,13 @@ def test_double_wide_mlp_outside_the_drafters_layers_is_no_reason_to_refuse():
     assert parse_config({**GEMMA4, "use_double_wide_mlp": True, "num_kv_shared_layers": 20}).intermediate_size == 128
 
 
-def test_speculative_decoding_returns_the_greedy_tokens(tmp_path):
+def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, monkeypatch):
     """A Gemma 4 drafter whose Markov head walks a tiny target's successor map (`successor_drafter`: a bias of 100,
     above the backbone's logits, which the softcap bounds to 30) in the speculative loop: the tokens are the
     target's greedy ones, whole blocks of all B = 7 drafting rows accepted where the adaptive policy verifies them
-    all (its first steps measure shorter verifies and a plain step, which appends context rows alone: that path
-    read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The target is
+    all (its first steps measure shorter verifies and plain steps, in calls of 1 and 2 steps here so that 64 tokens
+    hold them; a plain step appends context rows alone: that path read `v_proj`, which a K = V drafter lacks,
+    until it took the variant's keys and values). The target is
     `successor_target` with its layers' outputs scaled to 0, so that its greedy continuation is the successor walk
     itself (logit margin 10 over N(0, 1.25^2) others)."""
     write_checkpoint(tmp_path, {**copy.deepcopy(GEMMA4), "markov_rank": 128}, seed=1, own_embeddings=True)
@@ -129,9 +131,13 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path):
     prompts, walks = [[5, 9, 2], [100, 3, 3, 7, 1]], []
     for prompt in prompts:
         walks.append([int(successor[prompt[-1]])])
-        while len(walks[-1]) < 16:
+        while len(walks[-1]) < 64:
             walks[-1].append(int(successor[walks[-1][-1]]))
-    result = speculative_generate(target, drafter, prompts, max_new_tokens=16)
+    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 1)
+    monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 1)
+    monkeypatch.setattr(generate_module, "_COSTS", {})
+    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
+    result = speculative_generate(target, drafter, prompts, max_new_tokens=64)
     assert result.tokens == walks
     assert drafter.config.num_draft_tokens == 7 and all(8 in steps for steps in result.acceptance_lengths)
     assert all(plain > 0 for plain in result.plain_tokens)  # the plain step ran
