@@ -35,7 +35,6 @@ on_gpu = jax.default_backend() == "gpu"
 
 
 
-
 def random_weight(rng: np.random.Generator, n: int, k: int):
     """Every code; block scales over E4M3's finite range (subnormals included, no NaN bytes); a small scale_2."""
     codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
@@ -173,7 +172,8 @@ def test_the_decoded_columns_and_x_rows_are_in_one_order():
     """`column_order` (the register mapping) is a permutation of K, and x's rows are laid out in it
     (`permute_x`), so the product sums each code with its own column of x."""
     order = _mosaic_gemm.column_order(256)
-    assert sorted(order) == list(range(256)) and list(order[:8]) == [0, 4, 16, 20, 32, 36, 48, 52]
+    # Column group 0: nibbles 0 and 4 of each lane's first word; lane t's word holds k 32 t .. 32 t + 7.
+    assert sorted(order) == list(range(256)) and list(order[:8]) == [0, 4, 32, 36, 64, 68, 96, 100]
     x = np.random.default_rng(0).standard_normal((5, 256)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(np.asarray(_mosaic_gemm.permute_x(jnp.asarray(x), 16))[:, :5], x[:, order].T)
 
