@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._gpu import k_splits, kernel_params, sm_count
-from .._shapes import ceil_div, round_up
-from ._reference import BLOCK
+from dflash_jax._gpu import k_splits, kernel_params, sm_count
+from dflash_jax._shapes import ceil_div, round_up
+from dflash_jax.nvfp4._reference import BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,31 +217,40 @@ def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, scale_2_gmem, out_gmem, out_sm
     def in_layout(a, layout):  # the register layout Mosaic gives `a`; the interpreter has none
         return a if interpret else plgpu.layout_cast(a, layout)
 
+    half = tk // 2  # a step's tile is decoded and multiplied in two halves (see `step`)
     if interpret:  # the interpreter's WGMMA reads its left operand from shared memory only
-        def decode(codes, block_scale):
-            w_smem[0][...] = _decode_interpreted(codes, block_scale)
-            return w_smem[0]
+        def decode(codes, block_scale, h):
+            w_smem[h][...] = _decode_interpreted(codes, block_scale)
+            return w_smem[h]
     else:
-        decode = plgpu.inline_mgpu(
+        decode_registers = plgpu.inline_mgpu(
             arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA),
-            return_type=plgpu.ShapeDtypeStruct((tn, tk), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+            return_type=plgpu.ShapeDtypeStruct((tn, half), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
         )(_decode_registers)
 
+        def decode(codes, block_scale, h):
+            del h
+            return decode_registers(codes, block_scale)
+
     def step(_, codes_smem, scale_smem, xt_smem, acc_ref):
-        scale_bytes = in_layout(scale_smem[...], plgpu.Layout.WGMMA).astype(jnp.int32)  # [tn, tk/16]
-        block_scale = _e4m3_x1024(scale_bytes).astype(jnp.float32) * _SCALE_SHIFT  # the scale x 2^117, exact
-        codes = in_layout(codes_smem[...], plgpu.Layout.WGMMA_UPCAST_4X)  # [tn, tk/4] u16, 16 bytes a register
-        # The previous step's product must end before the decode writes its tile: PTX leaves a register operand
-        # written before its wgmma.wait_group undefined (decoding during it gave wrong sums on an H100 where the
-        # pipeline loop had 4 steps). Its x^T buffer is released after this step.
-        plgpu.wgmma_wait(0)
-        w = decode(codes, block_scale)  # [tn, tk] bf16, x 2^-9, columns in column_order
-        plgpu.wgmma(acc_ref, w, xt_smem)  # [tn, tk] @ [tk, tile_m]
+        # Two halves, so that each half's decode runs while the other half's product is in the tensor cores. PTX
+        # leaves a register operand rewritten before its wgmma.wait_group undefined, so before a half is decoded
+        # into its registers, wgmma_wait(1) ends that half's previous product (the one before the latest). The
+        # x^T buffer is released one step late, when both its products have ended.
+        for h in range(2):
+            scale_bytes = scale_smem[:, pl.ds(h * half // BLOCK, half // BLOCK)]  # [tn, tk/32] u8
+            scale_bytes = in_layout(scale_bytes, plgpu.Layout.WGMMA).astype(jnp.int32)
+            block_scale = _e4m3_x1024(scale_bytes).astype(jnp.float32) * _SCALE_SHIFT  # the scale x 2^117, exact
+            codes = codes_smem[:, pl.ds(h * half // 4, half // 4)]  # [tn, tk/8] u16, 16 bytes a register
+            codes = in_layout(codes, plgpu.Layout.WGMMA_UPCAST_4X)
+            plgpu.wgmma_wait(1)
+            w = decode(codes, block_scale, h)  # [tn, tk/2] bf16, x 2^-9, columns in column_order
+            plgpu.wgmma(acc_ref, w, xt_smem.at[pl.ds(h * half, half)])  # [tn, tk/2] @ [tk/2, tile_m]
         if not overlap:  # the pipeline refills this step's x^T buffer next
             plgpu.wgmma_wait(0)
 
-    # With 2 or more steps in flight, a step's product runs on while the next step loads its codes and scales: x^T's
-    # buffer is released one step late (`delay_release`), after the next step's wgmma_wait(0). With 1, K has 1 step.
+    # With 2 or more steps in flight, a step's products run on while the next step decodes: x^T's buffer is released
+    # one step late (`delay_release`), after the next step's second wgmma_wait(1). With 1, K has 1 step.
     concurrent = min(depth, k_steps)
     overlap = concurrent >= 2
 
@@ -307,7 +316,7 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
         grid_names=("n", "m", "s"),
         scratch_types=[
             plgpu.SMEM((tiling.tile_n, tile_m), part_dtype),  # the output tile
-            *([plgpu.SMEM((tiling.tile_n, tiling.tile_k), jnp.bfloat16)] if interpret else []),  # the tile
+            *([plgpu.SMEM((tiling.tile_n, tiling.tile_k // 2), jnp.bfloat16)] * 2 if interpret else []),  # the halves
         ],
         **kernel_params(interpret),
     )
