@@ -7,7 +7,8 @@ The drafter is replicated over a 4-device mesh; the target is tensor-parallel ov
 and every read of tensor data this process makes is recorded (the byte ranges of the views `Checkpoint.read`
 hands out, from their addresses in the map) and compared with the ranges of its own devices' shards, worked
 out here from the planned shardings by row-major arithmetic. Then both processes decode the same prompts with
-the target split across them, sampled with one key, and print the tokens.
+the target split across them, sampled with one key, and print the tokens; then greedy under the adaptive policy,
+measuring its step costs, and print the tokens and the costs.
 """
 
 import json
@@ -119,11 +120,19 @@ print(f"process {process_id}: target ok, read {read_bytes} of {total_bytes} byte
 
 # Speculative decoding across the processes: the target split over both processes' devices, the drafter replicated
 # on the same mesh; every process passes the same prompts and arguments and gets every prompt's tokens. Sampled with
-# the same key in every process: every draw is a global computation, so the processes agree. (Greedy decoding across
-# processes, under the adaptive policy: tests/test_multihost.py's CLI run.)
+# the same key in every process: every draw is a global computation, so the processes agree.
 paired = load_drafter(checkpoint, mesh=target.layout.mesh, dtype=jnp.float32)
 prompts, max_new = json.loads(sys.argv[5]), int(sys.argv[6])
 sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, temperature=float(sys.argv[7]),
                                top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])), draft_length="fixed")
 print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")
+# Greedy under the adaptive policy, its step costs measured on the run in calls of 1 and 2 steps (so that 40 tokens
+# hold the measurement): each process times its own calls and process 0's times decide, so the processes must
+# report the same costs (and choose the same lengths: one program).
+from dflash_jax import generate as generate_module  # noqa: E402
+
+generate_module.CALIBRATION_STEPS = generate_module.CALIBRATION_REPEATS = 1
+adaptive = speculative_generate(target, paired, prompts, max_new_tokens=40)
+costs = adaptive.step_costs.seconds if adaptive.step_costs is not None else None
+print(f"process {process_id}: adaptive {json.dumps([adaptive.tokens, costs])}")
 jax.distributed.shutdown()

@@ -2,7 +2,8 @@
 tensor-parallel onto a global 2-process mesh; each reads and places only its own devices' copies and shards
 (the audit of the byte ranges each process read: tests/multihost_worker.py). Then both decode the same prompts
 with the target split across them and the drafter replicated, sampled with one key, and get the tokens one process
-gets; `dflash-jax generate --distributed` decodes greedily across two processes from the shell."""
+gets, and greedily under the adaptive policy with the step costs of process 0's clock in both; `dflash-jax generate
+--distributed` decodes greedily across two processes from the shell."""
 
 import json
 import os
@@ -76,12 +77,17 @@ def test_two_process_load(checkpoints):
     assert sampled != greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the temperature tells
     for i, out in enumerate(outputs):
         assert json.loads(re.search(rf"process {i}: sampled (.*)", out).group(1)) == sampled, f"process {i}"
+    # greedy under the adaptive policy: the target's tokens, and step costs measured, the same in both processes
+    adaptive = [json.loads(re.search(rf"process {i}: adaptive (.*)", out).group(1)) for i, out in enumerate(outputs)]
+    assert adaptive[0] == adaptive[1] and adaptive[0][1] is not None and len(adaptive[0][1]) == 3
+    assert adaptive[0][0] == greedy_generate(one_target, PROMPTS, max_new_tokens=40).tokens
 
 
 def test_generate_across_two_processes(checkpoints):
     """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
     four, process 0 prints the target's greedy tokens, process 1 prints nothing (on stdout: Gloo's connection lines go
-    to stderr). Greedy, so the adaptive draft length runs: both processes take process 0's measured step costs."""
+    to stderr). Greedy, so the adaptive policy is on; 6 tokens are too few to time a call of steps, so both run the
+    fixed length (the step costs measured across processes: `test_two_process_load`)."""
     drafter, target = checkpoints
     flags = ["--max-new-tokens", "6", "--dtype", "float32", "--stop-token-ids", "127"]
     # two devices per process; compiled programs not cached (a test leaves nothing behind)
