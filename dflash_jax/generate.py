@@ -592,9 +592,8 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
     n = CALIBRATION_STEPS
     for i in reversed(range(len(policy.lengths))):
-        left = {count: CALIBRATION_REPEATS - len(progress.seconds.get((i, count), ())) for count in (n, 2 * n)}
         for count in (n, 2 * n) * CALIBRATION_REPEATS:
-            if left[count] <= 0:
+            if len(progress.seconds.get((i, count), ())) >= CALIBRATION_REPEATS:  # timed in an earlier call
                 continue
             warm = i not in progress.warmed
             if _sure_steps(state, policy.lengths[i]) < count + warm:
@@ -608,7 +607,6 @@ def _calibrate(run: Callable[..., _State], state: _State, policy: _Policy, batch
             if int(state.step) - first < count:  # (a host sync: the steps are done) a stop token ended the decode
                 return state, None
             progress.seconds.setdefault((i, count), []).append(time.perf_counter() - start)
-            left[count] -= 1
     measured = []
     for i in range(len(policy.lengths)):
         once, twice = (min(progress.seconds[i, count]) for count in (n, 2 * n))

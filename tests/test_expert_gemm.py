@@ -23,8 +23,6 @@ from ._pallas import needs_mosaic_interpreter
 on_gpu = jax.default_backend() == "gpu"
 
 
-
-
 def random_block(rng: np.random.Generator, E: int, H: int, I: int, T: int, k: int):
     """bf16 expert stacks, bf16 tokens, k distinct experts a token (some shared between tokens), float32 weights."""
     bf = ml_dtypes.bfloat16

@@ -34,7 +34,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 on_gpu = jax.default_backend() == "gpu"
 
 
-
 def random_weight(rng: np.random.Generator, n: int, k: int):
     """Every code; block scales over E4M3's finite range (subnormals included, no NaN bytes); a small scale_2."""
     codes = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
