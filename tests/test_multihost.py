@@ -58,7 +58,14 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
     return str(root / "drafter"), str(root / "target")
 
 
-def test_two_process_load(checkpoints):
+@pytest.fixture(scope="module")
+def greedy_tokens(checkpoints) -> list[list[int]]:
+    """The target's own greedy tokens for PROMPTS in this process, 40 new (the adaptive run's budget): the shorter
+    runs' are their prefixes (greedy decoding; both budgets run one compiled program)."""
+    return greedy_generate(load_target(checkpoints[1], dtype=jnp.float32), PROMPTS, max_new_tokens=40).tokens
+
+
+def test_two_process_load(checkpoints, greedy_tokens):
     drafter, target = checkpoints
     port = str(free_port())
     runs = launch([[sys.executable, WORKER, str(i), port, drafter, target, json.dumps(PROMPTS), str(MAX_NEW),
@@ -74,34 +81,35 @@ def test_two_process_load(checkpoints):
     sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                    top_k=TOP_K, key=jax.random.key(SEED), draft_length="fixed").tokens  # the workers'
     # draft length (greedy decoding across processes, under the adaptive policy: the CLI run below)
-    assert sampled != greedy_generate(one_target, PROMPTS, max_new_tokens=MAX_NEW).tokens  # the temperature tells
+    assert sampled != [tokens[:MAX_NEW] for tokens in greedy_tokens]  # the temperature tells
     for i, out in enumerate(outputs):
         assert json.loads(re.search(rf"process {i}: sampled (.*)", out).group(1)) == sampled, f"process {i}"
     # greedy under the adaptive policy: the target's tokens, and step costs measured, the same in both processes
     adaptive = [json.loads(re.search(rf"process {i}: adaptive (.*)", out).group(1)) for i, out in enumerate(outputs)]
     assert adaptive[0] == adaptive[1] and adaptive[0][1] is not None and len(adaptive[0][1]) == 3
-    assert adaptive[0][0] == greedy_generate(one_target, PROMPTS, max_new_tokens=40).tokens
+    assert adaptive[0][0] == greedy_tokens
 
 
-def test_generate_across_two_processes(checkpoints):
+def test_generate_across_two_processes(checkpoints, greedy_tokens):
     """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
     four, process 0 prints the target's greedy tokens, process 1 prints nothing (on stdout: Gloo's connection lines go
     to stderr). Greedy, so the adaptive policy is on; 6 tokens are too few to time a call of steps, so both run the
-    fixed length (the step costs measured across processes: `test_two_process_load`)."""
+    fixed length (the step costs measured across processes: `test_two_process_load`). The prompt is PROMPTS[0], so
+    that the target's own tokens are those of `greedy_tokens` (no greedy program of a batch of one to compile)."""
     drafter, target = checkpoints
-    flags = ["--max-new-tokens", "6", "--dtype", "float32", "--stop-token-ids", "127"]
+    flags = ["--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "6", "--dtype", "float32",
+             "--stop-token-ids", "127"]
     # two devices per process; compiled programs not cached (a test leaves nothing behind)
     env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": "",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
     port = str(free_port())
     (status0, out0, err0), (status1, out1, err1) = launch([
-        [sys.executable, "-m", "dflash_jax", "generate", target, drafter, "--prompt-ids", "5,17,99", *flags,
+        [sys.executable, "-m", "dflash_jax", "generate", target, drafter, *flags,
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)] for i in range(2)], env)
     assert status0 == status1 == 0, err0[-3000:] + err1[-3000:]
     assert "mean acceptance length" in err0 and out1 == "" and "mean acceptance length" not in err1
-    expected = greedy_generate(load_target(target, dtype=jnp.float32), [5, 17, 99], max_new_tokens=6,
-                               stop_token_ids=[127]).tokens[0]  # the target's own decoding, in one process
-    assert out0 == ",".join(map(str, expected)) + "\n" and len(expected) == 6
+    expected = greedy_tokens[0][:6]  # the target's own decoding, in one process: the stop token not among them
+    assert out0 == ",".join(map(str, expected)) + "\n" and 127 not in expected
 
 
 
