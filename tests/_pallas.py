@@ -5,9 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import jax
 import pytest
 
 from dflash_jax._gpu import interpret_params
+
+on_gpu = jax.default_backend() == "gpu"
+# The tests of a kernel on the device it was written for (a Hopper GPU); CI runs them with `pytest -m gpu` there.
+needs_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
 
 T = TypeVar("T")
 

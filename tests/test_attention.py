@@ -9,6 +9,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.attention import KeyValues, LayerRule, Span, attend
 
+from ._pallas import needs_gpu
+
 
 def rule_mask(q_pos, k_pos, rule):
     """`[b, Sq, T]` bool: the rule, written from its definition (model.py's docstring)."""
@@ -187,7 +189,7 @@ def test_mosaic_kernel_in_the_gpu_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@needs_gpu
 @pytest.mark.parametrize("Sq,n_h,n_kv,d", [(1, 32, 8, 128), (16, 32, 8, 128), (16, 32, 4, 128), (8, 8, 8, 128),
                                            (17, 32, 8, 128), (4, 16, 2, 256), (17, 16, 2, 256), (32, 16, 2, 256),
                                            (16, 8, 8, 64)])

@@ -11,10 +11,11 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import pytest
 
 from dflash_jax import generate as generate_module
+
+from ._pallas import needs_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
@@ -164,7 +165,7 @@ def test_load_small(monkeypatch, capsys, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@needs_gpu
 def test_pallas_tiles_small():
     """The GPU kernel's tuning sweep on one short span and one setting per knob."""
     run = subprocess.run([sys.executable, "-W", "ignore", os.path.join(ROOT, "benchmarks", "pallas_tiles.py"),

@@ -21,6 +21,7 @@ from dflash_jax.tuning import tuning
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
+from ._pallas import needs_gpu
 
 FAMILIES = ["tiny-dflash", "tiny-dflash2", "tiny-dspark"]
 # (num_new per sequence) for three steps of a batch of 2: different lengths, an idle sequence (0 new rows);
@@ -255,7 +256,7 @@ def test_ring_buffers_and_chunked_appends_give_the_uncached_drafts(attention, sp
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@needs_gpu
 def test_gpu_kernel_reads_rings_as_the_xla_path_does():
     """bf16 tiny DFlash2 with a 200-token window and a full layer, a batch of `RING_SPANS_MIN_BATCH` (so the ring is
     read as spans by the GPU kernel, 512 rows), 900 context rows (the ring wrapped): the drafting distribution q

@@ -18,9 +18,7 @@ import pytest
 from dflash_jax.target import moe
 from dflash_jax.target._expert_gemm import expert_matmul, slots_of, splits_for
 
-from ._pallas import needs_mosaic_interpreter
-
-on_gpu = jax.default_backend() == "gpu"
+from ._pallas import needs_gpu, needs_mosaic_interpreter
 
 
 def random_block(rng: np.random.Generator, E: int, H: int, I: int, T: int, k: int):
@@ -85,7 +83,7 @@ def test_slots_past_the_used_count_are_never_read():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
+@needs_gpu
 @pytest.mark.parametrize("T", [1, 8, 17, 32])
 def test_gpu_35b_shapes_against_numpy(T):
     """Qwen3.5-35B-A3B's experts (256 of [512, 2048]), the rows of decode (1, 8 tokens) and verify (17, 32)."""

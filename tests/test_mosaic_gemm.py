@@ -27,11 +27,10 @@ from dflash_jax import nvfp4
 from dflash_jax.nvfp4 import _mosaic_gemm
 from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
 
-from ._pallas import needs_mosaic_interpreter
+from ._pallas import needs_gpu, needs_mosaic_interpreter, on_gpu
 from .test_nvfp4 import E2M1, np_e4m3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-on_gpu = jax.default_backend() == "gpu"
 
 
 def random_weight(rng: np.random.Generator, n: int, k: int):
@@ -232,7 +231,7 @@ def drafter_shapes() -> dict[tuple[int, int], list[str]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (Hopper)")
+@needs_gpu
 def test_gpu_every_drafter_shape_against_numpy():
     """Each (N, K) at M = 16, 32, 128, 512; the NumPy reference on 192 of the N rows (the first and last 64, 64
     at random: every grid row-tile kind), all M columns."""
@@ -255,7 +254,7 @@ def test_gpu_every_drafter_shape_against_numpy():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU (Hopper)")
+@needs_gpu
 def test_gpu_agrees_with_the_xla_path():
     """Kernel vs `backend="xla"` (which rounds the weight to bf16 first): within 2 bf16 ulps of the larger output
     (each is within its own bound of the exact product), on the 8B-b16 q_proj at M = 16 and 128."""

@@ -24,9 +24,9 @@ from dflash_jax import nvfp4
 from dflash_jax.errors import CheckpointError
 from dflash_jax.nvfp4 import _mosaic_gpu
 
-on_gpu = jax.default_backend() == "gpu"
+from ._pallas import needs_gpu, on_gpu
+
 gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 

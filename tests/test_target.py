@@ -21,6 +21,7 @@ from . import _numpy_reference as ref
 from ._feature_maps import numpy_squash, squash
 from ._io import leaf, load_file, save_file
 from ._numpy_reference import numpy_decoder
+from ._pallas import needs_gpu
 
 TOL = dict(rtol=0, atol=2e-4)  # float32 vs float64 on outputs of size ~5
 
@@ -196,7 +197,7 @@ def test_errors(tmp_path, tiny):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
+@needs_gpu
 def test_fused_prefill_equals_the_chunked_one():
     """On a GPU the prompt is prefilled at once with cuDNN's flash kernel: the same cache, features and last
     logits (bf16 tolerance) as the chunked XLA path, ragged prompts longer than a chunk; one sequence a step
