@@ -14,7 +14,8 @@ replaced (kept here, and only here, for this comparison) and the XLA path, each 
 
 The Triton kernel is the package's former `nvfp4/_pallas.py` (jax 0.11 deprecates the Pallas Triton lowering):
 one program per 128 blocks of 16 values, 4 warps, the blocks viewed [R, 2, 4] bytes with masked loads and stores
-in the last program, the same decoding arithmetic (`dflash_jax.nvfp4._mosaic_gpu`).
+in the last program, decoding with jax ops (`decode` below: an f16 per code, f32 products, a bf16 per value), the
+arithmetic the Mosaic kernel had before its decode became inline PTX.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from jax.experimental.pallas import triton as plt  # deprecated in jax 0.11: the
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax.nvfp4 import _mosaic_gpu  # noqa: E402
-from dflash_jax.nvfp4._mosaic_gpu import decode  # noqa: E402
 from dflash_jax.nvfp4._reference import dequantize_xla  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -51,11 +51,36 @@ SHAPES = {  # name: (N, K)
 }
 SWEEP_SHAPES = ("k/v_proj", "8192^2", "32768x16384")
 TRITON_SWEEP = [(256, 4), (512, 4), (1024, 4)]  # (blocks per program, warps); the default is (128, 4)
-MOSAIC_SWEEP = [128]  # blocks per CTA; the default is the device kind's `tuning.Tuning.nvfp4_tile`
+MOSAIC_SWEEP = [128, 512, 1024]  # blocks per CTA; the default is the device kind's `tuning.Tuning.nvfp4_tile`
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 # --- the Pallas Triton kernel the package used before (jax.experimental.pallas.triton) -----------------------------
+
+def _f16_bits_to_f32(bits):
+    """Low 16 bits of a u32 read as an f16, widened exactly to f32."""
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def _e2m1_to_f32(code):
+    """E2M1 code (u32 in [0, 15]) -> f32 exactly: the magnitude bits under an f16 exponent are the value x 2^-14."""
+    return _f16_bits_to_f32(((code & 7) << 9) | ((code & 8) << 12)) * 16384.0
+
+
+def _to_bits(x, dtype):
+    """f32 -> dtype (round to nearest even) -> its 16 bits in a u32."""
+    return lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
+
+
+def decode(w, s, scale_2, dtype):
+    """Packed bytes `w [R, ...]` u8 with their blocks' scale bytes `s [R]` u8 -> `[R, ...]` u32 output words (low
+    half: element 2j, high half: 2j + 1)."""
+    block_scale = _mosaic_gpu.e4m3_to_f32(s.astype(jnp.uint32)) * scale_2  # [R] f32
+    block_scale = lax.broadcast_in_dim(block_scale, w.shape, (0,))  # [R, ...]
+    w = w.astype(jnp.uint32)
+    return (_to_bits(_e2m1_to_f32(w & 15) * block_scale, dtype)
+            | (_to_bits(_e2m1_to_f32(w >> 4) * block_scale, dtype) << 16))
+
 
 def _triton_kernel(w_ref, s_ref, g_ref, o_ref, *, n_blocks: int, dtype):
     # w_ref [R, 2, 4] u8 (8 packed bytes per block), s_ref [R] u8 (E4M3 bits), g_ref [1] f32, o_ref [R, 2, 4] u32

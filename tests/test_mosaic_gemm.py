@@ -28,6 +28,7 @@ from dflash_jax.nvfp4 import _mosaic_gemm
 from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
 
 from ._pallas import needs_gpu, needs_mosaic_interpreter, on_gpu
+from ._ptx import run_ptx
 from .test_nvfp4 import E2M1, np_e4m3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,44 +107,8 @@ def test_lowers_for_hopper_on_a_cpu(m, tiling):
     assert "mosaic_gpu" in text and "triton" not in text.lower()
 
 
-def run_ptx(ptx: str, word: np.ndarray, scale_pair: np.ndarray) -> np.ndarray:
-    """A NumPy model of the five PTX instructions the kernel's decode uses (PTX ISA: shl/shr/and/mov .b32, lop3.b32,
-    mul.rn.bf16x2 with subnormals kept), run on u32 arrays for $1 (the code word) and $2 (the bf16 scale pair)."""
-    regs = {"$1": word.astype(np.uint32), "$2": scale_pair.astype(np.uint32)}
-    value = lambda a: regs[a] if a in regs else np.uint32(int(a, 0))  # noqa: E731
-    for line in ptx.splitlines():
-        op, _, args = line.strip().rstrip(";").partition(" ")
-        if op in ("", "{", "}", ".reg"):
-            continue
-        d, *a = [x.strip() for x in args.split(",")]
-        if op == "shl.b32":
-            regs[d] = value(a[0]) << np.uint32(int(a[1]))
-        elif op == "shr.b32":
-            regs[d] = value(a[0]) >> np.uint32(int(a[1]))
-        elif op == "and.b32":
-            regs[d] = value(a[0]) & value(a[1])
-        elif op == "mov.b32":
-            regs[d] = value(a[0])
-        elif op == "lop3.b32":  # bit i of d = bit (4 a_i + 2 b_i + c_i) of the LUT, a/b/c standing for 0xF0/0xCC/0xAA
-            x, y, z, lut = value(a[0]), value(a[1]), value(a[2]), int(a[3], 0)
-            regs[d] = np.zeros_like(x)
-            for bit in range(8):
-                if lut >> bit & 1:
-                    pick = lambda v, b: v if b else ~v  # noqa: E731
-                    regs[d] |= pick(x, bit >> 2 & 1) & pick(y, bit >> 1 & 1) & pick(z, bit & 1)
-        elif op == "mul.rn.bf16x2":
-            halves = [np.stack([v & 0xFFFF, v >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16)
-                      for v in (value(a[0]), value(a[1]))]
-            product = (halves[0].astype(np.float64) * halves[1].astype(np.float64)).astype(ml_dtypes.bfloat16)
-            bits = product.view(np.uint16).astype(np.uint32)
-            regs[d] = bits[..., 0] | bits[..., 1] << np.uint32(16)
-        else:
-            raise AssertionError(f"unmodelled PTX: {line}")
-    return regs["$0"]
-
-
 def test_the_decode_ptx_gives_every_code_times_every_scale_exactly():
-    """The kernel's PTX (`_ptx_pair`, run by the NumPy model above) on every code at every nibble position, times
+    """The kernel's PTX (`_ptx_pair`, run by the NumPy model of tests/_ptx.py) on every code at every nibble position, times
     every finite E4M3 scale as the kernel prepares it (x 2^117 in bf16): the pair of nibbles p and p + 4 of a word
     is e2m1 x scale x 2^-9 exactly, low half first. The E4M3 decode the expansion feeds is exact too."""
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)

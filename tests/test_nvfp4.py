@@ -1,5 +1,6 @@
-"""NVFP4: hand-computed vectors, dequantization (XLA; on CPU the Mosaic GPU kernel's arithmetic `_mosaic_gpu.decode`,
-which JAX's GPU interpreter cannot run inside the kernel; the real kernel in the tests marked `gpu`) against an
+"""NVFP4: hand-computed vectors, dequantization (XLA; on CPU the Mosaic GPU kernel's arithmetic, its PTX run by the
+NumPy model of tests/_ptx.py, as JAX's GPU interpreter cannot run the kernel; the real kernel in the tests marked
+`gpu`) against an
 independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version, and bad input. Every random
 generator is seeded.
 
@@ -25,6 +26,7 @@ from dflash_jax.errors import CheckpointError
 from dflash_jax.nvfp4 import _mosaic_gpu
 
 from ._pallas import needs_gpu, on_gpu
+from ._ptx import run_ptx
 
 gpu = pytest.mark.gpu
 
@@ -55,7 +57,8 @@ def np_dequantize(packed, scale, scale_2, dtype=ml_dtypes.bfloat16):
     packed = np.asarray(packed)
     codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)  # [..., K]
     block = np_e4m3(np.asarray(scale).view(np.uint8)) * np.float32(scale_2)  # [..., K/16] f32
-    return (E2M1[codes] * np.repeat(block, 16, axis=-1)).astype(dtype)
+    with np.errstate(over="ignore"):  # past the dtype's range: Inf, as the GPU rounds
+        return (E2M1[codes] * np.repeat(block, 16, axis=-1)).astype(dtype)
 
 
 def np_quantize(w):
@@ -92,18 +95,22 @@ def random_nvfp4(rng, shape_nk, finite=True):
 BACKENDS = ["xla", "kernel-decode"]
 
 
-_DECODE = jax.jit(_mosaic_gpu.decode, static_argnums=3)  # one program a shape, not one an operation
+def kernel_decode(packed, scale, scale_2, dtype=jnp.bfloat16):
+    """The kernel's arithmetic on every block: its block scale (`e4m3_to_f32`, jax ops as in the kernel, times
+    scale_2 in float32) and its PTX (`_ptx_word` on the NumPy model) on the block's two code words -> the u32 output
+    words (low half first), bitcast to `dtype` as the kernel's caller does."""
+    packed = np.asarray(packed)
+    words = np.ascontiguousarray(packed.reshape(-1, 8)).view("<u4")  # [blocks, 2]: bytes 4w .. 4w + 3
+    scale_bits = np.asarray(scale).view(np.uint8).ravel()  # [blocks]
+    block_scale = np.asarray(_mosaic_gpu.e4m3_to_f32(jnp.asarray(scale_bits, jnp.uint32))) * np.float32(scale_2)
+    out = np.stack([run_ptx(_mosaic_gpu._ptx_word(j, dtype), words[:, w], block_scale.view(np.uint32))
+                    for w in range(2) for j in range(4)], -1)  # [blocks, 8] u32: output word 4w + j
+    return out.view(np.dtype(dtype)).reshape(*packed.shape[:-1], -1)
 
 
 def deq(backend, packed, scale, scale_2, dtype=jnp.bfloat16):
-    """"kernel-decode": the kernel's arithmetic on every block at once (`decode`: bytes [blocks, 8], scale bytes
-    [blocks] -> u32 words, low half first), bitcast to `dtype` as the kernel's caller does."""
     if backend == "kernel-decode":
-        packed = np.asarray(packed)
-        scale = np.asarray(scale).view(np.uint8).ravel()  # [blocks]
-        words = _DECODE(jnp.asarray(packed).reshape(-1, 8), jnp.asarray(scale), jnp.float32(scale_2),
-                        dtype)  # [blocks, 8] u32
-        return np.asarray(jax.lax.bitcast_convert_type(words, dtype)).reshape(*packed.shape[:-1], -1)
+        return kernel_decode(packed, scale, scale_2, dtype)
     return np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=dtype, backend=backend))
 
 
@@ -223,13 +230,34 @@ def test_kernel_decode_matches_xla(shape, dtype):
 
 
 @pytest.mark.parametrize("scale_2", [1e-38, 3e-36, 7.0, 1e30])  # subnormal, overflowing products
-def test_kernel_decode_extreme_scale_2(scale_2):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_kernel_decode_extreme_scale_2(scale_2, dtype):
     rng = np.random.default_rng(7)
     packed, scale = random_nvfp4(rng, (4, 64))
-    xla = deq("xla", packed, scale, np.float32(scale_2))
-    np.testing.assert_array_equal(bits16(deq("kernel-decode", packed, scale, np.float32(scale_2))), bits16(xla))
-    if scale_2 > 1e-30:  # XLA:CPU flushes subnormal products to zero, NumPy does not
-        np.testing.assert_array_equal(bits16(xla), bits16(np_dequantize(packed, scale, np.float32(scale_2))))
+    numpy = bits16(np_dequantize(packed, scale, np.float32(scale_2), np.dtype(dtype)))
+    np.testing.assert_array_equal(bits16(deq("kernel-decode", packed, scale, np.float32(scale_2), dtype)), numpy)
+    if scale_2 > 1e-30:  # XLA:CPU flushes subnormal products to zero; the PTX (no .ftz) and NumPy do not
+        np.testing.assert_array_equal(bits16(deq("xla", packed, scale, np.float32(scale_2), dtype)), numpy)
+
+
+def test_the_decode_ptx_gives_every_byte_times_every_scale():
+    """`_ptx_word` at each byte position of a word (the other bytes noise), on every code byte, times every finite
+    E4M3 scale at several scale_2 (subnormal products included): both nibbles' value x the float32 block scale,
+    rounded once in float32 and once to the dtype, low nibble in the low half, as the NumPy decoding gives."""
+    finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.uint8)
+    code_bytes = np.arange(256, dtype=np.uint32)
+    for scale_2 in (1.0, 3e-3, 2.0**-120):
+        block_scale = np_e4m3(finite) * np.float32(scale_2)  # [S] f32
+        for dtype in (jnp.bfloat16, jnp.float16):
+            want = [(E2M1[nibbles][:, None] * block_scale[None, :]).astype(dtype)  # [256, S], f32 product
+                    for nibbles in (code_bytes & 15, code_bytes >> 4)]
+            for j in range(4):
+                word = (code_bytes << np.uint32(8 * j)) | np.uint32(0x5A5A5A5A & ~(0xFF << 8 * j))
+                got = run_ptx(_mosaic_gpu._ptx_word(j, dtype), word[:, None], block_scale.view(np.uint32)[None, :])
+                halves = [(got >> np.uint32(shift)).astype(np.uint16).view(np.dtype(dtype)) for shift in (0, 16)]
+                for half, expected in zip(halves, want):
+                    np.testing.assert_array_equal(bits16(half), bits16(expected))
+                    np.testing.assert_array_equal(np.signbit(half), np.signbit(expected))
 
 
 def test_nan_scale_gives_nan_in_both():
