@@ -54,7 +54,8 @@ def _lop3(a: np.ndarray, b: np.ndarray, c: np.ndarray, lut: int) -> np.ndarray:
 
 def _mul_bf16x2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     (a0, a1), (b0, b1) = _halves(a, ml_dtypes.bfloat16), _halves(b, ml_dtypes.bfloat16)
-    product = [(x.astype(np.float64) * y.astype(np.float64)).astype(ml_dtypes.bfloat16) for x, y in ((a0, b0), (a1, b1))]
+    product = [(x.astype(np.float64) * y.astype(np.float64)).astype(ml_dtypes.bfloat16)
+               for x, y in ((a0, b0), (a1, b1))]
     return _pack(*product)
 
 
@@ -80,7 +81,10 @@ def run_ptx(ptx: str, *inputs: np.ndarray) -> np.ndarray:
         d, *a = [x.strip() for x in args.split(",")]
         if op in ("shl.b32", "shr.b32"):  # shifts past 31 give 0 (PTX clamps the amount to 32)
             x, amount = value(a[0]), int(a[1])
-            regs[d] = np.zeros_like(x) if amount > 31 else x << np.uint32(amount) if op == "shl.b32" else x >> np.uint32(amount)
+            if amount > 31:
+                regs[d] = np.zeros_like(x)
+            else:
+                regs[d] = x << np.uint32(amount) if op == "shl.b32" else x >> np.uint32(amount)
             continue
         v = [value(x) for x in a]
         if op == "and.b32":
@@ -91,7 +95,7 @@ def run_ptx(ptx: str, *inputs: np.ndarray) -> np.ndarray:
             regs[d] = _prmt(*v)
         elif op == "lop3.b32":
             regs[d] = _lop3(v[0], v[1], v[2], int(a[3], 0))
-        elif op == "sub.f32":  # rounded once: float64 holds the difference of the decodes' operands (8 + |v|, 8) exactly
+        elif op == "sub.f32":  # rounded once: float64 holds the difference of the decode's operands (8 + |v|, 8)
             regs[d] = _bits((_f32(v[0]).astype(np.float64) - _f32(v[1]).astype(np.float64)).astype(np.float32))
         elif op == "mul.rn.f32":  # a product of two float32 is exact in float64 (48 significant bits)
             regs[d] = _bits((_f32(v[0]).astype(np.float64) * _f32(v[1]).astype(np.float64)).astype(np.float32))

@@ -108,9 +108,9 @@ def test_lowers_for_hopper_on_a_cpu(m, tiling):
 
 
 def test_the_decode_ptx_gives_every_code_times_every_scale_exactly():
-    """The kernel's PTX (`_ptx_pair`, run by the NumPy model of tests/_ptx.py) on every code at every nibble position, times
-    every finite E4M3 scale as the kernel prepares it (x 2^117 in bf16): the pair of nibbles p and p + 4 of a word
-    is e2m1 x scale x 2^-9 exactly, low half first. The E4M3 decode the expansion feeds is exact too."""
+    """The kernel's PTX (`_ptx_pair`, run by the NumPy model of tests/_ptx.py) on every code at every nibble
+    position, times every finite E4M3 scale as the kernel prepares it (x 2^117 in bf16): the pair of nibbles p and
+    p + 4 of a word is e2m1 x scale x 2^-9 exactly, low half first. The E4M3 decode the expansion feeds is exact too."""
     finite = np.array([b for b in range(256) if b & 0x7F != 0x7F], np.int32)
     e4m3_x1024 = np.asarray(_mosaic_gemm._e4m3_x1024(jnp.asarray(finite)))
     np.testing.assert_array_equal(e4m3_x1024 / 1024, np_e4m3(finite.astype(np.uint8)))
