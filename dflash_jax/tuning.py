@@ -38,7 +38,8 @@ class Tuning:
     # Batches from this size on read the drafter's ring layers with the span kernel; smaller ones score a whole
     # ring densely (two kernel launches per ring cost more than one dense pass at small batches).
     ring_spans_min_batch: int
-    # The NVFP4 dequantizer's 16-value blocks per program (`nvfp4._mosaic_gpu`: 128 or 256).
+    # The NVFP4 dequantizer's 16-value blocks per CTA (`nvfp4._mosaic_gpu`: a multiple of 128, at most 1024; 256 and
+    # 512 measured alike, 1024 slower: docs/benchmarks.md).
     nvfp4_tile: int
     # The MoE block gathers each token's experts up to this many (token, expert) pairs (decode and verify
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
