@@ -11,13 +11,13 @@ One output word per packed byte: byte j holds codes 2j (low nibble) and 2j+1 (hi
 both 16-bit results into one u32, low half = element 2j, and the u32 array is bitcast to `[..., K]` outside the
 kernel (little-endian; XLA makes it a bitcast).
 
-The decode is inline PTX (`_ptx_word`, one output word from one code word), because the conversions are its cost:
-Hopper converts at a quarter of its f32 rate, and the jax-op decode (an f16 per code, then a bf16 per value) spent
-two conversions a value where this spends half of one. A code's magnitude comes from a byte table (`prmt`) as the
-f32 8 + |value| (`_LUT`: the magnitude's bits land in the mantissa under 8's exponent), 8 is subtracted (exact), the
-difference is multiplied by the block scale (f32(E4M3) x scale_2, ModelOpt's association) and rounded once, the
-code's sign is XORed in, and `cvt.rn.bf16x2.f32` rounds the pair to the output dtype: the XLA path's arithmetic,
-so the same bits (NaN scales give NaN in both; the loader refuses them).
+The decode is inline PTX (`_ptx_word`, one output word from one code word): the jax-op decode it replaced (an f16
+per code, then a bf16 per value) spent two conversions a value, which Hopper runs at a quarter of its f32 rate, where
+this spends half of one (1.13-1.19x faster on large tensors: docs/benchmarks.md). A code's magnitude comes from a
+byte table (`prmt`) as the f32 8 + |value| (`_LUT`: the magnitude's bits land in the mantissa under 8's exponent),
+8 is subtracted (exact), the difference is multiplied by the block scale (f32(E4M3) x scale_2, ModelOpt's
+association) and rounded once, the code's sign is XORed in, and `cvt.rn.bf16x2.f32` rounds the pair to the output
+dtype: the XLA path's arithmetic, so the same bits (NaN scales give NaN in both; the loader refuses them).
 
 JAX's GPU interpreter (`InterpretGPUParams`, jax 0.10-0.11) cannot run this kernel (it refuses reshaped refs and
 runs no PTX), so the CPU tests run the PTX on a NumPy model of its instructions and lower the kernel for CUDA; the
@@ -72,8 +72,8 @@ prmt.b32 t, t, lo, s;
 mov.b32 s, {_EIGHT:#010x};
 prmt.b32 lo, t, s, 0x7054;
 prmt.b32 hi, t, s, 0x7154;
-sub.f32 lo, lo, 0f41000000;
-sub.f32 hi, hi, 0f41000000;
+sub.f32 lo, lo, 0f{_EIGHT:08X};
+sub.f32 hi, hi, 0f{_EIGHT:08X};
 mul.rn.f32 lo, lo, $2;
 mul.rn.f32 hi, hi, $2;
 shl.b32 s, $1, {28 - 8 * j};
