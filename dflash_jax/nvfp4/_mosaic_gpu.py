@@ -27,7 +27,7 @@ bit-identity tests of the kernel itself are marked `gpu`.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -98,7 +98,8 @@ def _decode_registers(ctx, words, block_scale, *, dtype):
     out = words.registers.copy()
     for index, pair in np.ndenumerate(words.registers):  # vector<2 x i32>: the block's two code words
         scale = arith.bitcast(i32, vector.extract(block_scale.registers[index], [], [0]))
-        outs = [llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype), "=r,r,r")
+        outs = [cast(ir.Value, llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype),
+                                               "=r,r,r"))
                 for w in range(2) for j in range(4)]
         out[index] = vector.from_elements(ir.VectorType.get((8,), i32), outs)
     layout = fa.WGStridedFragLayout((8 * blocks,), 8)
