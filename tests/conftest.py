@@ -38,6 +38,18 @@ def cpu_mesh():
     return jax.make_mesh((len(jax.devices()),), ("data",))
 
 
+@pytest.fixture
+def quick_calibration(monkeypatch):
+    """The adaptive policy measures its step costs in calls of 1 and 2 steps, once each, from nothing measured: so
+    that a run of a few dozen tokens finishes the measurement and then takes the policy's own lengths."""
+    from dflash_jax import generate
+
+    monkeypatch.setattr(generate, "CALIBRATION_STEPS", 1)
+    monkeypatch.setattr(generate, "CALIBRATION_REPEATS", 1)
+    monkeypatch.setattr(generate, "_COSTS", {})
+    monkeypatch.setattr(generate, "_CALIBRATIONS", {})
+
+
 # The modules that compile the most run first, longest first, so that parallel workers (pyproject's `-n 2 --dist
 # loadfile`) finish together instead of one of them ending the run alone on a late heavy module. Order within a
 # module is kept.

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from dflash_jax import Adaptive, AttentionOptions, StepCosts, load_drafter
-from dflash_jax import generate as generate_module
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
 from dflash_jax._shapes import round_up
 from dflash_jax.drafting import append_context, init_cache, propose
@@ -96,17 +95,13 @@ def test_greedy_baseline(target, greedy):
 
 @pytest.mark.parametrize("preset,draft_length", [("tiny-dflash", "fixed"), ("tiny-dflash2", PLAIN_OFTEN),
                                                  ("tiny-dspark", "adaptive")])
-def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length, monkeypatch):
+def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length, quick_calibration):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
     is right, wrong, or cut by its confidence head at varying points.) Every token is the prefill's, a verify's or
     a plain step's; under the adaptive policy some are plain steps (the policy's, with the costs given, dflash2;
     with DSpark the costs are measured in the run, in calls of 1 and 2 steps here so that 24 tokens hold them,
     plain steps included, and the policy then takes its own)."""
-    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 1)
-    monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 1)
-    monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
     drafter = _drafter(tmp_path_factory, preset, seed=2)
     result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=draft_length)
     assert result.tokens == greedy.tokens

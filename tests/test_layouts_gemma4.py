@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from dflash_jax import ConfigError, load_drafter
-from dflash_jax import generate as generate_module
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
 from dflash_jax.config import parse_config
 from dflash_jax.generate import speculative_generate
@@ -115,7 +114,7 @@ def test_double_wide_mlp_outside_the_drafters_layers_is_no_reason_to_refuse():
     assert parse_config({**GEMMA4, "use_double_wide_mlp": True, "num_kv_shared_layers": 20}).intermediate_size == 128
 
 
-def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, monkeypatch):
+def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, quick_calibration):
     """A Gemma 4 drafter whose Markov head walks a tiny target's successor map (`successor_drafter`: a bias of 100,
     above the backbone's logits, which the softcap bounds to 30) in the speculative loop: the tokens are the
     target's greedy ones, whole blocks of all B = 7 drafting rows accepted where the adaptive policy verifies them
@@ -133,10 +132,6 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, monkeypatch):
         walks.append([int(successor[prompt[-1]])])
         while len(walks[-1]) < 64:
             walks[-1].append(int(successor[walks[-1][-1]]))
-    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 1)
-    monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 1)
-    monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
     result = speculative_generate(target, drafter, prompts, max_new_tokens=64)
     assert result.tokens == walks
     assert drafter.config.num_draft_tokens == 7 and all(8 in steps for steps in result.acceptance_lengths)
