@@ -33,7 +33,8 @@ Tile sizes come from `TILINGS`, keyed by `device.device_kind`, with `FALLBACK` f
 Constraints: N % tile_n == 0 (tile_n 64 or 128), K % tile_k == 0 (tile_k 256 or 512: the scale block's TMA
 row must be >= 16 bytes), x bf16; M is padded to tile_m.
 Pallas's interpret mode (CPU) runs no PTX: there `_decode_interpreted` gives the same tile with jax ops, and the
-PTX itself is checked by a NumPy model of its instructions (tests/test_mosaic_gemm.py) and on the GPU.
+PTX itself is checked by a NumPy model of its instructions (tests/_ptx.py, run by tests/test_mosaic_gemm.py) and on
+the GPU.
 """
 
 from __future__ import annotations
