@@ -115,12 +115,13 @@ def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *,
     scale_2 = g_gmem[0]  # read from GMEM by every thread (a TMA copy would have to move 128 bytes)
     for i in range(2):
         plgpu.barrier_wait(barriers.at[i])
-    words = plgpu.layout_cast(w_smem.reshape(2 * tile)[...], plgpu.Layout.WG_STRIDED((2 * tile,), 2))  # [2 tile]
-    scale_bits = plgpu.layout_cast(s_smem.reshape(tile)[...], plgpu.Layout.WG_STRIDED((tile,), 1))  # [tile] u8
+    # a thread's registers hold whole blocks: 2 code words, 1 scale, 8 output words a block
+    codes, scales, out = (plgpu.Layout.WG_STRIDED((n * tile,), n) for n in (2, 1, 8))
+    words = plgpu.layout_cast(w_smem.reshape(2 * tile)[...], codes)  # [2 tile] u32
+    scale_bits = plgpu.layout_cast(s_smem.reshape(tile)[...], scales)  # [tile] u8
     block_scale = e4m3_to_f32(scale_bits.astype(jnp.uint32)) * scale_2  # [tile] f32, ModelOpt's association
     decode = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WG_STRIDED((2 * tile,), 2), plgpu.Layout.WG_STRIDED((tile,), 1)),
-        return_type=plgpu.ShapeDtypeStruct((8 * tile,), jnp.uint32, layout=plgpu.Layout.WG_STRIDED((8 * tile,), 8)),
+        arg_types=(codes, scales), return_type=plgpu.ShapeDtypeStruct((8 * tile,), jnp.uint32, layout=out),
     )(functools.partial(_decode_registers, dtype=dtype))
     o_smem.reshape(8 * tile)[...] = decode(words, block_scale)  # [8 tile] u32
     plgpu.commit_smem()
