@@ -28,6 +28,7 @@ the router and the shared expert, at the read rate of a `jnp.sum` over 4 GiB mea
 variant's output of one block is checked against `ragged_dot`'s.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/moe_block.py --json out.json
+    python3 benchmarks/moe_block.py --tokens 1 8 --variants reduce slots --profile /tmp/moe   # kernels a block
     python benchmarks/moe_block.py --small      # tiny shapes, a CPU check of the script (tests run it)
 """
 
@@ -45,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop
 
+import gpu_trace  # noqa: E402
 from timing import call_seconds, read_rate  # noqa: E402
 
 from dflash_jax.target import moe  # noqa: E402
@@ -104,6 +106,15 @@ def run_layers(blocks: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Arr
 one_block = jax.jit(block, static_argnums=(1, 3))
 
 
+def profile_row(f, blocks: dict, c: moe.MoeDims, x: jax.Array, impl: str, layers: int, directory: str) -> dict:
+    """`f` (`run_layers`, jitted) traced once, warm: `gpu_trace.summarize`'s figures a block, printed."""
+    compiled = f.lower(blocks, c, x, impl).compile()
+    jax.block_until_ready(compiled(blocks, x))
+    summary, _ = gpu_trace.traced(lambda: compiled(blocks, x), directory, layers, compiled.as_text())
+    gpu_trace.print_summary(f"{x.shape[1]} tokens, {impl}, a block", summary)
+    return dict(tokens=x.shape[1], variant=impl, **summary)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
@@ -112,6 +123,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=(*VARIANTS, "grouped"))
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="only profile: each variant's program once under jax.profiler.trace (traces under DIR), "
+                             "its kernels a block (gpu_trace.py)")
     args = parser.parse_args()
     c = SMALL if args.small else QWEN3_5_35B_A3B
     args.tokens = args.tokens or ([1, 17, 136] if args.small else [1, 8, 17, 136, 2048])
@@ -122,9 +136,10 @@ def main() -> None:
     fixed = sum(x.nbytes for x in jax.tree.leaves(first)) - c.num_experts * expert_bytes  # router + shared expert
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum); "
           f"{args.layers} blocks a program")
-    print("| tokens | distinct experts | impl | us a block | floor us | x floor | one block's diff vs ragged_dot "
-          "(of max) |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    if not args.profile:
+        print("| tokens | distinct experts | impl | us a block | floor us | x floor | one block's diff vs ragged_dot "
+              "(of max) |")
+        print("|---:|---:|---|---:|---:|---:|---:|")
     rows = []
     for T in args.tokens:
         x = jax.random.normal(jax.random.key(T), (1, T, c.hidden_size), jnp.float32).astype(jnp.bfloat16)
@@ -137,6 +152,9 @@ def main() -> None:
             if impl == "slots" and T * c.num_experts_per_tok > tuning().moe_gather_max_rows:  # few rows only
                 continue
             f = jax.jit(run_layers, static_argnums=(1, 3))
+            if args.profile:
+                rows.append(profile_row(f, blocks, c, x, impl, args.layers, f"{args.profile}/{impl}-{T}"))
+                continue
             out = one_block(first, c, x, impl)  # one block: 8 in a row, unnormalised, would amplify the rounding
             reference = out if reference is None else reference
             scale = float(jnp.max(jnp.abs(reference.astype(jnp.float32))))

@@ -91,6 +91,12 @@ def test_moe_block_small(monkeypatch, tmp_path):
     assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rows)
     assert all(r["max_diff"] < 1e-2 for r in rows), rows  # one block, measured 5.5e-3: bf16 rounding of `h`
     assert all(1 <= r["distinct_experts"] <= 16 for r in rows)
+    # --profile: each program traced once (on a CPU the trace holds no GPU kernels: the figures are zero)
+    run_script(monkeypatch, "moe_block", "--small", "--tokens", "1", "--layers", "2", "--variants", "reduce",
+               "--profile", str(tmp_path / "traces"), "--json", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["tokens"], row["variant"], row["steps"]) == (1, "reduce", 2) and row["wall_ms"] > 0
+    assert list(tmp_path.glob("traces/reduce-1/plugins/profile/*/perfetto_trace.json.gz"))
 
 
 def test_hybrid_decode_small(monkeypatch, tmp_path):
