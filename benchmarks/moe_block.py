@@ -22,7 +22,8 @@ greedy step and 17 for a 16-draft verify, 136 for a verify at batch 8, 2048 for 
 custom call crashed on the H200 (jax 0.11.2).
 
 The time is that of one block inside a compiled program that runs `--layers` blocks of distinct weights in a
-row (as a decode step does: no host dispatch, no weights left in L2 by the previous call), median of `--iters`.
+row, unrolled, one buffer a weight (as the target's decode step runs its layers: no host dispatch, no loop, no
+weights left in L2 by the previous call), median of `--iters`.
 Each figure stands beside its floor: the bytes of the distinct experts the T tokens route to (gate, up, down),
 the router and the shared expert, at the read rate of a `jnp.sum` over 4 GiB measured in the same run. Every
 variant's output of one block is checked against `ragged_dot`'s.
@@ -79,28 +80,27 @@ def block(p: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:
     return sliced(p, c, x) if impl == "sliced" else moe.moe_block(p, c, x, impl)
 
 
-def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> dict:
-    """`layers` blocks of random bf16 weights, stacked on a leading axis (one tree, as `moe_block` reads it)."""
+def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> list[dict]:
+    """`layers` blocks of random bf16 weights, each its own tree (as the target holds its layers: one buffer a
+    weight, layers unrolled, so that no loop slices a stack)."""
     specs = moe.moe_parameter_spec(c, prefix="")
-    keys = jax.random.split(jax.random.key(seed), len(specs))
-    tree: dict = {}
-    for key, spec in zip(keys, specs):
-        leaf = jax.random.normal(key, (layers, *spec.shape), jnp.float32) / np.sqrt(spec.shape[-1])
-        node = tree
+    blocks: list[dict] = [{} for _ in range(layers)]
+    for key, spec in zip(jax.random.split(jax.random.key(seed), len(specs)), specs):
         *path, last = spec.name.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = leaf.astype(jnp.bfloat16)
-    return tree
+        for i, layer_key in enumerate(jax.random.split(key, layers)):
+            leaf = jax.random.normal(layer_key, spec.shape, jnp.float32) / np.sqrt(spec.shape[-1])
+            node = blocks[i]
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = leaf.astype(jnp.bfloat16)
+    return blocks
 
 
-def run_layers(blocks: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:
-    """The blocks one after another (a residual stream through `layers` MoE blocks)."""
-
-    def layer(x, p):
-        return x + block(p, c, x, impl), None
-
-    return jax.lax.scan(layer, x, blocks)[0]
+def run_layers(blocks: list[dict], c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:
+    """The blocks one after another, unrolled (a residual stream through `layers` MoE blocks)."""
+    for p in blocks:
+        x = x + block(p, c, x, impl)
+    return x
 
 
 one_block = jax.jit(block, static_argnums=(1, 3))
@@ -131,7 +131,7 @@ def main() -> None:
     args.tokens = args.tokens or ([1, 17, 136] if args.small else [1, 8, 17, 136, 2048])
     rate = read_rate(0.05 if args.small else 4.0)
     blocks = random_blocks(c, args.layers)
-    first = jax.tree.map(lambda leaf: leaf[0], blocks)
+    first = blocks[0]
     expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * 2
     fixed = sum(x.nbytes for x in jax.tree.leaves(first)) - c.num_experts * expert_bytes  # router + shared expert
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum); "
