@@ -106,7 +106,7 @@ def run_layers(blocks: list[dict], c: moe.MoeDims, x: jax.Array, impl: str) -> j
 one_block = jax.jit(block, static_argnums=(1, 3))
 
 
-def profile_row(f, blocks: dict, c: moe.MoeDims, x: jax.Array, impl: str, layers: int, directory: str) -> dict:
+def profile_row(f, blocks: list[dict], c: moe.MoeDims, x: jax.Array, impl: str, layers: int, directory: str) -> dict:
     """`f` (`run_layers`, jitted) traced once, warm: `gpu_trace.summarize`'s figures a block, printed."""
     compiled = f.lower(blocks, c, x, impl).compile()
     jax.block_until_ready(compiled(blocks, x))
