@@ -59,13 +59,19 @@ def checkpoints(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def greedy_tokens(checkpoints) -> list[list[int]]:
+def one_target(checkpoints):
+    """The target loaded in this process, on one device: the reference of the runs across processes."""
+    return load_target(checkpoints[1], dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(one_target) -> list[list[int]]:
     """The target's own greedy tokens for PROMPTS in this process, 40 new (the adaptive run's budget): the shorter
     runs' are their prefixes (greedy decoding; both budgets run one compiled program)."""
-    return greedy_generate(load_target(checkpoints[1], dtype=jnp.float32), PROMPTS, max_new_tokens=40).tokens
+    return greedy_generate(one_target, PROMPTS, max_new_tokens=40).tokens
 
 
-def test_two_process_load(checkpoints, greedy_tokens):
+def test_two_process_load(checkpoints, one_target, greedy_tokens):
     drafter, target = checkpoints
     port = str(free_port())
     runs = launch([[sys.executable, WORKER, str(i), port, drafter, target, json.dumps(PROMPTS), str(MAX_NEW),
@@ -76,7 +82,6 @@ def test_two_process_load(checkpoints, greedy_tokens):
         assert f"process {i}: ok, 36 global replicated arrays" in out
         read, total = map(int, re.search(rf"process {i}: target ok, read (\d+) of (\d+) bytes", out).groups())
         assert read < 0.6 * total  # 4-way split over 2 processes: half of each split tensor, the norms whole
-    one_target = load_target(target, dtype=jnp.float32)
     one_drafter = load_drafter(drafter, dtype=jnp.float32)
     sampled = speculative_generate(one_target, one_drafter, PROMPTS, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
                                    top_k=TOP_K, key=jax.random.key(SEED), draft_length="fixed").tokens  # the workers'

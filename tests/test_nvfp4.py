@@ -1,8 +1,7 @@
 """NVFP4: hand-computed vectors, dequantization (XLA; on CPU the Mosaic GPU kernel's arithmetic, its PTX run by the
 NumPy model of tests/_ptx.py, as JAX's GPU interpreter cannot run the kernel; the real kernel in the tests marked
-`gpu`) against an
-independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version, and bad input. Every random
-generator is seeded.
+`gpu`) against an independent NumPy decoding, ModelOpt's quantizer against an independent NumPy version, and bad
+input. Every random generator is seeded.
 
 The NumPy code here is written from the format's definition, not from the package: E2M1 codes (1 sign bit, 2
 exponent bits, 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; OCP Microscaling Formats v1.0), one
