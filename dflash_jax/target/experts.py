@@ -23,7 +23,6 @@ from ..errors import CheckpointError
 from .moe import MoeConfig
 from .views import Fused, TensorViews
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 GATE_UP = Fused("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"), 1, "fused gate and up projections")
 
 
