@@ -211,7 +211,7 @@ def test_reduce_reads_a_shared_expert_of_the_routed_width_as_a_pair(block, dims,
     monkeypatch.setattr(moe, "gated_shared_expert", lambda *a: calls.append(a[0] is block) or real(*a))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)
     for impl in ("reduce", "auto", "gather"):
-        jax.eval_shape(lambda: moe.moe_block(narrow_shared[0], narrow_shared[1], x, impl))
+        jax.eval_shape(lambda impl=impl: moe.moe_block(narrow_shared[0], narrow_shared[1], x, impl))
     assert calls == [False]  # "gather" only
     jax.eval_shape(lambda: moe.moe_block(block, dims, x, "reduce"))
     assert calls == [False, True]
