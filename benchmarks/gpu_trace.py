@@ -27,7 +27,7 @@ import jax
 
 # The `jax.named_scope`s of the models (target.qwen3_5, .delta_net, .moe) and jitted functions called inside them.
 SCOPES = ("embed", "gated_attention", "delta_net", "mlp", "moe", "final_norm", "lm_head", "commit")
-SUBSCOPES = ("inputs", "rule", "out", "router", "routed", "shared", "routed_and_shared")
+SUBSCOPES = ("inputs", "rule", "out", "router", "routed", "shared")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+) = ")
 _HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$")
 

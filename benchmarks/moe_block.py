@@ -16,9 +16,7 @@ greedy step and 17 for a 16-draft verify, 136 for a verify at batch 8, 2048 for 
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`; XLA's `ragged_dot` off the GPU);
 - `ragged_dot`: the same sorted pairs through XLA's `jax.lax.ragged_dot_general`;
 - `sliced` (a candidate, here only): one `lax.dynamic_index_in_dim` and matrix-vector product per (token, expert)
-  pair, unrolled (up to 16 pairs), which XLA may read in place;
-- `reduce-apart` (here only): `reduce` with the shared expert run apart, by its own products, as the block ran
-  before it read a shared expert of the routed width as each token's (k+1)-th pair.
+  pair, unrolled (up to 16 pairs), which XLA may read in place.
 
 `grouped` runs only where asked (`--variants`): inside a program of 8 blocks XLA's compilation of its Mosaic
 custom call crashed on the H200 (jax 0.11.2).
@@ -58,7 +56,7 @@ from dflash_jax.tuning import tuning  # noqa: E402
 QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                     shared_expert_intermediate_size=32)
-VARIANTS = ("ragged_dot", "gather", "reduce", "reduce-apart", "slots", "tiled", "sliced")
+VARIANTS = ("ragged_dot", "gather", "reduce", "slots", "tiled", "sliced")
 SLICED_MAX_PAIRS = 16
 
 
@@ -78,18 +76,8 @@ def sliced(p: dict, c: moe.MoeDims, x: jax.Array) -> jax.Array:
     return (jnp.stack(rows) + moe.gated_shared_expert(p, xt)).astype(x.dtype).reshape(x.shape)
 
 
-def reduce_apart(p: dict, c: moe.MoeDims, x: jax.Array) -> jax.Array:
-    """The block with "reduce" for the routed experts and the shared expert by its own products: `[1, T, H]`."""
-    xt = x.reshape(-1, c.hidden_size)  # [T, H]
-    weights, experts = moe.route(p, c, xt)  # [T, k]
-    routed = moe._routed(p, c, xt, weights, experts, "reduce")  # [T, H] float32
-    return (routed + moe.gated_shared_expert(p, xt)).astype(x.dtype).reshape(x.shape)
-
-
 def block(p: dict, c: moe.MoeDims, x: jax.Array, impl: str) -> jax.Array:
-    if impl in ("sliced", "reduce-apart"):
-        return (sliced if impl == "sliced" else reduce_apart)(p, c, x)
-    return moe.moe_block(p, c, x, impl)
+    return sliced(p, c, x) if impl == "sliced" else moe.moe_block(p, c, x, impl)
 
 
 def random_blocks(c: moe.MoeDims, layers: int, seed: int = 0) -> list[dict]:

@@ -107,6 +107,14 @@ def test_router_choices_equal_transformers(block, dims, io):
     assert np.asarray(routed_experts(block, dims, x)).dtype == np.int32
 
 
+def test_renormalised_routing_normalises_only_the_top_k(block, dims):
+    """Renormalised, the weights are the softmax of the k largest logits: no exponential over all E experts (one
+    kernel fewer a block on the GPU), the weights as transformers' (above)."""
+    x = jnp.zeros((5, dims.hidden_size), jnp.float32)
+    exps = [e for e in jax.make_jaxpr(lambda x: route(block, dims, x))(x).eqns if e.primitive.name == "exp"]
+    assert exps and all(e.outvars[0].aval.shape == (5, dims.num_experts_per_tok) for e in exps)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_grouped_matmuls_equal_the_dense_form(block, dims, impl):
     """Uneven groups: one token repeated 10 times (its two experts get 10+ rows each), 3 others, so that some
@@ -179,42 +187,6 @@ def test_bfloat16_runs_in_bfloat16(block, dims, io, impl):
     y = _block(low, dims, jnp.asarray(io["x"], jnp.bfloat16), impl)
     assert y.dtype == jnp.bfloat16
     assert np.abs(np.asarray(y, np.float32) - io["y"]).max() < 3e-2
-
-
-@pytest.fixture(scope="module")
-def narrow_shared(block, dims) -> tuple[dict, MoeDims]:
-    """The block with its shared expert cut to the routed experts' width, as Qwen3.5 / 3.6 have it (512 and 512):
-    the width at which "reduce" reads it as every token's (k+1)-th pair."""
-    I, s = dims.moe_intermediate_size, block["shared_expert"]
-    cut = {"gate_proj": {"weight": s["gate_proj"]["weight"][:I]}, "up_proj": {"weight": s["up_proj"]["weight"][:I]},
-           "down_proj": {"weight": s["down_proj"]["weight"][:, :I]}}
-    return block | {"shared_expert": cut}, dataclasses.replace(dims, shared_expert_intermediate_size=I)
-
-
-@pytest.mark.parametrize("impl", ["reduce", "gather", "tiled"])
-def test_a_shared_expert_as_wide_as_the_routed_equals_the_dense_form(narrow_shared, impl):
-    """Folded into the routed pairs ("reduce") or apart (the others): the dense form's result either way (measured
-    max error 7.2e-7 on values up to 2.1)."""
-    p, c = narrow_shared
-    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 5, c.hidden_size)).astype(np.float32))
-    np.testing.assert_allclose(np.asarray(_block(p, c, x, impl)), np.asarray(dense_block(p, c, x)), rtol=0,
-                               atol=1e-6)
-
-
-def test_reduce_reads_a_shared_expert_of_the_routed_width_as_a_pair(block, dims, narrow_shared, monkeypatch):
-    """At the routed width "reduce" (and "auto" choosing it) runs no products of the shared expert's own; at
-    another width (the reference block's 48 against 32) it does."""
-    import dflash_jax.target.moe as moe
-
-    calls = []
-    real = moe.gated_shared_expert
-    monkeypatch.setattr(moe, "gated_shared_expert", lambda *a: calls.append(a[0] is block) or real(*a))
-    x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)
-    for impl in ("reduce", "auto", "gather"):
-        jax.eval_shape(lambda impl=impl: moe.moe_block(narrow_shared[0], narrow_shared[1], x, impl))
-    assert calls == [False]  # "gather" only
-    jax.eval_shape(lambda: moe.moe_block(block, dims, x, "reduce"))
-    assert calls == [False, True]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ and computing about `tokens * k` rows, not `tokens * E`: for the few rows of dec
 experts' weights are gathered (copied out, or read in place by a multiply-and-reduce, or each distinct expert read
 once in place by a Mosaic GPU kernel: `tuning.Tuning.moe_few_rows`); for more, the pairs are sorted by expert
 into tiles of one expert each and each tile multiplies its expert's weights (a grouped matmul in batched form).
-Where the shared expert is as wide as a routed one (Qwen3.5 / 3.6: 512 and 512), the in-place form reads it as
-each token's (k+1)-th pair, weighted by its gate (`moe_block`). Every shape is static.
+Every shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -50,7 +49,7 @@ from ..tuning import on_gpu, tuning
 from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes
 
 Params = dict[str, Any]
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's (and the shared expert's) SwiGLU weights
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's SwiGLU weights
 
 
 class MoeConfig(Protocol):
@@ -134,8 +133,9 @@ def route(p: Params, c: MoeConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     Logits and softmax in float32 (transformers computes the logits in the weights' dtype, then the softmax in
     float32); top-k of the probabilities, renormalised to sum to 1 when `norm_topk_prob`. Renormalised, the k
     weights are the softmax of the k largest logits, and softmax keeps the order, so that case takes the top-k of
-    the logits and never normalises over all E (one kernel fewer a block; equal to transformers' weights within
-    float32 rounding, and the same experts unless two logits differ by less than their probabilities resolve).
+    the logits and never normalises over all E (one kernel fewer a block on the GPU; equal to transformers' weights
+    within float32 rounding, and the same experts unless two logits differ by less than their probabilities
+    resolve).
     """
     logits = dot("th,eh->te", x, p["gate"]["weight"])  # [T, E] float32
     if c.norm_topk_prob:
@@ -169,22 +169,14 @@ def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -
     return jnp.einsum("tkh,tk->th", out, weights)
 
 
-def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                       shared: Params | None = None) -> jax.Array:
+def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """`_gathered` with the products written as a multiply and a float32 sum over the weights' contiguous last axis:
     XLA fuses a gather into the reduction that consumes it, so each routed slice is read once, where it lies,
-    instead of copied out (`[T, k, out, in]`, written then read again) for a matmul. `[T, H]` float32.
-
-    `shared` (the `shared_expert` subtree, its width the experts'): every token's (k+1)-th pair, its weight
-    `weights[:, k]`, read by the same fusions: no products of its own (`moe_block`)."""
+    instead of copied out (`[T, k, out, in]`, written then read again) for a matmul. `[T, H]` float32."""
     e = p["experts"]
     # [T, k, out, in] each, not copied; "clip": XLA's own gather semantics (router indices are in range), no mask
     gate, up, down = (jnp.take(e[name], experts, axis=0, mode="clip").astype(jnp.float32)
                       for name in PROJECTIONS)
-    if shared is not None:  # [T, k + 1, out, in]: the shared expert's [out, in] broadcast over the tokens, appended
-        gate, up, down = (jnp.concatenate([w, jnp.broadcast_to(shared[name]["weight"].astype(jnp.float32),
-                                                               (w.shape[0], 1, *w.shape[2:]))], axis=1)
-                          for w, name in zip((gate, up, down), PROJECTIONS))
     xf = x.astype(jnp.float32)[:, None, None, :]  # [T, 1, 1, H]
     h = jax.nn.silu(jnp.sum(gate * xf, axis=-1)) * jnp.sum(up * xf, axis=-1)  # [T, k, I] float32
     h = h.astype(x.dtype).astype(jnp.float32)[:, :, None, :]  # [T, k, 1, I] rounded as `_gathered` rounds it
@@ -299,31 +291,24 @@ Impl = Literal["auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_
 IMPLS: tuple[Impl, ...] = ("auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_dot")
 
 
-def _chosen(impl: Impl, pairs: int) -> Impl:
-    """`impl` with "auto" resolved for `pairs` (token, expert) pairs: the device kind's `moe_few_rows` for at most
-    `tuning.Tuning.moe_gather_max_rows`, else "tiled". A name not in `IMPLS` is a `ValueError`."""
-    if impl not in IMPLS:
-        raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl != "auto":
-        return impl
-    return tuning().moe_few_rows if pairs <= tuning().moe_gather_max_rows else "tiled"
-
-
 def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
             impl: Impl = "auto") -> jax.Array:
-    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl (`_chosen` resolves "auto"):
-    "gather": copied out, `_gathered`; "reduce": read in place, `_gathered_in_place`; "slots": each distinct expert
-    read once in place by the Mosaic GPU kernel where it runs, `_slotted`, else "reduce"; "tiled": `_tiled`;
-    "grouped": JAX's Mosaic GPU grouped matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's
-    always."""
-    impl = _chosen(impl, experts.size)
+    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": for at most
+    `tuning.Tuning.moe_gather_max_rows` pairs the device kind's `moe_few_rows` ("gather": copied out,
+    `_gathered`; "reduce": read in place, `_gathered_in_place`; "slots": each distinct expert read once in place
+    by the Mosaic GPU kernel where it runs, `_slotted`, else "reduce"), tiled beyond; "grouped": JAX's Mosaic GPU
+    grouped matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    if impl not in IMPLS:
+        raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    if impl == "auto" and experts.size <= tuning().moe_gather_max_rows:
+        impl = tuning().moe_few_rows
     if impl == "gather":
         return _gathered(p, x, weights, experts)
     if impl == "reduce":
         return _gathered_in_place(p, x, weights, experts)
     if impl == "slots":
         return _slotted_where_it_runs(p, x, weights, experts)
-    if impl == "tiled":
+    if impl in ("auto", "tiled"):
         return _tiled(p, c, x, weights, experts)
     # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
     # crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran.
@@ -337,14 +322,6 @@ def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax
     xt = x.reshape(batch * S, H)  # [T, H]
     with jax.named_scope("router"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
         weights, experts = route(p, c, xt)  # [T, k]
-    impl = _chosen(impl, experts.size)
-    if impl == "reduce" and c.shared_expert_intermediate_size == c.moe_intermediate_size:
-        # Qwen3.5 / 3.6's shared expert is as wide as a routed one: read as each token's (k+1)-th pair in the routed
-        # experts' fusions, its sigmoid gate the pair's weight, instead of by three products and a sum of its own
-        with jax.named_scope("routed_and_shared"):
-            weights = jnp.concatenate([weights, shared_expert_gate(p, xt)], axis=1)  # [T, k + 1]
-            out = _gathered_in_place(p, xt, weights, experts, shared=p["shared_expert"])  # [T, H] float32
-        return out.astype(x.dtype).reshape(batch, S, H)
     with jax.named_scope("routed"):
         routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
     with jax.named_scope("shared"):
@@ -352,13 +329,9 @@ def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax
     return (routed + shared).astype(x.dtype).reshape(batch, S, H)
 
 
-def shared_expert_gate(p: Params, x: jax.Array) -> jax.Array:
-    """The shared expert's sigmoid gate of tokens `x [T, H]`: `[T, 1]` float32."""
-    return jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32))
-
-
 def gated_shared_expert(p: Params, x: jax.Array) -> jax.Array:
     """The shared expert's SwiGLU of tokens `x [T, H]` times its sigmoid gate: `[T, H]` float32."""
     s = p["shared_expert"]
     shared = linear(jax.nn.silu(linear(x, s["gate_proj"])) * linear(x, s["up_proj"]), s["down_proj"])  # [T, H]
-    return shared_expert_gate(p, x) * shared.astype(jnp.float32)
+    gate = jax.nn.sigmoid(linear(x, p["shared_expert_gate"]).astype(jnp.float32))  # [T, 1]
+    return gate * shared.astype(jnp.float32)
