@@ -140,8 +140,9 @@ def route(p: Params, c: MoeConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     logits = dot("th,eh->te", x, p["gate"]["weight"])  # [T, E] float32
     if c.norm_topk_prob:
         top, experts = jax.lax.top_k(logits, c.num_experts_per_tok)  # [T, k]
-        return jax.nn.softmax(top, axis=-1), experts.astype(jnp.int32)
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), c.num_experts_per_tok)  # [T, k]
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), c.num_experts_per_tok)  # [T, k]
     return weights, experts.astype(jnp.int32)
 
 
