@@ -141,6 +141,14 @@ def _merge(a: _Partial, b: _Partial) -> _Partial:
     return _Partial(a.acc * ca[..., None] + b.acc * cb[..., None], m, a.l * ca + b.l * cb)
 
 
+def _sink(q: jax.Array, sink_logits: jax.Array) -> _Partial:
+    """The partial of a sink logit per head `[n_h]` (query head h = KV head h // groups, group h % groups): the
+    softmax's extra column with a zero value, `m` = the logit, `l` = exp(0) = 1."""
+    m = sink_logits.astype(jnp.float32).reshape(1, q.shape[1], q.shape[2], 1)  # [1, n_kv, groups, 1]
+    m = jnp.broadcast_to(m, q.shape[:-1])  # [batch, n_kv, groups, Sq]
+    return _Partial(jnp.zeros(q.shape, jnp.float32), m, jnp.ones(m.shape, jnp.float32))
+
+
 def _dense(q: jax.Array, q_positions: jax.Array, kv: KeyValues, rule: LayerRule) -> _Partial:
     mask = visible(q_positions, kv.positions, rule) & kv.valid[:, None, :]  # [batch, Sq, rows]
     return _update(_empty(q), q, kv.k, kv.v, mask[:, None, None])
@@ -264,11 +272,14 @@ def attend(
     *,
     impl: Impl = "auto",
     block: int = SPAN_BLOCK,
+    sink_logits: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
 
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
-    query see them). impl: "xla" (blocked loop), "pallas" (the Mosaic GPU kernel for spans, Hopper or newer) or
+    query see them). `sink_logits [n_h]`: a learned logit per head that joins every query's softmax, unscaled, as
+    a key with a zero value (GPT-OSS / Nemotron sinks: the column appended before the softmax and dropped after);
+    it enters as one more partial, so every kernel path takes it unchanged. impl: "xla" (blocked loop), "pallas" (the Mosaic GPU kernel for spans, Hopper or newer) or
     "auto" (the kernel where it applies: a program lowered for a Hopper or newer GPU, 16-bit operands, at most
     `_PALLAS_MAX_ROWS` (256) query rows per KV head); another is a `ValueError`. Returns `[batch, Sq, n_h, d_h]`
     in q's dtype; a query that sees no key gets zeros.
@@ -286,6 +297,8 @@ def attend(
             parts.append(on_gpu(_span_pallas, xla, q5, span))
         else:
             parts.append(xla(q5, span))
+    if sink_logits is not None:
+        parts.append(_sink(q5, sink_logits))
     total = functools.reduce(_merge, parts)
     out = total.acc / jnp.where(total.l > 0, total.l, 1.0)[..., None]  # [batch, n_kv, groups, Sq, d_h] f32
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, Sq, n_h, d_h).astype(q.dtype)

@@ -140,6 +140,7 @@ class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     use_swa: bool = False  # MiMo-style: every layer sliding (vLLM `_resolve_layer_attention`), see `attention_layout`
     swa_window_size: Positive | None = None  # the window of sliding layers, over the top-level `sliding_window`
     sample_from_anchor: bool | None = None  # vLLM's form of a speculators export's flag (`sample_from_anchor`)
+    attention_sink_bias: bool | None = None  # a learned sink logit per head (Nemotron 3.5; `attention_sinks`)
 
 
 class DsparkSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -193,6 +194,14 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     architectures: tuple[str, ...] = ()
     quantization_config: QuantizationConfig | None = None
     attention_k_eq_v: bool = False  # Gemma 4: V is the K projection's output (no v_proj), through `v_norm`
+    # NVIDIA's Nemotron 3.5 exports (SGLang dflash.py / dspark.py, vLLM's DSpark speculator): the anchor as a
+    # separate row before the drafts (`sample_from_anchor` off), the Markov rank under a second name, the drafter's
+    # own embedding, the taps once more as hidden-state indices (EAGLE's name: z-lab's id + 1).
+    dspark_bonus_anchor: bool | None = None
+    dspark_markov_rank: NonNegative | None = None
+    has_embed_tokens: bool | None = None
+    has_lm_head: bool | None = None
+    eagle_aux_hidden_state_layer_ids: tuple[LayerId, ...] | None = None
     # The top-level statements of values with several sources (resolved by the properties of their HF names).
     stated_mask_token_id: NonNegative | None = msgspec.field(default=None, name="mask_token_id")
     stated_target_layer_ids: tuple[LayerId, ...] | None = msgspec.field(default=None, name="target_layer_ids")
@@ -202,6 +211,7 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     stated_sliding_window: Positive | None = msgspec.field(default=None, name="sliding_window")
     stated_use_sliding_window: bool = msgspec.field(default=False, name="use_sliding_window")
     stated_sample_from_anchor: bool | None = msgspec.field(default=None, name="sample_from_anchor")
+    stated_attention_sink_bias: bool | None = msgspec.field(default=None, name="attention_sink_bias")
 
     # --- values with several sources, resolved: one answer for every reader ---------------------------------
 
@@ -238,13 +248,22 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         """Whether the anchor's row drafts too (all B rows predict the next position) or only rows 1..B-1 do:
         stated as `mask_token_id` is (speculators, vLLM), else DSpark's convention for DSpark, z-lab's otherwise."""
         stated = self._first_stated("sample_from_anchor")
+        if stated is None and self.dspark_bonus_anchor is not None:
+            return not self.dspark_bonus_anchor  # the anchor is its own row: rows 1..B-1 draft (vLLM's DSpark)
         return self.family == "dspark" if stated is None else stated
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether every layer's softmax has a learned sink logit per head (`attention_sink_bias`, top level or in
+        `dflash_config`): one extra, unscaled logit appended before the float32 softmax and dropped after (GPT-OSS,
+        Nemotron 3.5; ModelOpt `modeling_dflash.py`, SGLang `dflash.py`)."""
+        return bool(self._first_stated("attention_sink_bias"))
 
     @property
     def markov_rank(self) -> int:
         """The DSpark Markov head's rank (0: none): the top level's (hoisted from a block), else `dspark_config`'s."""
         spark = self.dspark_config.markov_rank if self.dspark_config is not None else None
-        return self.stated_markov_rank or spark or 0
+        return self.stated_markov_rank or self.dspark_markov_rank or spark or 0
 
     @property
     def layer_types(self) -> tuple[str, ...] | None:
@@ -514,6 +533,8 @@ def check(config: DflashConfig, source: str) -> None:
     mask, layer_ids, sub = config.mask_token_id, config.target_layer_ids, config.dflash_config
     if layer_ids == ():
         fail("target_layer_ids is empty; expected the ids of the target layers the drafter reads")
+    for problem in _disagreements(config):
+        fail(problem)
     for field, value in _non_finite(config):
         fail(f"{field}={value} is not finite; expected a finite number")
     if mask is None:
@@ -583,6 +604,44 @@ def check(config: DflashConfig, source: str) -> None:
         fail(f"rope_scaling.factor={factor}: rope_type 'yarn' needs a `factor` in [1, {MAX_ROPE_FACTOR:g}]")
     for problem in rope_problems(config):
         fail(problem)
+
+
+def _disagreements(config: DflashConfig) -> list[str]:
+    """Values a config states twice, differently: the taps, the sinks, the anchor row, the Markov rank (top level,
+    `dflash_config`, `dspark_config`, and their second names). Which one a reference reads differs between engines
+    (SGLang reads the nested taps, vLLM's speculators the top level's), so a drifted copy is refused, not resolved."""
+    sub, spark = config.dflash_config, config.dspark_config
+    statements = {
+        "target_layer_ids": [("dflash_config.target_layer_ids", sub and sub.target_layer_ids),
+                             ("target_layer_ids", config.stated_target_layer_ids),
+                             ("dspark_config.target_layer_ids", spark and spark.target_layer_ids)],
+        "attention_sink_bias": [("dflash_config.attention_sink_bias", sub and sub.attention_sink_bias),
+                                ("attention_sink_bias", config.stated_attention_sink_bias)],
+        "sample_from_anchor": [("dflash_config.sample_from_anchor", sub and sub.sample_from_anchor),
+                               ("sample_from_anchor", config.stated_sample_from_anchor)],
+        "markov_rank": [("markov_rank", config.stated_markov_rank or None),
+                        ("dspark_markov_rank", config.dspark_markov_rank),
+                        ("dspark_config.markov_rank", spark and spark.markov_rank)],
+    }
+    problems = []
+    for stated in statements.values():
+        values = [(name, v) for name, v in stated if v is not None]
+        if len({v for _, v in values}) > 1:
+            problems.append(" but ".join(f"{name}={list(v) if isinstance(v, tuple) else v!r}" for name, v in values)
+                            + ": one value stated differently; expected them equal")
+    taps, aux = config.target_layer_ids, config.eagle_aux_hidden_state_layer_ids
+    if aux is not None and taps is not None and list(aux) != [i + 1 for i in taps]:
+        problems.append(f"eagle_aux_hidden_state_layer_ids={list(aux)} but target_layer_ids={list(taps)}: the "
+                        "hidden-state indices are the target layers' ids + 1 (hidden_states[0] is the embedding); "
+                        f"expected {[i + 1 for i in taps]}")
+    if config.dspark_bonus_anchor and config._first_stated("sample_from_anchor"):
+        problems.append("dspark_bonus_anchor: true with sample_from_anchor: true: a bonus anchor is its own row "
+                        "before the drafts (rows 1..B-1 draft), sampling from the anchor's row drafts all B rows; "
+                        "expected one layout")
+    if config.dspark_bonus_anchor and config.family != "dspark":
+        problems.append("dspark_bonus_anchor in a config of no DSpark drafter (no Markov rank, DSpark architecture "
+                        "or dspark_config); expected a DSpark config")
+    return problems
 
 
 def _warn_unused(config: DflashConfig, source: str) -> None:

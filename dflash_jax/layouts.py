@@ -18,7 +18,7 @@ Config side (`fold`, run by `config.parse_config` before anything is decoded):
   (transformers' `Gemma4TextConfig` defaults for the fields a config leaves out). The layer itself is
   `model.gemma4_decoder_layer`.
 `not_implemented` names what a config describes and this package does not run (other architectures, MLA, MoE,
-Laguna's gate, Nemotron's hybrid blocks, ...).
+Laguna's gate, Nemotron's hybrid blocks, MiMo's sliding-only sinks, ...).
 
 Tensor side: `PUBLISHED_NAMES` (the names an architecture's checkpoints store tensors under, for the test
 writers), `ENCODER` and `check_context_layout` (the assistant's `encoder.*` set, whole or not at all).
@@ -224,10 +224,6 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
             problems.append(f"`{key}` {raw[key]} (a mixture-of-experts MLP; the drafter's is dense)")
     if raw.get("block_pattern"):
         problems.append("`block_pattern` (a Mamba / attention hybrid drafter, Nemotron-style)")
-    if _nemotron_35(raw):
-        problems.append("`has_embed_tokens: true` without an LM head, W4A16_NVFP4 (NVIDIA's Nemotron 3.5 drafter "
-                        "layout, as SGLang's `is_nemotron_35_draft_config` recognises it: a non-anchor query layout, "
-                        "its own embedding and Markov head)")
     for key in ("is_neox_style", "rope_is_neox_style"):
         if raw.get(key) is False:
             problems.append(f"`{key}: false` (interleaved RoPE; this package rotates halves, the neox layout)")
@@ -241,19 +237,10 @@ def not_implemented(raw: dict[str, Any]) -> str | None:
     )
 
 
-def _nemotron_35(raw: dict[str, Any]) -> bool:
-    """The published Nemotron 3.5 DFlash / DSpark layout: a DFlash or Qwen3-DSpark architecture with its own
-    embedding (`has_embed_tokens`), no LM head, NVFP4 weights with 16-bit activations (SGLang
-    `python/sglang/srt/speculative/dflash_utils.py`, `is_nemotron_35_draft_config`)."""
-    quant = raw.get("quantization_config")
-    algo = quant.get("quant_algo") if isinstance(quant, dict) else None
-    return (bool({"DFlashDraftModel", "Qwen3DSparkModel"} & set(architecture_names(raw)))
-            and raw.get("has_embed_tokens") is True and not raw.get("has_lm_head") and algo == "W4A16_NVFP4")
-
-
 def _attention_problems(raw: dict[str, Any], sub: dict[str, Any], gemma4: bool) -> list[str]:
     """The attention variants a config declares that the drafter's GQA layer is not: MLA (with the ranks it
-    lacks), learned sinks, Laguna's output gate, Gemma 4's shared K/V outside a Gemma 4 drafter."""
+    lacks), MiMo's sinks on sliding layers only, Laguna's output gate, Gemma 4's shared K/V outside a Gemma 4
+    drafter."""
     problems = []
     mode = sub.get("attention_mode")
     mla = mode == "mla" or any(raw.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank"))
@@ -264,10 +251,9 @@ def _attention_problems(raw: dict[str, Any], sub: dict[str, Any], gemma4: bool) 
         missing = [k for k in MLA_RANKS if raw.get(k) is None and sub.get(k) is None]
         lacks = f"; the config also lacks {', '.join(missing)}, which an MLA layer is built from" if missing else ""
         problems.append(f"{field} (multi-head latent attention{lacks})")
-    for where, block, key in (("dflash_config.", sub, "attention_sink_bias"), ("", raw, "attention_sink_bias"),
-                              ("", raw, "add_swa_attention_sink_bias")):
-        if block.get(key):
-            problems.append(f"`{where}{key}` (a learned per-head attention sink, MiMo-style)")
+    if raw.get("add_swa_attention_sink_bias"):  # `attention_sink_bias` (every layer's sink) runs: config.py
+        problems.append("`add_swa_attention_sink_bias` (a learned per-head attention sink on the sliding layers "
+                        "only, MiMo-style)")
     gating = raw.get("gating")
     if gating not in (None, False, "disabled"):
         problems.append(f"`gating` {gating!r} (Laguna's softplus gate on the attention output)")

@@ -558,14 +558,15 @@ def forward(
         def attention(attn, xn, rule=rule, mem=mem):
             q = layers.queries(attn, config, xn, block_rope)  # [batch, B, n_h, d_h]
             k, v = layers.keys_values(attn, config, jnp.concatenate([context.hidden, xn], axis=1), rope)  # one GEMM
+            sinks = attn.get("attention_sink_bias")  # [n_h] or None (`DflashConfig.attention_sinks`)
             if mem.absorb is None:
                 fresh = KeyValues(k, v, key_positions, key_valid)  # [batch, n_kv, S + B, d_h]
-                a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl)
+                a = attend(q, positions, rule, (fresh, *mem.dense), mem.spans, impl=impl, sink_logits=sinks)
                 return a.reshape(batch, B, -1), (k[:, :, :S], v[:, :, :S])
             cache = mem.absorb
             kc, vc = write_slots(cache.k, k, cache.slots), write_slots(cache.v, v, cache.slots)
             span = Span(kc, vc, jnp.zeros_like(cache.stop), cache.stop)
-            a = attend(q, positions, rule, mem.dense, (*mem.spans, span), impl=impl)
+            a = attend(q, positions, rule, mem.dense, (*mem.spans, span), impl=impl, sink_logits=sinks)
             return a.reshape(batch, B, -1), (kc, vc)
 
         x, kv = layers.decoder_layer(p, config, x, attention)

@@ -34,7 +34,8 @@ IGNORED_NAMES = ("t2d",)
 # Tensors (by name part) of extensions this package does not implement: loading the rest of such a checkpoint
 # would run a different network from the one trained, so they are refused, not warned about (docs/references.md).
 UNIMPLEMENTED_TENSORS = (
-    ("attention_sink_bias", "a learned per-head attention sink (MiMo-style; vLLM qwen3_dflash.py)"),
+    ("attention_sink_bias", "a learned per-head attention sink the config does not declare (expected "
+                            "`attention_sink_bias: true` with it)"),
     ("markov_head.gate_proj.", "a gated Markov head (SpecForge / DeepSpec `markov_head_type: gated`)"),
     ("markov_head.joint_proj.", "an RNN Markov head (SpecForge / DeepSpec `markov_head_type: rnn`)"),
     ("mask_embedding", "a separately trained mask embedding (vLLM `_read_mask_embedding`)"),
@@ -105,9 +106,14 @@ def plan_tensors(
     return plan
 
 
-def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = False) -> list[TensorPlan]:
+def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool | None = None) -> list[TensorPlan]:
     """Every tensor a released checkpoint of this config carries: the heads the config declares, `d2t` when the
-    draft vocabulary is reduced, and `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style)."""
+    draft vocabulary is reduced, `embed_tokens` / `lm_head` when `own_embeddings` (DeepSpec style), and
+    `embed_tokens` alone when it is None and the config says `has_embed_tokens` (NVIDIA's Nemotron 3.5 drafters,
+    whose logits go through the target's head)."""
+    own = {"embed_tokens.weight", "lm_head.weight"} if own_embeddings else set()
+    if own_embeddings is None and config.has_embed_tokens:
+        own = {"embed_tokens.weight"}
     reduced = config.draft_vocab_size is not None and config.draft_vocab_size != config.vocab_size
     published = {stored for a in config.architectures for stored in PUBLISHED_NAMES.get(a, {}).values()}
     renamed = {spec for a in config.architectures for spec in PUBLISHED_NAMES.get(a, {})}
@@ -115,7 +121,7 @@ def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool = 
     def contains(name: str) -> bool:
         name = name.removeprefix(prefix)
         if name in ("embed_tokens.weight", "lm_head.weight"):
-            return own_embeddings
+            return name in own
         if name in published or name in renamed:  # stored under the architecture's published name
             return name in published
         return reduced if name == "d2t" else name != "draft_id_to_target_id"

@@ -79,6 +79,17 @@ class Bias:
 
 
 @dataclasses.dataclass(frozen=True)
+class SinkLogits:
+    """N(0, 1): attention sink logits, of the size of the scores they compete with."""
+
+    def host(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    def device(self, key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jax.random.normal(key, shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class ConvIdentity:
     """A DFlash2 base kernel `[2, taps, H]`: the identity first tap plus N(0, 0.1^2), as initialised."""
 
@@ -172,6 +183,8 @@ def drafter_spec(c: DflashConfig) -> list[ParamSpec]:
         specs.append(ParamSpec(f"{attn}{proj}.weight", (out_dim, in_dim), LINEAR))
         if c.attention_bias:
             specs.append(ParamSpec(f"{attn}{proj}.bias", (out_dim,), init=Bias()))
+    if c.attention_sinks:  # one learned logit per query head (`DflashConfig.attention_sinks`)
+        specs.append(ParamSpec(attn + "attention_sink_bias", (c.num_attention_heads,), init=SinkLogits()))
     specs += [
         ParamSpec(attn + "q_norm.weight", (d_h,), NORM, init=Gain()),
         ParamSpec(attn + "k_norm.weight", (d_h,), NORM, init=Gain()),

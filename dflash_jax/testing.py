@@ -41,7 +41,7 @@ from ._qwen3_testing import (  # noqa: F401  (the Qwen3 target helpers, re-expor
 from .config import DflashConfig, parse_config
 from .drafter import Drafter
 from .fp8.checkpoint import declare_fp8, fp8_tensors
-from .nvfp4.checkpoint import declare_nvfp4, nvfp4_tensors
+from .nvfp4.checkpoint import declare_nvfp4, exclusion_matcher, nvfp4_tensors
 from .plan import build_tree, full_plan, init_leaves
 from .safetensors import write_tensors
 from .spec import INT, LINEAR
@@ -70,6 +70,28 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "original_max_position_embeddings": 64},
         "dspark_config": {"markov_rank": 32, "mask_token_id": 127, "target_layer_ids": [1, 3]},
+    },
+    # NVIDIA's Nemotron 3.5 Lightning drafters (configs/nvidia-nemotron-3.5-lightning-*-nvfp4.json), tiny: their
+    # own embedding, no LM head, W4A16 NVFP4 (the DSpark's attention and embeddings excluded); the DFlash one
+    # bidirectional with YaRN x128, the DSpark one block-causal in a context window, with sinks and a bonus anchor
+    "tiny-nemotron-dflash": {
+        **{k: v for k, v in _BASE_TINY.items() if k not in ("rope_theta", "num_target_layers")},
+        "has_embed_tokens": True, "mask_token_id": 127, "target_layer_ids": [0, 2, 3],
+        "max_position_embeddings": 1048576,
+        "rope_parameters": {"factor": 128.0, "original_max_position_embeddings": 8192, "rope_theta": 10000,
+                            "rope_type": "yarn"},
+        "dflash_config": {"causal": False, "target_layer_ids": [0, 2, 3]},
+        "quantization_config": {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": ["embed_tokens"]},
+    },
+    "tiny-nemotron-dspark": {
+        **{k: v for k, v in _BASE_TINY.items() if k not in ("dflash_config", "num_target_layers")},
+        "architectures": ["Qwen3DSparkModel"], "attention_sink_bias": True, "dspark_bonus_anchor": True,
+        "dspark_markov_rank": 32, "markov_rank": 32, "sample_from_anchor": False, "has_embed_tokens": True,
+        "target_layer_ids": [0, 2, 3],
+        "dflash_config": {"attention_sink_bias": True, "causal": True, "mask_token_id": 127, "swa_window_size": 6,
+                          "target_layer_ids": [0, 2, 3], "use_swa": True, "sample_from_anchor": False},
+        "quantization_config": {"quant_algo": "W4A16_NVFP4", "group_size": 16,
+                                "exclude_modules": ["embed_tokens", "markov_head.markov_w1", "layers.*.self_attn*"]},
     },
     # DeepSpec's Gemma 4 DSpark as its build_draft_config + save_pretrained (transformers 5.10.2) write it: the
     # target's Gemma 4 text config with the draft fields added (a K = V global layer: global_head_dim,
@@ -154,7 +176,7 @@ def write_checkpoint(
     prefix: str = "",
     num_shards: int = 1,
     nvfp4: bool = False,
-    own_embeddings: bool = False,
+    own_embeddings: bool | None = None,
     fp8: bool = False,
 ) -> DflashConfig:
     """Write a random drafter checkpoint of `config` (a struct, raw dict or preset name) to `directory`.
@@ -162,8 +184,11 @@ def write_checkpoint(
     `prefix` is `""` (z-lab layout) or `"model."`; `num_shards > 1` writes shards plus
     `model.safetensors.index.json`; `nvfp4` stores every linear weight ModelOpt-style (packed U8 + F8
     block scales + F32 global scale, with hf_quant_config.json); `fp8` stores them as ModelOpt's FP8
-    per-tensor export does (F8_E4M3 weight + F32 scale + input_scale, `quant_algo: "FP8"`); `own_embeddings`
-    adds `embed_tokens` and `lm_head` as DeepSpec DSpark drafters ship them. Returns the decoded config.
+    per-tensor export does (F8_E4M3 weight + F32 scale + input_scale, `quant_algo: "FP8"`); a config that declares
+    its NVFP4 export (`quantization_config` with `exclude_modules`, as NVIDIA's Nemotron 3.5 drafters do) keeps
+    that declaration and its excluded modules in BF16. `own_embeddings` adds `embed_tokens` and `lm_head` as
+    DeepSpec DSpark drafters ship them; None (the default): `embed_tokens` alone where the config says
+    `has_embed_tokens`. Returns the decoded config.
     """
     if nvfp4 and fp8:
         raise ValueError("write_checkpoint: nvfp4=True and fp8=True; choose one format")
@@ -172,15 +197,17 @@ def write_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
+    declared = config.quantization_config if nvfp4 and config.quantization_config is not None else None
+    excluded = exclusion_matcher(declared.ignore if declared is not None else ())
     for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
         value = t.init.host(rng, t.shape)  # float32, or int64 for d2t
-        if nvfp4 and t.kind == LINEAR:
+        if nvfp4 and t.kind == LINEAR and not excluded(t.name.removeprefix(prefix).removesuffix(".weight")):
             tensors.update(nvfp4_tensors(t.name, value))
         elif fp8 and t.kind == LINEAR:
             tensors.update(fp8_tensors(t.name, value))
         else:
             tensors[t.name] = value if t.kind == INT else value.astype(ml_dtypes.bfloat16)
-    if nvfp4:
+    if nvfp4 and declared is None:
         declare_nvfp4(directory, raw, excluded=[])
     if fp8:
         declare_fp8(directory, raw)
