@@ -315,11 +315,17 @@ def inspect(args: argparse.Namespace) -> int:
              "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
         files = [os.path.basename(f) for f in ckpt.files]
         extra = unexpected_tensors(plan, ckpt)
+    B, n = config.effective_block_size, config.num_draft_tokens
+    own = {part for part in ("embed_tokens", "lm_head") if any(t.path[0] == part for t in plan)}
     resolved: dict[str, Any] = {
-        "family": config.family, "effective_block_size": config.effective_block_size,
-        "num_draft_tokens": config.num_draft_tokens, "mask_token_id": config.mask_token_id,
+        "family": config.family, "effective_block_size": B,
+        "num_draft_tokens": n, "mask_token_id": config.mask_token_id,
         "target_layer_ids": list(config.checked_target_layer_ids), "rope_theta": config.rope_theta,
-        "rope_type": config.rope_type,
+        "rope_type": config.rope_type, "attention": _attention_summary(config),
+        "attention_sinks": config.attention_sinks,
+        "draft_rows": f"{B - n}..{B - 1}" + (" (row 0: the anchor, apart)" if B > n else " (the anchor's row drafts)"),
+        "embedding": "own (embed_tokens)" if "embed_tokens" in own else "the target's",
+        "lm_head": "own" if "lm_head" in own else "the target's",
     }
     problems = [message for _, message in missing + malformed]
     if args.json:
@@ -348,6 +354,18 @@ def inspect(args: argparse.Namespace) -> int:
     print(shown(f"  missing or malformed: {len(problems)}" + "".join(f"\n    {p}" for p in problems)))
     print(shown(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra)))
     return 1 if problems else 0
+
+
+def _attention_summary(config) -> str:
+    """The layers' attention rules in words, runs of equal layers grouped: "layers 0-5: causal, window 1024"."""
+    from .model import attention_rules
+
+    words = [("causal" if r.causal else "bidirectional") + (f", window {r.window}" if r.window else "")
+             for r in attention_rules(config)]
+    runs: list[tuple[int, int, str]] = []
+    for i, w in enumerate(words):
+        runs = runs[:-1] + [(runs[-1][0], i, w)] if runs and runs[-1][2] == w else runs + [(i, i, w)]
+    return "; ".join(f"layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {w}" for a, b, w in runs)
 
 
 def load(args: argparse.Namespace) -> int:

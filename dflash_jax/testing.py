@@ -202,7 +202,9 @@ def write_checkpoint(
     for t in full_plan(config, prefix=prefix, own_embeddings=own_embeddings):
         value = t.init.host(rng, t.shape)  # float32, or int64 for d2t
         if nvfp4 and t.kind == LINEAR and not excluded(t.name.removeprefix(prefix).removesuffix(".weight")):
-            tensors.update(nvfp4_tensors(t.name, value))
+            packed = nvfp4_tensors(t.name, value)
+            weight_only = declared is not None and declared.quant_algo == "W4A16_NVFP4"  # no activation scale
+            tensors.update({k: v for k, v in packed.items() if not (weight_only and k.endswith(".input_scale"))})
         elif fp8 and t.kind == LINEAR:
             tensors.update(fp8_tensors(t.name, value))
         else:

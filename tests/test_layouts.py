@@ -347,10 +347,8 @@ def test_sample_from_anchor_refused_where_the_family_cannot():
      ("`kv_lora_rank` (multi-head latent attention)",)),
     (lambda r: r.update(architectures=["K3DSparkModel"]), ("K3DSparkModel", "Kimi-K3")),
     (lambda r: r.update(n_routed_experts=64), ("`n_routed_experts` 64", "mixture-of-experts")),
-    (lambda r: r.update(has_embed_tokens=True, quantization_config={"quant_algo": "W4A16_NVFP4"}),
-     ("has_embed_tokens", "Nemotron 3.5")),
-], ids=["laguna", "gate", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe",
-        "nemotron-3.5"])
+    (lambda r: r.update(add_swa_attention_sink_bias=True), ("add_swa_attention_sink_bias", "sliding layers only")),
+], ids=["laguna", "gate", "k-eq-v", "nemotron-hybrid", "mla-no-ranks", "mla", "kimi-k3", "moe", "mimo-swa-sinks"])
 def test_other_networks_refused_by_name(change, says):
     raw = copy.deepcopy(TINY_CONFIGS["tiny-dflash"])
     change(raw)
@@ -365,6 +363,7 @@ def test_other_networks_refused_by_name(change, says):
     ("aux_hidden_norms.0.weight", (64,), "per-feature norms"),
     ("layers.0.self_attn.qkv_proj.weight", (128, 64), "fused QKV"),
     ("layers.1.self_attn.sinks", (4,), "attention sink"),
+    ("layers.1.self_attn.attention_sink_bias", (4,), "the config does not declare"),
     ("layers.0.self_attn.kv_a_proj_with_mqa.weight", (80, 64), "multi-head latent attention"),
     ("layers.0.mlp.experts.0.up_proj.weight", (32, 64), "mixture-of-experts"),
     ("layers.0.pre_feedforward_layernorm.weight", (64,), "sandwich norms"),
