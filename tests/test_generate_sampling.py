@@ -109,7 +109,8 @@ def _costs(*seconds: float) -> Adaptive:
     "preset, threshold, draft_length, controls",  # DSpark with its confidence cut: drafts past it never accepted
     [("tiny-dflash2", 0.0, _costs(1.0, 10.0, 20.0), dict(top_p=0.9)),  # x3 from a plain step or step 1
      ("tiny-dspark", 0.5, "adaptive", dict(min_p=0.2)),
-     ("tiny-dflash", 0.0, _costs(1.0, 1.0, 100.0), dict(top_k=5))],
+     ("tiny-dflash", 0.0, _costs(1.0, 1.0, 100.0), dict(top_k=5)),
+     ("tiny-nemotron-dspark", 0.0, "fixed", dict(top_p=0.9))],  # sinks, window, bonus anchor, Markov walk
 )
 def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, threshold, draft_length, controls):
     exact = _distribution(logits, T, **controls)
