@@ -13,10 +13,14 @@ Before timing, an uncached forward of both on identical weights and inputs check
 on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-xla`, `fp8` (`weight_forms.py`). Each
 row states the drafter's own weight bytes and a floor: the bytes a step must read (the drafter's weights, the
 LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
-`--contexts` sets the cached context rows (2048; the issue's long-context row is 131072).
+`--contexts` sets the cached context rows (2048; the issue's long-context row is 131072). `--head nvfp4` puts the
+drafts through a packed NVFP4 target head in the NVFP4 rows (the Nemotron 3.5 targets'); the floor counts of the
+token-indexed tables (an own `embed_tokens`, `markov_w1`) only the rows a step looks up.
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
     python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-xla fp8 --batch 1 8 32 --contexts 2048 131072
+    python benchmarks/draft_step.py --preset nvidia-nemotron-3.5-lightning-dspark-nvfp4 --head nvfp4 \
+        --weights bf16 nvfp4 nvfp4-xla --batch 1 8 32 --contexts 2048 32768
     python benchmarks/draft_step.py --small       # tiny shapes, a CPU check of the script (tests run it)
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
@@ -42,7 +46,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's package
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: the read rate
 from timing import read_rate  # noqa: E402
-from weight_forms import WEIGHTS, packed_backend, quantized  # noqa: E402
+from weight_forms import WEIGHTS, packed_backend, quantized, quantized_weight  # noqa: E402
 
 from dflash_jax.config import DflashConfig, parse_config  # noqa: E402
 from dflash_jax.drafter import Drafter  # noqa: E402
@@ -104,7 +108,9 @@ def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool, context:
         values=tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(keys[1], len(cache.keys))),
     )
     lengths = jnp.full((batch,), context, jnp.int32)
-    cache_read = sum(int(a.nbytes) for a in (*cache.keys, *cache.values)) * (context + NEW_ROWS) // max_context
+    # a layer's cache is max_context slots, or a window's ring (read whole once the context fills it)
+    cache_read = sum(int(a.nbytes) * min(context + NEW_ROWS, a.shape[2]) // a.shape[2]
+                     for a in (*cache.keys, *cache.values))
     new = jax.random.normal(keys[2], (batch, NEW_ROWS, len(c.target_layer_ids) * c.hidden_size), jnp.bfloat16)
     num_new = jnp.full((batch,), NEW_ROWS, jnp.int32)
     anchors = jax.random.randint(keys[3], (batch,), 0, c.vocab_size, jnp.int32)
@@ -123,13 +129,30 @@ def bench_ours(drafter: Drafter, batch: int, iters: int, profile: bool, context:
     steps(1)
     print(f"  ours: compiled + first step in {time.perf_counter() - start:.1f} s", flush=True)
     result = {"ours_ms": timed(lambda: steps(1), iters), "ours_back_to_back_ms": timed(lambda: steps(10), 5) / 10,
-              "bytes_read": drafter.param_bytes + int(drafter.lm_head.nbytes) + cache_read}
+              "bytes_read": weight_bytes_read(drafter) + cache_read}
     if profile:
         try:
             result["ours_kernels"] = kernel_profile(lambda: steps(1))
         except Exception as e:  # diagnostic only: never lose the timings to it
             result["ours_kernels"] = f"profile failed: {e!r}"
     return result
+
+
+def weight_bytes_read(drafter: Drafter) -> int:
+    """The weight bytes a step must read: every parameter and the LM head once, but of the tables indexed by token
+    (the drafter's own `embed_tokens`, a Markov head's `markov_w1`) only the rows a step looks up (a block's B, one
+    a draft row): a 131072-row embedding is not read by a step."""
+    c = drafter.config
+    tables = {("embed_tokens", "weight"): c.effective_block_size, ("markov_head", "markov_w1", "weight"):
+              c.num_draft_tokens}
+    total = sum(int(x.nbytes) for x in jax.tree.leaves((drafter.params, drafter.lm_head)))
+    for path, rows in tables.items():
+        node = drafter.params
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            total -= int(node.nbytes) - rows * int(node.nbytes) // node.shape[0]
+    return total
 
 
 def load_reference(path: str):
@@ -240,18 +263,22 @@ def main() -> None:
                         help="forms of the linear weights to time (see above)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="cached context rows")
     parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
-    parser.add_argument("--small", action="store_true", help="the tiny-dflash preset, batch 1, one timed step, a "
-                        "64 MiB read rate (a CPU check of the script)")
+    parser.add_argument("--head", choices=("bf16", "nvfp4"), default="bf16",
+                        help="the target LM head the drafts go through: bf16, or packed NVFP4 with the nvfp4 "
+                             "weight forms (NVIDIA's Nemotron 3.5 targets ship theirs NVFP4)")
+    parser.add_argument("--small", action="store_true", help="a tiny preset (tiny-dflash unless --preset names "
+                        "another), batch 1, one timed step, a 64 MiB read rate (a CPU check of the script)")
     args = parser.parse_args()
     if args.small:
-        args.preset, args.batch, args.iters, args.read_gib = "tiny-dflash", [1], 1, 1 / 16
+        args.batch, args.iters, args.read_gib = [1], 1, 1 / 16
+        args.preset = args.preset if args.preset.startswith("tiny-") else "tiny-dflash"
 
     raw = preset_dict(args.preset)
     config = parse_config(raw)
     print(f"{args.preset}: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     drafter, plan = random_drafter(config), full_plan(config)
     results = {"preset": args.preset, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "iters": args.iters, "rows": []}
+               "iters": args.iters, "head": args.head, "rows": []}
     model = None
     if args.reference:
         import torch
@@ -264,6 +291,8 @@ def main() -> None:
     print(f"  read rate {rate / 1e12:.2f} TB/s (jnp.sum over 4 GiB)", flush=True)
     for weights in args.weights:
         form = quantized(drafter, plan, weights)
+        if args.head == "nvfp4" and weights.startswith("nvfp4"):  # the target's NVFP4 head, packed like the rest
+            form = dataclasses.replace(form, lm_head=quantized_weight(drafter.lm_head, weights, len(plan)))
         with packed_backend(weights):
             for context in args.contexts:
                 for batch in args.batch:

@@ -21,6 +21,7 @@ import numpy as np
 
 from dflash_jax import fp8, nvfp4
 from dflash_jax.drafter import Drafter
+from dflash_jax.nvfp4.checkpoint import exclusion_matcher
 from dflash_jax.plan import build_tree
 from dflash_jax.spec import CONFIDENCE, LINEAR, MARKOV
 
@@ -30,23 +31,30 @@ KEPT_HEADS = (MARKOV, CONFIDENCE)  # top-level params names left in bf16
 
 
 def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
-    """`drafter` with every linear weight outside `KEPT_HEADS` in the form `weights` (module doc)."""
+    """`drafter` with its linear weights in the form `weights` (module doc): those its config's export declares
+    quantized (`quantization_config` with `exclude_modules`, as NVIDIA's Nemotron drafters ship: their Markov
+    `markov_w2` included), else every one outside `KEPT_HEADS`."""
     if weights == "bf16":
         return drafter
+    declared = drafter.config.quantization_config
+    excluded = exclusion_matcher(declared.ignore) if declared is not None and declared.ignore else None
     leaves = []
     for i, t in enumerate(plan):
         leaf = functools.reduce(lambda node, key: node[key], t.path, drafter.params)
-        if t.kind != LINEAR or t.path[0] in KEPT_HEADS:
-            leaves.append(leaf)
-        elif weights.startswith("nvfp4"):
-            n, k = leaf.shape
-            codes = jax.random.bits(jax.random.key(i), (n, k // 2), jnp.uint8)
-            spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
-            leaves.append(nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS))
-        else:
-            scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
-            leaves.append(fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale))
+        kept = t.path[0] in KEPT_HEADS if excluded is None else excluded(t.name.removesuffix(".weight"))
+        leaves.append(leaf if t.kind != LINEAR or kept else quantized_weight(leaf, weights, i))
     return dataclasses.replace(drafter, params=build_tree(plan, leaves))
+
+
+def quantized_weight(leaf: jax.Array, weights: str, seed: int):
+    """One bf16 weight `[out, in]` in the form `weights` (module doc)."""
+    if weights.startswith("nvfp4"):
+        n, k = leaf.shape
+        codes = jax.random.bits(jax.random.key(seed), (n, k // 2), jnp.uint8)
+        spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
+        return nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+    scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
+    return fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
 
 
 @contextlib.contextmanager

@@ -161,6 +161,25 @@ def test_draft_step_small(monkeypatch, tmp_path):
     assert all(r["ours_ms"] > 0 and r["ours_back_to_back_ms"] > 0 for r in results["rows"])
 
 
+def test_draft_step_small_nemotron(monkeypatch, tmp_path):
+    """The Nemotron DSpark layout with its NVFP4 forms: the quantized rows pack the target's head and `markov_w2`
+    too, and the floor reads the embedding's block rows only (a step reads less than the drafter holds)."""
+    out = tmp_path / "out.json"
+    run_script(monkeypatch, "draft_step", "--small", "--preset", "tiny-nemotron-dspark", "--weights", "bf16",
+               "nvfp4", "--head", "nvfp4", "--json", str(out))
+    results = json.loads(out.read_text())
+    bf16, packed = results["rows"]
+    assert results["head"] == "nvfp4" and packed["drafter_weight_bytes"] < bf16["drafter_weight_bytes"]
+    assert packed["bytes_read"] < bf16["bytes_read"]
+    monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])
+    from draft_step import weight_bytes_read  # benchmarks/
+
+    from dflash_jax.testing import random_drafter
+    drafter = random_drafter("tiny-nemotron-dspark")  # bf16: embed_tokens [128, 64], markov_w1 [128, 32]
+    table_bytes = 2 * (128 * 64 - 8 * 64) + 2 * (128 * 32 - 7 * 32)  # all rows but the 8 / 7 a step looks up
+    assert weight_bytes_read(drafter) == drafter.param_bytes + drafter.lm_head.nbytes - table_bytes
+
+
 def test_load_small(monkeypatch, capsys, tmp_path):
     """Our loader and the naive one, each in its own process, on tiny BF16 and NVFP4 checkpoints."""
     run_script(monkeypatch, "load", "--small", "--dir", str(tmp_path), "--methods", "ours", "naive")
