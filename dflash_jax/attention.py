@@ -279,10 +279,11 @@ def attend(
     `dense` sources are masked by `rule`; `spans` are read unmasked (the caller guarantees the rule lets every
     query see them). `sink_logits [n_h]`: a learned logit per head that joins every query's softmax, unscaled, as
     a key with a zero value (GPT-OSS / Nemotron sinks: the column appended before the softmax and dropped after);
-    it enters as one more partial, so every kernel path takes it unchanged. impl: "xla" (blocked loop), "pallas" (the Mosaic GPU kernel for spans, Hopper or newer) or
-    "auto" (the kernel where it applies: a program lowered for a Hopper or newer GPU, 16-bit operands, at most
-    `_PALLAS_MAX_ROWS` (256) query rows per KV head); another is a `ValueError`. Returns `[batch, Sq, n_h, d_h]`
-    in q's dtype; a query that sees no key gets zeros.
+    it enters as one more partial, so every kernel path takes it unchanged. impl: "xla" (blocked loop), "pallas"
+    (the Mosaic GPU kernel for spans, Hopper or newer) or "auto" (the kernel where it applies: a program lowered for
+    a Hopper or newer GPU, 16-bit operands, at most `_PALLAS_MAX_ROWS` (256) query rows per KV head); another is a
+    `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that sees no key gets zeros (with sinks too:
+    the sink's value is zero).
     """
     check_impl("attend", impl, ATTEND_IMPLS)
     batch, Sq, n_h, d_h = q.shape

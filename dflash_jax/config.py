@@ -610,22 +610,16 @@ def _disagreements(config: DflashConfig) -> list[str]:
     """Values a config states twice, differently: the taps, the sinks, the anchor row, the Markov rank (top level,
     `dflash_config`, `dspark_config`, and their second names). Which one a reference reads differs between engines
     (SGLang reads the nested taps, vLLM's speculators the top level's), so a drifted copy is refused, not resolved."""
-    sub, spark = config.dflash_config, config.dspark_config
-    statements = {
-        "target_layer_ids": [("dflash_config.target_layer_ids", sub and sub.target_layer_ids),
-                             ("target_layer_ids", config.stated_target_layer_ids),
-                             ("dspark_config.target_layer_ids", spark and spark.target_layer_ids)],
-        "attention_sink_bias": [("dflash_config.attention_sink_bias", sub and sub.attention_sink_bias),
-                                ("attention_sink_bias", config.stated_attention_sink_bias)],
-        "sample_from_anchor": [("dflash_config.sample_from_anchor", sub and sub.sample_from_anchor),
-                               ("sample_from_anchor", config.stated_sample_from_anchor)],
-        "markov_rank": [("markov_rank", config.stated_markov_rank or None),
-                        ("dspark_markov_rank", config.dspark_markov_rank),
-                        ("dspark_config.markov_rank", spark and spark.markov_rank)],
-    }
+    def stated(field: str) -> list[tuple[str, Any]]:  # where a field may be stated, as `_first_stated` reads them
+        return [(f"dflash_config.{field}", getattr(config.dflash_config, field, None)),
+                (field, getattr(config, "stated_" + field) or None),  # a top-level markov_rank of 0: unstated
+                (f"dspark_config.{field}", getattr(config.dspark_config, field, None))]
+
+    statements = [stated("target_layer_ids"), stated("attention_sink_bias"), stated("sample_from_anchor"),
+                  [*stated("markov_rank"), ("dspark_markov_rank", config.dspark_markov_rank)]]
     problems = []
-    for stated in statements.values():
-        values = [(name, v) for name, v in stated if v is not None]
+    for statement in statements:
+        values = [(name, v) for name, v in statement if v is not None]
         if len({v for _, v in values}) > 1:
             problems.append(" but ".join(f"{name}={list(v) if isinstance(v, tuple) else v!r}" for name, v in values)
                             + ": one value stated differently; expected them equal")

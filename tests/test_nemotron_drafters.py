@@ -28,6 +28,7 @@ from dflash_jax.spec import LINEAR
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 
 from ._io import rewrite_tensors
+from ._pallas import needs_gpu
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 DSPARK, DFLASH = "nvidia-nemotron-3.5-lightning-dspark-nvfp4", "nvidia-nemotron-3.5-lightning-dflash-nvfp4"
@@ -164,3 +165,21 @@ def test_own_embedding_with_the_targets_head(tmp_path):
         _ = drafter.output_head
     head = jax.random.normal(jax.random.key(0), (128, 64))
     assert drafter.attach(lm_head=head).output_head is head
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_span_kernel_takes_the_sinks():
+    """The sink partial merges with the Mosaic GPU span kernel's as with the XLA loop's (bf16, ragged spans, one
+    empty: its queries see the sink alone, so zeros)."""
+    rng = np.random.default_rng(1)
+    batch, Sq, n_h, n_kv, d, cap = 3, 8, 32, 2, 128, 4096
+    q = jnp.asarray(rng.standard_normal((batch, Sq, n_h, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((batch, n_kv, cap, d)), jnp.bfloat16) for _ in "kv")
+    span = Span(k, v, jnp.asarray([0, 100, 7]), jnp.asarray([4096, 3000, 7]))
+    sinks = jnp.asarray(rng.standard_normal(n_h) * 3, jnp.bfloat16)
+    q_pos = jnp.zeros((batch, Sq), jnp.int32)
+    ref = attend(q, q_pos, LayerRule(True, None), (), (span,), impl="xla", sink_logits=sinks)
+    got = attend(q, q_pos, LayerRule(True, None), (), (span,), impl="pallas", sink_logits=sinks)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
+    assert np.all(np.asarray(got[2], np.float32) == 0)
