@@ -28,6 +28,8 @@ CASES = {  # case: (golden directory, io suffix, attention)
     "dflash2-tiny-a": ("dflash2-tiny-a", "", UNWINDOWED),
     "dflash2-tiny-b": ("dflash2-tiny-b", "", UNWINDOWED),
     "dflash2-tiny-b-masked": ("dflash2-tiny-b", "_masked", AttentionOptions()),
+    "nemotron-dflash-tiny": ("nemotron-dflash-tiny", "", AttentionOptions()),
+    "nemotron-dspark-tiny": ("nemotron-dspark-tiny", "", AttentionOptions()),
 }
 
 
@@ -43,6 +45,8 @@ def golden(case: str, dtype=jnp.float32) -> tuple[Drafter, dict[str, np.ndarray]
     drafter = load_drafter(os.path.join(GOLDEN, directory), dtype=dtype)
     if "embed_tokens" not in drafter.params:  # z-lab and DFlash2 drafters use the target's
         drafter = drafter.attach(embed=jnp.asarray(io["embed"]), lm_head=jnp.asarray(io["lm_head"]))
+    elif "lm_head" not in drafter.params:  # Nemotron's: their own embedding, the target's head
+        drafter = drafter.attach(lm_head=jnp.asarray(io["lm_head"]))
     return drafter, io
 
 
