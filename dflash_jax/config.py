@@ -612,11 +612,12 @@ def _disagreements(config: DflashConfig) -> list[str]:
     (SGLang reads the nested taps, vLLM's speculators the top level's), so a drifted copy is refused, not resolved."""
     def stated(field: str) -> list[tuple[str, Any]]:  # where a field may be stated, as `_first_stated` reads them
         return [(f"dflash_config.{field}", getattr(config.dflash_config, field, None)),
-                (field, getattr(config, "stated_" + field) or None),  # a top-level markov_rank of 0: unstated
+                (field, getattr(config, "stated_" + field)),
                 (f"dspark_config.{field}", getattr(config.dspark_config, field, None))]
 
+    ranks = [(name, rank or None) for name, rank in stated("markov_rank")]  # a top-level rank of 0: unstated
     statements = [stated("target_layer_ids"), stated("attention_sink_bias"), stated("sample_from_anchor"),
-                  [*stated("markov_rank"), ("dspark_markov_rank", config.dspark_markov_rank)]]
+                  [*ranks, ("dspark_markov_rank", config.dspark_markov_rank)]]
     problems = []
     for statement in statements:
         values = [(name, v) for name, v in statement if v is not None]

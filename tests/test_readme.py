@@ -140,12 +140,13 @@ def test_the_checker_fails_on_a_wrong_result():
 EVERY_PART = {
     "hidden_size": 96, "num_hidden_layers": 2, "intermediate_size": 200, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 10, "vocab_size": 1000, "draft_vocab_size": 600, "rope_theta": 1e6,
-    "attention_bias": True, "markov_rank": 12, "enable_confidence_head": True, "confidence_head_with_markov": True,
+    "attention_bias": True, "attention_sink_bias": True, "markov_rank": 12, "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
     "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3, 5], "conv_kernel_size": 3,
                       "conv_group_size": 16, "selector_rank": 14, "selector_top_k": 4},
 }
-SYMBOLS = {96: "H", 288: "Lf*H", 200: "I", 40: "nh*dh", 20: "nkv*dh", 10: "dh", 1000: "V", 600: "Vd", 14: "rs",
-           12: "rm", 108: "H+rm", 3: "taps", 36: "2*taps*H/g", 2: "2", 1: "1"}
+SYMBOLS = {4: "nh", 96: "H", 288: "Lf*H", 200: "I", 40: "nh*dh", 20: "nkv*dh", 10: "dh", 1000: "V", 600: "Vd",
+           14: "rs", 12: "rm", 108: "H+rm", 3: "taps", 36: "2*taps*H/g", 2: "2", 1: "1"}
 
 
 def tree_table() -> str:
