@@ -9,12 +9,13 @@
 Modules: `config` (config decoding), `safetensors` (header-first reading), `nvfp4` (ModelOpt NVFP4 and its
 Pallas kernel), `spec` (every architecture's parameters, declared once), `plan` (a checkpoint's tensors planned
 and checked), `validate` (value checks), `placement` (tensors onto devices), `loader` (checkpoint -> `Drafter`,
-the type of `drafter`), `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the
-target protocol; `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the
-Qwen3.5/3.6 hybrids; `target.moe`: their MoE block, `target.experts` its expert stacks from either disk layout;
-`target.loading`: `load_target`), `pairing` (is a drafter compatible with a target), `generate` (the
-draft/verify loop), `adaptive` (its draft-length policy), `testing` (random checkpoints), `hub` (Hugging Face
-hub ids), `nnx` / `linen` (Flax modules), `cli`.
+the type of `drafter`), `layers` and `rope` (the layers and rotary embeddings drafters and targets share),
+`model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
+`target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the Qwen3.5/3.6 hybrids;
+`target.moe`: their MoE block, `target.experts` its expert stacks from either disk layout; `target.delta_rule`,
+`target.mamba2`: the recurrent mixers' maths; `target.loading`: `load_target`), `pairing` (is a drafter
+compatible with a target), `generate` (the draft/verify loop), `adaptive` (its draft-length policy), `testing`
+(random checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
 """
 
 from __future__ import annotations

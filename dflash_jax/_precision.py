@@ -1,4 +1,4 @@
-"""The package's one rule for matmul precision, shared by `model.dot`, attention and the quantized weights' GEMMs.
+"""The package's one rule for matmul precision, shared by `layers.dot`, attention and the quantized weights' GEMMs.
 
 Matmuls accumulate in float32; when an operand is float32 the products are full-precision
 (`Precision.HIGHEST`), so that float32 runs can be compared with a float64 reference; bf16 runs keep bf16
@@ -21,7 +21,7 @@ def precision(a: Any, b: Any) -> jax.lax.Precision:
 
 def dot(spec: str, a: jax.Array, b: jax.Array, out_dtype: Any = jnp.float32) -> jax.Array:
     """`einsum(spec, a, b)` accumulating in float32, result in `out_dtype` (`precision`): every product of two
-    arrays in the package (`model.dot` adds the quantized weights)."""
+    arrays in the package (`layers.dot` adds the quantized weights)."""
     return jnp.einsum(spec, a, b, precision=precision(a, b), preferred_element_type=out_dtype)
 
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Annotated, Any, Literal, NoReturn, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, NoReturn
 
 import msgspec
-import numpy as np
 
 from ._json import NotUTF8
 from ._json import loads as json_loads
 from .errors import ConfigError
 from .layouts import GEMMA4, fold, not_implemented
+from .rope import Positive, PositiveFloat, RopeScaling, declared_rope_type, rope_problems
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
@@ -30,12 +30,10 @@ MAX_DIM = 2**31 - 1
 MAX_LAYERS = 1024  # released drafters have 1-8 layers; 10**12 would make planning hang
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # a config.json is a few KiB
 
-Positive = Annotated[int, msgspec.Meta(gt=0)]
 Dim = Annotated[int, msgspec.Meta(gt=0, le=MAX_DIM)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]
 LayerCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
 LayerId = Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)]  # -1 = the target's embedding output (DeepSpec)
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 # RoPE runs in float32: a base in (1, 1e30] keeps 1 / theta**(2i/d) finite and log(theta) > 0 (YaRN divides
 # by it); 1e-300 made every frequency Inf and every draft NaN. Released drafters use 5e5 to 1e7.
 RopeTheta = Annotated[float, msgspec.Meta(gt=1, le=1e30)]
@@ -49,77 +47,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # the attention kinds DFl
 _HOISTED = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 DEFAULT_ROPE_THETA = 1e7  # the original design's default; transformers' Qwen3Config would use 1e4, vLLM 1e6
-
-
-@runtime_checkable
-class RopeConfig(Protocol):
-    """What `model.rope_frequencies` / `model.rope_tables` read: `DflashConfig` and the targets'
-    `target.DecoderConfig` both provide it."""
-
-    @property
-    def head_dim(self) -> int: ...
-
-    @property
-    def rope_theta(self) -> float: ...
-
-    @property
-    def rope_type(self) -> str: ...
-
-    @property
-    def rope_scaling(self) -> RopeScaling | None: ...
-
-    @property
-    def max_position_embeddings(self) -> int | None: ...
-
-    def __hash__(self) -> int: ...  # `rope_frequencies` caches by config
-
-
-class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """HF `rope_scaling` / `rope_parameters` block (only the fields RoPE variants read)."""
-
-    rope_type: str | None = None
-    type: str | None = None  # pre-4.45 transformers name of rope_type
-    factor: PositiveFloat | None = None
-    beta_fast: PositiveFloat | None = None  # YaRN takes log(original / (beta * 2 pi)): <= 0 has none
-    beta_slow: PositiveFloat | None = None
-    original_max_position_embeddings: Positive | None = None
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool | None = None
-    low_freq_factor: PositiveFloat | None = None  # Llama 3 (`rope_type: llama3`)
-    high_freq_factor: PositiveFloat | None = None
-    partial_rotary_factor: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None  # `proportional` (Gemma 4)
-
-
-ROPE_SCALARS = ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim",
-                "low_freq_factor", "high_freq_factor")  # RopeScaling's float fields
-
-
-def rope_problems(config: RopeConfig) -> list[str]:
-    """What would make the RoPE tables wrong: an odd `head_dim` (rotary embeddings turn pairs of dimensions, and
-    the frequencies, `ceil(d / 2)` of them, would not fit the `d // 2` pairs: a shape error or a silent
-    misrotation), and the RoPE scalars (`rope_theta`, the `rope_scaling` floats) whose float32 rounding is 0, Inf or
-    subnormal though the value is not 0: the tables are computed in float32, where such a value (a Llama 3 `factor`
-    of 1e-50, a `low_freq_factor` of 1e39) divides by zero or overflows and makes every logit NaN."""
-    problems = []
-    if config.head_dim % 2:
-        problems.append(f"head_dim={config.head_dim} is odd; rotary embeddings turn pairs of dimensions, so it must "
-                        "be even")
-    tiny = float(np.finfo(np.float32).tiny)
-    scaling = config.rope_scaling
-    values = [("rope_theta", config.rope_theta)] + [
-        (f"rope_scaling.{f}", getattr(scaling, f)) for f in ROPE_SCALARS if scaling is not None]
-    for name, value in values:
-        if value is None or value == 0 or not math.isfinite(value):
-            continue  # 0 where allowed (mscale), and NaN/Inf, are the bounds' and `_non_finite`'s to refuse
-        with np.errstate(over="ignore"):  # the overflow to Inf is what is looked for
-            rounded = abs(float(np.float32(value)))
-        if rounded == 0 or rounded < tiny or math.isinf(rounded):
-            what = "0" if rounded == 0 else "Inf" if math.isinf(rounded) else "a subnormal number"
-            problems.append(f"{name}={value:g} is {what} in float32, in which RoPE is computed; expected a value of "
-                            f"magnitude in [{tiny:.3g}, {float(np.finfo(np.float32).max):.3g}]")
-    return problems
 
 
 class DflashSubConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -384,12 +311,6 @@ class DflashConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     @property
     def num_key_value_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
-
-
-def declared_rope_type(scaling: RopeScaling | None) -> str:
-    if scaling is None:
-        return "default"
-    return scaling.rope_type or scaling.type or "default"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:

@@ -52,20 +52,19 @@ from .attention import (
 )
 from .config import DflashConfig
 from .drafter import Drafter, draft_to_target_ids
+from .layers import dot, lm_logits
 from .model import (
     Absorb,
     AttentionOptions,
     Context,
     Memory,
     attention_rules,
-    dot,
     embed_block,
     forward,
     layer_functions,
-    lm_logits,
     project_context,
-    rope_tables,
 )
+from .rope import rope_tables
 from .sampling import Warp, choose
 from .target import FeatureMap
 from .tuning import tuning

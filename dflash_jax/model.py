@@ -46,190 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._arguments import check_block_inputs, check_heads, check_params
-from ._precision import dot as array_dot
 from .attention import Impl, KeyValues, LayerRule, Span, attend, write_slots
-from .config import DflashConfig, RopeConfig
+from .config import DflashConfig
 from .drafter import Drafter
-from .fp8 import Fp8
-from .fp8 import matmul as fp8_matmul
-from .nvfp4 import Packed
-from .nvfp4 import matmul as nvfp4_matmul
-
-Params = dict[str, Any]
-
-# transformers' Qwen3Config default, used by YaRN when a config states no max_position_embeddings.
-_QWEN3_DEFAULT_MAX_POSITIONS = 32768
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Building blocks
-# --------------------------------------------------------------------------------------------------------------
-
-
-def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """`einsum` accumulating in float32, result in `out_dtype`; full-precision products when an operand is float32.
-
-    A bf16 x bf16 product written as bf16 still accumulates in float32 (XLA's GEMMs use a float32 compute type)
-    and rounds once, in the GEMM's epilogue, instead of writing float32 and converting in another kernel.
-
-    `b` may be a weight kept quantized (`load_drafter(weights="packed")`: `nvfp4.Packed`, `fp8.Fp8`): this is
-    the one place a drafter's linear weights meet their GEMM, so each goes to its weight-only GEMM
-    (`nvfp4.matmul`, `fp8.matmul`). Every product with a weight is `x @ W.T` (`spec` "...i,oi->...o").
-    """
-    if isinstance(b, QUANTIZED):
-        _check_weight_spec(spec)
-        if isinstance(b, Packed):
-            return nvfp4_matmul(a, b, out_dtype=out_dtype)
-        return fp8_matmul(a, b, out_dtype=out_dtype)
-    return array_dot(spec, a, b, out_dtype)
-
-
-QUANTIZED = (Packed, Fp8)  # the weight leaves `load_drafter(weights="packed")` places
-
-
-def is_quantized(x: Any) -> bool:
-    """Whether `x` is a quantized weight (`QUANTIZED`): `jax.tree.map(f, params, is_leaf=is_quantized)` then takes
-    each weight whole, as the NNX module wraps them, instead of its arrays."""
-    return isinstance(x, QUANTIZED)
-
-
-def _check_weight_spec(spec: str) -> None:
-    """A quantized weight `[out, in]` is only ever the right operand of `x @ W.T`: `"<x>i,oi-><x>o"`."""
-    operands, _, out = spec.replace(" ", "").partition("->")
-    lhs, _, rhs = operands.partition(",")
-    if len(rhs) != 2 or not lhs.endswith(rhs[1]) or out != lhs[:-1] + rhs[0]:
-        raise ValueError(f"dot: a quantized weight multiplies as x @ W.T ('...i,oi->...o'), not {spec!r}")
-
-
-def linear(x: jax.Array, p: Params) -> jax.Array:
-    """`x @ W.T (+ b)` for an HF-layout `{weight: [out, in], bias?: [out]}` (a float or quantized weight, `dot`);
-    returns x's dtype."""
-    y = dot("...i,oi->...o", x, p["weight"], out_dtype=x.dtype)  # [..., out]
-    return y + p["bias"].astype(y.dtype) if "bias" in p else y
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Qwen3 RMSNorm: normalise in float32, cast back, then scale (`weight * x_hat.to(dtype)`)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight.astype(x.dtype) * xf.astype(x.dtype)
-
-
-def lm_logits(hidden: jax.Array, lm_head: jax.Array) -> jax.Array:
-    """Float32 logits `hidden @ lm_head.T` for an HF-layout head `[V, H]`: `[..., H] -> [..., V]`."""
-    return dot("...h,vh->...v", hidden, lm_head)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# RoPE (default and YaRN), neox rotate-half layout
-# --------------------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=64)
-def rope_frequencies(config: RopeConfig) -> tuple[np.ndarray, float]:
-    """`(inv_freq [d_h/2] float32, attention_scaling)` as transformers computes them.
-
-    Default: `inv_freq = 1 / theta ** (arange(0, d, 2) / d)` in float32, scaling 1. YaRN follows transformers 5's
-    `_compute_yarn_parameters`: `factor` as stated (derived from max/original positions only when absent),
-    the attention factor from `attention_factor`, else the mscale/mscale_all_dim ratio, else
-    `0.1 ln(factor) + 1`; the correction range from beta_fast/beta_slow (defaults 32/1) against
-    `original_max_position_embeddings` (default `max_position_embeddings`), truncated unless `truncate=False`.
-    """
-    d = config.head_dim
-    theta = np.float32(config.rope_theta)
-    exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)  # [d/2]
-    pos_freqs = theta**exponents  # [d/2] f32
-    if config.rope_type == "llama3":
-        return _llama3_frequencies((np.float32(1.0) / pos_freqs).astype(np.float32), config.rope_scaling), 1.0
-    if config.rope_type == "proportional":
-        return _proportional_frequencies(pos_freqs, config.rope_scaling), 1.0
-    if config.rope_type != "yarn":
-        return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
-
-    s = config.rope_scaling
-    assert s is not None  # rope type "yarn" is declared only by a rope_scaling block (`declared_rope_type`)
-    max_positions = config.max_position_embeddings or _QWEN3_DEFAULT_MAX_POSITIONS
-    original = s.original_max_position_embeddings or max_positions
-    factor = s.factor if s.factor is not None else max_positions / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_scaling = s.attention_factor
-    if attention_scaling is None:
-        if s.mscale and s.mscale_all_dim:
-            attention_scaling = mscale(factor, s.mscale) / mscale(factor, s.mscale_all_dim)
-        else:
-            attention_scaling = mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
-
-    low, high = correction_dim(s.beta_fast or 32), correction_dim(s.beta_slow or 1)
-    if s.truncate is not False:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    extrapolation = np.float32(1) - ramp.astype(np.float32)  # 1: keep the original frequency
-    inv_freq = (np.float32(1) / (np.float32(factor) * pos_freqs)) * (np.float32(1) - extrapolation) + (
-        np.float32(1) / pos_freqs
-    ) * extrapolation
-    return inv_freq.astype(np.float32), float(attention_scaling)
-
-
-def _llama3_frequencies(inv_freq: np.ndarray, s) -> np.ndarray:
-    """Llama 3.x `llama3` scaling (transformers' `_compute_llama3_parameters`), in float32: wavelengths longer than
-    `original / low_freq_factor` are divided by `factor`, shorter than `original / high_freq_factor` kept, and
-    those between interpolated smoothly."""
-    factor, low, high = np.float32(s.factor), np.float32(s.low_freq_factor), np.float32(s.high_freq_factor)
-    original = np.float32(s.original_max_position_embeddings)
-    wavelen = np.float32(2 * math.pi) / inv_freq  # [d/2]
-    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq).astype(np.float32)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= original / high) & (wavelen <= original / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _proportional_frequencies(pos_freqs: np.ndarray, s) -> np.ndarray:
-    """Gemma 4's `proportional` RoPE (transformers' `_compute_proportional_rope_parameters`), in float32: the first
-    `int(partial_rotary_factor * d_h // 2)` frequencies of the full head's `1 / theta ** (2i / d_h)`, the rest 0
-    (those pairs are not rotated), all divided by `factor`."""
-    partial = s.partial_rotary_factor if s is not None and s.partial_rotary_factor is not None else 1.0
-    factor = s.factor if s is not None and s.factor is not None else 1.0
-    rotated = int(partial * (2 * len(pos_freqs)) // 2)  # rotated pairs, as transformers rounds them (d_h = 2 x pairs)
-    inv_freq = np.float32(1.0) / pos_freqs  # [d/2]
-    inv_freq[rotated:] = 0
-    return (inv_freq / np.float32(factor)).astype(np.float32)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    """cos/sin tables for a set of rows, `[batch, rows, d_h]` float32 (attention scaling folded in)."""
-
-    cos: jax.Array
-    sin: jax.Array
-
-
-def rope_tables(config: RopeConfig, positions: jax.Array) -> Rope:
-    """cos/sin at integer `positions` `[batch, rows]`; angles `position * inv_freq` formed in float32."""
-    inv_freq, scaling = rope_frequencies(config)
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [batch, rows, d/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [batch, rows, d]
-    return Rope(jnp.cos(angles) * scaling, jnp.sin(angles) * scaling)
-
-
-def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
-    """Rotate `x [batch, rows, heads, d_h]` (neox rotate-half) in float32; returns x's dtype."""
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)  # rotate_half
-    cos, sin = rope.cos[:, :, None, :], rope.sin[:, :, None, :]  # [batch, rows, 1, d]
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
+from .layers import Params, decoder_layer, keys_values, linear, lm_logits, queries, rms_norm
+from .rope import Rope, apply_rope, rope_tables
 
 # --------------------------------------------------------------------------------------------------------------
 # Attention
@@ -335,6 +156,16 @@ def conv_finish(p: Params, y: jax.Array, delta: jax.Array) -> jax.Array:
     return _convolve(y, delta, p["base_kernel"][1])
 
 
+def dflash2_around(p: Params, name: str, x: jax.Array, run: Callable[[jax.Array], tuple[jax.Array, Any]]):
+    """`layers.decoder_layer`'s sublayer wrapper for DFlash2: where the layer holds the conv `name`, the sublayer's
+    input is convolved before it and its output after it, with the kernel made from the input; else `run(x)`."""
+    if name not in p:
+        return run(x)
+    x, delta = conv_prepare(p[name], x)
+    y, aux = run(x)
+    return conv_finish(p[name], y, delta), aux
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The decoder
 # --------------------------------------------------------------------------------------------------------------
@@ -355,59 +186,6 @@ def project_context(params: Params, config: DflashConfig, target_hidden: jax.Arr
     dtype = params["fc"]["weight"].dtype
     ctx = linear(target_hidden.astype(dtype), params["fc"])  # [batch, S, H]
     return layer_functions(config).norm(ctx, params["hidden_norm"]["weight"], config.rms_norm_eps)
-
-
-def _head_norm(attn: Params, name: str, config, x: jax.Array) -> jax.Array:
-    """Qwen3's per-head RMSNorm `q_norm` / `k_norm` over `d_h` when the params hold it (Llama has none)."""
-    return rms_norm(x, attn[name]["weight"], config.rms_norm_eps) if name in attn else x
-
-
-def queries(attn: Params, config, x: jax.Array, rope: Rope) -> jax.Array:
-    """`q_norm(q_proj(x))` with RoPE: `[batch, S, H] -> [batch, S, n_h, d_h]` (no norm where `q_norm` is absent)."""
-    batch, S, _ = x.shape
-    q = linear(x, attn["q_proj"]).reshape(batch, S, config.num_attention_heads, config.head_dim)
-    return apply_rope(_head_norm(attn, "q_norm", config, q), rope)
-
-
-def keys_values(attn: Params, config, x: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
-    """`k_norm(k_proj(x))` with RoPE and `v_proj(x)`, heads-major: `[batch, S, H] -> 2 x [batch, n_kv, S, d_h]`."""
-    batch, S, _ = x.shape
-    shape = (batch, S, config.num_key_value_heads, config.head_dim)
-    k = apply_rope(_head_norm(attn, "k_norm", config, linear(x, attn["k_proj"]).reshape(shape)), rope)
-    v = linear(x, attn["v_proj"]).reshape(shape)
-    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-
-def decoder_layer(
-    p: Params, config, x: jax.Array, attention: Callable[[Params, jax.Array], tuple[jax.Array, Any]]
-) -> tuple[jax.Array, Any]:
-    """One pre-norm Qwen3 layer over `x [batch, S, H]`, shared by the drafter and the targets.
-
-        x += o_proj(attention(input_layernorm(x)))      DFlash2: grouped convs around both sublayers
-        x += down(silu(gate(h)) * up(h)),  h = post_attention_layernorm(x)
-
-    `attention(self_attn params, normed x [batch, S, H])` returns `([batch, S, n_h * d_h], aux)`: where the
-    queries, keys and values come from is the caller's (the drafter adds context rows, a target its cache).
-    Returns the new `x` and `aux`.
-    """
-    eps = config.rms_norm_eps
-    xn = rms_norm(x, p["input_layernorm"]["weight"], eps)  # [batch, S, H]
-    if "attention_conv" in p:
-        xn, attn_delta = conv_prepare(p["attention_conv"], xn)
-    a, aux = attention(p["self_attn"], xn)
-    a = linear(a, p["self_attn"]["o_proj"])  # [batch, S, H]
-    if "attention_conv" in p:
-        a = conv_finish(p["attention_conv"], a, attn_delta)
-    x = x + a
-
-    h = rms_norm(x, p["post_attention_layernorm"]["weight"], eps)
-    if "mlp_conv" in p:
-        h, mlp_delta = conv_prepare(p["mlp_conv"], h)
-    mlp = p["mlp"]
-    h = linear(jax.nn.silu(linear(h, mlp["gate_proj"])) * linear(h, mlp["up_proj"]), mlp["down_proj"])
-    if "mlp_conv" in p:
-        h = conv_finish(p["mlp_conv"], h, mlp_delta)
-    return x + h, aux
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -500,7 +278,7 @@ def layer_functions(config: DflashConfig) -> Layers:
     """The layer functions of `config.variant`."""
     if config.variant == "gemma4":
         return Layers(gemma4_rms_norm, gemma4_queries, gemma4_keys_values, gemma4_decoder_layer)
-    return Layers(rms_norm, queries, keys_values, decoder_layer)
+    return Layers(rms_norm, queries, keys_values, functools.partial(decoder_layer, around=dflash2_around))
 
 
 @jax.tree_util.register_dataclass

@@ -33,9 +33,10 @@ from . import drafting
 from .config import DflashConfig
 from .drafter import Drafter
 from .drafting import ContextCache, Proposal
+from .layers import is_quantized
 from .linen import init_params
 from .loader import load_drafter
-from .model import AttentionOptions, draft_logits, is_quantized
+from .model import AttentionOptions, draft_logits
 
 
 class TargetWeight(nnx.Variable):

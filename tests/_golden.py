@@ -11,8 +11,9 @@ import numpy as np
 
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import sample_drafts
+from dflash_jax.layers import lm_logits
 from dflash_jax.loader import load_drafter
-from dflash_jax.model import AttentionOptions, lm_logits
+from dflash_jax.model import AttentionOptions
 
 from ._drafters import GOLDEN
 from ._io import load_file

@@ -249,8 +249,8 @@ def test_an_odd_head_dim_is_refused_for_drafters_and_targets():
 
 
 def test_rope_config_is_what_both_config_kinds_provide():
-    """`model.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
-    from dflash_jax.config import RopeConfig
+    """`rope.rope_frequencies` reads a `RopeConfig`: the drafter's config and every target config provide it."""
+    from dflash_jax.rope import RopeConfig
     from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
     from dflash_jax.testing import QWEN3_TINY_CONFIGS
 

@@ -30,10 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dflash_jax import CheckpointError, ConfigError, load_drafter, parse_config
-from dflash_jax.config import DflashConfig, DflashSubConfig, DsparkSubConfig, RopeScaling
-from dflash_jax.model import rope_frequencies
+from dflash_jax.config import DflashConfig, DflashSubConfig, DsparkSubConfig
 from dflash_jax.nvfp4 import check_scales
 from dflash_jax.nvfp4._reference import dequantize_xla
+from dflash_jax.rope import RopeScaling, rope_frequencies
 from dflash_jax.safetensors import DTYPES, Checkpoint
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 

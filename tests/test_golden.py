@@ -19,7 +19,8 @@ import pytest
 from dflash_jax import load_drafter, nvfp4
 from dflash_jax.config import replace
 from dflash_jax.drafting import init_cache, propose, sample_drafts
-from dflash_jax.model import AttentionOptions, draft_hidden, lm_logits
+from dflash_jax.layers import lm_logits
+from dflash_jax.model import AttentionOptions, draft_hidden
 
 from ._drafters import GOLDEN
 from ._golden import CASES, check_bfloat16_outputs, check_markov_walk, golden

@@ -17,8 +17,9 @@ import pytest
 
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import init_cache, propose, sample_drafts
+from dflash_jax.layers import lm_logits
 from dflash_jax.loader import load_drafter
-from dflash_jax.model import draft_hidden, lm_logits
+from dflash_jax.model import draft_hidden
 
 from ._drafters import GOLDEN
 from ._golden import check_bfloat16_outputs, check_markov_walk

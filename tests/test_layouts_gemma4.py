@@ -18,8 +18,8 @@ from dflash_jax import ConfigError, load_drafter
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
 from dflash_jax.config import parse_config
 from dflash_jax.generate import speculative_generate
-from dflash_jax.model import rope_frequencies
 from dflash_jax.plan import full_plan
+from dflash_jax.rope import rope_frequencies
 from dflash_jax.testing import TINY_CONFIGS, write_checkpoint
 
 from ._drafters import GOLDEN

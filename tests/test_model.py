@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 from dflash_jax.config import parse_config
 from dflash_jax.loader import load_drafter
-from dflash_jax.model import AttentionOptions, LayerRule, attention_rules, draft_hidden, draft_logits, rope_frequencies
+from dflash_jax.model import AttentionOptions, LayerRule, attention_rules, draft_hidden, draft_logits
+from dflash_jax.rope import rope_frequencies
 from dflash_jax.testing import preset_dict, write_checkpoint
 
 from . import _numpy_reference as ref

@@ -30,8 +30,8 @@ from dflash_jax import (
     speculative_generate,
 )
 from dflash_jax._qwen3_testing import random_qwen3
+from dflash_jax.layers import dot, is_quantized
 from dflash_jax.linen import DrafterModule
-from dflash_jax.model import dot, is_quantized
 from dflash_jax.nnx import DFlashDrafter
 from dflash_jax.testing import write_checkpoint
 

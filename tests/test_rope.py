@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.config import parse_config
-from dflash_jax.model import rope_frequencies
+from dflash_jax.rope import rope_frequencies
 from dflash_jax.testing import preset_dict
 
 D, THETA, FACTOR, ORIGINAL = 16, 10000.0, 4.0, 64  # tiny-dspark: head_dim 16, YaRN factor 4 over 64 positions

@@ -15,6 +15,13 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
            "dflash_jax.target", "dflash_jax.target.moe", "dflash_jax.target.delta_rule",
            "dflash_jax.adaptive", "dflash_jax.sampling")
+# What drafters and targets share, and the targets' pure maths: they reach no I/O, no drafter config parsing (its
+# layouts, decoding and checks) and no kernel module; a quantized weight brings its own product
+# (`layers.QuantizedWeight`), so naming it needs no kernel either.
+SHARED_MATH = ("dflash_jax.layers", "dflash_jax.rope", "dflash_jax.target.delta_rule", "dflash_jax.target.mamba2")
+DRAFTER_CONFIG = ("dflash_jax.config", "dflash_jax.layouts")
+KERNELS = ("dflash_jax._span_attention_mgpu", "dflash_jax.nvfp4._mosaic_gemm", "dflash_jax.nvfp4._mosaic_gpu",
+           "dflash_jax.target._expert_gemm", "dflash_jax.nvfp4", "dflash_jax.fp8")
 IO = ("dflash_jax.safetensors", "dflash_jax.loader", "dflash_jax.placement", "dflash_jax.validate",
       "dflash_jax.hub", "dflash_jax.plan", "dflash_jax.nvfp4.checkpoint", "dflash_jax.nvfp4.convert",
       "dflash_jax.fp8.checkpoint")
@@ -90,3 +97,13 @@ def test_forward_modules_reach_no_io():
     graph = import_graph()
     for module in FORWARD:
         assert not reach(graph, module) & set(IO), f"{module} reaches {sorted(reach(graph, module) & set(IO))}"
+
+
+def test_shared_and_target_maths_reach_no_io_config_or_kernel():
+    """`layers`, `rope` and the recurrent mixers are pure maths over arrays: a target built on them reaches neither
+    the checkpoint stack, nor the drafter config parser, nor a GPU kernel through them."""
+    graph = import_graph()
+    assert set(KERNELS) <= set(graph) and set(SHARED_MATH) <= set(graph)
+    for module in SHARED_MATH:
+        bad = reach(graph, module) & {*IO, *DRAFTER_CONFIG, *KERNELS}
+        assert not bad, f"{module} reaches {sorted(bad)}"

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dflash_jax import CheckpointError, ConfigError
-from dflash_jax.model import linear
+from dflash_jax.layers import linear
 from dflash_jax.placement import auto_mesh, place_all
 from dflash_jax.plan import build_tree, check_tensors, planned
 from dflash_jax.safetensors import Checkpoint, write_tensors

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax import ConfigError, DecoderTarget, load_drafter, load_target
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.generate import greedy_generate, speculative_generate
-from dflash_jax.model import lm_logits
+from dflash_jax.layers import lm_logits
 from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
 from dflash_jax.target.dense import Qwen3Target, plan_decoder, prefill_fused
 from dflash_jax.target.layout import CACHE_AXES, make_layout

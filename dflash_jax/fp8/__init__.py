@@ -102,6 +102,10 @@ class Fp8:
             return f"fp8.Fp8({list(self.shape)}, {self.dtype.name})"
         return f"fp8.Fp8({self.weight!r}, {self.scale!r}, {self.dtype.name})"
 
+    def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
+        """`x [..., K] @ W.T` in `out_dtype` (`matmul`): what `layers.dot` calls for a `layers.QuantizedWeight`."""
+        return matmul(x, self, out_dtype=out_dtype)
+
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.weight.shape

@@ -2,7 +2,7 @@
 
 `load_drafter(..., weights="packed")` leaves every NVFP4 linear weight as a `Packed`: the checkpoint's codes,
 block scales and global scale, 0.5625 bytes per weight instead of bf16's 2. The forward's projections reach it
-through `dflash_jax.model.dot`, which sends a `Packed` operand to `matmul`.
+through `dflash_jax.layers.dot`, which sends a `Packed` operand to `matmul` (`Packed.apply`).
 
 `Packed` is a registered dataclass (a pytree node of three arrays, the compute dtype static), so `jax.jit`,
 `jax.tree`, `jax.device_put`, the NNX and linen modules and orbax carry it whole; it answers `.shape` (the
@@ -86,6 +86,10 @@ class Packed:
     def dequantize(self) -> jax.Array:
         """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
         return dequantize_xla(self.codes, self.scale, self.scale_2, self.dtype)
+
+    def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
+        """`x [..., K] @ W.T` in `out_dtype` (`matmul`): what `layers.dot` calls for a `layers.QuantizedWeight`."""
+        return matmul(x, self, out_dtype=out_dtype)
 
 
 def check_packed(codes: Any, scale: Any, scale_2: Any) -> None:

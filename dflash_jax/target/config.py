@@ -12,24 +12,16 @@ from typing import Any, ClassVar, TypeVar, overload
 import msgspec
 
 from .._config_file import read_config_json
-from ..config import (
-    Dim,
-    LayerCount,
-    PositiveFloat,
-    RopeScaling,
-    RopeTheta,
-    declared_rope_type,
-    normalise_raw,
-    rope_problems,
-)
+from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
+from ..rope import PositiveFloat, RopeScaling, declared_rope_type, rope_problems
 
 
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).
 
     Frozen and hashable: a static `jax.jit` argument. A `config.RopeConfig`, as the drafter's config is (what
-    `model.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
+    `rope.rope_frequencies` reads). The architectures differ only in the class constants: `MODEL_TYPE`,
     `QK_NORM` (per-head q/k RMSNorm) and `ROPE_TYPES`. `head_dim` and `num_key_value_heads` are read through
     properties that resolve what the file leaves unstated, as transformers does (`stated_*`: as stated).
     """

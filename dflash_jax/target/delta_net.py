@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..model import linear, rms_norm
+from ..layers import linear, rms_norm
 from ..spec import BATCH, EMBED, HEADS, NORM, Gain, ParamSpec
 from .delta_rule import block_delta_rule, chunked_delta_rule, l2_normed
 from .layout import Layout

@@ -20,8 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .._precision import dot
 from .._shapes import chunked
-from ..model import dot
 
 
 def l2_normed(x: jax.Array) -> jax.Array:

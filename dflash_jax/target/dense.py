@@ -25,8 +25,8 @@ Parameter tree (`DecoderTarget.params`): HF names with `model.` stripped, as the
 `params["layers"]` is a tuple of per-layer dicts (each weight its own buffer, as placed), run unrolled, every
 matmul reading its weights in place.
 
-One decoder layer serves the drafter and the targets (`model.decoder_layer`, `model.queries` /
-`model.keys_values`, `attention.attend`: GQA, float32 online softmax).
+One decoder layer serves the drafter and the targets (`layers.decoder_layer`, `layers.queries` /
+`layers.keys_values`, `attention.attend`: GQA, float32 online softmax).
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ from ..attention import (
     write_slots,
 )
 from ..hub import HubOptions, resolve
+from ..layers import decoder_layer, keys_values, lm_logits, queries, rms_norm
 from ..loader import check_and_place
-from ..model import decoder_layer, keys_values, lm_logits, queries, rms_norm, rope_tables
 from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..rope import rope_tables
 from ..safetensors import Checkpoint
 from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from ..tuning import on_gpu, tuning

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from .._precision import precision
 from .._shapes import ceil_div, round_up
 from ..errors import ConfigError
-from ..model import dot, linear
+from ..layers import dot, linear
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
 from ..tuning import on_gpu, tuning
 from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes

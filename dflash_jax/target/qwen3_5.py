@@ -59,9 +59,10 @@ from .._shapes import zeros
 from ..attention import span_capacity
 from ..errors import ConfigError
 from ..hub import HubOptions, resolve
+from ..layers import linear, lm_logits
 from ..loader import check_and_place
-from ..model import Rope, apply_rope, linear, lm_logits, rope_tables
 from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..rope import Rope, apply_rope, rope_tables
 from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
 from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput

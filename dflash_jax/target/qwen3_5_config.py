@@ -22,8 +22,9 @@ from typing import Annotated, Any, ClassVar
 
 import msgspec
 
-from ..config import Dim, LayerCount, PositiveFloat, RopeScaling, RopeTheta, declared_rope_type, normalise_raw
+from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
+from ..rope import PositiveFloat, RopeScaling, declared_rope_type
 from .moe import check_moe_config
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -41,7 +42,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 
 @dataclasses.dataclass(frozen=True)
 class Rotary:
-    """The rotary part of a head as a `config.RopeConfig` (what `model.rope_tables` reads): the first
+    """The rotary part of a head as a `rope.RopeConfig` (what `rope.rope_tables` reads): the first
     `head_dim` dimensions of each query/key head rotate (neox rotate-half within them), the rest pass through."""
 
     head_dim: int
