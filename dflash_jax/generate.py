@@ -648,13 +648,13 @@ def speculative_generate(
 
     prompt_ids: one prompt (ids) or a batch of prompts (any lengths); each sequence accepts drafts on its own, and
     the result is batched either way (`GenerationResult`: one prompt's tokens are `result.tokens[0]`).
-    temperature 0: greedy, token for token the target's own greedy decoding; > 0: sampled, distributed as the
-    target's sampling at that temperature after the `top_k` / `top_p` / `min_p` cuts (transformers' warpers,
-    in its order; None: off), which the drafts are drawn under too (`dflash_jax.sampling`; `sample_generate`
-    is the plain target's sampling). Randomness: `key` (a JAX PRNG key), or `seed` (an int) as a shorthand for
-    `key=jax.random.key(seed)`; neither: seed 0. `drafter`: a `Drafter` or an
-    `nnx.DFlashDrafter`; the pair is checked first (`pairing.check_pair`). A sequence stops after a token of
-    `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
+    temperature 0 (or below float32's normal range, 2**-126): greedy, token for token the target's own greedy
+    decoding; > 0: sampled, distributed as the target's sampling at that temperature after the `top_k` / `top_p` /
+    `min_p` cuts (transformers' warpers, in its order; None: off), which the drafts are drawn under too
+    (`dflash_jax.sampling`; `sample_generate` is the plain target's sampling). Randomness: `key` (a JAX PRNG
+    key), or `seed` (an int) as a shorthand for `key=jax.random.key(seed)`; neither: seed 0. `drafter`: a
+    `Drafter` or an `nnx.DFlashDrafter`; the pair is checked first (`pairing.check_pair`). A sequence stops after
+    a token of `stop_token_ids` (kept in the output). The drafter is given the target's embedding and LM head when it
     ships none. `confidence_threshold` in [0, 1] (DSpark drafters with a confidence head): proposals end before
     the first draft whose predicted acceptance is below it; 0 verifies every draft. `progress(n_out)`, if given, is
     called after every step with the tokens made so far per sequence (`[batch]` NumPy).
@@ -679,8 +679,9 @@ def speculative_generate(
     key = rng_key("speculative_generate", key, seed)
     check_pair(target, drafter)
     K = drafter.config.num_draft_tokens
+    sampling = float(warp.temperature) > 0  # a temperature below float32's normal range is 0 (`sampling_controls`)
     if draft_length is None:
-        draft_length = DRAFT_LENGTH if temperature == 0 else "fixed"
+        draft_length = "fixed" if sampling else DRAFT_LENGTH
     policy, settings, costs = _resolve_policy(draft_length, K)
     drafter = _attach(target, drafter)
     _check_positions(prompts, max_new_tokens, target, drafter, beyond_max_positions)
@@ -690,7 +691,6 @@ def speculative_generate(
     check_cache_fits("speculative_generate", target, drafter, batch, capacity)
     stop = _stop_array(stop_token_ids)
     threshold = jnp.float32(confidence_threshold)
-    sampling = temperature > 0
     device = _device_kind(target)[0]
     cost_key = _costs_key(target, drafter, batch, capacity, policy, sampling, attention)
     if costs is not None:

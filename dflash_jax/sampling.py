@@ -43,12 +43,17 @@ def warp_logits(
     top_p: float | jax.Array | None = None,
     min_p: float | jax.Array | None = None,
 ) -> jax.Array:
-    """`logits [..., n]` divided by `temperature` (> 0), with the tokens the controls cut set to -inf (float32).
+    """`logits [..., n]` less their row's largest, divided by `temperature` (> 0), with the tokens the controls cut
+    set to -inf (float32): the softmax of the result is transformers' sampling distribution.
 
-    Each control is a scalar or an array that broadcasts against `logits[..., :1]` (e.g. `[batch, 1]` per
-    sequence); None, `top_k` 0, `top_p` 1 and `min_p` 0 keep every token.
+    The largest is subtracted before dividing, so that at any temperature the largest logit is 0 and the rest are
+    below it (-inf at the least): logits / T alone spans 1e10 at T = 1e-9 and overflows to inf - inf at smaller
+    ones, and XLA's fused softmax of it came out NaN under jit. Each control is a scalar or an array that
+    broadcasts against `logits[..., :1]` (e.g. `[batch, 1]` per sequence); None, `top_k` 0, `top_p` 1 and `min_p`
+    0 keep every token.
     """
-    scaled = jnp.asarray(logits, jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    x = jnp.asarray(logits, jnp.float32)
+    scaled = (x - jnp.max(x, axis=-1, keepdims=True)) / jnp.asarray(temperature, jnp.float32)
     if top_k is None and top_p is None and min_p is None:
         return scaled
     n = scaled.shape[-1]
@@ -64,8 +69,8 @@ def warp_logits(
         count = jnp.sum(before < jnp.asarray(top_p, jnp.float32), axis=-1, keepdims=True)  # >= 1: before[0] = 0
         kept = jnp.take_along_axis(ordered, jnp.clip(count, 1, n) - 1, axis=-1)
         cut = jnp.where(jnp.asarray(top_p) < 1, jnp.maximum(cut, kept), cut)
-    if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max logit + log(min_p)
-        cut = jnp.maximum(cut, ordered[..., :1] + jnp.log(jnp.asarray(min_p, jnp.float32)))
+    if min_p is not None:  # p >= min_p * p_max  <=>  logit >= max logit (0) + log(min_p)
+        cut = jnp.maximum(cut, jnp.log(jnp.asarray(min_p, jnp.float32)))
     return jnp.where(scaled >= cut, scaled, -jnp.inf)
 
 
@@ -92,8 +97,20 @@ class Warp:
                            min_p=per_row(self.min_p))
 
     def probs(self, logits: jax.Array) -> jax.Array:
-        """The warped distribution, `softmax(self.logits(logits))` (every sequence sampled)."""
-        return jax.nn.softmax(self.logits(logits), axis=-1)
+        """The distribution `choose` draws each row of `logits [batch, ..., n]` from: the softmax of the warped
+        logits, one-hot at the argmax for the sequences at temperature 0 (greedy)."""
+        return _drawn_from(self.logits(logits), jnp.argmax(logits, axis=-1), _sampled(self, logits.ndim))
+
+
+def _sampled(warp: Warp, ndim: int) -> jax.Array:
+    """`[batch, 1, ..., 1]` (`ndim` axes; a scalar temperature: all 1): the sequences sampled, at temperature > 0
+    (XLA flushes a subnormal one to 0, so it is greedy here as everywhere in the program)."""
+    t = warp.temperature
+    return jnp.reshape(t > 0, jnp.shape(t) + (1,) * (ndim - jnp.ndim(t)))
+
+
+def _drawn_from(warped: jax.Array, greedy: jax.Array, sampled: jax.Array) -> jax.Array:
+    return jnp.where(sampled, jax.nn.softmax(warped, axis=-1), jax.nn.one_hot(greedy, warped.shape[-1]))
 
 
 def choose(key: jax.Array | None, logits: jax.Array, warp: Warp) -> tuple[jax.Array, jax.Array | None]:
@@ -103,22 +120,25 @@ def choose(key: jax.Array | None, logits: jax.Array, warp: Warp) -> tuple[jax.Ar
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if key is None:
         return greedy, None
-    warped = warp.logits(logits)
-    hot = jnp.reshape(warp.temperature > 0, jnp.shape(warp.temperature) + (1,) * (logits.ndim - 1))
+    warped, hot = warp.logits(logits), _sampled(warp, logits.ndim)
     sampled = jax.random.categorical(key, warped).astype(jnp.int32)
-    probs = jnp.where(hot, jax.nn.softmax(warped, axis=-1), jax.nn.one_hot(greedy, logits.shape[-1]))
-    return jnp.where(hot[..., 0], sampled, greedy), probs
+    return jnp.where(hot[..., 0], sampled, greedy), _drawn_from(warped, greedy, hot)
 
 
 def sampling_controls(where: str, temperature: Any, top_k: Any, top_p: Any, min_p: Any) -> Warp:
     """The controls of `speculative_generate` / `sample_generate` as a `Warp`, after refusing values that would
     sample something else than asked: a temperature that is not a finite number >= 0, a `top_k` that is not an
     int >= 0, a `top_p` outside (0, 1], a `min_p` outside [0, 1] (`TypeError` / `ValueError` naming the
-    argument). Controls that keep every token (`top_k` 0, `top_p` 1, `min_p` 0, None) are off."""
+    argument). Controls that keep every token (`top_k` 0, `top_p` 1, `min_p` 0, None) are off. A temperature
+    below float32's smallest normal number (2**-126, about 1.2e-38), float64 values below float32's range included,
+    is 0: greedy, the limit of sampling as T -> 0 (ties aside). XLA flushes a subnormal float32 to 0, so the
+    program could not divide by it, and 0 would say "greedy" in some places of it and not in others."""
     refuse_traced(where, temperature, top_k, top_p, min_p)
     t = check_number(where, "temperature", temperature)
     if not (np.isfinite(t) and t >= 0):
         raise ValueError(f"{where}: temperature={t} must be finite and >= 0 (0 is greedy)")
+    if t < np.finfo(np.float32).tiny:
+        t = 0.0
     k = None if top_k is None else check_integer(where, "top_k", top_k, 0)
     p = None if top_p is None else check_number(where, "top_p", top_p)
     if p is not None and not 0 < p <= 1:

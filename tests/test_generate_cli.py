@@ -39,6 +39,20 @@ def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
     assert "mean acceptance length" in err and "tokens/s" in err
 
 
+def test_generate_verb_at_a_tiny_temperature_prints_the_greedy_continuation(checkpoints, capsys):
+    """At `--temperature 1e-12` sampling is certain: the greedy tokens (logits / T once made the target's softmax
+    NaN, every draft was rejected and the NaN residual drew id 0)."""
+    target_dir, drafter_dir = checkpoints
+    code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
+                 "--dtype", "float32", "--temperature", "1e-12", "--seed", "1"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
+    expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
+                               stop_token_ids=target.config.eos_token_ids).tokens[0]
+    assert out.strip() == ",".join(map(str, expected))
+
+
 def test_progress_callback_sees_every_step(checkpoints):
     target_dir, drafter_dir = checkpoints
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)

@@ -49,6 +49,21 @@ def test_per_sequence_controls_and_greedy_rows():
     np.testing.assert_array_equal(probs[2], np.eye(40)[greedy])
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 2.0**-126, 1e-12, 1.0, 1e3])
+def test_every_temperature_gives_the_warped_distribution(temperature):
+    """From a float64 below float32's range to 1e3, jitted: the distribution `choose` draws from (and
+    `Warp.probs`) is the reference's, one-hot at the argmax where the temperature is tiny (logits / T overflowed
+    and the softmax was NaN); below float32's normal range the temperature is 0, greedy."""
+    logits = jax.random.normal(jax.random.key(3), (4, 3, 50)) * 3
+    warp = sampling_controls("f", temperature, None, None, 0.01)
+    assert (float(warp.temperature) == 0) == (temperature < 2.0**-126)
+    tokens, probs = jax.jit(choose)(jax.random.key(4), logits, warp)
+    expected = warped_distribution(np.asarray(logits), temperature, min_p=0.01)  # float64
+    chex.assert_trees_all_close(probs, expected, atol=1e-6)
+    chex.assert_trees_all_close(jax.jit(Warp.probs)(warp, logits), probs, atol=0)
+    assert all(expected[b, r, tokens[b, r]] > 0 for b in range(4) for r in range(3))
+
+
 def test_ties_at_the_kth_logit_are_kept():
     kept = np.isfinite(np.asarray(warp_logits(jnp.array([3.0, 2.0, 2.0, 1.0]), 1.0, top_k=2)))
     assert kept.tolist() == [True, True, True, False]  # as transformers' TopKLogitsWarper
