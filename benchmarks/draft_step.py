@@ -83,7 +83,7 @@ def kernel_profile(fn, steps: int = 10) -> dict:
     return {
         "kernels_per_step": sum(e.count for e in kernels) / steps,
         "kernel_ms_per_step": sum(e.device_time_total for e in kernels) / steps / 1e3,
-        "top": [(e.key[:60], round(e.device_time_total / steps / 1e3, 4)) for e in kernels[:5]],
+        "top": [(e.key[:60], e.count // steps, round(e.device_time_total / steps / 1e3, 4)) for e in kernels[:12]],
     }
 
 
@@ -263,6 +263,7 @@ def main() -> None:
                         help="forms of the linear weights to time (see above)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[CONTEXT], help="cached context rows")
     parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
+    parser.add_argument("--profile", action="store_true", help="the kernels of a step (torch.profiler: CUPTI)")
     parser.add_argument("--head", choices=("bf16", "nvfp4"), default="bf16",
                         help="the target LM head the drafts go through: bf16, or packed NVFP4 with the nvfp4 "
                              "weight forms (NVIDIA's Nemotron 3.5 targets ship theirs NVFP4)")
@@ -298,7 +299,8 @@ def main() -> None:
                 for batch in args.batch:
                     row = {"weights": weights, "context": context, "batch": batch,
                            "drafter_weight_bytes": form.param_bytes,
-                           **bench_ours(form, batch, args.iters, profile=model is not None, context=context)}
+                           **bench_ours(form, batch, args.iters, profile=args.profile or model is not None,
+                                        context=context)}
                     row["floor_ms"] = row["bytes_read"] / rate * 1e3
                     if model is not None and weights == "bf16" and context == CONTEXT:
                         row["reference_ms"] = bench_reference(model, drafter, batch, args.iters)

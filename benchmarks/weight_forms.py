@@ -4,8 +4,10 @@ random bf16 drafter (no checkpoint): for benchmarks at real sizes (`draft_step.p
 Forms: "bf16" (as drawn), "nvfp4" (packed NVFP4: random codes, unit block scales, a `scale_2` that gives the bf16
 weight's rms; products by `nvfp4.matmul`'s "auto": the Pallas Mosaic GPU kernel on Hopper), "nvfp4-xla" (the same
 with XLA's dequantize-then-dot: `nvfp4.packed.AUTO_MOSAIC` cleared while its programs are traced, `packed_backend`),
-"fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the drafts (a DSpark Markov head, a
-confidence head) stay bf16, so a drafter built to walk a map (`testing.successor_drafter`) still walks it.
+"nvfp4-kernel" (packed only where the Mosaic kernel takes the weight's shape, `KERNEL_N` / `KERNEL_K`; the others
+bf16, as a dequantized load places them), "fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the
+drafts (a DSpark Markov head, a confidence head) stay bf16, so a drafter built to walk a map
+(`testing.successor_drafter`) still walks it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dflash_jax.nvfp4.checkpoint import exclusion_matcher
 from dflash_jax.plan import build_tree
 from dflash_jax.spec import CONFIDENCE, LINEAR, MARKOV
 
-WEIGHTS = ("bf16", "nvfp4", "nvfp4-xla", "fp8")
+WEIGHTS = ("bf16", "nvfp4", "nvfp4-xla", "nvfp4-kernel", "fp8")
+KERNEL_N, KERNEL_K = 64, 256  # the shapes the Mosaic GEMM tiles (`nvfp4._mosaic_gemm.check_shapes`)
 E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
 KEPT_HEADS = (MARKOV, CONFIDENCE)  # top-level params names left in bf16
 
@@ -48,6 +51,9 @@ def quantized(drafter: Drafter, plan, weights: str) -> Drafter:
 
 def quantized_weight(leaf: jax.Array, weights: str, seed: int):
     """One bf16 weight `[out, in]` in the form `weights` (module doc)."""
+    n, k = leaf.shape
+    if weights == "nvfp4-kernel" and (n % KERNEL_N or k % KERNEL_K):
+        return leaf
     if weights.startswith("nvfp4"):
         n, k = leaf.shape
         codes = jax.random.bits(jax.random.key(seed), (n, k // 2), jnp.uint8)
