@@ -10,8 +10,9 @@ weights or a `d2t` that maps draft ids outside the target vocabulary. The policy
   embeddings) are not scanned by default: that would mean reading the whole checkpoint once more.
   `scan_checkpoint(path)` does the full read when you suspect a file.
 - NVFP4 block scales and global scales are checked by `nvfp4.checkpoint.check_packed_scales`: not NaN,
-  block scales >= 0, global scales finite and > 0, and their product within the load dtype. FP8 per-tensor
-  scales by `fp8.checkpoint.check_fp8_scale`: finite, > 0, normal, and 448 x scale within the load dtype.
+  block scales >= 0, global scales finite and > 0, and their products within the load dtype, neither
+  overflowing nor dequantizing a nonzero code to 0. FP8 per-tensor scales by `fp8.checkpoint.check_fp8_scale`:
+  finite, > 0, normal, 2**-9 x scale normal, and 448 x scale within the load dtype and nonzero in it.
 - `d2t` is read in chunks of `D2T_CHUNK` (one integer per draft token) and every `draft_id + d2t[draft_id]`
   must be a target id: `0 <= target < vocab_size`. A config that declares a draft vocabulary smaller than
   the target's needs a `d2t`: without one, draft ids would silently be taken for target ids.

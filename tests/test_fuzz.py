@@ -446,11 +446,15 @@ def _named_leaves(tree, prefix: str, path: str = ""):
 # --- NVFP4 scales (issue 13 §3) --------------------------------------------------------------------------
 
 @fuzz(150)
-@given(scale=st.binary(min_size=8, max_size=8), scale_2=st.floats(allow_nan=True, allow_infinity=True, width=32),
+@given(scale=st.binary(min_size=8, max_size=8) | st.binary(min_size=8, max_size=8).map(lambda b: bytes(
+           x & 0x7F for x in b)),  # and global scales whose products with the block scales underflow
+       scale_2=st.floats(allow_nan=True, allow_infinity=True, width=32) | st.floats(2.0**-126, 2.0**-110, width=32)
+       | st.floats(2.0**-40, 2.0**-20, width=32),
        codes=st.binary(min_size=64, max_size=64), dtype=st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]))
 def test_nvfp4_scales_are_refused_or_give_finite_weights(scale, scale_2, codes, dtype):
     """Any block scale bytes and global scale: `check_scales` refuses them, or every dequantized weight is
-    finite in the load dtype and none is negated by a scale (the sign comes from the code alone)."""
+    finite in the load dtype, none is negated by a scale (the sign comes from the code alone) and none of a
+    nonzero code and block scale is 0 (flushed or rounded away)."""
     scale = np.frombuffer(scale, np.uint8).reshape(2, 4)  # [N, K/16], K = 64
     packed = np.frombuffer(codes, np.uint8).reshape(2, 32)  # [N, K/2]
     scale_2 = np.float32(scale_2)
@@ -462,5 +466,8 @@ def test_nvfp4_scales_are_refused_or_give_finite_weights(scale, scale_2, codes, 
     weights = np.asarray(dequantize_xla(packed, scale.view(jnp.float8_e4m3fn), scale_2, dtype), np.float32)
     assert np.isfinite(weights).all()
     low, high = packed & 15, packed >> 4
-    negative_code = np.stack([low, high], -1).reshape(2, 64) >= 8  # the E2M1 sign bit
+    nibbles = np.stack([low, high], -1).reshape(2, 64)
+    negative_code = nibbles >= 8  # the E2M1 sign bit
     assert not (weights[~negative_code] < 0).any() and not (weights[negative_code] > 0).any()
+    nonzero = (nibbles & 7 != 0) & np.repeat(scale & 0x7F != 0, 16, axis=1)
+    assert (weights[nonzero] != 0).all()

@@ -345,6 +345,27 @@ def test_check_scales():
             nvfp4.check_scales("w", good, np.float32(s2))
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block", [0x01, 0x38])  # E4M3's smallest subnormal, 1
+def test_scales_are_refused_exactly_where_xla_dequantizes_a_nonzero_code_to_zero(block, dtype):
+    """At the edge (one float32 step of scale_2 apart), `check_scales` passes the scales iff XLA's dequantization
+    of the smallest nonzero code (0.5) with them is nonzero in the load dtype (float32 without one)."""
+    target = np.finfo(np.float32).tiny if dtype in (None, jnp.float32, jnp.bfloat16) else 2.0**-25
+    edge = np.float32(target / (0.5 * float(np.uint8(block).view(ml_dtypes.float8_e4m3fn))))
+    packed = np.full((1, 16), 0x11, np.uint8)  # every code 0.5
+    scale = np.full((1, 2), block, np.uint8)
+    for scale_2 in (np.nextafter(edge, np.float32(0)), edge, np.nextafter(edge, np.float32(1))):
+        zero = not np.asarray(nvfp4.dequantize(packed, scale, scale_2, dtype=dtype or jnp.float32,
+                                               backend="xla")).any()
+        try:
+            nvfp4.check_scales("w", scale, scale_2, dtype)
+            refused = False
+        except CheckpointError as e:
+            assert "w_scale: 2 of 2 block scales times w_scale_2" in str(e)
+            refused = True
+        assert refused == zero, (scale_2, refused, zero)
+
+
 @pytest.mark.parametrize("scale_2", [-0.5, 0.0, -0.0])
 def test_a_global_scale_that_is_not_positive_is_refused(scale_2):
     with pytest.raises(CheckpointError, match="w_scale_2: .* not a finite number > 0"):

@@ -356,6 +356,64 @@ def test_fp8_scale_beyond_the_load_dtype_and_declared_algorithms(tmp_path, place
     assert len(placements) == 1  # the float32 load only
 
 
+@pytest.mark.parametrize("weights", ["dequantized", "packed"])
+def test_scales_whose_products_underflow_are_refused(tmp_path, placements, weights):
+    """Each scale normal, their product not: 1.2e-38 x block scales of 2**-9 (E4M3's smallest) is below float32's
+    normal range, which XLA flushes to 0, so `fc` loaded as zeros in either form. An FP8 scale of 1.2e-38 passes
+    the subnormal check alike, yet flushes the weight codes below 1. Refused naming the tensors, before anything
+    is placed; the same global scale beside block scales of 448 (weights near 3e-36: normal) loads."""
+    write_checkpoint(tmp_path / "nvfp4", "tiny-dflash", nvfp4=True)
+    tiny = {"fc.weight_scale_2": np.asarray(1.2e-38, np.float32)}
+    rewrite_tensors(tmp_path / "nvfp4", lambda t: t.update(
+        tiny, **{"fc.weight_scale": np.full_like(t["fc.weight_scale"], 2.0**-9)}))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: fc.weight_scale: 512 of 512 block scales times "
+                       r"fc.weight_scale_2 \(1.2e-38\) dequantize nonzero codes to 0"):
+        load_drafter(tmp_path / "nvfp4", weights=weights)
+    write_checkpoint(tmp_path / "fp8", "tiny-dflash", fp8=True)
+    rewrite_tensors(tmp_path / "fp8", lambda t: t.update({SCALE: np.asarray(1.2e-38, np.float32)}))
+    with pytest.raises(CheckpointError, match=f"model.safetensors: {SCALE}: 1.2e-38 dequantizes the weight's "
+                       "nonzero codes below 0.98 to 0"):
+        load_drafter(tmp_path / "fp8", weights=weights)
+    assert not placements
+    rewrite_tensors(tmp_path / "nvfp4", lambda t: t.update(
+        tiny, **{"fc.weight_scale": np.full_like(t["fc.weight_scale"], 448.0)}))
+    fc = load_drafter(tmp_path / "nvfp4", weights=weights, dtype=jnp.float32).params["fc"]["weight"]
+    fc = fc.dequantize() if weights == "packed" else fc
+    assert 0 < np.abs(np.asarray(fc)).max() <= 6 * 448 * np.float32(1.2e-38)
+
+
+@pytest.mark.parametrize("code, dtype, edge", [(0x01, jnp.float32, 2.0**-117), (0x7E, jnp.float16, 2.0**-25 / 448)])
+def test_fp8_scales_are_refused_exactly_where_xla_dequantizes_a_nonzero_code_to_zero(code, dtype, edge):
+    """One float32 step of the scale apart: the smallest code (2**-9) x scale flushed in float32, the largest
+    (448) x scale rounded to 0 in float16; `check_scale` refuses iff XLA's dequantization gives 0."""
+    weight = np.full((1, 16), code, np.uint8).view(ml_dtypes.float8_e4m3fn)
+    for scale in (np.nextafter(np.float32(edge), np.float32(0)), np.float32(edge), np.nextafter(np.float32(edge), 1)):
+        zero = not np.asarray(fp8.dequantize(jnp.asarray(weight), jnp.float32(scale), dtype=dtype)).any()
+        try:
+            fp8.check_scale("w_scale", scale, dtype)
+            refused = False
+        except CheckpointError as e:
+            assert str(e).startswith("w_scale: ") and ("to 0 in float16" in str(e) or "XLA flushes" in str(e))
+            refused = True
+        assert refused == zero, (scale, refused, zero)
+
+
+def test_scales_whose_products_round_to_zero_in_float16_are_refused(tmp_path, placements):
+    """Products float32 holds but float16 (smallest subnormal 6e-8) rounds to 0: refused for a float16 load only.
+    FP8's codes span 2**-9 to 448, so only a scale that zeroes every weight is refused there."""
+    write_checkpoint(tmp_path / "nvfp4", "tiny-dflash", nvfp4=True)
+    rewrite_tensors(tmp_path / "nvfp4", lambda t: t.update({"fc.weight_scale_2": np.asarray(1e-10, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"fc.weight_scale: \d+ of 512 block scales .* to 0 in float16"):
+        load_drafter(tmp_path / "nvfp4", dtype=jnp.float16)
+    write_checkpoint(tmp_path / "fp8", "tiny-dflash", fp8=True)
+    rewrite_tensors(tmp_path / "fp8", lambda t: t.update({SCALE: np.asarray(1e-11, np.float32)}))
+    with pytest.raises(CheckpointError, match=f"{SCALE}: 1e-11 .* every weight to 0 in float16"):
+        load_drafter(tmp_path / "fp8", dtype=jnp.float16)
+    assert not placements
+    for path in ("nvfp4", "fp8"):
+        load_drafter(tmp_path / path, dtype=jnp.bfloat16)
+
+
 def test_packed_nvfp4_with_bad_companions_is_refused(tmp_path, placements):
     write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
     rewrite_tensors(tmp_path, lambda t: t.update({"fc.weight_scale": t["fc.weight_scale"][:, :4]}))

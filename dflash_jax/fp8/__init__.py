@@ -29,6 +29,7 @@ from .._precision import weight_dot
 from ..errors import CheckpointError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN = 2.0**-9  # smallest nonzero float8_e4m3fn (a subnormal)
 MatmulBackend = Literal["auto", "scaled", "xla"]
 
 __all__ = ["Fp8", "check_scale", "dequantize", "matmul", "quantize"]
@@ -55,20 +56,31 @@ def check_scale(name: str, scale: Any, dtype: Any = None) -> None:
     """Raise `CheckpointError` naming `name` (the scale tensor) unless it is one normal float32 > 0.
 
     Zero or negative zeroes or negates every weight, NaN/Inf poisons them, and a subnormal one (below
-    float32's normal range, ~1.2e-38) is no amax / 448 of a real weight. With `dtype` (the load dtype), the
-    largest weight the scale allows, 448 x scale, must be finite in it.
+    float32's normal range, ~1.2e-38) is no amax / 448 of a real weight. Nor is one whose product with the
+    smallest nonzero code (2**-9) is subnormal: the dequantization multiplies in float32, which XLA flushes to 0
+    below 2**-126, so a scale of 1.2e-38 zeroes every code below 1. With `dtype` (the load dtype), the largest
+    weight the scale allows, 448 x scale, must be finite in it and not round to 0 (float16 below 6e-8); smaller
+    codes rounding to 0 in float16 are float16's loss, as from a BF16 checkpoint (codes span 2**-9 to 448).
     """
     value = float(np.asarray(scale).astype(np.float32).reshape(-1)[0])
     if not math.isfinite(value) or value <= 0:
         raise CheckpointError(f"{name}: {value} is not a finite number > 0")
-    if value < np.finfo(np.float32).tiny:
-        raise CheckpointError(f"{name}: {value:.3g} is subnormal (below float32's normal range, "
-                              f"{np.finfo(np.float32).tiny:.3g}); expected amax / 448 of the weight")
+    tiny = float(np.finfo(np.float32).tiny)
+    if value < tiny:
+        raise CheckpointError(f"{name}: {value:.3g} is subnormal (below float32's normal range, {tiny:.3g}); "
+                              "expected amax / 448 of the weight")
+    if FP8_MIN * value < tiny:  # exact: XLA flushes a float32 product below it (x86 judges before rounding)
+        raise CheckpointError(f"{name}: {value:.3g} dequantizes the weight's nonzero codes below {tiny / value:.3g} "
+                              f"to 0 (2**-9 x {value:.3g} = {FP8_MIN * value:.3g} is below float32's normal range, "
+                              "which XLA flushes to 0); expected amax / 448 of the weight")
     if dtype is not None:
         limit = float(min(ml_dtypes.finfo(dtype).max, np.finfo(np.float32).max))  # dequantized in float32
         if FP8_MAX * value > limit:
             raise CheckpointError(f"{name}: {value} allows weights up to {FP8_MAX * value:.3g}, beyond "
                                   f"{np.dtype(dtype).name}'s range ({limit:.3g}); the scale is corrupt")
+        if np.float32(FP8_MAX * value).astype(dtype) == 0:
+            raise CheckpointError(f"{name}: {value:.3g} rounds every weight to 0 in {np.dtype(dtype).name} (448 x "
+                                  f"{value:.3g} = {FP8_MAX * value:.3g}); load in bfloat16 or float32")
 
 
 @jax.tree_util.register_dataclass
