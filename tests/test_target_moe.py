@@ -318,6 +318,28 @@ def test_a_fused_stack_of_the_wrong_shape_is_named(tmp_path, dims):
         load_blocks(str(tmp_path), dims)
 
 
+L0 = "model.layers.0.mlp.experts."
+
+
+@pytest.mark.parametrize("layout, extra, named", [
+    ("per expert", "down_proj", ("down_proj'", "0.down_proj.weight'")),  # the issue's: a stacked copy, other values
+    ("fused", "3.up_proj.weight", ("3.up_proj.weight'", "gate_up_proj'")),  # one per-expert tensor beside
+    ("fused", "up_proj", ("up_proj'", "gate_up_proj'")),  # a stacked part of the fused tensor beside it
+])
+def test_experts_stored_in_two_forms_are_refused_naming_both(tmp_path, dims, layout, extra, named):
+    """A layer whose experts are stored in one form and (in part) in another: one copy would load and the other
+    be ignored (the per-expert stack shadowed the stored `experts.down_proj`)."""
+    fused = load_file(os.path.join(BLOCK, "model.safetensors"))
+    split = per_expert(fused, dims)
+    tensors = dict(split if layout == "per expert" else fused)
+    both = {**fused, **split, L0 + "up_proj": split[L0 + "0.up_proj.weight"][None].repeat(dims.num_experts, 0)}
+    tensors[L0 + extra] = -both[L0 + extra]
+    write_tensors(str(tmp_path), tensors)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{L0}{named[0]} is stored beside "
+                       rf"'{L0}{named[1]}.*expected one of them"):
+        load_blocks(str(tmp_path), dims)
+
+
 def test_no_experts_at_all_is_named(tmp_path, dims):
     directory = _rewritten(tmp_path, dims, lambda t: [t.pop(n) for n in list(t) if ".experts." in n])
     with pytest.raises(CheckpointError, match=r"no expert weights under 'model\.layers\.0\.mlp\.'"):

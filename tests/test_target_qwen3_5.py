@@ -18,6 +18,7 @@ import pytest
 
 from dflash_jax import CheckpointError, ConfigError, load_target
 from dflash_jax.safetensors import Checkpoint, write_tensors
+from dflash_jax.target.delta_net import part_dims
 from dflash_jax.target.qwen3_5 import HybridCache, Qwen3_5Target
 from dflash_jax.target.qwen3_5_config import parse_qwen3_5_config
 from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5, write_checkpoint, write_qwen3_5_checkpoint
@@ -264,6 +265,23 @@ def test_a_missing_or_misshapen_delta_net_tensor_is_refused_by_name(tmp_path, na
     (tmp_path / "model.safetensors").unlink()
     write_tensors(tmp_path, arrays)
     with pytest.raises(CheckpointError, match=message):
+        Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
+
+
+def test_delta_net_parts_beside_the_fused_tensor_are_refused(tmp_path):
+    """`in_proj_q/k/v` stored beside the fused `in_proj_qkv` (with other values): refused naming both, where the
+    fused tensor's rows loaded and the parts were never mentioned."""
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", dtype="float32")
+    with Checkpoint(tmp_path) as c:
+        arrays = {n: np.array(c.array(n)) for n in c}
+    layer = "model.layers.0.linear_attn."
+    q, k, _ = np.cumsum(part_dims(parse_qwen3_5_config(QWEN3_5_TINY_CONFIGS["tiny-qwen3_5"])))
+    parts = np.split(-arrays[layer + "in_proj_qkv.weight"], [q, k])
+    arrays |= {f"{layer}in_proj_{x}.weight": part for x, part in zip("qkv", parts)}
+    (tmp_path / "model.safetensors").unlink()
+    write_tensors(tmp_path, arrays)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{layer}in_proj_q.weight' is stored "
+                                              rf"beside '{layer}in_proj_qkv.weight'.*expected one of them"):
         Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
 
 

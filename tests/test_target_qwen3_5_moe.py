@@ -20,6 +20,7 @@ from dflash_jax.target.qwen3_5 import Qwen3_5Target
 from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5, write_qwen3_5_checkpoint
 
 from .conftest import DATA
+from .test_target_moe import per_expert
 
 REFERENCE = f"{DATA}/qwen3_5_moe/model"
 
@@ -72,6 +73,21 @@ def test_a_missing_expert_tensor_is_refused(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     write_tensors(tmp_path, arrays)
     with pytest.raises(CheckpointError, match="model.layers.2.mlp."):
+        load_target(tmp_path, dtype=jnp.float32)
+
+
+def test_a_stacked_copy_beside_per_expert_tensors_is_refused(tmp_path):
+    """The per-expert layout with the stacked `experts.down_proj` stored too, with other values: refused naming
+    both (the per-expert stack loaded and the stored stack was never mentioned)."""
+    config = write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-moe", dtype="float32")
+    with Checkpoint(tmp_path) as c:
+        arrays = {name: np.array(c.array(name)) for name in c}
+    arrays = per_expert(arrays, config) | {"model.layers.1.mlp.experts.down_proj":
+                                           -arrays["model.layers.1.mlp.experts.down_proj"]}
+    (tmp_path / "model.safetensors").unlink()
+    write_tensors(tmp_path, arrays)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.experts.down_proj' is stored beside "
+                                              r"'model.layers.1.mlp.experts.0.down_proj.weight'"):
         load_target(tmp_path, dtype=jnp.float32)
 
 

@@ -14,7 +14,7 @@ of their own: a fused `gate_up_proj` as two row ranges (`GATE_UP`; views of the 
 tensors stacked on the fly (a part of a stack reads only its experts' bytes, one part of one layer in memory at a
 time). The loader's plan, checks and placement (`plan.check_tensors`, `placement.place_all`) run on it unchanged;
 every source tensor's presence, dtype and shape is checked when it is declared (`CheckpointError` naming the
-tensor).
+tensor), and a layer that stores its experts in both layouts, wholly or in part, is refused naming a tensor of each.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ def add_expert_stacks(views: TensorViews, prefix: str, c: MoeConfig) -> None:
     shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
     fused = prefix + GATE_UP.stored
     if fused in views:
+        stray = next((name for j in range(E) for proj in shapes
+                      if (name := f"{prefix}experts.{j}.{proj}.weight") in views), None)
+        if stray is not None:  # the per-expert layout too: it would be ignored
+            views.refuse_twice(stray, fused, "one tensor per expert, beside the fused stacks")
         views.split(prefix, GATE_UP, [(E, I, H), (E, I, H)])
         return  # `experts.down_proj` is stored as the stack itself
     if prefix + "experts.0.gate_proj.weight" not in views:

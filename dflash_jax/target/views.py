@@ -8,7 +8,9 @@ split contiguously does. `TensorViews` wraps an open `Checkpoint` so that the pa
 appear as tensors; the loader's plan, checks and placement (`plan.check_tensors`, `placement.place_all`) run on
 it unchanged, and a device's shard of a part reads only that part's bytes (a row range of the fused tensor;
 nothing copied). Every source tensor's presence and shape is checked when a view is declared (`CheckpointError`
-naming it and what it is), the sources are hidden, other tensors pass through.
+naming it and what it is), the sources are hidden, other tensors pass through. A view whose name is stored too (an
+`in_proj_q` beside the `in_proj_qkv`, a stacked `experts.down_proj` beside the per-expert ones) is refused naming
+both: one copy would load and the other be ignored.
 """
 
 from __future__ import annotations
@@ -98,10 +100,23 @@ class TensorViews(Checkpoint):
         self._hidden |= set(sources)
 
     def _declare(self, name: str, how: _Rows | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
-        """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own)."""
+        """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own). A
+        tensor stored under the view's name too is the same weights in another form: the view would shadow it."""
+        if name in self._base:
+            form = (f"which holds it as its [{how.start}:{how.start + shape[how.axis]}] along dim {how.axis}"
+                    if isinstance(how, _Rows) else
+                    f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, stacks into it")
+            self.refuse_twice(name, source.name, form)
         nbytes = int(np.prod(shape)) * source.np_dtype.itemsize
         self._virtual[name] = how
         self._infos[name] = TensorInfo(name, source.dtype, shape, source.file, 0, nbytes)
+
+    def refuse_twice(self, stored: str, other: str, form: str) -> None:
+        """Raise `CheckpointError`: `stored` is stored beside `other` (`form`: how they relate), the same weights in
+        two forms, of which one would load and the other be ignored (as a tensor in two shards is refused)."""
+        raise CheckpointError(
+            f"{self._base[stored].file}: tensor {stored!r} is stored beside {other!r} ({form}): the same weights in "
+            "two forms, one of which would be ignored; expected one of them")
 
     def __getitem__(self, name: str) -> TensorInfo:
         info = self._infos.get(name)
