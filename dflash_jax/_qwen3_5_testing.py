@@ -32,7 +32,7 @@ import numpy as np
 from ._qwen3_testing import successor_params
 from .plan import init_leaves
 from .safetensors import write_tensors
-from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, params_tree, plan_qwen3_5
+from .target.qwen3_5 import MULTIMODAL_PREFIX, Qwen3_5Target, fuse_stored, plan_qwen3_5
 from .target.qwen3_5_config import Qwen3_5Config, parse_qwen3_5_config
 
 _TINY_TEXT = {
@@ -115,7 +115,7 @@ def random_qwen3_5(config: Qwen3_5Config | dict[str, Any] | str = "tiny-qwen3_5"
         config = parse_qwen3_5_config(_config(config), source="random_qwen3_5")
     plan = plan_qwen3_5(config)
     keys = jax.random.split(jax.random.key(seed), len(plan))
-    return Qwen3_5Target(params=params_tree(plan, init_leaves(keys, plan, dtype)),
+    return Qwen3_5Target(params=Qwen3_5Target.tree(plan, init_leaves(keys, plan, dtype)),
                          config=config)
 
 

@@ -1,17 +1,15 @@
 """Configs of the dense decoder targets: one `DecoderConfig`, a small difference per architecture (Qwen3, Llama).
 
-`parse_decoder_config(raw, kind)` decodes a config dict; `load_decoder_config(path)` reads a checkpoint
-directory's config.json as the architecture its `architectures` names (`ARCHITECTURES`).
+`parse_decoder_config(raw, kind)` decodes a config dict (`dense.DecoderTarget.parse` picks `kind` by the config's
+`architectures`: `ARCHITECTURES`).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, ClassVar, TypeVar, overload
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
-from .._config_file import read_config_json
 from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type, rope_problems
@@ -140,22 +138,6 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<
 def parse_qwen3_config(raw: dict[str, Any], *, source: str = "<config>") -> Qwen3Config:
     """Decode a Qwen3 config dict."""
     return parse_decoder_config(raw, Qwen3Config, source=source)
-
-
-@overload
-def load_decoder_config(path: str | os.PathLike[str], kind: type[C]) -> C: ...
-@overload
-def load_decoder_config(path: str | os.PathLike[str], kind: None = None) -> DecoderConfig: ...
-def load_decoder_config(path: str | os.PathLike[str], kind: type[DecoderConfig] | None = None) -> DecoderConfig:
-    """Read `config.json` as `kind`, or (None) as the architecture its `architectures` names."""
-    file, raw = read_config_json(path, TARGET)
-    names = raw.get("architectures")
-    names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
-    expected = [a for a, k in ARCHITECTURES.items() if kind is None or k is kind]
-    known = [ARCHITECTURES[a] for a in names if a in expected]
-    if is_drafter_config(raw) or (kind is None and not known):  # another target (`kind` given: its model_type says)
-        raise not_a_target(file, raw, expected)
-    return parse_decoder_config(raw, kind or known[0], source=file)
 
 
 def is_drafter_config(raw: dict[str, Any]) -> bool:

@@ -34,40 +34,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Unpack
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from .._arguments import check_integer, check_load_arguments, check_mesh
-from .._shapes import chunked, zeros
+from .._arguments import check_integer
+from .._shapes import zeros
 from ..attention import (
     PREFILL_IMPLS,
     Impl,
-    KeyValues,
-    LayerRule,
-    Span,
-    attend,
-    causal_self_attention,
     check_impl,
     span_capacity,
     use_cudnn,
-    write_slots,
 )
-from ..hub import HubOptions, resolve
 from ..layers import decoder_layer, keys_values, lm_logits, queries, rms_norm
-from ..loader import check_and_place
-from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..plan import TensorPlan, planned
 from ..rope import rope_tables
-from ..safetensors import Checkpoint
-from ..spec import BATCH, EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
+from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from ..tuning import on_gpu, tuning
-from . import PREFILL_CHUNK, FeatureMap, HFTarget, KVCache, TargetOutput, mapped
-from .config import DecoderConfig, Qwen3Config, load_decoder_config
+from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, mapped
+from .config import ARCHITECTURES as DECODER_ARCHITECTURES
+from .config import DecoderConfig, Qwen3Config, not_a_target, parse_decoder_config
+from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
+from .steps import cached_attention, check_layer_ids, prefill_chunks
 
 log = logging.getLogger("dflash_jax")
 
@@ -131,12 +122,6 @@ def parameter_spec(c: DecoderConfig) -> list[ParamSpec]:
     return specs
 
 
-def tied_extras(tied: bool) -> tuple[str, ...]:
-    """The LM head a checkpoint of tied embeddings may carry: transformers ignores it, and so does the load
-    (`parameter_spec`), without a warning."""
-    return ("lm_head.weight",) if tied else ()
-
-
 def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
     """Every tensor a checkpoint of `config` holds, with its tree path (HF name, `model.` stripped) and axes."""
     return [planned(s, s.name, root="model.") for s in expand(parameter_spec(config), config.num_hidden_layers)]
@@ -149,12 +134,13 @@ def plan_decoder(config: DecoderConfig) -> list[TensorPlan]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, repr=False)  # `HFTarget.__repr__`: a summary
-class DecoderTarget(HFTarget):
+class DecoderTarget(Family):
     """A dense decoder: RMSNorm, GQA, RoPE, SwiGLU, tied or untied embeddings, and Qwen3's per-head q/k norm where
     the config declares it (`DecoderConfig.QK_NORM`). Qwen3 and Llama 3 are this one class with another config.
 
-    A pytree (params as leaves; config and layout static): pass it whole through `jax.jit`. Implements `Target`.
-    `layout` is None on one device, else where the leaves and the cache live on a mesh (`Layout`).
+    A pytree (params as leaves; config and layout static): pass it whole through `jax.jit`. Implements `Target`;
+    loads and shards as every family does (`family.Family`: `from_pretrained`, `shard`). `layout` is None on one
+    device, else where the leaves and the cache live on a mesh (`Layout`).
     """
 
     params: Params
@@ -162,69 +148,33 @@ class DecoderTarget(HFTarget):
     layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     CONFIG: ClassVar[type[DecoderConfig] | None] = None  # the config class read; None: what `architectures` names
+    ARCHITECTURES = tuple(DECODER_ARCHITECTURES)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-        dtype: jnp.dtype = jnp.bfloat16,
-        progress: bool | None = None,
-        tensor_axis: str | None = "model",
-        **hub: Unpack[HubOptions],
-    ) -> DecoderTarget:
-        """Load a Hugging Face decoder directory: config.json + `model.safetensors` or an index with shards; or a
-        hub id (`hub`: `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them,
-        `dflash_jax.hub`).
+    def parse(cls, raw: dict[str, Any], source: str) -> DecoderConfig:
+        """`raw` as `CONFIG`, else as the config class its `architectures` names (`target.config.ARCHITECTURES`);
+        another architecture is a `ConfigError` (`not_a_target`)."""
+        names = raw.get("architectures")
+        names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+        known = [DECODER_ARCHITECTURES[a] for a in names if a in DECODER_ARCHITECTURES]
+        if cls.CONFIG is None and not known:
+            raise not_a_target(source, raw, list(DECODER_ARCHITECTURES))
+        return parse_decoder_config(raw, cls.CONFIG or known[0], source=source)
 
-        Floating tensors are cast to `dtype` (bfloat16, float16 or float32; float64 with x64: another is a
-        `ValueError`, as for `load_drafter`). Without `mesh` they land on the first local device; with it, each
-        leaf is sharded as `Layout` says (tensor-parallel over `tensor_axis`, replicated with `tensor_axis=None`;
-        an axis the mesh lacks is a `ValueError` naming the mesh's axes), each process
-        reading only the byte ranges of its own devices' shards. Every tensor's presence, dtype and shape is
-        checked against the config before any data is read, then the small tensors' values (NaN/Inf norm gains
-        and biases, as `load_drafter` does), all before anything is placed (`CheckpointError`); tensors the
-        config does not use are warned about. A tensor axis that does not divide the heads, the vocabulary or the
-        intermediate size is a `ConfigError`.
-        """
-        where = f"{cls.__name__}.from_pretrained"
-        dtype = check_load_arguments(where, dtype, mesh)
-        path = resolve(path, **hub)
-        config = load_decoder_config(path, cls.CONFIG)
-        layout = None if mesh is None else make_layout(config, mesh, tensor_axis, path)
-        with Checkpoint(path) as checkpoint:
-            plan = plan_decoder(config)
-            check_tensors(plan, checkpoint, path)
-            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
-                                     dtype=dtype, progress=progress, ignored=tied_extras(config.tie_word_embeddings),
-                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
-        params = build_tree(plan, leaves)
-        params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
-        log.info(
-            "%s: %s target, %d layers, hidden=%d, heads=%d/%d, vocab=%d, %s embeddings, tensor-parallel %d",
-            path, config.MODEL_TYPE, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
-            config.num_key_value_heads, config.vocab_size, "tied" if config.tie_word_embeddings else "untied",
-            1 if layout is None else layout.tensor_size,
-        )
-        return cls(params=params, config=config, layout=layout)
+    @classmethod
+    def plan(cls, config: DecoderConfig, prefix: str = "model.") -> list[TensorPlan]:
+        return plan_decoder(config)
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> DecoderTarget:
-        """This target moved onto `mesh` with the layout `from_pretrained` gives (each leaf `device_put` onto its
-        planned sharding): for targets built in memory (`random_qwen3`, `successor_target`); a checkpoint loads
-        straight onto its shards with `from_pretrained` / `load_target`."""
-        check_mesh(f"{type(self).__name__}.shard", mesh)
-        layout = make_layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
-        plan = plan_decoder(self.config)
-        where = build_tree(plan, [layout.sharding(t.axes) for t in plan])
-        where["layers"] = tuple(where["layers"])
-        return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
+    @classmethod
+    def layout_for(cls, config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
+                   source: str) -> Layout:
+        return make_layout(config, mesh, tensor_axis, source)
 
-
-
-
-
-
+    def describe(self) -> str:
+        c = self.config
+        return (f"{c.MODEL_TYPE} target, {c.num_hidden_layers} layers, hidden={c.hidden_size}, heads="
+                f"{c.num_attention_heads}/{c.num_key_value_heads}, vocab={c.vocab_size}, "
+                f"{'tied' if c.tie_word_embeddings else 'untied'} embeddings")
 
     def commit(self, pending: KVCache, kept: jax.Array) -> KVCache:
         """The KV cache after a forward whose first `kept [batch]` rows are kept: unchanged, since the rows past
@@ -262,7 +212,7 @@ class DecoderTarget(HFTarget):
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache.
 
         impl "xla" (and "auto" where the program is not lowered for a GPU): chunked, `chunk` token rows at a time
-        over the whole batch (`chunk // batch` of each prompt, `prefill_chunks`) through every layer (a
+        over the whole batch (`chunk // batch` of each prompt, `steps.prefill_chunks`) through every layer (a
         `lax.scan`), each chunk attending to the cache written so far and causally to itself, so activations and
         scores are a chunk's, never `[P, P]`. "cudnn" (and "auto" lowered for a GPU,
         with 16-bit weights): the whole prompt at once, each layer's attention cuDNN's fused causal flash kernel
@@ -289,64 +239,11 @@ class Qwen3Target(DecoderTarget):
 # The forward
 # --------------------------------------------------------------------------------------------------------------
 
-_CAUSAL = LayerRule(causal=True, window=None)
-
-
-def _check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
-    for l in layer_ids:
-        if not -1 <= l < N:
-            raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
-
-
-def _attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
-               past_v: jax.Array, positions: jax.Array, start: jax.Array, fused: Literal["cudnn", "xla"] | None,
-               first: jax.Array | int = 0):
-    """One layer's attention and cache write: `(out [batch, S, n_h, d_h], past_k, past_v)` with the new rows'
-    K/V (`k, v [batch, n_kv, S, d_h]`) written at `positions [batch, S]` of the cache `[sequences, n_kv, T, d_h]`
-    (its sequences `first ..`: 0 but in a fused prefill's groups).
-
-    The new rows attend to the cache's slots `[0, start)` (a span) and causally to themselves; `fused` ("cudnn",
-    or "xla" for the CPU twin): the cache is empty and `causal_self_attention` runs the rows over themselves.
-
-    On a mesh this runs under `shard_map`, each device on its own sequences and heads: attention needs no
-    communication between heads, and the kernels it may use (the Pallas span kernel, cuDNN) are custom calls
-    GSPMD cannot partition (it would gather their operands onto every device). Where the KV heads are
-    replicated (a tensor axis larger than `num_key_value_heads`) a device's query heads all belong to one KV
-    head, which it slices out of its full copy. `num_heads`: the target's query heads (all devices together).
-    """
-
-    def local(q, k, v, past_k, past_v, positions, start, first):
-        n_kv = k.shape[1]
-        new_k = write_slots(past_k, k.astype(past_k.dtype), positions, first)  # past the end: dropped
-        new_v = write_slots(past_v, v.astype(past_v.dtype), positions, first)
-        if layout is not None and layout.tensor_axis and not layout.split_kv:
-            group = jax.lax.axis_index(layout.tensor_axis) * q.shape[2] // (num_heads // n_kv)
-            k, v, past_k, past_v = (jax.lax.dynamic_slice_in_dim(a, group, 1, axis=1) for a in (k, v, past_k, past_v))
-        if fused:
-            return causal_self_attention(q, k, v, fused), new_k, new_v
-        past = Span(past_k, past_v, jnp.zeros_like(start), start)
-        out = attend(q, positions, _CAUSAL, (KeyValues(k, v, positions, jnp.ones(positions.shape, bool)),), (past,))
-        return out, new_k, new_v
-
-    if layout is None:
-        return local(q, k, v, past_k, past_v, positions, start, first)
-    batch = q.shape[0]
-    rows = layout.spec((BATCH, None), batch)
-    q_spec = layout.spec((BATCH, None, HEADS, None), batch)  # [batch, S, n_h, d_h]
-    kv_spec = layout.spec(CACHE_AXES, batch)  # [batch, n_kv, rows, d_h]
-    cache_spec = layout.spec(CACHE_AXES, past_k.shape[0])  # [sequences, n_kv, T, d_h]
-    return jax.shard_map(
-        local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec, rows,
-                                           PartitionSpec(rows[0]), PartitionSpec()),
-        out_specs=(q_spec, cache_spec, cache_spec), check_vma=False,
-    )(q, k, v, past_k, past_v, positions, start, first)
-
-
 def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, layer_ids: tuple[int, ...],
             fused: Literal["cudnn", "xla"] | None = None, first: jax.Array | int = 0):
     """The decoder over `tokens [batch, S]` at positions `start[b] .. start[b] + S - 1`: `(hidden, features,
     cache)`. Each layer attends to its cache's slots `[0, start)` (a span: only those are read) and causally
-    to the new rows, then writes the new rows' K/V at their positions (`_attention`). `fused`: the cache is
+    to the new rows, then writes the new rows' K/V at their positions (`steps.cached_attention`). `fused`: the cache is
     empty (start = 0) and the new rows attend to themselves with `causal_self_attention` of that implementation,
     their K/V written to the cache's sequences from `first` on (default 0)."""
     params, c, layout = target.params, target.config, target.layout
@@ -362,7 +259,7 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
         def attention(attn, xn, i=i):
             q = queries(attn, c, xn, rope)  # [batch, S, n_h, d_h]
             k, v = keys_values(attn, c, xn, rope)  # [batch, n_kv, S, d_h]
-            out, new_k, new_v = _attention(layout, c.num_attention_heads, q, k, v, keys[i], values[i], positions,
+            out, new_k, new_v = cached_attention(layout, c.num_attention_heads, q, k, v, keys[i], values[i], positions,
                                             start, fused, first)
             return out.reshape(batch, S, -1), (new_k, new_v)
 
@@ -384,7 +281,7 @@ def _layers(target: DecoderTarget, tokens, cache: KVCache, start: jax.Array, lay
 def _forward(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, layer_ids: tuple[int, ...]
 ) -> TargetOutput:
-    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    check_layer_ids(layer_ids, target.config.num_hidden_layers)
     hidden, features, cache = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids)
     return TargetOutput(lm_logits(hidden, target.lm_head), features, cache)
 
@@ -394,7 +291,7 @@ def _prefill(
     target: DecoderTarget, tokens: jax.Array, cache: KVCache, lengths: jax.Array, project: FeatureMap | None,
     layer_ids: tuple[int, ...], chunk: int, impl: Impl,
 ) -> TargetOutput:
-    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    check_layer_ids(layer_ids, target.config.num_hidden_layers)
     batch = tokens.shape[0]
 
     def fused(cache: KVCache) -> tuple[jax.Array, jax.Array, KVCache]:  # whole prompts, cuDNN's kernel
@@ -458,33 +355,3 @@ def prefill_fused(target: DecoderTarget, tokens: jax.Array, cache: KVCache, leng
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
 
 
-def prefill_chunks(run: Callable[[jax.Array, Any, jax.Array], tuple[jax.Array, jax.Array, Any]], tokens: jax.Array,
-                   cache: Any, lengths: jax.Array, chunk: int, last_hidden: jax.Array,
-                   project: FeatureMap | None = None) -> tuple[jax.Array, jax.Array, Any]:
-    """Right-padded prompts `tokens [batch, P]` run `chunk` token rows at a time over the whole batch (`chunk // batch`
-    of each sequence, at least one) through `run(piece [batch, rows], cache, start [batch]) -> (hidden [batch, rows, H],
-    features [batch, rows, F], cache)` (a `lax.scan`; the last piece padded): `(hidden of each prompt's last real row
-    [batch, H], features [batch, P, F] or `project`'s map of each step's, cache)`. `last_hidden`: zeros of the hidden
-    states' shape and dtype. Shared by the targets' chunked prefills. A step's activations (MoE tiles, delta-rule
-    chunks, attention scores) scale with batch x rows, so bounding that product by `chunk` keeps a batch's prefill
-    within the memory one sequence's takes (a 2048-row chunk of 8 sequences of the 35B-A3B ran the H200 out of
-    memory)."""
-    batch, P = tokens.shape
-    last = lengths.astype(jnp.int32) - 1  # [batch] each prompt's last row
-    chunk = min(P, max(1, chunk // batch))  # rows of each sequence a step
-    pieces = chunked(tokens, chunk)  # [n_chunks, batch, chunk]
-    n_chunks = len(pieces)
-
-    def step(carry, inputs):
-        cache, last_hidden = carry
-        c, piece = inputs  # piece: [batch, chunk]
-        hidden, features, cache = run(piece, cache, jnp.full((batch,), c * chunk, jnp.int32))
-        row = jnp.clip(last - c * chunk, 0, chunk - 1)
-        here = ((last >= c * chunk) & (last < (c + 1) * chunk))[:, None]
-        last_hidden = jnp.where(here, jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0], last_hidden)
-        return (cache, last_hidden), mapped(project, features)
-
-    (cache, last_hidden), features = jax.lax.scan(
-        step, (cache, last_hidden), (jnp.arange(n_chunks), pieces)
-    )  # features: [n_chunks, batch, chunk, Lf * H or D]
-    return last_hidden, features.swapaxes(0, 1).reshape(batch, n_chunks * chunk, -1)[:, :P], cache

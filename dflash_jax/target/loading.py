@@ -1,8 +1,13 @@
-"""`load_target`: a checkpoint directory or hub id -> the target its config.json's `architectures` names."""
+"""`load_target`: a checkpoint directory or hub id -> the target its config.json's `architectures` names.
+
+`FAMILIES` is the one registry of the architectures the package runs, each to its family (`family.Family`);
+config.json is read once, here, and handed to the family's load.
+"""
 
 from __future__ import annotations
 
 import os
+from types import MappingProxyType
 from typing import Unpack
 
 import jax
@@ -10,11 +15,13 @@ import jax.numpy as jnp
 
 from .._config_file import read_config_json
 from ..hub import HubOptions, resolve
-from .config import ARCHITECTURES, TARGET, is_drafter_config, not_a_target
+from .config import TARGET, is_drafter_config, not_a_target
 from .dense import DecoderTarget
+from .family import Family
 from .qwen3_5 import Qwen3_5Target
-from .qwen3_5_config import ARCHITECTURES as QWEN3_5_ARCHITECTURES
-from .qwen3_5_config import MOE_ARCHITECTURES
+
+FAMILIES = MappingProxyType({architecture: family for family in (DecoderTarget, Qwen3_5Target)
+                             for architecture in family.ARCHITECTURES})
 
 
 def load_target(
@@ -25,18 +32,16 @@ def load_target(
     tensor_axis: str | None = "model",
     progress: bool | None = None,
     **hub: Unpack[HubOptions],
-) -> DecoderTarget | Qwen3_5Target:
-    """Load the target config.json's `architectures` names from a directory or a hub id, sharded over `mesh`, as
-    the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM, `Qwen3_5Target`
-    for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
+) -> Family:
+    """Load the target its config.json's `architectures` names (`FAMILIES`) from a directory or a hub id, sharded over
+    `mesh`, as the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM,
+    `Qwen3_5Target` for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
     Qwen3_5MoeForConditionalGeneration; another architecture is a `ConfigError`."""
     path = resolve(path, **hub)
     file, raw = read_config_json(path, TARGET)
     names = raw.get("architectures")
     names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
-    kinds: list[type[DecoderTarget] | type[Qwen3_5Target]] = [
-        Qwen3_5Target if a in QWEN3_5_ARCHITECTURES + MOE_ARCHITECTURES else DecoderTarget
-        for a in names if a in (*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES)]
-    if not kinds or is_drafter_config(raw):
-        raise not_a_target(file, raw, [*ARCHITECTURES, *QWEN3_5_ARCHITECTURES, *MOE_ARCHITECTURES])
-    return kinds[0].from_pretrained(path, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
+    families = [FAMILIES[a] for a in names if a in FAMILIES]
+    if not families or is_drafter_config(raw):
+        raise not_a_target(file, raw, list(FAMILIES))
+    return families[0].load(path, file, raw, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)

@@ -9,7 +9,7 @@ zero-centred: `(1 + w) * x_hat`, computed in float32 (`Qwen3_5RMSNorm`).
 
 - Gated attention: `q_proj` gives per head `[query | gate]` (2 d_h); per-head (1 + w) q/k norms; RoPE on the first
   `partial_rotary_factor * d_h` dimensions of each head only; GQA over the KV cache as the dense target
-  (`dense._attention`); the output times `sigmoid(gate)`, then `o_proj`.
+  (`steps.cached_attention`); the output times `sigmoid(gate)`, then `o_proj`.
 - Gated DeltaNet: `target.delta_net` (its parameters, their split, its state and forward). Prefill runs the
   chunked form (the WY / UT transform within `delta_chunk` rows, the state carried across), a verify block as one
   chunk keeping each row's state.
@@ -46,27 +46,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
-from typing import Any, Unpack
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._arguments import check_integer, check_load_arguments
-from .._config_file import read_config_json
+from .._arguments import check_integer
 from .._shapes import zeros
 from ..attention import span_capacity
 from ..errors import ConfigError
-from ..hub import HubOptions, resolve
 from ..layers import linear, lm_logits
-from ..loader import check_and_place
-from ..plan import TensorPlan, build_tree, check_tensors, planned
+from ..plan import TensorPlan, planned
 from ..rope import Rope, apply_rope, rope_tables
 from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
-from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
-from .config import TARGET, is_drafter_config, not_a_target
+from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from .delta_net import (
     CONV,
     CONV_AXES,
@@ -80,11 +75,12 @@ from .delta_net import (
     map_parts,
     part_dims,
 )
-from .dense import _attention, _check_layer_ids, prefill_chunks, tied_extras
 from .experts import GATE_UP, add_expert_stacks
+from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .moe import moe_block, moe_parameter_spec
 from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qwen3_5Config, parse_qwen3_5_config
+from .steps import cached_attention, check_layer_ids, prefill_chunks
 from .views import Fused, TensorViews, fuse
 
 log = logging.getLogger("dflash_jax")
@@ -246,7 +242,7 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, repr=False)  # `HFTarget.__repr__`: a summary
-class Qwen3_5Target(HFTarget):
+class Qwen3_5Target(Family):
     """A Qwen3.5 / 3.6 hybrid text model, dense or MoE as its config says (module docstring). A pytree (params
     as leaves; config and layout static). Implements `Target`, with the delta-net state committed by `commit`.
 
@@ -259,54 +255,44 @@ class Qwen3_5Target(HFTarget):
     config: Qwen3_5Config = dataclasses.field(metadata=dict(static=True))
     layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        mesh: jax.sharding.Mesh | None = None,
-        dtype: jnp.dtype = jnp.bfloat16,
-        progress: bool | None = None,
-        tensor_axis: str | None = "model",
-        **hub: Unpack[HubOptions],
-    ) -> Qwen3_5Target:
-        """Load a `Qwen3_5ForCausalLM` / `Qwen3_5ForConditionalGeneration` directory (or hub id), or an MoE one
-        (`Qwen3_5MoeForCausalLM` / `Qwen3_5MoeForConditionalGeneration`), as `DecoderTarget.from_pretrained`
-        loads a dense one: the text model only (`model.language_model.*` in a multimodal checkpoint;
-        `model.visual.*` and `mtp.*` are not read), every tensor's presence, dtype and shape checked before
-        anything is placed (`CheckpointError` naming it), floats cast to `dtype`, sharded over `mesh` as the
-        module docstring says. MoE experts are read fused (as released) or per expert (`stored_views`). The load
-        guards are every loader's (`loader.check_and_place`): a floating `dtype` only (`ValueError`), NaN/Inf norm
-        gains and biases refused (`CheckpointError`) before anything is placed, tensors the text model does not
-        use warned about (`model.visual.*` and `mtp.*` silently skipped)."""
-        dtype = check_load_arguments(f"{cls.__name__}.from_pretrained", dtype, mesh)
-        path = resolve(path, **hub)
-        file, raw = read_config_json(path, TARGET)
-        if is_drafter_config(raw):  # else refused as a config of another model_type, which says less
-            raise not_a_target(file, raw, [*ARCHITECTURES, *MOE_ARCHITECTURES])
-        config = parse_qwen3_5_config(raw, source=file)
-        layout = None if mesh is None else _layout(config, mesh, tensor_axis, path)
-        with Checkpoint(path) as stored:
-            prefix = MULTIMODAL_PREFIX if MULTIMODAL_PREFIX + "embed_tokens.weight" in stored else "model."
-            plan = plan_qwen3_5(config, prefix)
-            checkpoint = stored_views(stored, config, prefix)
-            check_tensors(plan, checkpoint, path)
-            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
-                                     dtype=dtype, progress=progress,
-                                     ignored=(*NOT_TEXT, *tied_extras(config.tie_word_embeddings)),
-                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
-        log.info("%s: qwen3_5%s target, %d layers (%d full attention), hidden=%d, vocab=%d, tensor-parallel %d",
-                 path, "_moe" if config.is_moe else "", config.num_hidden_layers,
-                 config.layer_types.count(FULL_ATTENTION), config.hidden_size, config.vocab_size,
-                 1 if layout is None else layout.tensor_size)
-        return cls(params=params_tree(plan, leaves), config=config, layout=layout)
+    ARCHITECTURES = (*ARCHITECTURES, *MOE_ARCHITECTURES)
+    PREFIXES = (MULTIMODAL_PREFIX, "model.")  # the text model of a multimodal checkpoint, else a text-only one
+    IGNORED = NOT_TEXT
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> Qwen3_5Target:
-        """This target moved onto `mesh` with the layout `from_pretrained` gives (for targets built in memory)."""
-        layout = _layout(self.config, mesh, tensor_axis, f"{type(self).__name__}.shard")
-        plan = plan_qwen3_5(self.config)
-        where = params_tree(plan, [layout.sharding(t.axes) for t in plan])
-        return dataclasses.replace(self, params=jax.device_put(self.params, where), layout=layout)
+    @classmethod
+    def parse(cls, raw: dict[str, Any], source: str) -> Qwen3_5Config:
+        return parse_qwen3_5_config(raw, source=source)
+
+    @classmethod
+    def plan(cls, config: Qwen3_5Config, prefix: str = "model.") -> list[TensorPlan]:
+        return plan_qwen3_5(config, prefix)
+
+    @classmethod
+    def views(cls, checkpoint: Checkpoint, config: Qwen3_5Config, prefix: str) -> TensorViews:
+        """MoE experts read fused (as released) or per expert, delta-net inputs split or fused (`stored_views`)."""
+        return stored_views(checkpoint, config, prefix)
+
+    @classmethod
+    def layout_for(cls, config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None,
+                   source: str) -> Layout:
+        """`layout.make_layout`, plus the delta-net's value and key heads and an MoE block's expert and
+        shared-expert widths, which split over the tensor axis too."""
+        layout = make_layout(config, mesh, tensor_axis, source)
+        fields = ("linear_num_value_heads", "linear_num_key_heads",
+                  *(("moe_intermediate_size", "shared_expert_intermediate_size") if config.is_moe else ()))
+        odd = [f"{field}={getattr(config, field)}" for field in fields if getattr(config, field) % layout.tensor_size]
+        if odd:
+            raise ConfigError(
+                f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
+                f"{', '.join(odd)}; expected a tensor-parallel size dividing the delta-net key and value heads and "
+                "the MoE widths too"
+            )
+        return layout
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"qwen3_5{'_moe' if c.is_moe else ''} target, {c.num_hidden_layers} layers "
+                f"({c.layer_types.count(FULL_ATTENTION)} full attention), hidden={c.hidden_size}, vocab={c.vocab_size}")
 
     def init_cache(self, batch_size: int, max_length: int) -> HybridCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions: K/V as the dense target's
@@ -350,7 +336,7 @@ class Qwen3_5Target(HFTarget):
                 ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
         token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
-        tiles among them, are those of `chunk` tokens whatever the batch; `dense.prefill_chunks`) through every
+        tiles among them, are those of `chunk` tokens whatever the batch; `steps.prefill_chunks`) through every
         layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
         state carried across; padding rows leave the states untouched). Returns the features of every row
         `[batch, P, Lf * H]` (a `FeatureMap` `project`: its map of them, made a chunk at a time), the logits of
@@ -360,28 +346,6 @@ class Qwen3_5Target(HFTarget):
         chunk = check_integer("prefill", "chunk", chunk, 1)
         delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
         return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk, delta_chunk)
-
-
-def _layout(config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
-    """`layout.make_layout`, plus the delta-net's value and key heads and an MoE block's expert and shared-expert
-    widths, which split over the tensor axis too."""
-    layout = make_layout(config, mesh, tensor_axis, source)
-    fields = ("linear_num_value_heads", "linear_num_key_heads",
-              *(("moe_intermediate_size", "shared_expert_intermediate_size") if config.is_moe else ()))
-    odd = [f"{field}={getattr(config, field)}" for field in fields if getattr(config, field) % layout.tensor_size]
-    if odd:
-        raise ConfigError(
-            f"{source}: tensor axis {tensor_axis!r} has {layout.tensor_size} devices, which does not divide "
-            f"{', '.join(odd)}; expected a tensor-parallel size dividing the delta-net key and value heads and the "
-            "MoE widths too"
-        )
-    return layout
-
-
-def params_tree(plan: list[TensorPlan], leaves: list[Any]) -> Params:
-    params = build_tree(plan, leaves)
-    params["layers"] = tuple(params["layers"])  # one buffer per weight, as placed
-    return params
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -405,7 +369,7 @@ def _partial_rope(x: jax.Array, rope: Rope) -> jax.Array:
 def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope, past_k: jax.Array,
                      past_v: jax.Array, positions: jax.Array, start: jax.Array):
     """One full-attention layer's mixer over `xn [batch, S, H]`: `(out [batch, S, H], past_k, past_v)` with the
-    new rows' K/V written at `positions` (`dense._attention`: the cache's `[0, start)` and causal new rows)."""
+    new rows' K/V written at `positions` (`steps.cached_attention`: the cache's `[0, start)` and causal new rows)."""
     c = target.config
     batch, S, _ = xn.shape
     n_h, n_kv, d_h, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
@@ -414,7 +378,7 @@ def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope
     k = _partial_rope(centred_norm(linear(xn, p["k_proj"]).reshape(batch, S, n_kv, d_h), p["k_norm"]["weight"], eps),
                       rope)
     v = linear(xn, p["v_proj"]).reshape(batch, S, n_kv, d_h)
-    out, past_k, past_v = _attention(target.layout, n_h, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+    out, past_k, past_v = cached_attention(target.layout, n_h, q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                      past_k, past_v, positions, start, None)
     out = out.reshape(batch, S, n_h * d_h) * jax.nn.sigmoid(gate.reshape(batch, S, n_h * d_h))
     return linear(out, p["o_proj"]), past_k, past_v
@@ -471,7 +435,7 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
 @functools.partial(jax.jit, static_argnames=("layer_ids",))
 def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
              layer_ids: tuple[int, ...]) -> TargetOutput:
-    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    check_layer_ids(layer_ids, target.config.num_hidden_layers)
     hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None)
     with jax.named_scope("lm_head"):
         logits = lm_logits(hidden, target.lm_head)
@@ -481,7 +445,7 @@ def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengt
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk", "delta_chunk"), donate_argnames=("cache",))
 def _prefill(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
              project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int, delta_chunk: int) -> TargetOutput:
-    _check_layer_ids(layer_ids, target.config.num_hidden_layers)
+    check_layer_ids(layer_ids, target.config.num_hidden_layers)
     lengths = lengths.astype(jnp.int32)
 
     def run(piece, cache, start):
