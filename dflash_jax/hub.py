@@ -24,8 +24,9 @@ cache entry (its files are links into `../../blobs`); anything else is a `Config
 
 Every failure is a `ConfigError` naming the id: not on the hub, no such revision, gated or private without a
 token, or (offline, or the hub unreachable) not in the cache. A path-looking argument that does not exist
-(a path separator that is not `owner/name`, or a name ending in `.json` or `.safetensors`) is "no such file
-or directory", never a hub error; a revision that is no valid git ref name is a `ValueError` naming it.
+(a path separator that is not `owner/name`, or a name ending in `.json` or `.safetensors`), or an id
+huggingface_hub's rules refuse (`a/.`, `a/-b`, `a/x.git`), is "no such file or directory", never a hub error;
+a revision that is no valid git ref name is a `ValueError` naming it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from .errors import CheckpointError, ConfigError
 from .safetensors import INDEX_FILE, SINGLE_FILE, read_json, read_small
 
 METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
-# `owner/name`, as the hub spells repo ids (names of 1-96 characters of letters, digits, `-`, `_`, `.`).
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+# `owner/name`, as the hub spells repo ids (huggingface_hub's `validate_repo_id`): each 1-96 ASCII letters, digits,
+# `-`, `_`, `.`, beginning and ending with neither `-` nor `.` (the owner: with a letter or digit).
+_REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}\w)?/\w(?:[\w.-]{0,94}\w)?", re.ASCII)
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # the hub's commit hashes (SHA-1)
 # what git's `check-ref-format` refuses in a ref name, besides "@" alone and a trailing "."
 _BAD_REF = re.compile(r"^$|^/|/$|//|\.\.|@\{|(^|/)\.|\.lock(/|$)|[\x00-\x20\x7f~^:?*\[\\]")
@@ -58,9 +60,10 @@ class HubOptions(TypedDict, total=False):
 
 def is_repo_id(text: str) -> bool:
     """Whether `text` reads as a hub repo id `owner/name` (not a path such as `/x`, `./x`, `a/b/c`, `../x` or a
-    file name such as `configs/x.json`)."""
+    file name such as `configs/x.json`), by huggingface_hub's rules, so that it never refuses one of ours with
+    its own error."""
     return (bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text
-            and not text.endswith((".json", ".safetensors")))
+            and not text.endswith((".json", ".safetensors", ".git")))
 
 
 def resolve(

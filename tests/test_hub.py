@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import chex
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ._hub import add_to_cache, directory_files, repo_folder  # first: sets HF_HUB_OFFLINE=1
 
@@ -83,6 +86,22 @@ def test_paths_are_not_ids(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_checkpoint(tmp_path / "org" / "local", "tiny-dspark")
     assert resolve("org/local") == "org/local" and load_config("org/local").family == "dspark"
+
+
+@pytest.mark.parametrize("text", ["a/.", "a/b.", "a/-b", "a./b", "a/.b", "a/b-", "a/x.git", "a/caf\u00e9",
+                                  "a/" + "b" * 97])
+def test_ids_huggingface_hub_refuses_are_no_such_path(text):
+    """Not huggingface_hub's `HFValidationError` (a regression for "a/."): the error every other malformed id
+    gets, naming the argument."""
+    with pytest.raises(ConfigError, match=f"^no such file or directory: {re.escape(text)}$"):
+        load_drafter(text)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.text(alphabet="aZ9_.-/\u00e9", max_size=10))
+def test_every_id_taken_for_the_hub_is_one_huggingface_hub_accepts(text):
+    if is_repo_id(text):
+        huggingface_hub.utils.validate_repo_id(text)
 
 
 def test_without_huggingface_hub_the_error_says_what_to_install(monkeypatch):
