@@ -188,24 +188,34 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
     """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole; `packed`: quantized
     weights at their stored size), plus the inputs of its largest conversion, exceed a device's free memory
     (`bytes_limit - bytes_in_use` of `memory_stats()`), or, for devices that report none (CPUs, which share the
-    host's memory), exceed the host's available memory once per such device (`_memory`): a clear error before
-    anything is placed instead of RESOURCE_EXHAUSTED (or the kernel's OOM killer) halfway through."""
+    host's memory), exceed the host's available memory once per such device (`_memory`); the host must also hold
+    the int32 copy `_host_array` narrows an index table (d2t) to before it is put, beside its leaf: a clear error
+    naming the largest tensor before anything is placed, instead of RESOURCE_EXHAUSTED (or a MemoryError, or the
+    kernel's OOM killer) halfway through."""
     shapes = shards if shards is not None else [t.shape for t in plan]
-    leaves = sum(sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
-                 else math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
-                 for t, shape, names in zip(plan, shapes, sources))
+    sizes = [sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
+             else math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
+             for t, shape, names in zip(plan, shapes, sources)]
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
                  if (len(names) > 1 and not packed) or (len(names) == 1 and t.kind != "int"
                                                         and checkpoint[t.name].np_dtype != dtype)]
-    needed = leaves + max(converted, default=0)
+    needed = sum(sizes) + max(converted, default=0)
+    copy, copied = max(((size, t.name) for t, size in zip(plan, sizes) if t.kind == "int"), default=(0, ""))
+    size, name = max(zip(sizes, (t.name for t in plan)), default=(0, ""))
+    largest = f"the largest leaf: {name!r}, {size / 2**20:,.0f} MiB"
     on_host = [d for d in devices if device_free_bytes(d) is None]
-    host = host_available_bytes() if on_host else None
-    if host is not None and needed * len(on_host) > host:
+    host = host_available_bytes() if on_host or copy else None
+    if host is not None and needed * len(on_host) + copy > host:
+        needs = []
+        if on_host:
+            needs.append(f"{needed / 2**20:,.0f} MiB as {dtype.name} on each of {len(on_host)} host-memory "
+                         f"device(s) ({on_host[0]}, ...)")
+        if copy:
+            needs.append(f"{copy / 2**20:,.0f} MiB on the host for {copied!r} narrowed to int32")
         raise CheckpointError(
-            f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB as {dtype.name} on each of "
-            f"{len(on_host)} host-memory device(s) ({on_host[0]}, ...), {needed * len(on_host) / 2**20:,.0f} MiB in "
-            f"all, but the host has {host / 2**20:,.0f} MiB available; expected a host with more free memory (or a "
-            "narrower dtype, or fewer devices)"
+            f"{checkpoint.path}: the checkpoint needs {' and '.join(needs)}, "
+            f"{(needed * len(on_host) + copy) / 2**20:,.0f} MiB in all, but the host has {host / 2**20:,.0f} MiB "
+            f"available ({largest}); expected a host with more free memory (or a narrower dtype, or fewer devices)"
         )
     for device in devices:
         free = device_free_bytes(device)
@@ -214,8 +224,8 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
         if needed > free:
             raise CheckpointError(
                 f"{checkpoint.path}: the checkpoint needs {needed / 2**20:,.0f} MiB on each device as {dtype.name} "
-                f"but {device} has {free / 2**20:,.0f} MiB free; expected a device with more free memory (or a "
-                "narrower dtype)"
+                f"but {device} has {free / 2**20:,.0f} MiB free ({largest}); expected a device with more free memory "
+                "(or a narrower dtype)"
             )
 
 

@@ -165,6 +165,21 @@ def test_a_96_gib_checkpoint_is_refused_on_cpu_before_placing(tmp_path, nothing_
         load_drafter(tmp_path, mesh=jax.make_mesh((8,), ("replica",)))
 
 
+def test_a_d2t_whose_int32_copy_does_not_fit_the_host_is_refused_before_placing(tmp_path, nothing_placed,
+                                                                                   monkeypatch):
+    """Placing a d2t makes an int32 copy of it on the host (`placement._host_array`) beside its int32 leaf, which the
+    fit check did not count: a sparse d2t of about 2**31 entries passed it and placement ran out of memory (an
+    8 GiB MemoryError, issue 55). Here at 1/512 of that size, on a host pinned at 24 MiB: 16 MiB of leaves fit,
+    their 16 MiB copy besides does not; refused before any copy, naming the tensor."""
+    n = 2**22
+    write_checkpoint(tmp_path, {**TINY_CONFIGS["tiny-dflash"], "vocab_size": n + 1, "draft_vocab_size": n})
+    monkeypatch.setattr(dflash_jax.placement, "host_available_bytes", lambda: 24 * 2**20)
+    with pytest.raises(CheckpointError, match=r"needs 16 MiB as bfloat16 on each of 1 host-memory device\(s\) .* and "
+                       r"16 MiB on the host for 'd2t' narrowed to int32, 32 MiB in all, but the host has 24 MiB "
+                       r"available \(the largest leaf: 'd2t', 16 MiB\)"):
+        load_drafter(tmp_path)
+
+
 def test_a_cache_that_cannot_exist_is_refused_with_its_size(target, drafter, monkeypatch):
     with pytest.raises(ValueError, match=r"would need \d+ positions per sequence, past int32 positions"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**31 - 1, beyond_max_positions=True)
