@@ -21,7 +21,7 @@ import msgspec
 from ._json import NotUTF8
 from ._json import loads as json_loads
 from .errors import ConfigError
-from .layouts import GEMMA4, fold, not_implemented
+from .layouts import GEMMA4, fold, not_implemented, renamed, restate
 from .rope import Positive, PositiveFloat, RopeScaling, declared_rope_type, rope_problems
 
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
@@ -328,21 +328,29 @@ def parse_config(raw: str | bytes | dict[str, Any], *, source: str = "<config>")
     """
     try:
         raw = decode_config_json(raw, source, "a drafter config.json")
-        raw = fold(raw, source)  # speculators nesting, the assistant's defaults (`dflash_jax.layouts`)
-        refusal = not_a_drafter(raw) or not_implemented(raw)
-        if refusal:
-            raise ConfigError(f"{source}: {refusal}")
+        names = renamed(raw)  # fields the fold copies into others: an error names them as the file does
         try:
-            config = msgspec.convert(normalise_raw(raw, source), DflashConfig)
-        except msgspec.ValidationError as e:
-            raise ConfigError(f"{source}: {e}") from None
-        except UnicodeError:  # msgspec cannot encode a lone surrogate ("\ud800") in a key or a string
-            raise ConfigError(f"{source}: a key or string is not valid Unicode (lone surrogate escape)") from None
-        check(config, source)
-        _warn_unused(config, source)
-        return config
+            return _decode_folded(fold(raw, source), source)  # speculators nesting, ... (`dflash_jax.layouts`)
+        except ConfigError as e:
+            raise ConfigError(restate(str(e), names)) from None
     except RecursionError:
         raise ConfigError(f"{source}: JSON nested too deeply; expected a drafter config.json") from None
+
+
+def _decode_folded(raw: dict[str, Any], source: str) -> DflashConfig:
+    """`parse_config`'s decoding and checks of a folded config."""
+    refusal = not_a_drafter(raw) or not_implemented(raw)
+    if refusal:
+        raise ConfigError(f"{source}: {refusal}")
+    try:
+        config = msgspec.convert(normalise_raw(raw, source), DflashConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except UnicodeError:  # msgspec cannot encode a lone surrogate ("\ud800") in a key or a string
+        raise ConfigError(f"{source}: a key or string is not valid Unicode (lone surrogate escape)") from None
+    check(config, source)
+    _warn_unused(config, source)
+    return config
 
 
 def decode_config_json(raw: str | bytes | dict[str, Any], source: str, expected: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ writers), `ENCODER` and `check_context_layout` (the assistant's `encoder.*` set,
 
 from __future__ import annotations
 
+import re
 from typing import Any, NoReturn
 
 from .errors import CheckpointError, ConfigError
@@ -131,7 +132,7 @@ def _fold_gemma4(raw: dict[str, Any], source: str) -> dict[str, Any]:
     fields = ["global_head_dim"] + (["num_global_key_value_heads"] if out["attention_k_eq_v"] else [])
     if out["attention_k_eq_v"] and out.get("num_global_key_value_heads") is None:
         fail("`attention_k_eq_v: true` without `num_global_key_value_heads`, the KV heads of its layers")
-    for key in fields:  # checked here: decoded under the names they are folded into, an error would name those
+    for key in fields:  # checked here, as a Gemma 4 field; later errors about them are `restate`d
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] <= 0:
             fail(f"`{key}` is {out[key]!r}; expected a positive integer")
     out["head_dim"] = out["global_head_dim"]
@@ -173,11 +174,7 @@ def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
     out["architectures"] = [SPECULATORS[kind]]
     defaults = SPECULATORS_DEFAULTS[kind]
     out.update({k: raw.get(k, defaults.get(k)) for k in SPECULATORS_FIELDS if raw.get(k, defaults.get(k)) is not None})
-    aux = raw.get("aux_hidden_state_layer_ids")
-    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
-        raise ConfigError(f"{source}: `aux_hidden_state_layer_ids` is {aux!r}; a speculators {kind} export lists "
-                          "the target hidden states it reads there, as a list of integers")
-    out["target_layer_ids"] = [i - 1 for i in aux]  # hidden_states[i] is the output of layer i - 1
+    out["target_layer_ids"] = [i - 1 for i in _aux_ids(raw, out, kind, source)]  # hidden_states[i]: layer i - 1
     if raw.get("sliding_window_non_causal") is True and "is_causal" not in out:
         out["is_causal"] = False  # sliding layers bidirectional; full layers are so anyway
     target_hidden, hidden = raw.get("target_hidden_size"), out.get("hidden_size")
@@ -186,6 +183,50 @@ def _fold_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
                           f"transformer_layer_config.hidden_size={hidden!r}: a drafter reading target features of "
                           "another width is not implemented")
     return out
+
+
+def _aux_ids(raw: dict[str, Any], out: dict[str, Any], kind: str, source: str) -> list[int]:
+    """A speculators export's `aux_hidden_state_layer_ids`, checked here: folded into `target_layer_ids` (less
+    one), the checks after the fold would name that field and other values than the file's."""
+    aux = raw.get("aux_hidden_state_layer_ids")
+
+    def fail(problem: str) -> NoReturn:
+        raise ConfigError(f"{source}: `aux_hidden_state_layer_ids` {problem}: a speculators {kind} export lists "
+                          "there the target hidden states it reads, as a list of integers (hidden_states[i] is the "
+                          "output of layer i - 1)")
+
+    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+        fail(f"is {aux!r}")
+    if not aux:
+        fail("is empty")
+    bad = [i for i in aux if not 0 <= i < 2**31]  # the ids' int32 bound
+    if bad:
+        fail(f"{aux} has {bad} outside [0, {2**31 - 1}]")
+    layers = out.get("num_target_layers")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        bad = [i for i in aux if i > layers]
+        if bad:
+            fail(f"{aux} has {bad} past the {layers + 1} hidden states of num_target_layers={layers}")
+    return aux
+
+
+def renamed(raw: dict[str, Any]) -> dict[str, str]:
+    """The fields `fold` copies into others unchanged (folded name -> the file's name): an error about one of them
+    names the field the file states (`restate`). A Gemma 4 DSpark's `global_head_dim`, and its
+    `num_global_key_value_heads` under `attention_k_eq_v`."""
+    if GEMMA4 not in architecture_names(raw):
+        return {}
+    names = {"head_dim": "global_head_dim"}
+    if raw.get("attention_k_eq_v", GEMMA4_DEFAULTS["attention_k_eq_v"]):
+        names["num_key_value_heads"] = "num_global_key_value_heads"
+    return names
+
+
+def restate(message: str, names: dict[str, str]) -> str:
+    """`message` with each folded field's name, a whole word (`$.head_dim`, `head_dim=64`), as the file names it."""
+    for folded, stated in names.items():
+        message = re.sub(rf"(?<!\w){folded}(?!\w)", stated, message)
+    return message
 
 
 def not_implemented(raw: dict[str, Any]) -> str | None:

@@ -324,6 +324,24 @@ def test_speculators_exports_refused_by_field(change, says):
         assert word in str(err.value)
 
 
+@pytest.mark.parametrize("change, says", [
+    (lambda r: r.update(aux_hidden_state_layer_ids=[]), "`aux_hidden_state_layer_ids` is empty"),
+    (lambda r: r.update(aux_hidden_state_layer_ids=[2, -1]), "[2, -1] has [-1] outside [0, 2147483647]"),
+    (lambda r: r.update(aux_hidden_state_layer_ids=[2**31 + 5]), "has [2147483653] outside [0, 2147483647]"),
+    (lambda r: (r.update(aux_hidden_state_layer_ids=[2, 9]), r["transformer_layer_config"].update(
+        num_target_layers=4)), "[2, 9] has [9] past the 5 hidden states of num_target_layers=4"),
+], ids=["empty", "negative", "past-int32", "past-the-target"])
+def test_bad_aux_hidden_state_layer_ids_are_refused_by_their_name(change, says):
+    """A speculators export's layer ids are folded into `target_layer_ids` (less one): an error names the field
+    and the values of the file, not the folded ones."""
+    raw = copy.deepcopy(SPEC_DFLASH)
+    change(raw)
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, source="spec/config.json")
+    assert str(err.value).startswith("spec/config.json: ") and says in str(err.value)
+    assert "target_layer_ids" not in str(err.value).replace("aux_hidden_state_layer_ids", "")
+
+
 def test_sample_from_anchor_refused_where_the_family_cannot():
     """DFlash2's selector walks rows 1..B-1: refused naming the field."""
     with pytest.raises(ConfigError, match="sample_from_anchor: true with a DFlash2"):

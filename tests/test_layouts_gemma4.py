@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import warnings
 
 import jax.numpy as jnp
@@ -106,6 +107,23 @@ def test_refused_by_field(change, says):
         parse_config(raw, source="gemma/config.json")
     for word in ("gemma/config.json", "Gemma4DSparkModel config", says):
         assert word in str(err.value)
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda r: r.update(global_head_dim=33), "global_head_dim=33 is odd"),
+    (lambda r: r.update(global_head_dim=2**31), "$.global_head_dim"),
+    (lambda r: r.update(num_global_key_value_heads=3), "not a multiple of num_global_key_value_heads=3"),
+    (lambda r: r.update(num_global_key_value_heads=2**31), "$.num_global_key_value_heads"),
+], ids=["odd", "past-int32", "not-dividing", "kv-past-int32"])
+def test_errors_about_the_global_fields_name_them(change, says):
+    """`global_head_dim` and `num_global_key_value_heads` are folded into `head_dim` and `num_key_value_heads`:
+    the checks after the fold name the fields of the file (they named the folded ones)."""
+    raw = copy.deepcopy(GEMMA4)
+    change(raw)
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, source="gemma/config.json")
+    assert str(err.value).startswith("gemma/config.json: ") and says in str(err.value)
+    assert not re.search(r"(?<!global_)(head_dim|num_key_value_heads)\b", str(err.value))
 
 
 def test_double_wide_mlp_outside_the_drafters_layers_is_no_reason_to_refuse():

@@ -340,6 +340,19 @@ def test_experts_stored_in_two_forms_are_refused_naming_both(tmp_path, dims, lay
         load_blocks(str(tmp_path), dims)
 
 
+@pytest.mark.parametrize("layout, stored", [("fused", "gate_up_proj"), ("per expert", "0.gate_proj.weight")])
+def test_an_integer_expert_tensor_is_named_as_stored(tmp_path, dims, layout, stored):
+    """An I32 expert weight is refused naming the tensor the file holds, not the stack read from it
+    (`experts.gate_proj`)."""
+    fused = load_file(os.path.join(BLOCK, "model.safetensors"))
+    tensors = dict(fused if layout == "fused" else per_expert(fused, dims))
+    tensors = {n: a.astype(np.int32) if "gate_" in n else a for n, a in tensors.items()}
+    write_tensors(str(tmp_path), tensors)
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{L0}{stored}' .*has dtype I32, expected "
+                                              "one of BF16, F16, F32, F64"):
+        load_blocks(str(tmp_path), dims)
+
+
 def test_no_experts_at_all_is_named(tmp_path, dims):
     directory = _rewritten(tmp_path, dims, lambda t: [t.pop(n) for n in list(t) if ".experts." in n])
     with pytest.raises(CheckpointError, match=r"no expert weights under 'model\.layers\.0\.mlp\.'"):

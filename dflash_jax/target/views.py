@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..safetensors import Checkpoint, TensorInfo
+from ..safetensors import WEIGHT_DTYPES, Checkpoint, TensorInfo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,8 @@ class TensorViews(Checkpoint):
         self._hidden: set[str] = set()
 
     def source(self, name: str, shape: tuple[int, ...], what: str) -> TensorInfo:
-        """The header of source tensor `name`, which must exist with `shape` (`what` it is, for the error)."""
+        """The header of source tensor `name`, which must exist with `shape` and a weight dtype (`what` it is, for
+        the error: checked here, the plan's checks would name the view, a tensor the file does not hold)."""
         if name not in self._base:
             raise CheckpointError(f"{self.path}: missing tensor {name!r} ({what}, expected shape {list(shape)})")
         info = self._base[name]
@@ -72,6 +73,9 @@ class TensorViews(Checkpoint):
                 f"{info.file}: tensor {name!r} ({what}) has shape {list(info.shape)}, expected {list(shape)} from "
                 "the config"
             )
+        if info.dtype not in WEIGHT_DTYPES:
+            raise CheckpointError(f"{info.file}: tensor {name!r} ({what}) has dtype {info.dtype}, expected one of "
+                                  f"{', '.join(WEIGHT_DTYPES)}")
         return info
 
     def split(self, prefix: str, fused: Fused, shapes: Sequence[tuple[int, ...]]) -> None:
