@@ -30,11 +30,16 @@ Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below t
 (E `num_experts`, I `moe_intermediate_size`, Is `shared_expert_intermediate_size`.) Released checkpoints store
 `experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj`; others one tensor per expert.
 `target.experts.ExpertStacks` reads either as this tree's stacks.
+
+The routed-expert machinery (`_routed` and its forms) also runs experts without a gate: stacks with no
+`experts.gate_proj` are relu^2 experts, `down_e(relu(up_e(x))^2)` (Nemotron-H's, `target.nemotron_h`, which routes
+them with its own sigmoid router and passes `_routed` in).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import jax
@@ -49,7 +54,7 @@ from ..tuning import on_gpu, tuning
 from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes
 
 Params = dict[str, Any]
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's SwiGLU weights
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's SwiGLU weights (a relu^2 expert: no gate_proj)
 
 
 class MoeConfig(Protocol):
@@ -160,13 +165,21 @@ def routed_experts(p: Params, c: MoeConfig, x: jax.Array) -> jax.Array:
 # the 65 GiB target (an 18 GiB allocation).
 
 
+def _hidden(stacks: Params, product: Callable[[str], jax.Array]) -> jax.Array:
+    """An expert's hidden activation from its input products `product(name)` with the stacks `name` of `stacks`
+    (float32; `_grouped`'s in the rows' dtype): SwiGLU `silu(gate) * up`, or where there is no `gate_proj` the
+    relu^2 experts' `relu(up)^2`."""
+    if "gate_proj" in stacks:
+        return jax.nn.silu(product("gate_proj")) * product("up_proj")
+    return jnp.square(jax.nn.relu(product("up_proj")))
+
+
 def _gathered(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """Each token's k experts' weights gathered (`[T, k, out, in]`, a copy of only the routed slices) and applied
     as batched matrix-vector products: `[T, H]` float32. No sort, no pass over unrouted experts."""
-    e = p["experts"]
-    gate, up, down = (jnp.take(e[name], experts, axis=0) for name in PROJECTIONS)
-    h = jax.nn.silu(dot("th,tkih->tki", x, gate)) * dot("th,tkih->tki", x, up)  # [T, k, I] float32
-    out = dot("tki,tkhi->tkh", h.astype(x.dtype), down)  # [T, k, H] float32
+    e = {name: jnp.take(w, experts, axis=0) for name, w in p["experts"].items()}
+    h = _hidden(e, lambda name: dot("th,tkih->tki", x, e[name]))  # [T, k, I] float32
+    out = dot("tki,tkhi->tkh", h.astype(x.dtype), e["down_proj"])  # [T, k, H] float32
     return jnp.einsum("tkh,tk->th", out, weights)
 
 
@@ -174,14 +187,12 @@ def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax
     """`_gathered` with the products written as a multiply and a float32 sum over the weights' contiguous last axis:
     XLA fuses a gather into the reduction that consumes it, so each routed slice is read once, where it lies,
     instead of copied out (`[T, k, out, in]`, written then read again) for a matmul. `[T, H]` float32."""
-    e = p["experts"]
     # [T, k, out, in] each, not copied; "clip": XLA's own gather semantics (router indices are in range), no mask
-    gate, up, down = (jnp.take(e[name], experts, axis=0, mode="clip").astype(jnp.float32)
-                      for name in PROJECTIONS)
+    e = {name: jnp.take(w, experts, axis=0, mode="clip").astype(jnp.float32) for name, w in p["experts"].items()}
     xf = x.astype(jnp.float32)[:, None, None, :]  # [T, 1, 1, H]
-    h = jax.nn.silu(jnp.sum(gate * xf, axis=-1)) * jnp.sum(up * xf, axis=-1)  # [T, k, I] float32
+    h = _hidden(e, lambda name: jnp.sum(e[name] * xf, axis=-1))  # [T, k, I] float32
     h = h.astype(x.dtype).astype(jnp.float32)[:, :, None, :]  # [T, k, 1, I] rounded as `_gathered` rounds it
-    return jnp.einsum("tkh,tk->th", jnp.sum(down * h, axis=-1), weights)  # [T, k, H] -> [T, H]
+    return jnp.einsum("tkh,tk->th", jnp.sum(e["down_proj"] * h, axis=-1), weights)  # [T, k, H] -> [T, H]
 
 
 def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, interpret: bool = False) -> jax.Array:
@@ -201,9 +212,8 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
         return partials.sum(0)[slot_of, :, token]
 
     xt = jnp.pad(x, ((0, N - T), (0, 0))).T  # [H, N]
-    gate, up = (pairs(expert_matmul(xt, e[name], slot_expert, used, interpret=interpret))
-                for name in ("gate_proj", "up_proj"))  # [P, I] float32
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)  # [P, I]
+    h = _hidden(e, lambda name: pairs(expert_matmul(xt, e[name], slot_expert, used, interpret=interpret)))
+    h = h.astype(x.dtype)  # [P, I]
     rhs = jnp.zeros((P, h.shape[1], N), x.dtype).at[slot_of, :, token].set(h, unique_indices=True)  # [S, I, N]
     out = pairs(expert_matmul(rhs, e["down_proj"], slot_expert, used, interpret=interpret))
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1), weights)  # [P, H] -> [T, H]
@@ -252,8 +262,8 @@ def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts:
     sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)  # [E] rows per expert
     rows = jnp.take(x, order // k, axis=0)  # [T * k, H]
     e = p["experts"]
-    gate, up = (_grouped_matmul(rows, e[name], sizes, kernel) for name in ("gate_proj", "up_proj"))  # [T * k, I]
-    out = _grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), e["down_proj"], sizes, kernel)  # [T * k, H]
+    h = _hidden(e, lambda name: _grouped_matmul(rows, e[name], sizes, kernel))  # [T * k, I] in the rows' dtype
+    out = _grouped_matmul(h.astype(x.dtype), e["down_proj"], sizes, kernel)  # [T * k, H]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
 
@@ -281,7 +291,7 @@ def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: j
     rows = jnp.concatenate([x, jnp.zeros_like(x[:1])])[token_at].reshape(n_tiles, tile, -1)  # [n, tile, H]
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n_tiles), side="right"), E - 1)  # [n]
     e = {name: jnp.take(w, tile_expert, axis=0) for name, w in p["experts"].items()}  # [n, out, in] each
-    h = jax.nn.silu(dot("nmh,nih->nmi", rows, e["gate_proj"])) * dot("nmh,nih->nmi", rows, e["up_proj"])
+    h = _hidden(e, lambda name: dot("nmh,nih->nmi", rows, e[name]))  # [n, tile, I] float32
     out = dot("nmi,nhi->nmh", h.astype(x.dtype), e["down_proj"])  # [n, tile, H] float32
     pair_slot = jnp.zeros((P,), jnp.int32).at[order].set(slot.astype(jnp.int32), unique_indices=True)  # [P]
     out = out.reshape(n_tiles * tile, -1)[pair_slot].reshape(T, k, -1)  # [T, k, H] back in pair order
