@@ -29,12 +29,15 @@ Parameter tree (`params`; HF names with `backbone.` stripped):
                          shared_experts.up_proj.weight [Is, H], shared_experts.down_proj.weight [H, Is]
                       -: up_proj.weight [I, H], down_proj.weight [H, I]
 
-The routed experts' products are a function the caller passes (`RoutedExperts`): `gathered_experts` here (each
-token's k experts' slices gathered: reads only the routed experts, but copies `[T, k, I, H]`, fit for tests and
-decode-sized steps), or `target.moe`'s machinery (read in place for few rows, tiles by expert for a prefill, a
-Mosaic GPU kernel), which this module does not import so that it reaches no kernel module:
-`lambda p, x, w, e: moe._routed(p, config, x, w, e, impl)` (its experts without `gate_proj` are these relu^2
-experts).
+What depends on where the model runs is passed in (`Ops`, static): the routed experts' products
+(`RoutedExperts`: `gathered_experts` here, each token's k experts' slices gathered, which reads only the routed
+experts but copies `[T, k, I, H]`, fit for tests and decode-sized steps; or `target.moe`'s machinery, read in place
+for few rows, tiles by expert for a prefill, a Mosaic GPU kernel: `lambda p, x, w, e: moe._routed(p, config, x, w,
+e, impl)`, its experts without `gate_proj` being these relu^2 experts), an attention block's attention and cache
+write (`cached_attention` here; on a mesh `target.steps.cached_attention` under its `shard_map`), and a constraint
+on the residual stream after each block. This module imports neither `target.moe` nor `target.steps`, so that it
+reaches no checkpoint I/O, no drafter config and no expert kernel (the one kernel module it reaches is the span
+attention kernel of `attention.attend`, which picks it only where the program runs on a Hopper GPU).
 
 Cache (`NemotronHCache`): per attention block K/V `[batch, n_kv, T, d_h]` (slot t = position t; the caller's
 `lengths` say what is committed, as for the dense target), per Mamba block a `mamba2.Mamba2State` (conv inputs
@@ -76,6 +79,12 @@ NORM_TOPK_EPS = 1e-20  # transformers' denominator guard of the renormalised rou
 # The routed experts' weighted sum: `(block params p (p["experts"]: the stacks), x [T, H], weights [T, k] float32,
 # experts [T, k] int32) -> [T, H] float32`.
 RoutedExperts = Callable[[Params, jax.Array, jax.Array, jax.Array], jax.Array]
+# One attention block's attention and cache write: `(q [batch, S, n_h, d_h], k, v [batch, n_kv, S, d_h], past_k,
+# past_v [batch, n_kv, T, d_h], positions [batch, S], start [batch]) -> (out [batch, S, n_h, d_h], past_k, past_v)`:
+# the rows attend to the cache's slots `[0, start)` and causally to each other, their K/V then written at
+# `positions` (`target.steps.cached_attention`'s contract, which runs it per device on a mesh).
+CachedAttention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array],
+                           tuple[jax.Array, jax.Array, jax.Array]]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -195,20 +204,43 @@ def moe(p: Params, c: NemotronHConfig, x: jax.Array, routed: RoutedExperts = gat
     return y.astype(x.dtype).reshape(batch, S, H)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array, past_v: jax.Array,
+                     positions: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`CachedAttention` on one device: the cache's slots `[0, start)` as a span, the new rows scored densely and
+    causally (`attention.attend`), then their K/V written at their positions (past the capacity: dropped)."""
+    new = KeyValues(k, v, positions, jnp.ones(positions.shape, bool))
+    out = attend(q, positions, CAUSAL, (new,), (Span(past_k, past_v, jnp.zeros_like(start), start),))
+    return out, write_slots(past_k, k.astype(past_k.dtype), positions), write_slots(past_v, v.astype(past_v.dtype),
+                                                                                    positions)
+
+
 def attention(p: Params, c: NemotronHConfig, xn: jax.Array, past_k: jax.Array, past_v: jax.Array,
-              positions: jax.Array, start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+              positions: jax.Array, start: jax.Array, run: CachedAttention = cached_attention
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`NemotronHAttention` over `xn [batch, S, H]` at `positions [batch, S]`: `(out [batch, S, H], past_k,
-    past_v)`. The rows attend to the cache's slots `[0, start)` and causally to each other (no RoPE: a key is
-    the same at every position); their K/V are then written at their positions (past the capacity: dropped)."""
+    past_v)`, `run` attending and writing the cache. No RoPE: a key is the same at every position."""
     batch, S, _ = xn.shape
     n_h, n_kv, d_h = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     q = linear(xn, p["q_proj"]).reshape(batch, S, n_h, d_h)
     k, v = (linear(xn, p[name]).reshape(batch, S, n_kv, d_h).transpose(0, 2, 1, 3) for name in ("k_proj", "v_proj"))
-    new = KeyValues(k, v, positions, jnp.ones(positions.shape, bool))
-    out = attend(q, positions, CAUSAL, (new,), (Span(past_k, past_v, jnp.zeros_like(start), start),))
-    past_k = write_slots(past_k, k.astype(past_k.dtype), positions)
-    past_v = write_slots(past_v, v.astype(past_v.dtype), positions)
+    out, past_k, past_v = run(q, k, v, past_k, past_v, positions, start)
     return linear(out.reshape(batch, S, n_h * d_h), p["o_proj"]), past_k, past_v
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """How the parts that depend on where the model runs are computed (hashable: static under `jax.jit`).
+    `routed`: the routed experts' products (`gathered_experts`, or `target.moe`'s machinery); `attention`: an
+    attention block's attention and cache write (`cached_attention`, or on a mesh `target.steps.cached_attention`
+    under its `shard_map`); `constrain`: applied to the residual stream after each block (on a mesh: pinning it
+    replicated over the tensor axis after the row-parallel sums, `Layout.constrain(x, ROWS_AXES)`), or None."""
+
+    routed: RoutedExperts = gathered_experts
+    attention: CachedAttention = cached_attention
+    constrain: Callable[[jax.Array], jax.Array] | None = None
+
+
+ONE_DEVICE = Ops()  # the defaults: plain XLA on one device, importing no kernel module
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -231,7 +263,7 @@ def lm_head(params: Params) -> jax.Array:
 
 def blocks(params: Params, c: NemotronHConfig, tokens: jax.Array, cache: NemotronHCache | PendingCache,
            start: jax.Array, valid: jax.Array, layer_ids: tuple[int, ...], *, keep_states: bool,
-           routed: RoutedExperts = gathered_experts):
+           ops: Ops = ONE_DEVICE):
     """Every block over `tokens [batch, S]` at positions `start[b] ..`, after the committed `cache`: `(hidden
     [batch, S, H] after norm_f, features [batch, S, Lf * H], k, v, mamba)`, the Mamba states after the last
     `valid [batch, S]` row (a right-padded prefix), or with `keep_states` after each row."""
@@ -253,15 +285,17 @@ def blocks(params: Params, c: NemotronHConfig, tokens: jax.Array, cache: Nemotro
             m += 1
         elif kind == ATTENTION:
             with jax.named_scope("attention"):
-                out, keys[a], values[a] = attention(mp, c, xn, keys[a], values[a], positions, start)
+                out, keys[a], values[a] = attention(mp, c, xn, keys[a], values[a], positions, start, ops.attention)
             a += 1
         elif kind == MOE:
             with jax.named_scope("moe"):
-                out = moe(mp, c, xn, routed)
+                out = moe(mp, c, xn, ops.routed)
         else:
             with jax.named_scope("mlp"):
                 out = mlp(mp, xn)
         x = x + out
+        if ops.constrain is not None:
+            x = ops.constrain(x)
         if i in layer_ids and i < N - 1:
             by_id[i] = x
     with jax.named_scope("norm_f"):
@@ -273,30 +307,29 @@ def blocks(params: Params, c: NemotronHConfig, tokens: jax.Array, cache: Nemotro
 
 
 def forward(params: Params, config: NemotronHConfig, tokens: jax.Array, cache: NemotronHCache, lengths: jax.Array,
-            layer_ids: tuple[int, ...] = (), *, routed: RoutedExperts = gathered_experts
-            ) -> tuple[jax.Array, jax.Array, PendingCache]:
+            layer_ids: tuple[int, ...] = (), *, ops: Ops = ONE_DEVICE) -> tuple[jax.Array, jax.Array, PendingCache]:
     """Run `tokens [batch, S]` at positions `lengths[b] .. lengths[b] + S - 1` after the committed `cache` (its
     attention slots `[0, lengths)` read; `lengths + S` within its capacity): `(logits [batch, S, V] float32,
     features [batch, S, Lf * H], PendingCache)`, the pending cache to be committed with `commit(pending, kept)`.
-    `config`, `layer_ids` and `routed` are static under `jax.jit`."""
+    `config`, `layer_ids` and `ops` are static under `jax.jit`."""
     start = lengths.astype(jnp.int32)
     valid = jnp.ones(tokens.shape, bool)
     hidden, features, k, v, mamba = blocks(params, config, tokens, cache, start, valid, tuple(layer_ids),
-                                           keep_states=True, routed=routed)
+                                           keep_states=True, ops=ops)
     with jax.named_scope("lm_head"):
         logits = lm_logits(hidden, lm_head(params))
     return logits, features, PendingCache(k, v, mamba)
 
 
 def prefill(params: Params, config: NemotronHConfig, tokens: jax.Array, cache: NemotronHCache, lengths: jax.Array,
-            layer_ids: tuple[int, ...] = (), chunk: int = 2048, *, routed: RoutedExperts = gathered_experts,
+            layer_ids: tuple[int, ...] = (), chunk: int = 2048, *, ops: Ops = ONE_DEVICE,
             project: FeatureMap | None = None) -> tuple[jax.Array, jax.Array, NemotronHCache]:
     """Right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens, each at least 1) into an empty
     `cache`, `chunk` token rows a step over the whole batch (`chunk // batch` rows of each prompt, at least one; a
     `lax.scan`, the last step padded; the Mamba scan runs in `chunk_size` pieces within a step): `(logits of each
     prompt's last token [batch, V] float32, features of every row [batch, P, Lf * H] (or `project`'s map of each
     step's), the committed cache)`. Rows past a prompt's length leave its Mamba states as they were; their K/V land
-    past its length, where nothing reads them. `config`, `layer_ids`, `chunk` and `routed` are static."""
+    past its length, where nothing reads them. `config`, `layer_ids`, `chunk` and `ops` are static."""
     batch, P = tokens.shape
     rows = min(P, max(1, chunk // batch))  # rows of each prompt a step
     lengths = lengths.astype(jnp.int32)
@@ -309,7 +342,7 @@ def prefill(params: Params, config: NemotronHConfig, tokens: jax.Array, cache: N
         start = jnp.full((batch,), index * rows, jnp.int32)
         valid = start[:, None] + jnp.arange(rows) < lengths[:, None]  # [batch, rows]
         hidden, features, k, v, mamba = blocks(params, config, piece, cache, start, valid, layer_ids,
-                                               keep_states=False, routed=routed)
+                                               keep_states=False, ops=ops)
         row = jnp.clip(last - index * rows, 0, rows - 1)
         here = ((last >= index * rows) & (last < (index + 1) * rows))[:, None]
         last_hidden = jnp.where(here, jnp.take_along_axis(hidden, row[:, None, None], axis=1)[:, 0], last_hidden)
