@@ -137,6 +137,19 @@ def test_forward_matches_transformers(model):
     chex.assert_trees_all_close(features, io["hidden_states"], rtol=0, atol=3e-5)
 
 
+def test_bfloat16(model):
+    """bf16 weights and cache run under strict dtype promotion: float32 logits and SSM states, bf16 features, K/V
+    and conv states; the logits within bf16's reach of the float32 reference (measured 0.069 moe, 0.104 dense on
+    logits up to 4.3)."""
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), model.params)
+    logits, features, pending = forward(params, model.config, jnp.asarray(model.io["input_ids"], jnp.int32),
+                                        nh.init_cache(model.config, 2, 32, jnp.bfloat16), jnp.zeros(2, jnp.int32),
+                                        (3,))
+    assert (logits.dtype, features.dtype, pending.k[0].dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    assert (pending.mamba[0].conv.dtype, pending.mamba[0].ssm.dtype) == (jnp.bfloat16, jnp.float32)
+    chex.assert_trees_all_close(np.asarray(logits), model.io["logits"], rtol=0, atol=0.25)
+
+
 def test_prefill_states_match_transformers(model):
     """The Mamba states after a 9-token prefill (chunk 8: 4 rows a step; transformers keeps K = 4 conv columns,
     this package the K - 1 = 3 it needs: the last 3 of them). Measured: last logits 3.3e-6 (moe) / 2.0e-6
