@@ -44,7 +44,9 @@ Cache (`NemotronHCache`): per attention block K/V `[batch, n_kv, T, d_h]` (slot 
 `[batch, conv_dim, K - 1]` in the activation dtype, SSM state `[batch, nh, hd, N]` float32). A `forward` over S
 rows returns a `PendingCache`: K/V with all S rows written, and per Mamba block the state before the call and
 after each row (`[batch, S + 1, ...]`, `mixer(..., keep_states=True)`); `commit(pending, kept)` picks each
-sequence's state after `kept[b]` rows (`select_state`), exactly the state of running only those rows.
+sequence's state after `kept[b]` rows (`select_state`), exactly the state of running only those rows. Memory at
+Nemotron 3 Nano's sizes (23 Mamba blocks, 64 heads x 64 x state 128, float32): 2 MiB of SSM state per block and
+sequence, so a pending cache holds 46 MiB x (S + 1) per sequence (782 MiB for a 16-row verify) while it lives.
 
 Features (`target` package docstring): feature l = the output of block l, except that of the last block, taken
 after `norm_f`; -1 the embedding output; `[batch, S, Lf * H]` shallow to deep, in the embedding's dtype.
