@@ -15,8 +15,8 @@ below minus the checks: "the compilation cache is considered trusted"
 On disk (threat model: docs/errors.md, "The compiled-program cache"): one file per executable in
 `cache_dir()`, named by a hash of its description (the conversion and its input signature; device kind, id
 and platform version; jax and jaxlib versions, XLA_FLAGS; the source of the code that builds it). A file is
-`MAGIC`, the HMAC-SHA256 of the description and the payload under this user's key (`_private.user_key`, a
-random file in the directory), then the payload: the XLA executable as the PJRT client serializes it.
+`MAGIC`, the HMAC-SHA256 of the description and the payload under this user's key bound to the directory
+(`_private.user_key`: a random file kept outside every cache), then the payload: the XLA executable as the PJRT client serializes it.
 Nothing is unpickled: the callable around the executable (`Program`) is rebuilt from the known signature.
 An executable is machine code, so an entry is used only when the directory and the file are this user's
 and nobody else can write them (as ssh and JAX's own cache expect), the file is at most `MAX_ENTRY_BYTES`,
@@ -188,7 +188,7 @@ def _trusted_cache() -> tuple[Path, bytes] | None:
     trustworthy."""
     directory = cache_dir()
     directory = private_directory(directory, _WHAT, CACHE_ENV) if directory else None
-    key = user_key(directory, _WHAT, CACHE_ENV) if directory else None
+    key = user_key(directory, _WHAT) if directory else None
     return (directory, key) if directory and key else None
 
 

@@ -10,13 +10,17 @@ mode 0700 whatever the umask, so that they pass these rules.
 A cache with no usable home (HOME unset, a uid without a passwd entry, `~nosuchuser`) is off, with one
 warning: a relative path would put it under the working directory (a directory named `~`).
 
-The key authenticates entries (HMAC-SHA256): a random `KEY_BYTES`-byte file, created 0600 in the cache
-directory, so that only entries this user's package wrote verify; a cache copied from elsewhere (a "warm
-cache" tarball) or forged over a known digest is never deserialised.
+The key authenticates entries (HMAC-SHA256): a random `KEY_BYTES`-byte file of this user's, created 0600 in the
+private `$XDG_STATE_HOME/dflash_jax` (else `~/.local/state/dflash_jax`), never in a cache, and bound to each cache
+directory (its device, inode and path) by an HMAC: so only entries this user's package wrote into that very
+directory verify. A cache copied or unpacked from elsewhere, with or without a key file of its own (a "warm cache"
+tarball), or forged over a known digest, is never deserialised: it is recompiled.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -34,19 +38,30 @@ _LOCK = threading.Lock()
 def cache_home() -> Path | None:
     """`$XDG_CACHE_HOME` when absolute (the XDG spec ignores a relative one), else `~/.cache`; None (warned once)
     when there is no home directory."""
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    return _xdg("XDG_CACHE_HOME", ".cache")
+
+
+def state_home() -> Path | None:
+    """`$XDG_STATE_HOME` when absolute, else `~/.local/state` (where the key lives, `user_key`); None (warned once)
+    when there is no home directory."""
+    return _xdg("XDG_STATE_HOME", os.path.join(".local", "state"))
+
+
+def _xdg(variable: str, default: str) -> Path | None:
+    """`$variable` when absolute, else `~/default`; None (warned once) without a home directory."""
+    xdg = os.environ.get(variable)
     if xdg and os.path.isabs(xdg):
         return Path(xdg)
-    variable = os.environ.get("HOME")  # set but empty or relative: unusable (expanduser would make "" into "/")
+    configured = os.environ.get("HOME")  # set but empty or relative: unusable (expanduser would make "" into "/")
     # unset: the passwd entry's, else "~" itself (a uid without an entry)
-    home = os.path.expanduser("~") if variable is None or os.path.isabs(variable) else ""
+    home = os.path.expanduser("~") if configured is None or os.path.isabs(configured) else ""
     if not os.path.isabs(home):
         warn_once("home", "dflash_jax: no home directory (HOME unset and no passwd entry for this uid, or HOME "
                           "empty or not an absolute path), so compiled programs are not cached on disk; set "
-                          "XDG_CACHE_HOME to a private directory (or DFLASH_JAX_CACHE_DIR, JAX_COMPILATION_CACHE_DIR "
-                          "for one cache)")
+                          "XDG_CACHE_HOME and XDG_STATE_HOME to private directories (or DFLASH_JAX_CACHE_DIR, "
+                          "JAX_COMPILATION_CACHE_DIR for one cache)")
         return None
-    return Path(home) / ".cache"
+    return Path(home) / default
 
 
 def absolute(configured: str, variable: str) -> Path | None:
@@ -114,10 +129,34 @@ def untrusted(directory: Path) -> str | None:
     return None
 
 
-def user_key(directory: Path, what: str, variable: str) -> bytes | None:
-    """The HMAC key of the private `directory`, created on first use; None (warned once) when the key file there
-    is not a regular 0600 file of this user holding `KEY_BYTES` bytes."""
-    path = directory / KEY_FILE
+def user_key(directory: Path, what: str) -> bytes | None:
+    """The HMAC key of the private cache `directory`: this user's key (module docstring), created on first use, bound
+    to the directory; None (warned once) when the key's directory is not private or the key file is not a regular
+    0600 file of this user holding `KEY_BYTES` bytes."""
+    home = state_home()
+    keys = private_directory(home / "dflash_jax", f"the signing key of {what}", "XDG_STATE_HOME") if home else None
+    if keys is None:
+        return None
+    master = _read_key(keys / KEY_FILE, directory, what, "XDG_STATE_HOME")
+    if master is None:
+        return None
+    try:
+        status = os.stat(directory)
+    except OSError:
+        return None
+    identity = f"{os.getuid()}:{status.st_dev}:{status.st_ino}:{os.path.realpath(directory)}".encode()
+    return hmac.new(master, identity, hashlib.sha256).digest()
+
+
+def key_file() -> Path | None:
+    """Where this user's key lives (`user_key`), or None without a home."""
+    home = state_home()
+    return home / "dflash_jax" / KEY_FILE if home else None
+
+
+def _read_key(path: Path, directory: Path, what: str, variable: str) -> bytes | None:
+    """The key at `path`, created on first use; None (warned once, naming `directory`'s cache) when it is not a
+    regular 0600 file of this user holding `KEY_BYTES` bytes."""
     try:
         if not os.path.lexists(path):
             _create_key(path)

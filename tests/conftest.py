@@ -27,6 +27,8 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 # compiled conversions go to a cache of this run, not the user's (tests that need their own set it themselves)
 os.environ["DFLASH_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash_jax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_CACHE_DIR"], ignore_errors=True)
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="dflash_jax-test-state-")  # the cache's key: the run's own
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], ignore_errors=True)
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 GOLDEN = os.path.join(DATA, "golden")  # copy of the shared PyTorch-reference outputs (README inside)

@@ -223,7 +223,7 @@ def test_an_intact_entry_of_another_program_is_refused_by_its_signature(cache, m
     description = _executables._describe(key)
     payload = f16.read_bytes()[len(_executables.MAGIC) + 32:]
     target = directory / "bf16.jaxexec"
-    secret = _private.user_key(directory, "test", "-")
+    secret = _private.user_key(directory, "test")
     _executables._write_entry(target, secret, description, payload)  # digest right, program wrong
     output = _executables._output("nvfp4", INPUTS, jnp.bfloat16)
     assert _executables._load(target, secret, description, DEVICE, INPUTS, output) is None

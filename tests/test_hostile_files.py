@@ -11,7 +11,9 @@ import json
 import os
 import pwd
 import re
+import shutil
 import stat
+import tarfile
 import warnings
 
 import jax
@@ -37,8 +39,10 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """Nothing compiled in this process, nothing warned about; counts compilations and deserialisations."""
+def fresh(monkeypatch, tmp_path):
+    """Nothing compiled in this process, nothing warned about, a key of this test's own (a test may damage it);
+    counts compilations and deserialisations."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.setattr(_executables, "_COMPILED", {})
     monkeypatch.setattr(_private, "_WARNED", set())
     counts = {"compiled": 0, "deserialised": 0, "read": 0}
@@ -130,6 +134,46 @@ def test_an_entry_from_another_cache_is_never_deserialised(tmp_path, monkeypatch
     assert planted.read_bytes() != theirs.read_bytes()
 
 
+def _their_cache(tmp_path, monkeypatch):
+    """Another user's cache: written under their key (another state home), with their key file beside the entries
+    (where the package kept it before: the key then travelled with every copy)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "their-state"))
+    monkeypatch.setenv(_executables.CACHE_ENV, str(tmp_path / "theirs"))
+    convert()
+    key = tmp_path / "theirs" / _private.KEY_FILE
+    key.write_bytes(_private.key_file().read_bytes())
+    key.chmod(0o600)
+    return tmp_path / "theirs"
+
+
+@pytest.mark.parametrize("how", ["copied over mine", "unpacked from a tarball"])
+def test_a_cache_from_elsewhere_with_its_key_is_recompiled(tmp_path, monkeypatch, fresh, how):
+    """`cp -r theirs/. ~/.cache/dflash_jax/`, or a "warm cache" tarball shipping its key: their entries (same name,
+    this very signature) are never deserialised, since the key that verifies an entry is this user's, kept outside
+    every cache and bound to the cache directory."""
+    theirs = _their_cache(tmp_path, monkeypatch)
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "my-state"))
+    monkeypatch.setenv(_executables.CACHE_ENV, str(mine))
+    if how == "copied over mine":
+        new_process(monkeypatch)
+        convert()  # my own entry first
+        shutil.copytree(theirs, mine, dirs_exist_ok=True)  # their entry (same file name) and key over mine
+    else:
+        with tarfile.open(tmp_path / "warm-cache.tar", "w") as archive:
+            archive.add(theirs, arcname=".")
+        mine.mkdir(mode=0o700)
+        with tarfile.open(tmp_path / "warm-cache.tar") as archive:
+            archive.extractall(mine, filter="fully_trusted")  # as `tar -xpf` would, modes and all
+    (planted,) = entries(mine)
+    assert planted.read_bytes() == entries(theirs)[0].read_bytes()
+    before = dict(fresh)
+    new_process(monkeypatch)
+    convert()
+    assert fresh["read"] == before["read"] == 0 and fresh["compiled"] == before["compiled"] + 1
+    assert planted.read_bytes() != entries(theirs)[0].read_bytes()  # recompiled and replaced
+
+
 def test_an_entry_forged_over_a_keyless_digest_is_never_deserialised(tmp_path, monkeypatch, fresh):
     """Anyone can compute a plain SHA-256 of a description and a payload; the key is what they lack."""
     directory = tmp_path / "cache"
@@ -151,11 +195,11 @@ def test_the_key_is_a_private_file_of_this_user(tmp_path, monkeypatch, fresh):
     directory = tmp_path / "cache"
     monkeypatch.setenv(_executables.CACHE_ENV, str(directory))
     convert()
-    key = directory / _private.KEY_FILE
+    key = _private.key_file()  # kept out of every cache (a copied cache brings no key that verifies it)
     status = os.lstat(key)
     assert stat.S_ISREG(status.st_mode) and stat.S_IMODE(status.st_mode) == 0o600
     assert status.st_uid == os.getuid() and status.st_size == _private.KEY_BYTES
-    assert sorted(p.name for p in directory.iterdir()) == sorted([key.name, entries(directory)[0].name])
+    assert [p.name for p in directory.iterdir()] == [entries(directory)[0].name]
     new_process(monkeypatch)
     convert()  # the same key: the entry is this user's
     assert fresh == {"compiled": 1, "deserialised": 2, "read": 1}
@@ -167,7 +211,7 @@ def test_a_bad_key_file_turns_the_cache_off_with_one_warning(tmp_path, monkeypat
     directory = tmp_path / "cache"
     monkeypatch.setenv(_executables.CACHE_ENV, str(directory))
     convert()
-    key = directory / _private.KEY_FILE
+    key = _private.key_file()
     good = key.read_bytes()
     if bad == "group-readable":
         key.chmod(0o640)
