@@ -17,8 +17,8 @@ On disk (threat model: docs/errors.md, "The compiled-program cache"): one file p
 and platform version; jax and jaxlib versions, XLA_FLAGS; the source of the code that builds it). A file is
 `MAGIC`, the HMAC-SHA256 of the description and the payload under this user's key bound to the directory
 (`_private.user_key`: a random file kept outside every cache), then the payload: the XLA executable as the PJRT
-client serializes it. Nothing is unpickled: the callable around the executable (`Program`) is rebuilt from the known signature.
-An executable is machine code, so an entry is used only when the directory and the file are this user's
+client serializes it. Nothing is unpickled: the callable around the executable (`Program`) is rebuilt from the
+known signature. An executable is machine code, so an entry is used only when the directory and the file are this user's
 and nobody else can write them (as ssh and JAX's own cache expect), the file is at most `MAX_ENTRY_BYTES`,
 its digest matches before anything is deserialised (a damaged or renamed entry, or one this user's package
 did not write, is recompiled and replaced, never run), and the deserialised program has the parameters and
