@@ -18,9 +18,10 @@ from ..hub import HubOptions, resolve
 from .config import TARGET, is_drafter_config, not_a_target
 from .dense import DecoderTarget
 from .family import Family
+from .nemotron_h_target import NemotronHTarget
 from .qwen3_5 import Qwen3_5Target
 
-FAMILIES = MappingProxyType({architecture: family for family in (DecoderTarget, Qwen3_5Target)
+FAMILIES = MappingProxyType({architecture: family for family in (DecoderTarget, Qwen3_5Target, NemotronHTarget)
                              for architecture in family.ARCHITECTURES})
 
 
@@ -36,7 +37,8 @@ def load_target(
     """Load the target its config.json's `architectures` names (`FAMILIES`) from a directory or a hub id, sharded over
     `mesh`, as the family's `from_pretrained` says: `DecoderTarget` for Qwen3ForCausalLM / LlamaForCausalLM,
     `Qwen3_5Target` for Qwen3_5ForCausalLM / Qwen3_5ForConditionalGeneration and the MoE Qwen3_5MoeForCausalLM /
-    Qwen3_5MoeForConditionalGeneration; another architecture is a `ConfigError`."""
+    Qwen3_5MoeForConditionalGeneration, `NemotronHTarget` for NemotronHForCausalLM; another architecture is a
+    `ConfigError`."""
     path = resolve(path, **hub)
     file, raw = read_config_json(path, TARGET)
     names = raw.get("architectures")

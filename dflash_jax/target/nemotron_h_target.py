@@ -1,0 +1,164 @@
+"""The NVIDIA Nemotron-H / Nemotron 3 target (`NemotronHForCausalLM`): the maths of `target.nemotron_h` on the family
+template (`target.family.Family`), as the third family.
+
+What this module adds to the maths: the load (tensors under `backbone.` with `lm_head.weight` beside them, each
+MoE block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs,
+`mtp.*` not read), the mesh layout (`nemotron_h_spec`'s logical axes: attention by heads, experts by their width,
+the Mamba mixer replicated), the cache placed where the layout says, and the jitted `Target` methods, the cache
+donated. The verify's pending cache keeps each Mamba state after every row, and `commit` selects each sequence's
+(`nemotron_h.commit`): a rollback is a selection inside the compiled loop, no replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._shapes import zeros
+from ..plan import TensorPlan, init_leaves, planned
+from ..safetensors import Checkpoint
+from . import PREFILL_CHUNK, FeatureMap, TargetOutput
+from . import nemotron_h as model
+from .family import Family
+from .layout import Layout, make_layout
+from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotron_h_config
+from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
+from .views import TensorViews
+
+STACKS = ("experts.up_proj", "experts.down_proj")  # a MoE block's expert stacks, under its `mixer.`
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, repr=False)
+class NemotronHTarget(Family):
+    """A Nemotron-H hybrid (Mamba-2, MoE, attention, MLP blocks as its config says; `target.nemotron_h`). A pytree
+    (params as leaves; config and layout static). Implements `Target`; loads and shards as every family does."""
+
+    params: dict[str, Any]
+    config: NemotronHConfig = dataclasses.field(metadata=dict(static=True))
+    layout: Layout | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    ARCHITECTURES = ARCHITECTURES
+    PREFIXES = (ROOT,)
+    IGNORED = ("mtp.",)
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], source: str) -> NemotronHConfig:
+        return parse_nemotron_h_config(raw, source=source)
+
+    @classmethod
+    def plan(cls, config: NemotronHConfig, prefix: str = ROOT) -> list[TensorPlan]:
+        """Every tensor, its tree path the HF name with `backbone.` stripped (`lm_head.weight` at the root)."""
+        return [planned(s, s.name, root=ROOT) for s in parameter_spec(config)]
+
+    @classmethod
+    def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str) -> TensorViews:
+        """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`)."""
+        views = TensorViews(checkpoint)
+        for i in config.blocks(MOE):
+            for stack in STACKS:
+                name = f"{prefix}layers.{i}.mixer.{stack}"
+                shape = next(t.shape for t in cls.plan(config) if t.name == name)[1:]
+                views.stack(name, expert_tensors(config, name), shape, f"the {stack.split('.')[-1]} of expert")
+        return views
+
+    @classmethod
+    def layout_for(cls, config: NemotronHConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
+                   source: str) -> Layout:
+        return make_layout(config, mesh, tensor_axis, source)
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"nemotron_h target, {len(c.pattern)} blocks ({c.pattern}), hidden={c.hidden_size}, "
+                f"vocab={c.vocab_size}")
+
+    # --- the Target protocol ----------------------------------------------------------------------------------
+
+    @property
+    def embed(self) -> jax.Array:
+        return self.params["embeddings"]["weight"]
+
+    @property
+    def lm_head(self) -> jax.Array:
+        return model.lm_head(self.params)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.config.pattern)
+
+    def init_cache(self, batch_size: int, max_length: int) -> model.NemotronHCache:
+        """An empty cache for `batch_size` sequences of up to `max_length` positions (`nemotron_h.init_cache`),
+        placed as the layout says."""
+        empty = model.init_cache(self.config, batch_size, max_length, self.embed.dtype)
+        if self.layout is None:
+            return empty
+        layout = self.layout
+
+        def placed(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+            return zeros(x.shape, x.dtype, layout.sharding(axes, batch_size))
+
+        return model.NemotronHCache(
+            tuple(placed(k, KV_AXES) for k in empty.k), tuple(placed(v, KV_AXES) for v in empty.v),
+            tuple(dataclasses.replace(s, conv=placed(s.conv, MAMBA_CONV_AXES), ssm=placed(s.ssm, MAMBA_SSM_AXES))
+                  for s in empty.mamba))
+
+    def __call__(self, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array, *,
+                 layer_ids: tuple[int, ...] = ()) -> TargetOutput:
+        """Run `tokens [batch, S]` at positions `lengths .. lengths + S - 1` after the committed `cache`: float32
+        logits `[batch, S, V]`, the features at `layer_ids` and the pending cache, to be committed with `commit`."""
+        return _forward(self, tokens, (cache.k, cache.v), cache.mamba, lengths, tuple(layer_ids))
+
+    def commit(self, pending: model.PendingCache, kept: jax.Array) -> model.NemotronHCache:
+        """The committed cache after keeping the first `kept [batch]` (0..S) rows of the last `__call__`."""
+        return _commit(pending, kept)
+
+    def prefill(self, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array, *,
+                layer_ids: tuple[int, ...] = (), chunk: int = PREFILL_CHUNK,
+                project: FeatureMap | None = None) -> TargetOutput:
+        """Right-padded prompts `tokens [batch, P]` (`lengths` real tokens) into an empty cache, `chunk` token rows
+        a step over the batch: the features of every row (or `project`'s map of them), the logits of each
+        prompt's last token `[batch, V]` float32, the committed cache."""
+        return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("layer_ids",), donate_argnames=("kv",))
+def _forward(target: NemotronHTarget, tokens: jax.Array, kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
+             mamba: tuple, lengths: jax.Array, layer_ids: tuple[int, ...]) -> TargetOutput:
+    """The K/V caches donated (written in place); the Mamba states not (the pending cache keeps them per row, of
+    other shapes: no buffer to reuse)."""
+    model.check_layer_ids(layer_ids, target.num_layers)
+    cache = model.NemotronHCache(*kv, mamba)
+    logits, features, pending = model.forward(target.params, target.config, tokens, cache, lengths, layer_ids)
+    return TargetOutput(logits, features, pending)
+
+
+def _commit(pending: model.PendingCache, kept: jax.Array) -> model.NemotronHCache:
+    """`nemotron_h.commit`, the Mamba states' selection compiled; the K/V buffers handed on as they are (a jitted
+    pass-through would copy them: they cannot alias the per-row states, which are of other shapes)."""
+    return model.NemotronHCache(pending.k, pending.v, _select(pending.mamba, kept))
+
+
+@jax.jit
+def _select(states: tuple, kept: jax.Array) -> tuple:
+    return model.commit(model.PendingCache((), (), states), kept).mamba
+
+
+@functools.partial(jax.jit, static_argnames=("layer_ids", "chunk"), donate_argnames=("cache",))
+def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array,
+             project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int) -> TargetOutput:
+    model.check_layer_ids(layer_ids, target.num_layers)
+    logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
+                                            project=project)
+    return TargetOutput(logits, features, cache)
+
+
+def random_nemotron_h(config: NemotronHConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16) -> NemotronHTarget:
+    """A target of `config` with random weights drawn on the device (no checkpoint), each tensor by its spec's
+    initialiser: for benchmarks at real sizes and tests."""
+    plan = NemotronHTarget.plan(config)
+    keys = jax.random.split(jax.random.key(seed), len(plan))
+    return NemotronHTarget(params=NemotronHTarget.tree(plan, init_leaves(keys, plan, dtype)), config=config)
