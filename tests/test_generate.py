@@ -94,8 +94,7 @@ def test_greedy_baseline(target, greedy):
 
 
 @pytest.mark.parametrize("preset,draft_length", [("tiny-dflash", "fixed"), ("tiny-dflash2", PLAIN_OFTEN),
-                                                 ("tiny-dspark", "adaptive"), ("tiny-nemotron-dflash", "fixed"),
-                                                 ("tiny-nemotron-dspark", "adaptive")])
+                                                 ("tiny-dspark", "adaptive"), ("tiny-nemotron-dspark", "adaptive")])
 def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length, quick_calibration):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
