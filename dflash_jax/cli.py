@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
+from ._cluster import coordinator_address
 
 if TYPE_CHECKING:
     from .errors import CheckpointError
@@ -173,8 +174,13 @@ def parser() -> argparse.ArgumentParser:
                        help="join a jax.distributed cluster before loading: jax.distributed.initialize(), which "
                             "finds the coordinator, the process count and this process's id on SLURM, Open MPI and "
                             "Kubernetes/Cloud TPU, else from the three flags below (any of them implies --distributed)")
-    hosts.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address (default: $JAX_COORDINATOR_ADDRESS or the cluster's)")
+    hosts.add_argument("--coordinator", type=coordinator_address, default=None, metavar="HOST:PORT",
+                       help="process 0's address, where its coordinator listens (on that address alone) and the "
+                            "others connect; an IPv6 host in brackets (default: $JAX_COORDINATOR_ADDRESS or the "
+                            "cluster's)")
+    hosts.add_argument("--coordinator-timeout", type=positive_int, default=60, metavar="SECONDS",
+                       help="how long to wait for the coordinator and the other processes to join, and to shut "
+                            "down, before giving up with an error (default: 60)")
     hosts.add_argument("--num-processes", type=positive_int, default=None, metavar="P")
     hosts.add_argument("--process-id", type=non_negative_int, default=None, metavar="I")
     rule = v.add_argument_group("the drafter's attention rule (default: the config's; docs/references.md)")
@@ -477,6 +483,8 @@ def generate(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
 
+    from ._cluster import check_same_models, join
+    from .errors import CheckpointError, ConfigError
     from .generate import speculative_generate
     from .loader import load_drafter
     from .model import AttentionOptions
@@ -490,14 +498,23 @@ def generate(args: argparse.Namespace) -> int:
         x is not None for x in (args.coordinator, args.num_processes, args.process_id))
     if distributed:
         native_output_to_stderr()
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        join(args.coordinator, args.num_processes, args.process_id, args.coordinator_timeout)
         check_same_arguments(args)
     mesh = tensor_parallel_mesh(args.tensor_parallel)
-    target = load_target(args.target, mesh=mesh, dtype=dtype, revision=args.target_revision,
-                         cache_dir=args.cache_dir)
-    check_ids(target.config, args)
-    drafter = load_drafter(args.drafter, mesh=mesh, dtype=dtype, revision=args.drafter_revision,
-                           cache_dir=args.cache_dir)
+    try:
+        target = load_target(args.target, mesh=mesh, dtype=dtype, revision=args.target_revision,
+                             cache_dir=args.cache_dir)
+        if not distributed:  # across processes: once every process is known to hold the same target
+            check_ids(target.config, args)
+        drafter = load_drafter(args.drafter, mesh=mesh, dtype=dtype, revision=args.drafter_revision,
+                               cache_dir=args.cache_dir)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+        if not distributed:
+            raise
+        check_same_models(None, e)  # raises: the others learn that this process failed, and stop too
+    if distributed:
+        check_same_models((target.config, drafter.config), None)
+        check_ids(target.config, args)
     if args.confidence_threshold and "confidence_head" not in drafter.params:
         raise ValueError(f"--confidence-threshold {args.confidence_threshold}: this {drafter.config.family} drafter "
                          "has no confidence head (DSpark drafters with enable_confidence_head have one)")
