@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -33,15 +34,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(commands: list[list[str]], env: dict[str, str] | None = None) -> list[tuple[int, str, str]]:
+def launch(commands: list[list[str]], env: dict[str, str] | None = None,
+           timeout: float = 300) -> list[tuple[int, str, str]]:
     """Run one process per command at once, this checkout's package first on the path: `(status, stdout, stderr)`
-    of each."""
+    of each (subprocess.TimeoutExpired after `timeout` seconds)."""
     env = {**{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, **(env or {})}  # XLA_FLAGS: the
     env["PYTHONPATH"] = ROOT  # conftest's compile flags; this checkout's package, whatever is installed
     procs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for command in commands]
     try:
-        outputs = [proc.communicate(timeout=300) for proc in procs]
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
         return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
     finally:
         for proc in procs:
@@ -117,7 +119,6 @@ def test_generate_across_two_processes(checkpoints, greedy_tokens):
     assert out0 == ",".join(map(str, expected)) + "\n" and 127 not in expected
 
 
-
 def test_processes_given_different_prompts_are_refused(monkeypatch):
     """`check_same_arguments` names the flag that differs, and lets paths differ. The all-gather is a stand-in (the
     run above gathers for real) that pairs this process's hashes with another process's."""
@@ -138,3 +139,77 @@ def test_processes_given_different_prompts_are_refused(monkeypatch):
         other = parsed(*flags)
         with pytest.raises(ValueError, match=f"{name} differs between this process and process 1: every process"):
             check_same_arguments(parsed())
+
+
+CPU_ENV = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": ""}
+
+
+def error_lines(stderr: str) -> list[str]:
+    assert "Traceback" not in stderr and "Check failure" not in stderr, stderr[-3000:]
+    return [line for line in stderr.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("address", [":1234", "http://127.0.0.1:1", "localhost", "127.0.0.1:notaport"])
+def test_bad_coordinator_is_refused_before_anything_starts(address):
+    """A --coordinator that is not HOST:PORT is argparse's error, naming the flag, before JAX starts (it used to
+    be a traceback, or JAX's 300 s wait and a C++ abort)."""
+    [(status, out, err)] = launch([[sys.executable, "-m", "dflash_jax", "generate", "t", "d", "--prompt-ids", "1",
+                                    "--coordinator", address, "--num-processes", "2", "--process-id", "1"]],
+                                  CPU_ENV, timeout=30)
+    [line] = error_lines(err)
+    assert status == 2 and out == "" and "argument --coordinator:" in line and repr(address) in line, err
+
+
+def test_unreachable_coordinator_is_an_error_within_the_timeout():
+    """Process 1 with nothing listening at the coordinator's address gives up after --coordinator-timeout with
+    one error line (JAX alone would abort the process with a C++ stack after its own 300 s)."""
+    address = f"127.0.0.1:{free_port()}"  # a loopback port nothing listens on
+    start = time.monotonic()
+    [(status, out, err)] = launch([[sys.executable, "-m", "dflash_jax", "generate", "t", "d", "--prompt-ids", "1",
+                                    "--coordinator", address, "--num-processes", "2", "--process-id", "1",
+                                    "--coordinator-timeout", "3"]], CPU_ENV, timeout=30)
+    elapsed = time.monotonic() - start
+    [line] = error_lines(err)
+    assert status == 2 and out == "" and elapsed < 15, (status, elapsed, err)
+    assert line.startswith(f"error: --coordinator {address}: no coordinator answered within 3 s"), line
+
+
+@pytest.fixture(scope="module")
+def other_target(tmp_path_factory) -> str:
+    """The tp target's config with a smaller vocabulary: it loads, and the prompt below is outside it."""
+    from dflash_jax._qwen3_testing import _TINY_QWEN3
+
+    path = tmp_path_factory.mktemp("other") / "target"
+    write_qwen3_checkpoint(path, {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8, "vocab_size": 64},
+                           dtype="float32")
+    return str(path)
+
+
+def two_generates(drafter: str, targets: list[str]) -> list[tuple[int, str, str]]:
+    """`dflash-jax generate` in two processes (one CPU device each) loading `targets[i]`; bounded: 45 s."""
+    port = str(free_port())
+    return launch([[sys.executable, "-m", "dflash_jax", "generate", target, drafter, "--prompt-ids", "5,17,99,3",
+                    "--max-new-tokens", "2", "--dtype", "float32", "--coordinator", f"127.0.0.1:{port}",
+                    "--num-processes", "2", "--process-id", str(i), "--coordinator-timeout", "20"]
+                   for i, target in enumerate(targets)], CPU_ENV, timeout=45)
+
+
+def test_processes_loading_different_models_all_stop(checkpoints, other_target):
+    """Targets of different configs are refused in every process, each naming the mismatch (process 1 used to
+    refuse the prompt alone, outside its vocabulary, and process 0 to wait for it for ever)."""
+    drafter, target = checkpoints
+    for i, (status, out, err) in enumerate(two_generates(drafter, [target, other_target])):
+        [line] = error_lines(err)
+        assert status == 2 and out == "", (i, status, err[-3000:])
+        assert line == (f"error: the target's config differs between this process and process {1 - i}: every "
+                        "process of a --distributed run must load the same target and drafter"), line
+
+
+def test_a_process_that_cannot_load_stops_the_others(checkpoints, tmp_path):
+    """Process 1's target path does not exist: it reports that, and process 0 stops too, with one error line."""
+    drafter, target = checkpoints
+    (status0, out0, err0), (status1, out1, err1) = two_generates(drafter, [target, str(tmp_path / "none")])
+    [line0], [line1] = error_lines(err0), error_lines(err1)
+    assert status0 == status1 == 2 and out0 == out1 == "", err0[-3000:] + err1[-3000:]
+    assert line0.startswith("error: process 1 failed to load its models (its own error line says why)"), line0
+    assert "no such file or directory" in line1 and "none" in line1, line1
