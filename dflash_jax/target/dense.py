@@ -57,7 +57,7 @@ from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, mapped
 from .config import ARCHITECTURES as DECODER_ARCHITECTURES
 from .config import DecoderConfig, Qwen3Config, not_a_target, parse_decoder_config
 from .family import Family
-from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
+from .layout import CACHE_AXES, ROWS_AXES, Layout
 from .steps import cached_attention, check_layer_ids, prefill_chunks
 
 log = logging.getLogger("dflash_jax")
@@ -164,11 +164,6 @@ class DecoderTarget(Family):
     @classmethod
     def plan(cls, config: DecoderConfig, prefix: str = "model.") -> list[TensorPlan]:
         return plan_decoder(config)
-
-    @classmethod
-    def layout_for(cls, config: DecoderConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
-                   source: str) -> Layout:
-        return make_layout(config, mesh, tensor_axis, source)
 
     def describe(self) -> str:
         c = self.config

@@ -37,7 +37,7 @@ from ..plan import TensorPlan, build_tree, check_tensors
 from ..safetensors import Checkpoint
 from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
 from .config import TARGET, is_drafter_config, not_a_target
-from .layout import Layout
+from .layout import Layout, make_layout
 
 log = logging.getLogger("dflash_jax")
 
@@ -80,7 +80,9 @@ class Family(HFTarget):
 
     @classmethod
     def layout_for(cls, config: Any, mesh: jax.sharding.Mesh, tensor_axis: str | None, source: str) -> Layout:
-        raise NotImplementedError
+        """`layout.make_layout`: the heads, the vocabulary and the MLP split over the tensor axis; a family with
+        more to split checks it too."""
+        return make_layout(config, mesh, tensor_axis, source)
 
     @classmethod
     def views(cls, checkpoint: Checkpoint, config: Any, prefix: str) -> Any:

@@ -24,7 +24,7 @@ from ..safetensors import Checkpoint
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
-from .layout import Layout, make_layout
+from .layout import Layout
 from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotron_h_config
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
 from .views import TensorViews
@@ -65,11 +65,6 @@ class NemotronHTarget(Family):
                 shape = next(t.shape for t in cls.plan(config) if t.name == name)[1:]
                 views.stack(name, expert_tensors(config, name), shape, f"the {stack.split('.')[-1]} of expert")
         return views
-
-    @classmethod
-    def layout_for(cls, config: NemotronHConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
-                   source: str) -> Layout:
-        return make_layout(config, mesh, tensor_axis, source)
 
     def describe(self) -> str:
         c = self.config
