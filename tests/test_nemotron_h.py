@@ -36,7 +36,7 @@ from dflash_jax.target.nemotron_h_spec import ROOT, expert_tensors, parameter_sp
 from ._pallas import needs_mosaic_interpreter
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "nemotron_h")
-REAL = "/work/shared/configs/nvidia-nemotron-3.5-lightning-30b-a3b-nvfp4-target.json"
+REAL = os.path.join(DATA, "nvidia-nemotron-3.5-lightning-30b-a3b-nvfp4-config.json")  # the released target's
 ALL = tuple(range(-1, 8))  # every feature: the embedding output, then blocks 0..7 (the last after norm_f)
 PROMPT = 9  # the prefill's padded width
 SEQ = 13  # the reference's sequence length
