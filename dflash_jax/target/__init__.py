@@ -75,6 +75,13 @@ def mapped(project: FeatureMap | None, features: jax.Array) -> jax.Array:
     return features if project is None else project(features)
 
 
+def check_layer_ids(layer_ids: tuple[int, ...], n: int) -> None:
+    """A `ValueError` for a feature layer id outside `[-1, n)` for an `n`-layer target (-1: the embedding output)."""
+    for l in layer_ids:
+        if not -1 <= l < n:
+            raise ValueError(f"target layer id {l} is outside [-1, {n - 1}] for a {n}-layer target")
+
+
 @runtime_checkable
 class Target(Protocol):
     """A causal LM that `speculative_generate` can verify drafts with.

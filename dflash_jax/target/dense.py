@@ -53,12 +53,12 @@ from ..plan import TensorPlan, planned
 from ..rope import rope_tables
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from ..tuning import on_gpu, tuning
-from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, mapped
+from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, check_layer_ids, mapped
 from .config import ARCHITECTURES as DECODER_ARCHITECTURES
 from .config import DecoderConfig, Qwen3Config, not_a_target, parse_decoder_config
 from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout
-from .steps import cached_attention, check_layer_ids, prefill_chunks
+from .steps import cached_attention, prefill_chunks
 
 log = logging.getLogger("dflash_jax")
 

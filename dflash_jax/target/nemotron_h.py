@@ -69,7 +69,7 @@ from .._precision import dot
 from .._shapes import chunked
 from ..attention import KeyValues, LayerRule, Span, attend, span_capacity, write_slots
 from ..layers import linear, lm_logits
-from . import FeatureMap, mapped
+from . import FeatureMap, check_layer_ids, mapped
 from .mamba2 import Mamba2State, empty_state, mixer, select_state
 from .nemotron_h_config import ATTENTION, MAMBA, MOE, NemotronHConfig
 
@@ -248,13 +248,6 @@ ONE_DEVICE = Ops()  # the defaults: plain XLA on one device, importing no kernel
 # --------------------------------------------------------------------------------------------------------------
 # The model
 # --------------------------------------------------------------------------------------------------------------
-
-
-def check_layer_ids(layer_ids: tuple[int, ...], n: int) -> None:
-    """A `ValueError` for a feature layer id outside `[-1, n)` (-1: the embedding output)."""
-    for l in layer_ids:
-        if not -1 <= l < n:
-            raise ValueError(f"target layer id {l} is outside [-1, {n - 1}] for a {n}-block target")
 
 
 def lm_head(params: Params) -> jax.Array:

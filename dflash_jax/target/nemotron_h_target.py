@@ -59,11 +59,12 @@ class NemotronHTarget(Family):
     def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str) -> TensorViews:
         """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`)."""
         views = TensorViews(checkpoint)
+        shapes = {t.name: t.shape for t in cls.plan(config, prefix)}
         for i in config.blocks(MOE):
             for stack in STACKS:
                 name = f"{prefix}layers.{i}.mixer.{stack}"
-                shape = next(t.shape for t in cls.plan(config) if t.name == name)[1:]
-                views.stack(name, expert_tensors(config, name), shape, f"the {stack.split('.')[-1]} of expert")
+                views.stack(name, expert_tensors(config, name), shapes[name][1:],
+                            f"the {stack.split('.')[-1]} of expert")
         return views
 
     def describe(self) -> str:
@@ -124,8 +125,7 @@ class NemotronHTarget(Family):
 def _forward(target: NemotronHTarget, tokens: jax.Array, kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]],
              mamba: tuple, lengths: jax.Array, layer_ids: tuple[int, ...]) -> TargetOutput:
     """The K/V caches donated (written in place); the Mamba states not (the pending cache keeps them per row, of
-    other shapes: no buffer to reuse)."""
-    model.check_layer_ids(layer_ids, target.num_layers)
+    other shapes: no buffer to reuse). The layer ids are checked by `nemotron_h.blocks`."""
     cache = model.NemotronHCache(*kv, mamba)
     logits, features, pending = model.forward(target.params, target.config, tokens, cache, lengths, layer_ids)
     return TargetOutput(logits, features, pending)
@@ -145,7 +145,6 @@ def _select(states: tuple, kept: jax.Array) -> tuple:
 @functools.partial(jax.jit, static_argnames=("layer_ids", "chunk"), donate_argnames=("cache",))
 def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array,
              project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int) -> TargetOutput:
-    model.check_layer_ids(layer_ids, target.num_layers)
     logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
                                             project=project)
     return TargetOutput(logits, features, cache)

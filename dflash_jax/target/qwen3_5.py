@@ -61,7 +61,7 @@ from ..plan import TensorPlan, planned
 from ..rope import Rope, apply_rope, rope_tables
 from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
-from . import PREFILL_CHUNK, FeatureMap, TargetOutput
+from . import PREFILL_CHUNK, FeatureMap, TargetOutput, check_layer_ids
 from .delta_net import (
     CONV,
     CONV_AXES,
@@ -80,7 +80,7 @@ from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
 from .moe import moe_block, moe_parameter_spec
 from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qwen3_5Config, parse_qwen3_5_config
-from .steps import cached_attention, check_layer_ids, prefill_chunks
+from .steps import cached_attention, prefill_chunks
 from .views import Fused, TensorViews, fuse
 
 log = logging.getLogger("dflash_jax")

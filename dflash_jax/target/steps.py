@@ -1,5 +1,5 @@
 """The forward pieces every target family shares: a layer's attention over its KV cache (under `shard_map` on a
-mesh), the chunked prefill of right-padded prompts, the check of the feature layer ids.
+mesh), the chunked prefill of right-padded prompts.
 
 Pure model code over arrays and a `Layout` (where a mesh splits them): no checkpoint I/O.
 """
@@ -20,13 +20,6 @@ from . import FeatureMap, mapped
 from .layout import CACHE_AXES, Layout
 
 CAUSAL = LayerRule(causal=True, window=None)
-
-
-def check_layer_ids(layer_ids: tuple[int, ...], N: int) -> None:
-    """A `ValueError` for a feature layer id outside `[-1, N)` (-1: the embedding output)."""
-    for l in layer_ids:
-        if not -1 <= l < N:
-            raise ValueError(f"target layer id {l} is outside [-1, {N - 1}] for a {N}-layer target")
 
 
 def cached_attention(layout: Layout | None, num_heads: int, q: jax.Array, k: jax.Array, v: jax.Array, past_k: jax.Array,
