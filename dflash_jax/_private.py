@@ -133,11 +133,10 @@ def user_key(directory: Path, what: str) -> bytes | None:
     """The HMAC key of the private cache `directory`: this user's key (module docstring), created on first use, bound
     to the directory; None (warned once) when the key's directory is not private or the key file is not a regular
     0600 file of this user holding `KEY_BYTES` bytes."""
-    home = state_home()
-    keys = private_directory(home / "dflash_jax", f"the signing key of {what}", "XDG_STATE_HOME") if home else None
-    if keys is None:
+    path = key_file()
+    if path is None or private_directory(path.parent, f"the signing key of {what}", "XDG_STATE_HOME") is None:
         return None
-    master = _read_key(keys / KEY_FILE, directory, what, "XDG_STATE_HOME")
+    master = _read_key(path, directory, what)
     if master is None:
         return None
     try:
@@ -154,7 +153,7 @@ def key_file() -> Path | None:
     return home / "dflash_jax" / KEY_FILE if home else None
 
 
-def _read_key(path: Path, directory: Path, what: str, variable: str) -> bytes | None:
+def _read_key(path: Path, directory: Path, what: str) -> bytes | None:
     """The key at `path`, created on first use; None (warned once, naming `directory`'s cache) when it is not a
     regular 0600 file of this user holding `KEY_BYTES` bytes."""
     try:
@@ -175,7 +174,7 @@ def _read_key(path: Path, directory: Path, what: str, variable: str) -> bytes | 
         problem = f"cannot use its key file {path} ({e.strerror or e})"
     if problem is None:
         return key
-    _not_using(str(path), directory, what, problem, f"Set {variable} to another private directory")
+    _not_using(str(path), directory, what, problem, "Set XDG_STATE_HOME to another private directory")
     return None
 
 
