@@ -23,8 +23,7 @@ PROBE_PAUSE = 0.2
 def coordinator_address(text: str) -> str:
     """argparse type of `--coordinator`: HOST:PORT (an IPv6 host in brackets, `[::1]:1234`), port 1-65535;
     returned as given."""
-    host, port = split_address(text)
-    del host, port
+    split_address(text)
     return text
 
 

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
-from ._cluster import coordinator_address
+from ._cluster import coordinator_address, digest
 
 if TYPE_CHECKING:
     from .errors import CheckpointError
@@ -575,13 +575,10 @@ def check_same_arguments(args: argparse.Namespace) -> None:
 
 
 def argument_digests(args: argparse.Namespace):
-    """`[flags, 8]` uint8: the first 8 bytes of a SHA-256 of each `SAME_EVERYWHERE` flag's value."""
-    import hashlib
-
+    """`[flags, 8]` uint8: the digest (`_cluster.digest`) of each `SAME_EVERYWHERE` flag's value."""
     import numpy as np
 
-    return np.stack([np.frombuffer(hashlib.sha256(repr(getattr(args, name)).encode()).digest()[:8], np.uint8)
-                     for name in SAME_EVERYWHERE])
+    return np.stack([digest(repr(getattr(args, name))) for name in SAME_EVERYWHERE])
 
 
 def tensor_parallel_mesh(size: int | None):
