@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, Unpack
+from typing import Any, Literal, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,12 @@ from .hub import HubOptions, resolve
 from .placement import WEIGHTS, place_all
 from .plan import TensorPlan, build_tree, open_checked, warn_unexpected
 from .safetensors import Checkpoint
+from .spec import OWN_EMBED, OWN_HEAD
 from .validate import check_d2t_present, check_tensor_values
 
 log = logging.getLogger("dflash_jax")
+EMBEDDINGS = ("own", "target")  # `load_drafter(embeddings=...)`: a shipped embedding / LM head used, or the target's
+SHIPPED_HEADS = (OWN_EMBED, OWN_HEAD)  # the tree roots `embeddings="target"` leaves unread
 
 
 def load_config(path: str | os.PathLike[str], **hub: Unpack[HubOptions]) -> DflashConfig:
@@ -49,6 +52,7 @@ def load_drafter(
     dtype: jnp.dtype = jnp.bfloat16,
     progress: bool | None = None,
     weights: str = "dequantized",
+    embeddings: Literal["own", "target"] = "own",
     **hub: Unpack[HubOptions],
 ) -> Drafter:
     """Load a DFlash / DFlash2 / DSpark drafter checkpoint directory, or a Hugging Face hub id (`hub`:
@@ -61,7 +65,10 @@ def load_drafter(
     checkpoint without quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is
     replicated over it (`NamedSharding(mesh, P())`); without, it lands on the default device. Under a
     multi-process runtime each process reads and places only its own devices' copies. `progress`: a progress
-    bar (None: only on a terminal).
+    bar (None: only on a terminal). `embeddings`: a checkpoint that ships its own `embed_tokens` / `lm_head`
+    (DeepSpec DSpark, NVIDIA's Nemotron drafters) drafts with them (`"own"`, what the families' authors run), or
+    leaves them unread so the target's are attached (`"target"`, what SGLang runs for DeepSpec's DSpark drafters;
+    docs/loading.md "Which embedding").
 
     Raises `ValueError` naming the argument for a `dtype` that is not bfloat16, float16 or float32 (float64
     with x64 enabled), a `weights` that is not "dequantized" or "packed", or a `mesh` that is not a non-empty
@@ -71,6 +78,9 @@ def load_drafter(
     dtype = check_load_arguments("load_drafter", dtype, mesh)
     if weights not in WEIGHTS:
         raise ValueError(f"load_drafter: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
+    if embeddings not in EMBEDDINGS:
+        raise ValueError(f"load_drafter: embeddings={embeddings!r}; expected one of "
+                         f"{', '.join(map(repr, EMBEDDINGS))}")
     path = resolve(path, **hub)
     if os.path.isfile(path):  # a config.json (or another file) would be opened as a safetensors file
         raise ConfigError(f"{path}: a file, not a directory; load_drafter expected the checkpoint directory "
@@ -78,10 +88,14 @@ def load_drafter(
     with open_checked(path, load_config(path)) as checked:
         checkpoint, config, plan, packed = checked
         check_d2t_present(config, plan, checkpoint)
+        shipped = [t.name for t in plan if t.path[0] in SHIPPED_HEADS] if embeddings == "target" else []
+        plan = [t for t in plan if t.name not in shipped]
+        packed = packed - frozenset(shipped)
         if weights == "packed" and not packed:
             log.info("%s: weights='packed' but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path)
         leaves = check_and_place(path, plan, checkpoint, packed, vocab_size=config.vocab_size, mesh=mesh, dtype=dtype,
-                                 progress=progress, weights=weights)
+                                 progress=progress, weights=weights,
+                                 ignored=tuple(name.removesuffix("weight") for name in shipped))
     params = build_tree(plan, leaves)
     log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=weights))
     return Drafter(params=params, config=config)

@@ -14,12 +14,20 @@ so every such pairing is refused here with both values named:
   stated `num_target_layers` is the target's layer count;
 - rollback: the target has `commit` (`Target`), so a verify that rejects drafts can be undone.
 
+A drafter that ships its own `embed_tokens` / `lm_head` as frozen copies of its training target's (DeepSpec's
+DSpark drafters) and finds the target's different is warned about, not refused (`warn_shipped_heads_differ`):
+the references disagree on which to use there, and either keeps the output the target's.
+
 Prompt lengths against `max_position_embeddings` are checked per call (`generate._check_positions`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from .drafter import Drafter
 from .errors import IncompatiblePairError
@@ -73,3 +81,37 @@ def check_pair(target: Any, drafter: Drafter, *, where: str = "speculative_gener
     outside = [l for l in c.checked_target_layer_ids if not -1 <= l < N]
     if outside:
         refuse(f"target_layer_ids {list(c.checked_target_layer_ids)} name layers {outside} outside [-1, {N - 1}]")
+    warn_shipped_heads_differ(target, drafter, where)
+
+
+@jax.jit
+def _equal(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.array_equal(a, b.astype(a.dtype))  # one fused reduction, no [V, H] mask in memory
+
+
+def warn_shipped_heads_differ(target: Any, drafter: Drafter, where: str) -> None:
+    """Warn when the drafter's own `embed_tokens` / `lm_head` differ from the target's.
+
+    DeepSpec trains them as frozen copies of the target's (`initialize_embeddings_and_head(freeze=True)`), so a
+    difference means the drafter was trained for another target or revision. Its evaluator then drafts with the
+    shipped ones, as this package does; SGLang's DSpark loader skips them and uses the target's
+    (`load_drafter(embeddings="target")`). NVIDIA's Nemotron drafters declare their embedding (`has_embed_tokens`),
+    and every reference uses it: no warning. A packed target head is not compared (it cannot equal a BF16 copy).
+    """
+    if drafter.config.has_embed_tokens:
+        return
+    differ = []
+    targets = {"embed_tokens": getattr(target, "embed", None), "lm_head": getattr(target, "lm_head", None)}
+    for name, theirs in targets.items():
+        own = drafter.params.get(name)
+        if own is None or not isinstance(theirs, jax.Array) or own["weight"].shape != theirs.shape:
+            continue
+        if not bool(_equal(own["weight"], theirs)):
+            differ.append(name)
+    if differ:
+        warnings.warn(
+            f"{where}: the drafter's own {' and '.join(differ)} differ from the target's; DeepSpec trains them as "
+            "frozen copies of its target's, so this drafter was trained for another target or revision. Drafting "
+            "uses the drafter's own, as DeepSpec's evaluator does; load_drafter(..., embeddings='target') uses the "
+            "target's, as SGLang does. The output is the target's either way; only acceptance changes.",
+            stacklevel=4)  # the caller of speculative_generate

@@ -5,6 +5,7 @@ even when the check is bypassed. Every compatible pair returns the target's gree
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax.numpy as jnp
 import pytest
@@ -143,3 +144,47 @@ def test_every_compatible_pair_is_lossless(target, greedy, family, seed):
     check_pair(target, drafter)
     assert speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW,
                                 draft_length="fixed").tokens == greedy
+
+
+# --- which embedding a drafter that ships its own uses (docs/loading.md "Which embedding") ---------------------
+
+
+@pytest.fixture(scope="module")
+def own_heads_dir(tmp_path_factory):
+    """A DeepSpec-style DSpark checkpoint whose own embed_tokens / lm_head are random, not the target's copies."""
+    directory = tmp_path_factory.mktemp("own_heads")
+    write_checkpoint(directory, "tiny-dspark", seed=5, own_embeddings=True)
+    return directory
+
+
+def test_shipped_heads_unlike_the_targets_are_named_in_a_warning(target, own_heads_dir, greedy):
+    drafter = load_drafter(own_heads_dir, dtype=jnp.float32)
+    with pytest.warns(UserWarning, match=r"own embed_tokens and lm_head differ from the target's.*embeddings='target'"):
+        tokens = speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW, draft_length="fixed").tokens
+    assert tokens == greedy
+
+
+def test_shipped_heads_equal_to_the_targets_raise_no_warning(target, own_heads_dir):
+    drafter = load_drafter(own_heads_dir, dtype=jnp.float32)
+    params = {**drafter.params, "embed_tokens": {"weight": target.embed}, "lm_head": {"weight": target.lm_head}}
+    copies = dataclasses.replace(drafter, params=params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_pair(target, copies)
+    with pytest.warns(UserWarning, match="own lm_head differ"):  # one head unlike the target's is named alone
+        check_pair(target, dataclasses.replace(copies, params={**params, "lm_head": drafter.params["lm_head"]}))
+
+
+def test_embeddings_target_leaves_the_shipped_heads_unread_and_attaches_the_targets(target, own_heads_dir, greedy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "unexpected tensors" warning for the heads left unread
+        drafter = load_drafter(own_heads_dir, dtype=jnp.float32, embeddings="target")
+        assert "embed_tokens" not in drafter.params and "lm_head" not in drafter.params
+        check_pair(target, drafter)
+    assert speculative_generate(target, drafter, PROMPT, max_new_tokens=MAX_NEW,
+                                draft_length="fixed").tokens == greedy
+
+
+def test_embeddings_takes_own_or_target_only(own_heads_dir):
+    with pytest.raises(ValueError, match=r"load_drafter: embeddings='shared'; expected one of 'own', 'target'"):
+        load_drafter(own_heads_dir, embeddings="shared")  # type: ignore[arg-type]
