@@ -1,12 +1,19 @@
-"""Speculative decoding with a Qwen3.5/3.6 hybrid target (Gated DeltaNet + gated attention, dense or MoE) on one GPU.
+"""Speculative decoding with a hybrid target on one GPU: Qwen3.5/3.6 (Gated DeltaNet + gated attention, dense or
+MoE) and NVIDIA Nemotron-H (Mamba-2 + MoE + attention).
 
-Targets, random bf16 weights at the real shapes, rebuilt by `successor_qwen3_5` so that their greedy next token
-follows a fixed map of the last token (every layer still runs at full size):
+Targets, random bf16 weights at the real shapes, rebuilt (`successor_qwen3_5`, `successor_nemotron_h`) so that
+their greedy next token follows a fixed map of the last token (every layer still runs at full size):
 
 - `35B-A3B`: Qwen3.5/3.6-35B-A3B (40 layers, 30 Gated DeltaNet + 10 gated attention, hidden 2048, 256 experts,
   8 per token, a gated shared expert; about 70 GB), with z-lab Qwen3.6-35B-A3B-DFlash (tf5) drafter shapes;
 - `27B`: the dense hybrid Qwen3.5/3.6-27B (64 layers, hidden 5120; about 54 GB), with RadixArk Qwen3.8-27B-DSpark
-  drafter shapes.
+  drafter shapes;
+- `nemotron-3.5-lightning`: NVIDIA-Nemotron-3.5-Lightning-30B-A3B (52 blocks: 23 Mamba-2, 23 MoE with 128 relu^2
+  experts, 6 per token, and a shared expert, 6 attention; hidden 2688; about 62 GB), with the shapes of NVIDIA's
+  Nemotron 3.5 Lightning DSpark drafter (its BF16 form).
+
+`--layers N` keeps the first N layers (blocks) of the target: the per-layer costs and the floor ratio at a size
+that fits the GPU at hand (the tables say so).
 
 Runs: `greedy` (the target alone), `full acceptance` (a DSpark drafter of the pairing's backbone whose Markov
 head walks the target's map: every draft accepted) and `zero acceptance` (walking another map: none), every draft
@@ -15,8 +22,9 @@ prefill seconds, decode tokens/s, the speedup over greedy, peak device memory; e
 checked against greedy's. Floors, from the bytes a greedy step must read at the read rate of a `jnp.sum` over
 4 GiB measured in the same run: the non-expert weights, the routed experts (distinct experts of the batch's
 tokens under uniform routing, which random router weights give: `E (1 - (1 - k/E)^batch)` a layer), the KV rows
-of the full-attention layers and the delta-net states (read and written, float32). Part `step` times, at
-batch 1 and the shortest prompt, a greedy step, a 17-row verify, and `commit` alone: rollback against verify.
+of the attention layers and the recurrent states (delta-net or Mamba-2 conv and SSM states, read and written).
+Part `step` times, at batch 1 and the shortest prompt, a greedy step, a 17-row verify, and `commit` alone:
+rollback against verify.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/hybrid_decode.py --targets 35B-A3B --json out.json
     python benchmarks/hybrid_decode.py --small      # tiny shapes, a CPU check of the script (tests run it)
@@ -52,11 +60,14 @@ from timing import call_seconds, print_row, read_rate  # noqa: E402
 from dflash_jax import tuning  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.target.nemotron_h_config import parse_nemotron_h_config  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
     preset_dict,
     random_drafter,
+    random_nemotron_h,
     random_qwen3_5,
     successor_drafter,
+    successor_nemotron_h,
     successor_qwen3_5,
 )
 
@@ -75,7 +86,24 @@ TARGETS = {
     "27B": ({**_HYBRID, "hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
              "num_attention_heads": 24, "num_key_value_heads": 4, "linear_num_value_heads": 48},
             "radixark-qwen3.8-27b-dspark"),
+    # the released config.json's fields that shape the model (tests/data/nemotron_h holds all of it)
+    "nemotron-3.5-lightning": ({"model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+                                "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+                                "num_hidden_layers": 52, "vocab_size": 131072, "hidden_size": 2688,
+                                "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+                                "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8,
+                                "conv_kernel": 4, "expand": 2, "chunk_size": 128, "n_routed_experts": 128,
+                                "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+                                "moe_shared_expert_intermediate_size": 3712, "routed_scaling_factor": 2.5,
+                                "intermediate_size": 1856, "max_position_embeddings": 1048576,
+                                "tie_word_embeddings": False, "mamba_ssm_cache_dtype": "float32"},
+                               "nvidia-nemotron-3.5-lightning-dspark-nvfp4"),
 }
+NEMOTRON_SMALL = {"hybrid_override_pattern": "ME*M", "num_hidden_layers": 4, "vocab_size": 256, "hidden_size": 64,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 8,
+                  "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "chunk_size": 16, "n_routed_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+                  "max_position_embeddings": 4096}
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "full_attention_interval": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "vocab_size": 256, "intermediate_size": 128,
@@ -89,20 +117,43 @@ def peak_gb() -> float:
 
 
 def nbytes(tree) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(tree))
+    """Bytes of every array (or `ShapeDtypeStruct`) in `tree`."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def target_config(name: str, small: bool) -> dict:
+def is_nemotron(raw: dict) -> bool:
+    return raw["model_type"] == "nemotron_h"
+
+
+def target_config(name: str, small: bool, layers: int | None) -> dict:
+    """The target's config: `small` for tiny shapes, `layers` to keep only its first layers."""
     raw = copy.deepcopy(TARGETS[name][0])
     if small:
-        raw |= {k: v for k, v in SMALL.items() if "expert" not in k or "num_experts" in raw}  # MoE sizes: MoE only
+        raw |= NEMOTRON_SMALL if is_nemotron(raw) else {
+            k: v for k, v in SMALL.items() if "expert" not in k or "num_experts" in raw}  # MoE sizes: MoE only
+    if layers is not None:
+        raw["num_hidden_layers"] = layers
+        if is_nemotron(raw):
+            raw["hybrid_override_pattern"] = raw["hybrid_override_pattern"][:layers]
     return raw
 
 
+def make_target(raw: dict, successor, small: bool):
+    """Random weights, rebuilt to follow `successor`. --small: one compiled program draws every weight (eager,
+    each shape's ops compile apart: seconds on a CPU)."""
+    if is_nemotron(raw):
+        draw = functools.partial(random_nemotron_h, parse_nemotron_h_config(raw, source="hybrid_decode"), seed=0)
+        rebuild = successor_nemotron_h
+    else:
+        draw, rebuild = functools.partial(random_qwen3_5, raw, seed=0), successor_qwen3_5
+    return rebuild((jax.jit(draw) if small else draw)(), successor, layer_scale=0.2)
+
+
 def drafters(name: str, raw_target: dict, target, successor, other, small: bool) -> dict:
-    """The pairing's drafter backbone as a DSpark drafter (rank-256 Markov head) walking the target's map, and
-    walking another map."""
+    """The pairing's drafter backbone as a DSpark drafter (its own Markov head, else one of rank 256) walking the
+    target's map, and walking another map."""
     raw = copy.deepcopy(preset_dict(TARGETS[name][1]))
+    raw.pop("quantization_config", None)  # the BF16 form of a quantized preset
     raw |= {k: raw_target[k] for k in ("vocab_size", "hidden_size")}
     raw["num_target_layers"] = raw_target["num_hidden_layers"]
     if small:
@@ -113,7 +164,10 @@ def drafters(name: str, raw_target: dict, target, successor, other, small: bool)
         if raw.get(block):
             raw[block] = {**raw[block], "mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
     raw |= {"mask_token_id": raw_target["vocab_size"] - 1, "target_layer_ids": ids}
-    raw |= {"architectures": ["DSparkDraftModel"], "markov_rank": 256, "markov_head_type": "vanilla"}
+    if "eagle_aux_hidden_state_layer_ids" in raw:
+        raw["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in ids]
+    if "markov_rank" not in raw:  # a DFlash backbone: made a DSpark drafter
+        raw |= {"architectures": ["DSparkDraftModel"], "markov_rank": 256, "markov_head_type": "vanilla"}
     draw = functools.partial(random_drafter, parse_config(raw), seed=1)  # --small: compiled as one program
     dspark = (jax.jit(draw) if small else draw)().attach(embed=target.embed, lm_head=target.lm_head)
     return {"full acceptance": successor_drafter(dspark, successor),
@@ -121,23 +175,27 @@ def drafters(name: str, raw_target: dict, target, successor, other, small: bool)
 
 
 def greedy_floor(target, batch: int, context: int, rate: float) -> float:
-    """Seconds a greedy step of `batch` sequences must take: the bytes it reads at `rate`."""
+    """Seconds a greedy step of `batch` sequences must take: the bytes it reads at `rate`. Weights: all but the
+    embedding (a gather), the routed experts only as the distinct experts the batch's tokens route to; the K/V
+    rows of `context` positions; each recurrent state (every cache array but K/V) read and written."""
     c = target.config
-    weights = nbytes(target.params) - c.vocab_size * c.hidden_size * 2  # the embedding is a gather
-    layers = target.params["layers"]
-    experts = sum(nbytes(layer["mlp"]["experts"]) for layer in layers if "experts" in layer.get("mlp", {}))
-    E, k = getattr(c, "num_experts", 0), getattr(c, "num_experts_per_tok", 0)
+    weights = nbytes(target.params) - nbytes(target.embed)
+    mixer = "mixer" if "mixer" in target.params["layers"][0] else "mlp"
+    experts = sum(nbytes(layer[mixer]["experts"]) for layer in target.params["layers"]
+                  if "experts" in layer.get(mixer, {}))
+    E = getattr(c, "n_routed_experts", None) or getattr(c, "num_experts", 0)
+    k = getattr(c, "num_experts_per_tok", 0)
     routed = experts * (1 - (1 - k / E) ** batch) if E else 0.0
-    full = sum(t == "full_attention" for t in c.layer_types)
-    kv = full * 2 * c.num_key_value_heads * c.head_dim * 2 * context * batch
-    states = (len(c.layer_types) - full) * c.linear_num_value_heads * c.linear_key_head_dim \
-        * c.linear_value_head_dim * 4 * 2 * batch
-    return (weights - experts + routed + kv + states) / rate
+    cache = jax.eval_shape(lambda: target.init_cache(batch, context))  # shapes only: nothing allocated
+    kv = nbytes((cache.k, cache.v))
+    states = nbytes(cache) - kv
+    kv *= context / cache.k[0].shape[2]  # the rows written so far, not the capacity
+    return (weights - experts + routed + kv + 2 * states) / rate
 
 
 def prefilled(target, P: int):
     """A batch-1 cache after a `P`-token prefill (room for 64 more), its lengths and the feature layers."""
-    layer_ids = (1, target.config.num_hidden_layers - 2)
+    layer_ids = (1, target.num_layers - 2)
     cache = target.init_cache(1, P + 64)
     lengths = jnp.array([P], jnp.int32)
     return target.prefill(jnp.ones((1, P), jnp.int32), cache, lengths, layer_ids=layer_ids).cache, lengths, layer_ids
@@ -166,13 +224,14 @@ def step_rows(target, P: int, iters: int) -> dict:
     (`stepping`): a greedy step (one row, committed, its argmax the next token), a 17-row verify with its commit,
     and `commit` alone (picking a row's state out of one pending cache, the rollback)."""
     cache, lengths, layer_ids = prefilled(target, P)
-    pending = target(jnp.ones((1, 17), jnp.int32), cache, lengths, layer_ids=layer_ids).cache
+    copy = jax.tree.map(jnp.copy, cache)  # a target may donate the cache it is called with
+    pending = target(jnp.ones((1, 17), jnp.int32), copy, lengths, layer_ids=layer_ids).cache
 
     @jax.jit
     def commits(t, p):  # each iteration commits another row; a sum of the states keeps every commit alive
         def body(i, total):
             committed = t.commit(p, (i % 18)[None])
-            return total + sum(jnp.sum(s[0, 0, 0]) for s in committed.state)
+            return total + sum(s.reshape(-1)[0].astype(jnp.float32) for s in jax.tree.leaves(committed))
         return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
 
     ms = {}
@@ -252,6 +311,8 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["full acceptance", "zero acceptance"],
                         choices=[f"{a} acceptance{p}" for a in ("full", "zero") for p in ("", " + adaptive")],
                         help="the drafter's draft length: fixed, or the adaptive policy (' + adaptive')")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the target's first N layers (blocks): per-layer costs on a smaller GPU")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk")
     parser.add_argument("--budget-s", type=float, default=None, help="start no prompt length after this many seconds")
@@ -277,14 +338,11 @@ def main() -> None:
           flush=True)
     rows = []
     for name in args.targets:
-        raw = target_config(name, args.small)
+        raw = target_config(name, args.small, args.layers)
         V = raw["vocab_size"]
         rng = np.random.default_rng(0)
         successor, other = rng.permutation(V), rng.permutation(V)
-        # --small: one compiled program draws every weight (eager, each shape's ops compile apart: seconds on a CPU)
-        draw = functools.partial(random_qwen3_5, raw, seed=0)
-        target = successor_qwen3_5((jax.jit(draw) if args.small else draw)(), successor, layer_scale=0.2)
-        jax.block_until_ready(target)
+        target = jax.block_until_ready(make_target(raw, successor, args.small))
         print(f"{name}: target {nbytes(target.params) / 1e9:.1f} GB, made in {time.perf_counter() - start:.0f} s",
               flush=True)
         if args.profile:

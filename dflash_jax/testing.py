@@ -8,7 +8,8 @@ one of the released drafters in `configs/` (real shapes) or one of the tiny conf
 pair with them: `write_qwen3_checkpoint` (presets tiny-qwen3*, tiny-llama*), `random_qwen3`, and
 `successor_target` / `successor_drafter` (a target and a drafter that agree, for the accept path), from
 `dflash_jax._qwen3_testing`; Qwen3.5 hybrid targets: `write_qwen3_5_checkpoint` (presets tiny-qwen3_5*),
-`random_qwen3_5`, `successor_qwen3_5`, from `dflash_jax._qwen3_5_testing`.
+`random_qwen3_5`, `successor_qwen3_5`, from `dflash_jax._qwen3_5_testing`; `random_nemotron_h`,
+`successor_nemotron_h`, from `dflash_jax._nemotron_h_testing`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from ._nemotron_h_testing import random_nemotron_h, successor_nemotron_h  # noqa: F401  (re-exported)
 from ._qwen3_5_testing import (  # noqa: F401  (the Qwen3.5 hybrid target helpers, re-exported)
     QWEN3_5_TINY_CONFIGS,
     random_qwen3_5,

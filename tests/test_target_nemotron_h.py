@@ -15,7 +15,7 @@ import pytest
 import dflash_jax
 from dflash_jax import CheckpointError, greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax.target.nemotron_h_target import NemotronHTarget
-from dflash_jax.testing import write_checkpoint
+from dflash_jax.testing import successor_nemotron_h, write_checkpoint
 
 from ._io import load_file, rewrite_tensors
 
@@ -97,3 +97,15 @@ def test_sharded_equals_unsharded(moe, cpu_mesh):
 
 def test_is_exported():
     assert dflash_jax.load_target is load_target
+
+
+def test_successor_target_follows_its_map(moe):
+    """`successor_nemotron_h` (the benchmarks' target): its greedy tokens walk the map it was built from."""
+    target, _ = moe
+    successor = np.random.default_rng(0).permutation(target.vocab_size)
+    follower = successor_nemotron_h(target, successor, layer_scale=0.2)
+    (tokens,) = greedy_generate(follower, [5], max_new_tokens=8).tokens
+    walked = [int(successor[5])]
+    for _ in range(7):
+        walked.append(int(successor[walked[-1]]))
+    assert tokens == walked
