@@ -357,7 +357,7 @@ def test_moe_machinery_runs_relu2_experts(moe_model, routed_inputs, impl):
     1.2e-6, on values up to 10)."""
     p, x, weights, experts = routed_inputs
     want = nh.gathered_experts(p, x, weights, experts)
-    got = jax.jit(moe._routed, static_argnums=(1, 5))(p, moe_model.config, x, weights, experts, impl)
+    got = jax.jit(moe.weighted_experts, static_argnums=4)(p, x, weights, experts, impl)
     chex.assert_trees_all_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -388,15 +388,8 @@ def test_forward_with_the_moe_machinery_matches_transformers(moe_model):
     chex.assert_trees_all_close(np.asarray(logits), m.io["logits"], rtol=0, atol=1e-5)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Experts:
-    """The one config field `moe._routed`'s tiled form reads."""
-
-    num_experts: int
-
-
 def _tiled_experts(p, x, weights, experts):
-    return moe._routed(p, _Experts(p["experts"]["up_proj"].shape[0]), x, weights, experts, "tiled")
+    return moe.weighted_experts(p, x, weights, experts, "tiled")
 
 
 # --------------------------------------------------------------------------------------------------------------

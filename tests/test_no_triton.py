@@ -100,7 +100,7 @@ def test_moe_grouped_matmul(as_on_hopper):
 def test_moe_slots(as_on_hopper):
     """The MoE target's few-rows kernel (`target._expert_gemm`) as `moe_block(impl="slots")` takes it."""
     stack = spec((16, 128, 256), jnp.bfloat16)
-    calls = custom_calls(lambda p, x, w, e: moe._routed(p, None, x, w, e, "slots"),
+    calls = custom_calls(lambda p, x, w, e: moe.weighted_experts(p, x, w, e, "slots"),
                          {"experts": {"gate_proj": stack, "up_proj": stack, "down_proj": spec((16, 256, 128),
                                                                                               jnp.bfloat16)}},
                          spec((3, 256), jnp.bfloat16), spec((3, 4), jnp.float32), spec((3, 4), jnp.int32))

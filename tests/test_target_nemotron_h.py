@@ -109,3 +109,28 @@ def test_successor_target_follows_its_map(moe):
     for _ in range(7):
         walked.append(int(successor[walked[-1]]))
     assert tokens == walked
+
+
+def test_a_prefill_chunk_does_not_copy_the_experts_of_each_token(moe):
+    """The routed experts run on `target.moe`'s tiles in a prefill, not the maths' per-token gather, which copies
+    `[T, k, I, H]` of weights: 114 GiB for one 2048-token chunk at the Lightning shapes (the benchmark's OOM on an
+    H100). Read from the program: no value holds an expert matrix for each of the chunk's (token, expert) pairs."""
+    target, _ = moe
+    c, T = target.config, 256
+    I, H = c.moe_intermediate_size, c.hidden_size
+    jaxpr = jax.make_jaxpr(lambda t, cache: t.prefill(jnp.ones((1, T), jnp.int32), cache, jnp.array([T], jnp.int32),
+                                                      chunk=T))(target, target.init_cache(1, T))
+    copies = [v.aval.shape for v in _values(jaxpr.jaxpr)
+              if v.aval.shape[-2:] in ((I, H), (H, I)) and np.prod(v.aval.shape[:-2]) >= T * c.num_experts_per_tok]
+    assert not copies, copies
+
+
+def _values(jaxpr):
+    """Every value a jaxpr and the jaxprs inside it compute."""
+    for eqn in jaxpr.eqns:
+        yield from (v for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple) else (param,):  # cond's branches: a tuple
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
+                if hasattr(inner, "eqns"):
+                    yield from _values(inner)

@@ -9,12 +9,12 @@ as transformers 5.24.0 `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5Moe
 Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen3_5_moe` configs have no
 `norm_topk_prob` (its modular file deletes the field), so a Qwen3.5 config passes `norm_topk_prob=True`.
 
-The routed experts run one of two ways by default (`_routed`), both reading only the experts the tokens route to
-and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each token's
-experts' weights are gathered (copied out, or read in place by a multiply-and-reduce, or each distinct expert read
-once in place by a Mosaic GPU kernel: `tuning.Tuning.moe_few_rows`); for more, the pairs are sorted by expert
-into tiles of one expert each and each tile multiplies its expert's weights (a grouped matmul in batched form).
-Every shape is static.
+The routed experts run one of two ways by default (`weighted_experts`), both reading only the experts the tokens
+route to and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each
+token's experts' weights are gathered (copied out, or read in place by a multiply-and-reduce, or each distinct expert
+read once in place by a Mosaic GPU kernel: `tuning.Tuning.moe_few_rows`); for more, the pairs are sorted by expert
+into tiles of one expert each and each tile multiplies its expert's weights (a grouped matmul in batched form). Every
+shape is static.
 
 Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below the layer's `mlp.`):
 
@@ -31,9 +31,9 @@ Parameter tree of one block (`p`, the `mlp` subtree of a layer; HF names below t
 `experts.gate_up_proj [E, 2I, H]` (gate rows first) and `experts.down_proj`; others one tensor per expert.
 `target.experts.ExpertStacks` reads either as this tree's stacks.
 
-The routed-expert machinery (`_routed` and its forms) also runs experts without a gate: stacks with no
+The routed-expert machinery (`weighted_experts` and its forms) also runs experts without a gate: stacks with no
 `experts.gate_proj` are relu^2 experts, `down_e(relu(up_e(x))^2)` (Nemotron-H's, `target.nemotron_h`, which routes
-them with its own sigmoid router and passes `_routed` in).
+them with its own sigmoid router and passes `weighted_experts` in).
 """
 
 from __future__ import annotations
@@ -252,14 +252,13 @@ def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel:
     return xla(rows, stack, sizes)
 
 
-def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
-             kernel: bool = True) -> jax.Array:
+def _grouped(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, kernel: bool = True) -> jax.Array:
     """The (token, expert) pairs sorted by expert, each expert's weights applied to its run of rows: `[T, H]`
     float32. Reads each routed expert once however many tokens chose it; computes `T * k` rows, not `T * E`."""
     T, k = experts.shape
     flat = experts.reshape(T * k)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [T * k] the pairs grouped by expert
-    sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)  # [E] rows per expert
+    sizes = jnp.bincount(flat, length=_num_experts(p)).astype(jnp.int32)  # [E] rows per expert
     rows = jnp.take(x, order // k, axis=0)  # [T * k, H]
     e = p["experts"]
     h = _hidden(e, lambda name: _grouped_matmul(rows, e[name], sizes, kernel))  # [T * k, I] in the rows' dtype
@@ -268,7 +267,7 @@ def _grouped(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts:
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
 
 
-def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+def _tiled(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
     """The (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
     `tuning.Tuning.moe_tile_rows` rows, and
     each tile multiplied by its expert's weights, gathered once a tile: a batched matmul over tiles, `[T, H]`
@@ -276,7 +275,7 @@ def _tiled(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: j
     (at most `ceil((P + min(E, P) * (tile - 1)) / tile)` tiles for P pairs: each expert with rows wastes
     less than one tile)."""
     T, k = experts.shape
-    E, tile, P = c.num_experts, tuning().moe_tile_rows, T * k
+    E, tile, P = _num_experts(p), tuning().moe_tile_rows, T * k
     n_tiles = ceil_div(P + min(E, P) * (tile - 1), tile)
     flat = experts.reshape(P)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [P] the pairs grouped by expert
@@ -302,9 +301,15 @@ Impl = Literal["auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_
 IMPLS: tuple[Impl, ...] = ("auto", "gather", "reduce", "slots", "tiled", "grouped", "ragged_dot")
 
 
-def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: jax.Array,
-            impl: Impl = "auto") -> jax.Array:
-    """The routed experts' weighted sum for tokens `x [T, H]`: `[T, H]` float32. impl "auto": for at most
+def _num_experts(p: Params) -> int:
+    return p["experts"]["down_proj"].shape[0]  # every layout's stacks have it: [E, H, I]
+
+
+def weighted_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                     impl: Impl = "auto") -> jax.Array:
+    """The routed experts' weighted sum for tokens `x [T, H]` routed to `experts [T, k]` with `weights [T, k]`:
+    `[T, H]` float32; the stacks under `p["experts"]` gated (`gate_proj` and `up_proj`) or not
+    (`up_proj` alone: Nemotron-H's relu^2 experts). impl "auto": for at most
     `tuning.Tuning.moe_gather_max_rows` pairs the device kind's `moe_few_rows` ("gather": copied out,
     `_gathered`; "reduce": read in place, `_gathered_in_place`; "slots": each distinct expert read once in place
     by the Mosaic GPU kernel where it runs, `_slotted`, else "reduce"), tiled beyond; "grouped": JAX's Mosaic GPU
@@ -320,21 +325,21 @@ def _routed(p: Params, c: MoeConfig, x: jax.Array, weights: jax.Array, experts: 
     if impl == "slots":
         return _slotted_where_it_runs(p, x, weights, experts)
     if impl in ("auto", "tiled"):
-        return _tiled(p, c, x, weights, experts)
+        return _tiled(p, x, weights, experts)
     # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
     # crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran.
-    return _grouped(p, c, x, weights, experts, kernel=impl == "grouped")
+    return _grouped(p, x, weights, experts, kernel=impl == "grouped")
 
 
 def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax.Array:
     """The sparse MoE block over `x [batch, S, H]`: `[batch, S, H]` in x's dtype (module docstring; `impl`: how the
-    routed experts run, `_routed`)."""
+    routed experts run, `weighted_experts`)."""
     batch, S, H = x.shape
     xt = x.reshape(batch * S, H)  # [T, H]
     with jax.named_scope("router"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
         weights, experts = route(p, c, xt)  # [T, k]
     with jax.named_scope("routed"):
-        routed = _routed(p, c, xt, weights, experts, impl)  # [T, H] float32
+        routed = weighted_experts(p, xt, weights, experts, impl)  # [T, H] float32
     with jax.named_scope("shared"):
         shared = gated_shared_expert(p, xt)  # [T, H] float32
     return (routed + shared).astype(x.dtype).reshape(batch, S, H)

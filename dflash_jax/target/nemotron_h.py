@@ -31,9 +31,9 @@ Parameter tree (`params`; HF names with `backbone.` stripped):
 
 What depends on where the model runs is passed in (`Ops`, static): the routed experts' products
 (`RoutedExperts`: `gathered_experts` here, each token's k experts' slices gathered, which reads only the routed
-experts but copies `[T, k, I, H]`, fit for tests and decode-sized steps; or `target.moe`'s machinery, read in place
-for few rows, tiles by expert for a prefill, a Mosaic GPU kernel: `lambda p, x, w, e: moe._routed(p, config, x, w,
-e, impl)`, its experts without `gate_proj` being these relu^2 experts), an attention block's attention and cache
+experts but copies `[T, k, I, H]`, fit for tests and a few rows only; or `target.moe.weighted_experts`, read in
+place for few rows, tiles by expert for a prefill, a Mosaic GPU kernel, its experts without `gate_proj` being these
+relu^2 experts: what `NemotronHTarget` passes), an attention block's attention and cache
 write (`cached_attention` here; on a mesh `target.steps.cached_attention` under its `shard_map`), and a constraint
 on the residual stream after each block. This module imports neither `target.moe` nor `target.steps`, so that it
 reaches no checkpoint I/O, no drafter config and no expert kernel (the one kernel module it reaches is the span

@@ -6,7 +6,9 @@ MoE block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` r
 `mtp.*` not read), the mesh layout (`nemotron_h_spec`'s logical axes: attention by heads, experts by their width,
 the Mamba mixer replicated), the cache placed where the layout says, and the jitted `Target` methods, the cache
 donated. The verify's pending cache keeps each Mamba state after every row, and `commit` selects each sequence's
-(`nemotron_h.commit`): a rollback is a selection inside the compiled loop, no replay.
+(`nemotron_h.commit`): a rollback is a selection inside the compiled loop, no replay. The routed experts run on
+`target.moe`'s machinery (`OPS`): the maths' own gather would copy `[T, k, I, H]` of expert weights, 114 GiB for a
+2048-token prefill chunk at the Lightning shapes.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
 from .layout import Layout
+from .moe import weighted_experts
 from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotron_h_config
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
 from .views import TensorViews
 
 STACKS = ("experts.up_proj", "experts.down_proj")  # a MoE block's expert stacks, under its `mixer.`
+OPS = model.Ops(routed=weighted_experts)  # gathered or read in place for few rows, tiled by expert for a prefill
 
 
 @jax.tree_util.register_dataclass
@@ -127,7 +131,8 @@ def _forward(target: NemotronHTarget, tokens: jax.Array, kv: tuple[tuple[jax.Arr
     """The K/V caches donated (written in place); the Mamba states not (the pending cache keeps them per row, of
     other shapes: no buffer to reuse). The layer ids are checked by `nemotron_h.blocks`."""
     cache = model.NemotronHCache(*kv, mamba)
-    logits, features, pending = model.forward(target.params, target.config, tokens, cache, lengths, layer_ids)
+    logits, features, pending = model.forward(target.params, target.config, tokens, cache, lengths, layer_ids,
+                                              ops=OPS)
     return TargetOutput(logits, features, pending)
 
 
@@ -146,7 +151,7 @@ def _select(states: tuple, kept: jax.Array) -> tuple:
 def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array,
              project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int) -> TargetOutput:
     logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
-                                            project=project)
+                                            project=project, ops=OPS)
     return TargetOutput(logits, features, cache)
 
 
