@@ -38,6 +38,7 @@ from .nvfp4 import Packed
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
 from .safetensors import Checkpoint
+from .spec import leaf_dtype
 
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 WEIGHTS = ("dequantized", "packed")  # how quantized linear weights are placed (`load_drafter(weights=...)`)
@@ -194,11 +195,11 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
     kernel's OOM killer) halfway through."""
     shapes = shards if shards is not None else [t.shape for t in plan]
     sizes = [sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
-             else math.prod(shape) * (4 if t.kind == "int" else dtype.itemsize)  # int32 d2t
+             else math.prod(shape) * leaf_dtype(t.kind, dtype).itemsize  # int32 d2t, float32 routers
              for t, shape, names in zip(plan, shapes, sources)]
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
                  if (len(names) > 1 and not packed) or (len(names) == 1 and t.kind != "int"
-                                                        and checkpoint[t.name].np_dtype != dtype)]
+                                                        and checkpoint[t.name].np_dtype != leaf_dtype(t.kind, dtype))]
     needed = sum(sizes) + max(converted, default=0)
     copy, copied = max(((size, t.name) for t, size in zip(plan, sizes) if t.kind == "int"), default=(0, ""))
     size, name = max(zip(sizes, (t.name for t in plan)), default=(0, ""))
@@ -282,9 +283,9 @@ class _Converters:
                 if len(names) > 1:
                     inputs = tuple((checkpoint[n].shape, checkpoint[n].np_dtype) for n in names)
                     self._futures[key] = compiled("nvfp4", inputs, dtype, device)
-                elif t.kind != "int" and checkpoint[t.name].np_dtype != dtype:
-                    self._futures[key] = compiled("cast", ((piece.shape(), checkpoint[t.name].np_dtype),), dtype,
-                                                  device)
+                elif t.kind != "int" and checkpoint[t.name].np_dtype != leaf_dtype(t.kind, dtype):
+                    self._futures[key] = compiled("cast", ((piece.shape(), checkpoint[t.name].np_dtype),),
+                                                  leaf_dtype(t.kind, dtype), device)
 
     def __call__(self, t: TensorPlan, piece: Piece, arrays: list[jax.Array]) -> jax.Array:
         if len(arrays) == 2:  # FP8: not an `_executables` kind; jitted, compiled once per shape and process

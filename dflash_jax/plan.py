@@ -26,7 +26,7 @@ from .fp8.checkpoint import check_declared, check_fp8
 from .layouts import ENCODER, PUBLISHED_NAMES, check_context_layout
 from .nvfp4.checkpoint import check_packed, check_quant_config, declared_quantization, nvfp4_companions
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
-from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
+from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand, leaf_dtype
 
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
@@ -131,8 +131,9 @@ def full_plan(config: DflashConfig, *, prefix: str = "", own_embeddings: bool | 
 
 def init_leaves(keys: jax.Array, plan: list[TensorPlan], dtype: jnp.dtype) -> list[jax.Array]:
     """A random leaf per planned tensor, drawn on the default device by its spec's initialiser (`spec.FanIn`,
-    `Gain`, ...) from `keys[i]` (`keys`: at least one per tensor); integer maps (d2t) stay int32."""
-    return [t.init.device(key, t.shape, dtype) for key, t in zip(keys, plan)]
+    `Gain`, ...) from `keys[i]` (`keys`: at least one per tensor); integer maps (d2t) stay int32, `spec.FLOAT32`
+    tensors float32."""
+    return [t.init.device(key, t.shape, leaf_dtype(t.kind, dtype)) for key, t in zip(keys, plan)]
 
 
 def build_tree(plan: list[TensorPlan], leaves: list[Any]) -> dict[str, Any]:

@@ -33,6 +33,13 @@ LINEAR = "linear"  # a matrix applied as `x @ w.T`: float, or NVFP4-packed (U8 +
 NORM = "norm"  # an RMSNorm gain: float
 FLOAT = "float"  # any other float tensor (biases, codebooks, conv kernels, embeddings)
 INT = "int"  # an integer map (d2t), loaded as int32
+FLOAT32 = "float32"  # a float tensor kept in float32 whatever the load's dtype: a router, whose choice of experts
+# a narrower dtype would move (vLLM and transformers keep Nemotron-H's router weight and correction bias float32)
+
+
+def leaf_dtype(kind: str, dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a tensor of `kind` is placed in by a load in `dtype`."""
+    return jnp.dtype(jnp.float32 if kind == FLOAT32 else jnp.int32 if kind == INT else dtype)
 
 
 class Initializer(Protocol):

@@ -14,6 +14,7 @@ import pytest
 
 import dflash_jax
 from dflash_jax import CheckpointError, greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax.target import nemotron_h
 from dflash_jax.target.nemotron_h_target import NemotronHTarget
 from dflash_jax.testing import successor_nemotron_h, write_checkpoint
 
@@ -83,6 +84,24 @@ def test_missing_expert_tensor_named(tmp_path):
     rewrite_tensors(tmp_path / "moe", lambda t: t.pop("backbone.layers.1.mixer.experts.5.down_proj.weight"))
     with pytest.raises(CheckpointError, match=r"backbone\.layers\.1\.mixer\.experts\.5\.down_proj\.weight"):
         load_target(tmp_path / "moe")
+
+
+def test_the_router_stays_float32_in_a_bfloat16_load(tmp_path):
+    """The router's weight and correction bias load as float32 whatever the dtype, as transformers and vLLM keep
+    them: a bias whose values differ below bfloat16's resolution (8 + k / 1024: 1/16 apart there) still orders
+    the experts, and rounded to bfloat16 it would choose others."""
+    shutil.copytree(os.path.join(DATA, "moe"), tmp_path / "moe")
+    bias = (8 + np.random.default_rng(1).permutation(8) / 1024).astype(np.float32)
+    name = "backbone.layers.1.mixer.gate.e_score_correction_bias"
+    rewrite_tensors(tmp_path / "moe", lambda t: t.update({name: bias}))
+    target = load_target(tmp_path / "moe", dtype=jnp.bfloat16)
+    gate = target.params["layers"][1]["mixer"]["gate"]
+    assert gate["weight"].dtype == gate["e_score_correction_bias"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(gate["e_score_correction_bias"]), bias)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((64, target.hidden_size)) * 1e-3, jnp.float32)
+    rounded = {**gate, "e_score_correction_bias": gate["e_score_correction_bias"].astype(jnp.bfloat16)}
+    chosen = nemotron_h.route({"gate": gate}, target.config, x)[1]
+    assert not np.array_equal(chosen, nemotron_h.route({"gate": rounded}, target.config, x)[1])
 
 
 def test_sharded_equals_unsharded(moe, cpu_mesh):

@@ -30,7 +30,10 @@ tensor axis, EMBED and unnamed axes nowhere):
   group, which needs a tensor axis dividing `n_groups` (8 in Nemotron 3 Nano: up to 8-way), the mixer taking the
   parts, `out_proj` by input with an all-reduce after it.
 
-Kinds: `spec.FLOAT` for every tensor, as the other targets declare theirs (float checkpoints). The released NVFP4
+Kinds: `spec.FLOAT` for every tensor, as the other targets declare theirs (float checkpoints), but the router's
+weight and correction bias, `spec.FLOAT32`: kept float32 in a bfloat16 load, as transformers (`DeepseekV3TopkRouter`
+computes in float32; the bias a float32 buffer) and vLLM keep them, since the bias steers the choice of experts
+in steps finer than bfloat16 resolves. The released NVFP4
 checkpoint (`hf_quant_config.json`: `MIXED_PRECISION`) stores Mamba `in_proj` / `out_proj` in FP8, the routed and
 shared experts' `up_proj` / `down_proj` and `lm_head` in NVFP4 (group 16); embeddings, `conv1d`, the router and the
 attention projections unquantized: loading it needs those declared `spec.LINEAR` and the experts' packed per-expert
@@ -50,6 +53,7 @@ from ..spec import (
     EMBED,
     EXPERT_MLP,
     EXPERTS,
+    FLOAT32,
     HEADS,
     KV_HEADS,
     NORM,
@@ -128,8 +132,8 @@ def block_spec(c: NemotronHConfig, kind: str, prefix: str = BLOCK) -> list[Param
     elif kind == MOE:
         E, I, Is = c.n_routed_experts, c.moe_intermediate_size, c.moe_shared_expert_intermediate_size
         specs += [
-            ParamSpec(mixer + "gate.weight", (E, H), axes=(None, EMBED)),
-            ParamSpec(mixer + "gate.e_score_correction_bias", (E,), axes=(None,), init=Bias()),
+            ParamSpec(mixer + "gate.weight", (E, H), FLOAT32, axes=(None, EMBED)),
+            ParamSpec(mixer + "gate.e_score_correction_bias", (E,), FLOAT32, axes=(None,), init=Bias()),
             ParamSpec(mixer + "experts.up_proj", (E, I, H), axes=(EXPERTS, EXPERT_MLP, EMBED)),
             ParamSpec(mixer + "experts.down_proj", (E, H, I), axes=(EXPERTS, EMBED, EXPERT_MLP)),
             ParamSpec(mixer + "shared_experts.up_proj.weight", (Is, H), axes=(MLP_AXIS, EMBED)),
