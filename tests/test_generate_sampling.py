@@ -15,16 +15,19 @@ DFlash's make 3 drafts the best buy after it (drafts past the chosen length are 
 cut); DSpark's measure nothing, so the run measures them on its first steps, at forced lengths.
 
 Each run has one of the sampling controls on (top-p, min-p, top-k; `dflash_jax.sampling`), with the drafts drawn
-under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy
-reference (`_numpy_reference.warped_distribution`, written from transformers' definitions), and a sample in a
-cell the control cuts fails at once. The plain temperature-only rule is on trial in tests/test_generate_hybrid.py.
-Each control's power is checked too: samples of the uncut distribution fail the same test.
-"""
+under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy reference
+(`_numpy_reference.warped_distribution`, written from transformers' definitions), and a sample in a cell the control
+cuts fails at once. The plain temperature-only rule is on trial in tests/test_generate_hybrid.py. NVIDIA's Nemotron
+DSpark drafter drafts for its own target family, a Nemotron-H hybrid (Mamba-2, MoE, attention): x3 then also puts
+`commit`'s choice of the Mamba states after a partial acceptance on trial. Each control's power is checked too:
+samples of the uncut distribution fail the same test. """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +37,8 @@ import pytest
 from dflash_jax import Adaptive, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
 from dflash_jax.generate import PROMPT_BUCKET, _attach, speculative_generate
-from dflash_jax.testing import preset_dict, write_checkpoint
+from dflash_jax.target.nemotron_h_config import parse_nemotron_h_config
+from dflash_jax.testing import preset_dict, random_nemotron_h, write_checkpoint
 
 from ._numpy_reference import warped_distribution
 
@@ -73,10 +77,29 @@ def _distribution(logits: np.ndarray, temperature: float, **controls) -> np.ndar
 
 
 @pytest.fixture(scope="module")
-def logits(target):
+def nemotron_target():
+    """The tiny Nemotron-H of tests/data/nemotron_h/moe (Mamba-2, MoE, attention, Mamba) on the 16-token vocabulary,
+    four blocks for the drafter's taps [0, 2, 3], random weights."""
+    with open(os.path.join(os.path.dirname(__file__), "data", "nemotron_h", "moe", "config.json")) as f:
+        raw = json.load(f)
+    raw |= {"vocab_size": V, "num_hidden_layers": 4, "layers_block_type": raw["layers_block_type"][:4]}
+    return random_nemotron_h(parse_nemotron_h_config(raw, source="nemotron_target"), seed=5, dtype=jnp.float32)
+
+
+def _all_continuations(target) -> jax.Array:
     """The target's logits on PROMPT + every (x1, x2): [V*V, 6, V]."""
     seqs = np.array([PROMPT + list(c) for c in itertools.product(range(V), repeat=2)], np.int32)
     return target(jnp.asarray(seqs), target.init_cache(len(seqs), 8), jnp.zeros(len(seqs), jnp.int32)).logits
+
+
+@pytest.fixture(scope="module")
+def logits(target):
+    return _all_continuations(target)
+
+
+@pytest.fixture(scope="module")
+def nemotron_logits(nemotron_target):
+    return _all_continuations(nemotron_target)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +135,9 @@ def _costs(*seconds: float) -> Adaptive:
      ("tiny-dflash", 0.0, _costs(1.0, 1.0, 100.0), dict(top_k=5)),
      ("tiny-nemotron-dspark", 0.0, "fixed", dict(top_p=0.9))],  # sinks, window, bonus anchor, Markov walk
 )
-def test_output_distribution_is_the_targets(tmp_path, target, logits, preset, threshold, draft_length, controls):
+def test_output_distribution_is_the_targets(request, tmp_path, preset, threshold, draft_length, controls):
+    family = "nemotron_" if "nemotron" in preset else ""  # the Nemotron drafter on its own target family
+    target, logits = (request.getfixturevalue(family + name) for name in ("target", "logits"))
     exact = _distribution(logits, T, **controls)
     uncut = _distribution(logits, T).sum(2).ravel()  # the control's power: samples of T alone are refused
     cells = np.random.default_rng(0).choice(V * V, SAMPLES, p=uncut / uncut.sum())
