@@ -107,7 +107,7 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<
         raise ConfigError(f"{source}: {e}") from None
     problems = []
     if config.model_type not in (None, kind.MODEL_TYPE):
-        problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
+        problems.append(other_family(raw, repr(kind.MODEL_TYPE)))
     if config.hidden_act != "silu":
         problems.append(f"hidden_act is {config.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
     if config.num_attention_heads % config.num_key_value_heads:
@@ -144,6 +144,17 @@ def is_drafter_config(raw: dict[str, Any]) -> bool:
     """A DFlash-family drafter's config.json: a mask token at the top level or in its family's block."""
     return any(isinstance(block, dict) and "mask_token_id" in block
                for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
+
+
+def other_family(raw: dict[str, Any], expected: str) -> str:
+    """The problem of a family's loader given another family's config.json (`Qwen3Target.from_pretrained` of a
+    Llama directory; `expected`: the model types it reads, as shown): what the directory holds, and the loader
+    that picks the family by itself."""
+    names = raw.get("architectures")
+    holds = f" ({', '.join(map(str, names))})" if isinstance(names, list) and names else ""
+    return (f"model_type is {raw.get('model_type')!r}, expected {expected}: the directory holds a "
+            f"{raw.get('model_type')!r} checkpoint{holds}; load it with dflash_jax.load_target, which picks the "
+            "family its config.json names")
 
 
 def not_a_target(file: str, raw: dict[str, Any], expected: list[str]) -> ConfigError:
