@@ -85,6 +85,11 @@ class Family(HFTarget):
         return make_layout(config, mesh, tensor_axis, source)
 
     @classmethod
+    def prefix(cls, checkpoint: Checkpoint) -> str:
+        """Where this checkpoint's tensors live: the first of `PREFIXES` holding `embed_tokens`, else the last."""
+        return next((p for p in cls.PREFIXES if p + "embed_tokens.weight" in checkpoint), cls.PREFIXES[-1])
+
+    @classmethod
     def views(cls, checkpoint: Checkpoint, config: Any, prefix: str) -> Any:
         """What the plan is read from: the checkpoint itself, unless a family reads another layout as its own."""
         return checkpoint
@@ -149,7 +154,7 @@ class Family(HFTarget):
         config = cls.parse(raw, file)
         layout = None if mesh is None else cls.layout_for(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
-            prefix = next((p for p in cls.PREFIXES if p + "embed_tokens.weight" in stored), cls.PREFIXES[-1])
+            prefix = cls.prefix(stored)
             plan = cls.plan(config, prefix)
             checkpoint = cls.views(stored, config, prefix)
             check_tensors(plan, checkpoint, path)
