@@ -82,6 +82,17 @@ def check_layer_ids(layer_ids: tuple[int, ...], n: int) -> None:
             raise ValueError(f"target layer id {l} is outside [-1, {n - 1}] for a {n}-layer target")
 
 
+def other_family(raw: dict[str, Any], expected: str) -> str:
+    """The problem of a family's loader given another family's config.json (`Qwen3Target.from_pretrained` of a
+    Llama directory; `expected`: the model types it reads, as shown): what the directory holds, and the loader
+    that picks the family by itself."""
+    names = raw.get("architectures")
+    holds = f" ({', '.join(map(str, names))})" if isinstance(names, list) and names else ""
+    return (f"model_type is {raw.get('model_type')!r}, expected {expected}: the directory holds a "
+            f"{raw.get('model_type')!r} checkpoint{holds}; load it with dflash_jax.load_target, which picks the "
+            "family its config.json names")
+
+
 @runtime_checkable
 class Target(Protocol):
     """A causal LM that `speculative_generate` can verify drafts with.

@@ -13,6 +13,7 @@ import msgspec
 from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type, rope_problems
+from . import other_family
 
 
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -144,17 +145,6 @@ def is_drafter_config(raw: dict[str, Any]) -> bool:
     """A DFlash-family drafter's config.json: a mask token at the top level or in its family's block."""
     return any(isinstance(block, dict) and "mask_token_id" in block
                for block in (raw, raw.get("dflash_config"), raw.get("dspark_config")))
-
-
-def other_family(raw: dict[str, Any], expected: str) -> str:
-    """The problem of a family's loader given another family's config.json (`Qwen3Target.from_pretrained` of a
-    Llama directory; `expected`: the model types it reads, as shown): what the directory holds, and the loader
-    that picks the family by itself."""
-    names = raw.get("architectures")
-    holds = f" ({', '.join(map(str, names))})" if isinstance(names, list) and names else ""
-    return (f"model_type is {raw.get('model_type')!r}, expected {expected}: the directory holds a "
-            f"{raw.get('model_type')!r} checkpoint{holds}; load it with dflash_jax.load_target, which picks the "
-            "family its config.json names")
 
 
 def not_a_target(file: str, raw: dict[str, Any], expected: list[str]) -> ConfigError:

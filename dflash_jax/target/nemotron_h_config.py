@@ -45,7 +45,7 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 from ..errors import ConfigError
-from .config import other_family
+from . import other_family
 from .mamba2 import Mamba2Dims
 
 # The block kinds, as transformers 5 names them (`layers_block_type`), and the other spellings of each.

@@ -25,7 +25,7 @@ import msgspec
 from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type
-from .config import other_family
+from . import other_family
 from .moe import check_moe_config
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
