@@ -21,12 +21,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ._gpu import hopper_or_newer
+from ._kernel_choice import kernel_choice
 from ._precision import dot
 from ._shapes import ceil_div, round_up
 from .tuning import on_gpu, tuning
@@ -46,11 +47,9 @@ PREFILL_IMPLS: tuple[Impl, ...] = ("auto", "xla", "cudnn")
 
 
 def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
-    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values."""
-    if not isinstance(impl, str) or impl not in allowed:
-        known = "" if impl in get_args(Impl) else " (not a kernel choice)"
-        raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
-    return impl
+    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values
+    (`_kernel_choice`: the one vocabulary, old spellings warned about)."""
+    return kernel_choice(where, "impl", impl, allowed)  # type: ignore[return-value]  # one of `allowed`
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,
