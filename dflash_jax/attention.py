@@ -32,6 +32,9 @@ from ._precision import dot
 from ._shapes import ceil_div, round_up
 from .tuning import on_gpu, tuning
 
+__all__ = ["attend", "causal_self_attention", "LayerRule", "KeyValues", "Span", "visible", "span_capacity",
+           "SPAN_ALIGN", "SPAN_BLOCK", "Impl", "ATTEND_IMPLS", "PREFILL_IMPLS"]
+
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 256  # query rows per KV head up to which the GPU kernel is used (it reads K/V once a 64-row tile)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)

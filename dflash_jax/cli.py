@@ -26,6 +26,8 @@ from ._cluster import coordinator_address, digest
 if TYPE_CHECKING:
     from .errors import CheckpointError
 
+__all__ = ["main", "run", "parser"]
+
 # Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
 BAD_INPUT = 2
 SIGPIPE_EXIT = 128 + 13  # stdout's reader went away: the status a shell shows for a process SIGPIPE ended
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> i
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `dflash-jax` argument parser: its verbs, their flags and help (docs/cli.md)."""
     p = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dflash-jax {__version__}")

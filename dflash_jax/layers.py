@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from ._precision import dot as array_dot
 from .rope import Rope, apply_rope
 
+__all__ = ["QuantizedWeight", "Params", "Around", "dot", "is_quantized", "linear", "rms_norm", "lm_logits", "head_norm",
+           "queries", "keys_values", "swiglu", "decoder_layer"]
+
 Params = dict[str, Any]
 # A wrapper around a sublayer (`decoder_layer`'s `around`): `(layer params, name, x, run) -> run's output`, where
 # `run(x) -> (y, aux)` is the sublayer itself.

@@ -32,6 +32,8 @@ from .plan import TensorPlan, build_tree, open_checked, warn_unexpected
 from .safetensors import Checkpoint
 from .validate import check_d2t_present, check_tensor_values
 
+__all__ = ["load_config", "load_drafter"]
+
 log = logging.getLogger("dflash_jax")
 
 

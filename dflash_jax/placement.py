@@ -39,6 +39,8 @@ from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
 from .safetensors import Checkpoint
 
+__all__ = ["auto_mesh"]
+
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 WEIGHTS = ("dequantized", "packed")  # how quantized linear weights are placed (`load_drafter(weights=...)`)
 

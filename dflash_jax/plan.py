@@ -28,6 +28,9 @@ from .nvfp4.checkpoint import check_packed, check_quant_config, declared_quantiz
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
 from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand
 
+__all__ = ["TensorPlan", "CheckedPlan", "open_checked", "plan_tensors", "check_tensors", "build_tree", "full_plan",
+           "unexpected_tensors"]
+
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
 IGNORED_NAMES = ("t2d",)

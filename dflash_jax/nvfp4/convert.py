@@ -19,6 +19,8 @@ from ..safetensors import INDEX_FILE, write_tensors
 from ..spec import LINEAR
 from .checkpoint import QUANT_CONFIG_FILE, declare_nvfp4, nvfp4_tensors
 
+__all__ = ["convert_checkpoint"]
+
 # What makes a checkpoint, besides its *.safetensors files: replaced together, never mixed.
 CHECKPOINT_FILES = (INDEX_FILE, "config.json", QUANT_CONFIG_FILE)
 

@@ -26,6 +26,8 @@ from ..tuning import has_cuda, on_gpu
 from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
+__all__ = ["Packed", "matmul", "MatmulBackend"]
+
 MatmulBackend = Literal["auto", "xla", "pallas"]  # ("mosaic": "pallas" before 0.2, `_kernel_choice`)
 
 

@@ -30,6 +30,8 @@ import jax
 
 from .._summary import summary
 
+__all__ = ["Target", "HFTarget", "TargetOutput", "KVCache", "FeatureMap", "mapped", "check_layer_ids", "PREFILL_CHUNK"]
+
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step, over the whole batch (`dense.prefill_chunks`)
 
 

@@ -15,6 +15,8 @@ from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type, rope_problems
 from . import other_family
 
+__all__ = ["DecoderConfig", "Qwen3Config", "LlamaConfig", "ARCHITECTURES", "parse_decoder_config", "parse_qwen3_config"]
+
 
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """The fields of a Hugging Face decoder `config.json` the forward reads (defaults: transformers' Qwen3Config).

@@ -39,6 +39,8 @@ from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
 from .config import TARGET, is_drafter_config, not_a_target
 from .layout import Layout, make_layout
 
+__all__ = ["Family"]
+
 log = logging.getLogger("dflash_jax")
 
 

@@ -16,6 +16,8 @@ from ..plan import check_tensors
 from ..safetensors import Checkpoint, read_json
 from .loading import family_of
 
+__all__ = ["inspect_target"]
+
 
 def inspect_target(path: str, file: str, raw: dict[str, Any]) -> dict[str, Any]:
     """The description of the target checkpoint directory `path`, whose config.json (`file`) was read as `raw`:

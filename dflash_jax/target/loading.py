@@ -21,6 +21,8 @@ from .family import Family
 from .nemotron_h_target import NemotronHTarget
 from .qwen3_5 import Qwen3_5Target
 
+__all__ = ["FAMILIES", "load_target"]
+
 FAMILIES = MappingProxyType({architecture: family for family in (DecoderTarget, Qwen3_5Target, NemotronHTarget)
                              for architecture in family.ARCHITECTURES})
 

@@ -48,6 +48,8 @@ from ..errors import ConfigError
 from . import other_family
 from .mamba2 import Mamba2Dims
 
+__all__ = ["NemotronHConfig", "parse_nemotron_h_config", "ARCHITECTURES", "MODEL_TYPE"]
+
 # The block kinds, as transformers 5 names them (`layers_block_type`), and the other spellings of each.
 MAMBA, MOE, ATTENTION, MLP = "linear_attention", "moe", "full_attention", "mlp"
 BLOCK_NAMES = {"mamba": MAMBA, MAMBA: MAMBA, "moe": MOE, "attention": ATTENTION, ATTENTION: ATTENTION, "mlp": MLP}

@@ -28,6 +28,8 @@ from ..rope import PositiveFloat, RopeScaling, declared_rope_type
 from . import other_family
 from .moe import check_moe_config
 
+__all__ = ["Qwen3_5Config", "parse_qwen3_5_config", "ARCHITECTURES", "MOE_ARCHITECTURES"]
+
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
