@@ -312,7 +312,7 @@ def inspect(args: argparse.Namespace) -> int:
 
     from ._config_file import read_config_json
     from .config import parse_config
-    from .plan import open_checked, unexpected_tensors
+    from .plan import open_checked, tensor_report, unexpected_tensors
     from .target.config import is_drafter_config
     from .target.loading import named_family
 
@@ -325,12 +325,8 @@ def inspect(args: argparse.Namespace) -> int:
     with open_checked(path, parse_config(raw, source=file), problems=failures) as (ckpt, config, plan,
                                                                                    checked_packed):
         packed = [t.name for t in plan if t.name in checked_packed]  # in plan order
-        missing = [(name, str(e)) for name, e in failures if name not in ckpt]
-        malformed = [(name, str(e)) for name, e in failures if name in ckpt]
-        tensors: list[dict[str, Any]] = [
-            {"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
-             "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
-        files = [os.path.basename(f) for f in ckpt.files]
+        report = tensor_report(ckpt, failures)
+        tensors, files, missing, malformed = (report[k] for k in ("tensors", "files", "missing", "malformed"))
         extra = unexpected_tensors(plan, ckpt)
     B, n = config.effective_block_size, config.num_draft_tokens
     own = {part for part in ("embed_tokens", "lm_head") if any(t.path[0] == part for t in plan)}

@@ -285,6 +285,20 @@ def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[s
     )
 
 
+def tensor_report(checkpoint: Checkpoint, failures: list[tuple[str, CheckpointError]]) -> dict[str, list[Any]]:
+    """What `dflash-jax inspect` shows of an opened checkpoint whose plan was checked with `failures` collected
+    (`check_tensors(..., problems=failures)`): `tensors` (name, dtype, shape, bytes, file; by name), `files`,
+    `missing` and `malformed` (`(tensor name, message)`: absent from the checkpoint, or there but wrong)."""
+    return {
+        "tensors": [{"name": n, "dtype": checkpoint[n].dtype, "shape": list(checkpoint[n].shape),
+                     "bytes": checkpoint[n].nbytes, "file": os.path.basename(checkpoint[n].file)}
+                    for n in sorted(checkpoint)],
+        "files": [os.path.basename(f) for f in checkpoint.files],
+        "missing": [(n, str(e)) for n, e in failures if n not in checkpoint],
+        "malformed": [(n, str(e)) for n, e in failures if n in checkpoint],
+    }
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Open, plan, check
 # --------------------------------------------------------------------------------------------------------------

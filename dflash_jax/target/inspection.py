@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..nvfp4.checkpoint import QUANT_CONFIG_FILE
-from ..plan import check_tensors
+from ..plan import check_tensors, tensor_report
 from ..safetensors import Checkpoint, read_json
 from .loading import family_of
 
@@ -22,9 +22,8 @@ __all__ = ["inspect_target"]
 def inspect_target(path: str, file: str, raw: dict[str, Any]) -> dict[str, Any]:
     """The description of the target checkpoint directory `path`, whose config.json (`file`) was read as `raw`:
     `family` (the loader class and model type), `resolved` (layers, hidden size, heads, vocabulary, experts,
-    quantization, taps), `tensors` (name, dtype, shape, bytes, file), `missing` / `malformed` (planned tensors that
-    would not load, with why). A config the family does not run
-    is a `ConfigError`, as from `load_target`."""
+    quantization, taps) and `plan.tensor_report`'s `tensors`, `files`, `missing` and `malformed`. A config the family
+    does not run is a `ConfigError`, as from `load_target`."""
     family = family_of(file, raw)
     config = family.parse(raw, file)
     failures: list[tuple[str, CheckpointError]] = []
@@ -32,11 +31,7 @@ def inspect_target(path: str, file: str, raw: dict[str, Any]) -> dict[str, Any]:
         prefix = family.prefix(stored)
         plan = family.plan(config, prefix)
         check_tensors(plan, family.views(stored, config, prefix), path, failures)
-        tensors = [{"name": n, "dtype": stored[n].dtype, "shape": list(stored[n].shape), "bytes": stored[n].nbytes,
-                    "file": os.path.basename(stored[n].file)} for n in sorted(stored)]
-        files = [os.path.basename(f) for f in stored.files]
-        missing = [(n, str(e)) for n, e in failures if n not in stored]
-        malformed = [(n, str(e)) for n, e in failures if n in stored]
+        report = tensor_report(stored, failures)
     n = config.num_hidden_layers
     resolved = {
         "layers": _layers(config),
@@ -46,14 +41,13 @@ def inspect_target(path: str, file: str, raw: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": config.max_position_embeddings,
         "experts": (f"{config.num_experts}, {config.num_experts_per_tok} per token"
                     if getattr(config, "num_experts", 0) else "none (dense MLP)"),
-        "quantization": _quantization(path, raw, tensors),
+        "quantization": _quantization(path, raw, report["tensors"]),
         "tied embeddings": bool(config.tie_word_embeddings),
         "feature taps": f"target_layer_ids in [-1, {n - 1}]: -1 the embedding output, l < {n - 1} layer l's output, "
                         f"{n - 1} the last layer's after the final norm",
     }
     return {"family": f"{family.__name__} ({config.model_type or config.MODEL_TYPE})",
-            "architectures": raw.get("architectures"), "resolved": resolved, "tensors": tensors, "files": files,
-            "missing": missing, "malformed": malformed}
+            "architectures": raw.get("architectures"), "resolved": resolved, **report}
 
 
 def _layers(config: Any) -> str:
