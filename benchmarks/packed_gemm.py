@@ -1,6 +1,6 @@
 """The packed weight-only GEMMs `x [M, K] @ W.T` at drafter shapes, side by side: XLA's bf16 GEMM, XLA's
 dequantize-then-dot on the packed NVFP4 weight, the same product written for XLA to fuse ("xla f4": float4 codes
-times block scales, then the dot), the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="mosaic")`), and the FP8
+times block scales, then the dot), the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="pallas")`), and the FP8
 weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product (the E4M3
 conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla").
 
@@ -94,7 +94,7 @@ def variants(sweep: bool) -> dict:
     out = {  # "xla packed" first: the others are compared with it
         "xla packed": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="xla")),
         "xla bf16": ("bf16", lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.bfloat16)),
-        "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="mosaic")),
+        "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="pallas")),
         "xla f4": ("packed", f4_product),
         "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
         "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),

@@ -13,9 +13,10 @@ the type of `drafter`), `layers` and `rope` (the layers and rotary embeddings dr
 `model` (the drafter forward), `drafting` (one cached drafting step), `target` (the target protocol;
 `target.dense`: Qwen3 and Llama targets, tensor-parallel on a mesh; `target.qwen3_5`: the Qwen3.5/3.6 hybrids;
 `target.moe`: their MoE block, `target.experts` its expert stacks from either disk layout; `target.delta_rule`,
-`target.mamba2`: the recurrent mixers' maths; `target.loading`: `load_target`), `pairing` (is a drafter
-compatible with a target), `generate` (the draft/verify loop), `adaptive` (its draft-length policy), `testing`
-(random checkpoints), `hub` (Hugging Face hub ids), `nnx` / `linen` (Flax modules), `cli`.
+`target.mamba2`: the recurrent mixers' maths; `target.loading`: `load_target`; `target.inspection`: what a
+target directory holds, for `dflash-jax inspect`), `pairing` (is a drafter compatible with a target), `generate`
+(the draft/verify loop), `adaptive` (its draft-length policy), `testing` (random checkpoints), `hub` (Hugging Face
+hub ids), `nnx` / `linen` (Flax modules), `cli`. Each public module lists what it offers in `__all__`.
 """
 
 from __future__ import annotations

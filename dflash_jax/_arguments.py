@@ -18,6 +18,7 @@ at trace time); values are checked only where the host can see them (concrete ar
   check_sampling(where, key, temperature)
   check_token_ids(where, name, ids, vocab_size)
   refuse_traced(where, *trees)                             a host-side driver called under jit
+  check_roles(where, target, drafter)                      a target where a target belongs (not a drafter)
   check_generate(where, target, prompt_ids, ...)           the arguments of the decoding entry points
   check_cache_fits(where, target, drafter, batch, capacity) the decode caches against the devices' memory
   as_ids(where, name, x)                                   a list or array of integer ids, as an array
@@ -150,9 +151,12 @@ def check_seed(where: str, seed: Any) -> int:
 
 
 def refuse_traced(where: str, *trees: Any) -> None:
-    """`TypeError` when any leaf is a tracer: `where` is a host-side driver (it compiles its own programs,
-    reads results back and times them), which `jax.jit` / `vmap` / `grad` cannot trace."""
-    if any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree)):
+    """`TypeError` when any leaf is a tracer, or when the call itself is being staged out (`jax.jit(lambda:
+    f(...))()`, `jax.eval_shape`: no argument is traced, but an operation on no arguments comes out a tracer):
+    `where` is a host-side driver (it compiles its own programs, reads results back and times them), which
+    `jax.jit` / `vmap` / `grad` cannot trace. Refused at once, before the first program is compiled."""
+    traced = any(isinstance(leaf, jax.core.Tracer) for tree in trees for leaf in jax.tree.leaves(tree))
+    if traced or isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer):
         raise TypeError(
             f"{where} is a host-side driver (it compiles and runs the prefill and the decode loop itself and "
             "reads the tokens back), so it cannot run under jax.jit, vmap or grad: call it outside them. To "
@@ -297,6 +301,7 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
     `prefill_chunk`, stop ids as non-negative int32s, a number in [0, 1] for the threshold; the sampling controls
     and the key are `sampling`'s). Called under `jax.jit` it refuses at once (`refuse_traced`)."""
     refuse_traced(where, target, drafter, prompt_ids, max_new_tokens, confidence_threshold)
+    check_roles(where, target, drafter)
     check_integer(where, "max_new_tokens", max_new_tokens, 1)
     check_integer(where, "prefill_chunk", prefill_chunk, 1)
     prompts = check_prompt_ids(where, prompt_ids, target.vocab_size)
@@ -312,6 +317,24 @@ def check_generate(where: str, target: Any, prompt_ids: Any, *, max_new_tokens: 
     if not 0 <= threshold <= 1:  # NaN too: a predicted acceptance is a probability
         raise ValueError(f"{where}: confidence_threshold={threshold} is outside [0, 1] (0 verifies every draft)")
     return prompts
+
+
+def _is_drafter(x: Any) -> bool:
+    """A `Drafter` (its config a `DflashConfig`) or a Flax module holding one (`nnx.DFlashDrafter`)."""
+    return isinstance(getattr(x, "config", None), DflashConfig) or hasattr(x, "drafter")
+
+
+def check_roles(where: str, target: Any, drafter: Any = None) -> None:
+    """`TypeError` naming the arguments when `target` is a drafter (`speculative_generate(drafter, target, ...)`)
+    or anything else without a vocabulary, rather than an `AttributeError` from deep inside."""
+    order = "(target, drafter, prompt_ids, ...)" if drafter is not None else "(target, prompt_ids, ...)"
+    if _is_drafter(target):
+        swapped = " (are target and drafter swapped?)" if drafter is not None and not _is_drafter(drafter) else ""
+        raise TypeError(f"{where}: the first argument, target, is a {type(target).__name__}, a drafter{swapped}; "
+                        f"the call is {where}{order}, the target a dflash_jax.Target (load_target)")
+    if not hasattr(target, "vocab_size"):
+        raise TypeError(f"{where}: target is a {type(target).__name__}; expected a dflash_jax.Target (load_target); "
+                        f"the call is {where}{order}")
 
 
 def check_cache_fits(where: str, target: Any, drafter: Any, batch: int, capacity: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
+import sys
 import time
 from typing import Any
 
@@ -50,12 +51,17 @@ def join(address: str | None, num_processes: int | None, process_id: int | None,
     """`jax.distributed.initialize` with `timeout` seconds to connect and to shut down, process 0's coordinator
     listening on `address` alone (JAX's default is every interface). Before JAX starts, process 0 checks that it
     can listen there, and every other process waits up to `timeout` seconds for the coordinator to accept a TCP
-    connection: ValueError naming `--coordinator` when either fails. With no address (a SLURM, Open MPI or
-    Kubernetes cluster) JAX finds the coordinator itself, and these checks are skipped."""
+    connection: ValueError naming `--coordinator` when either fails. Each says on stderr what it waits for. With
+    no address (a SLURM, Open MPI or Kubernetes cluster) JAX finds the coordinator itself, and these checks are
+    skipped."""
     import jax
 
     if address is not None and process_id is not None:
         host, port = split_address(address)
+        others = f"the other {num_processes - 1} process(es)" if num_processes else "the other processes"
+        waits = f"{others} to join at {address}" if process_id == 0 else f"the coordinator (process 0) at {address}"
+        print(f"process {process_id}: waiting up to {timeout} s for {waits} (--coordinator-timeout)",
+              file=sys.stderr, flush=True)  # a peer that never starts is otherwise a silent wait
         if process_id == 0:
             check_listen(address, host, port)
         else:

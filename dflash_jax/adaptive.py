@@ -73,6 +73,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+__all__ = ["Adaptive", "StepCosts", "History", "Probing", "DEFAULT_LENGTHS", "choose_length", "expected_tokens",
+           "longest_gap"]
+
 DEFAULT_LENGTHS = (0, 3, 7)  # and the drafter's K: verify rows 1, 4, 8, K + 1
 
 

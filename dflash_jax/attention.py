@@ -21,15 +21,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from ._gpu import hopper_or_newer
+from ._kernel_choice import kernel_choice
 from ._precision import dot
 from ._shapes import ceil_div, round_up
 from .tuning import on_gpu, tuning
+
+__all__ = ["attend", "causal_self_attention", "LayerRule", "KeyValues", "Span", "visible", "span_capacity",
+           "SPAN_ALIGN", "SPAN_BLOCK", "Impl", "ATTEND_IMPLS", "PREFILL_IMPLS"]
 
 SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 256  # query rows per KV head up to which the GPU kernel is used (it reads K/V once a 64-row tile)
@@ -46,11 +50,9 @@ PREFILL_IMPLS: tuple[Impl, ...] = ("auto", "xla", "cudnn")
 
 
 def check_impl(where: str, impl: object, allowed: tuple[Impl, ...]) -> Impl:
-    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values."""
-    if not isinstance(impl, str) or impl not in allowed:
-        known = "" if impl in get_args(Impl) else " (not a kernel choice)"
-        raise ValueError(f"{where}: impl={impl!r}{known}; expected one of {', '.join(map(repr, allowed))}")
-    return impl
+    """`impl` when it is one of `allowed`, else a `ValueError` naming `where` and the accepted values
+    (`_kernel_choice`: the one vocabulary, old spellings warned about)."""
+    return kernel_choice(where, "impl", impl, allowed)  # type: ignore[return-value]  # one of `allowed`
 
 
 # Pytree containers of arrays are registered frozen dataclasses (`KeyValues`, `Span`, ...; fields read by name,

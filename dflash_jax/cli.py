@@ -26,6 +26,8 @@ from ._cluster import coordinator_address, digest
 if TYPE_CHECKING:
     from .errors import CheckpointError
 
+__all__ = ["main", "run", "parser"]
+
 # Exit statuses: 0 fine, 1 `inspect` found missing or malformed tensors, 2 bad input (argparse's own too).
 BAD_INPUT = 2
 SIGPIPE_EXIT = 128 + 13  # stdout's reader went away: the status a shell shows for a process SIGPIPE ended
@@ -97,13 +99,15 @@ def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> i
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `dflash-jax` argument parser: its verbs, their flags and help (docs/cli.md)."""
     p = argparse.ArgumentParser(prog="dflash-jax", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"dflash-jax {__version__}")
     verbs = p.add_subparsers(dest="verb", required=True)
 
     v = verbs.add_parser("inspect",
-                         help="family, resolved config and tensor table of a checkpoint (reads headers only)")
+                         help="family, resolved config and tensor table of a drafter or target checkpoint "
+                              "(reads headers only)")
     v.add_argument("path", help="checkpoint directory or hub id")
     v.add_argument("--json", action="store_true", help="one JSON object on stdout, for scripts")
     hub_options(v)
@@ -306,20 +310,23 @@ def local(path: str, args: argparse.Namespace, revision: str | None = None) -> s
 def inspect(args: argparse.Namespace) -> int:
     import msgspec
 
-    from .loader import load_config
-    from .plan import open_checked, unexpected_tensors
+    from ._config_file import read_config_json
+    from .config import parse_config
+    from .plan import open_checked, tensor_report, unexpected_tensors
+    from .target.config import is_drafter_config
+    from .target.loading import named_family
 
     path = local(args.path, args)
+    file, raw = read_config_json(path, "a drafter or target checkpoint directory")
+    if not is_drafter_config(raw) and named_family(raw) is not None:
+        return inspect_target(args, path, file, raw)
     # (tensor name, CheckpointError): every planned tensor that does not pass
     failures: list[tuple[str, CheckpointError]] = []
-    with open_checked(path, load_config(path), problems=failures) as (ckpt, config, plan, checked_packed):
+    with open_checked(path, parse_config(raw, source=file), problems=failures) as (ckpt, config, plan,
+                                                                                   checked_packed):
         packed = [t.name for t in plan if t.name in checked_packed]  # in plan order
-        missing = [(name, str(e)) for name, e in failures if name not in ckpt]
-        malformed = [(name, str(e)) for name, e in failures if name in ckpt]
-        tensors: list[dict[str, Any]] = [
-            {"name": n, "dtype": ckpt[n].dtype, "shape": list(ckpt[n].shape), "bytes": ckpt[n].nbytes,
-             "file": os.path.basename(ckpt[n].file)} for n in sorted(ckpt)]
-        files = [os.path.basename(f) for f in ckpt.files]
+        report = tensor_report(ckpt, failures)
+        tensors, files, missing, malformed = (report[k] for k in ("tensors", "files", "missing", "malformed"))
         extra = unexpected_tensors(plan, ckpt)
     B, n = config.effective_block_size, config.num_draft_tokens
     own = {part for part in ("embed_tokens", "lm_head") if any(t.path[0] == part for t in plan)}
@@ -351,15 +358,39 @@ def inspect(args: argparse.Namespace) -> int:
     rows.pop("family")
     for key, value in rows.items():
         print(f"  {key:<22} {value}")
+    print_tensors(tensors, files, problems)
+    print(shown(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra)))
+    return 1 if problems else 0
+
+
+def inspect_target(args: argparse.Namespace, path: str, file: str, raw: dict[str, Any]) -> int:
+    """`inspect` of a target checkpoint (`target.inspection`): the same table, the target's own summary."""
+    from .target.inspection import inspect_target as describe
+
+    found = describe(path, file, raw)
+    problems = [message for _, message in found["missing"] + found["malformed"]]
+    if args.json:
+        print(json.dumps({"path": args.path, "directory": path, "kind": "target", **found,
+                          "total_bytes": sum(t["bytes"] for t in found["tensors"]),
+                          "missing": [name for name, _ in found["missing"]],
+                          "malformed": [m for _, m in found["malformed"]]}, indent=2))
+        return 1 if problems else 0
+    print(shown(f"{args.path}: {found['family']} target" + (f" ({path})" if path != args.path else "")))
+    for key, value in found["resolved"].items():
+        print(shown(f"  {key:<24} {value}"))
+    print_tensors(found["tensors"], found["files"], problems)
+    return 1 if problems else 0
+
+
+def print_tensors(tensors: list[dict[str, Any]], files: list[str], problems: list[str]) -> None:
+    """`inspect`'s tensor table, its totals and the planned tensors that would not load."""
     names = {t["name"]: shown(t["name"]) for t in tensors}
-    width = max(len(n) for n in names.values())
+    width = max((len(n) for n in names.values()), default=6)
     print(f"\n  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'bytes':>12}")
     for t in tensors:
         print(f"  {names[t['name']]:<{width}}  {t['dtype']:<8} {str(t['shape']):<18} {t['bytes']:>12,}")
     print(f"\n  {len(tensors)} tensors, {sum(t['bytes'] for t in tensors):,} bytes in {len(files)} file(s)")
     print(shown(f"  missing or malformed: {len(problems)}" + "".join(f"\n    {p}" for p in problems)))
-    print(shown(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra)))
-    return 1 if problems else 0
 
 
 def _attention_summary(config) -> str:

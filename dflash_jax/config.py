@@ -24,6 +24,9 @@ from .errors import ConfigError
 from .layouts import GEMMA4, fold, not_implemented, renamed, restate
 from .rope import Positive, PositiveFloat, RopeScaling, declared_rope_type, rope_problems
 
+__all__ = ["DflashConfig", "DflashSubConfig", "DsparkSubConfig", "QuantizationConfig", "parse_config", "replace",
+           "default_target_layer_ids"]
+
 # Sizes and ids are bounded so that a hostile config cannot ask for absurd shapes or loops: every tensor
 # dimension and token id fits in int32 (JAX's default index type), and the layer count bounds the plan.
 MAX_DIM = 2**31 - 1

@@ -16,6 +16,8 @@ from ._arguments import check_heads
 from ._summary import summary
 from .config import DflashConfig
 
+__all__ = ["Drafter", "draft_to_target_ids"]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

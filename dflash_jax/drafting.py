@@ -69,6 +69,8 @@ from .sampling import Warp, choose
 from .target import FeatureMap
 from .tuning import tuning
 
+__all__ = ["ContextCache", "Proposal", "init_cache", "propose", "append_context", "sample_drafts", "context_projection"]
+
 APPEND_CHUNK = 2048  # context rows projected at a time when a step brings more (a long prompt's first step)
 
 

@@ -1,3 +1,5 @@
+
+__all__ = ["ConfigError", "CheckpointError", "IncompatiblePairError"]
 """The errors the package raises for bad input.
 
 All are `ValueError`s so that callers who already catch that keep working; each message names the file

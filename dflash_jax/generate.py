@@ -72,6 +72,8 @@ from .pairing import check_pair
 from .sampling import Warp, choose, rng_key, sampling_controls
 from .target import PREFILL_CHUNK, Target
 
+__all__ = ["GenerationResult", "speculative_generate", "greedy_generate", "sample_generate", "DRAFT_LENGTH"]
+
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
 CACHE_BUCKET = 128  # cache capacities are rounded up to a multiple of this
 BUDGET_BUCKET = 64  # output buffers hold a multiple of this many tokens: budgets within one share compilations

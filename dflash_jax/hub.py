@@ -17,10 +17,12 @@ two revisions, and is skipped when the cache already holds those files.
 
 A revision whose snapshot in the cache holds every file a load reads is used from the cache without asking
 the hub (no wait on a network that is down; a branch stays where it was last fetched: pass a commit, or
-delete the repo's cache entry, to move on). Whatever the cache says is checked first, so that a cache
-another tool or user tampered with cannot point a load elsewhere: a ref must hold a commit hash, read as a
-small regular file (a FIFO would block), and the snapshot and every file in it must lie inside the repo's
-cache entry (its files are links into `../../blobs`); anything else is a `ConfigError` naming the file.
+delete the repo's cache entry, to move on). Shards its index names that the snapshot lacks get one bounded
+request to the hub, then are fetched pinned to its commit or named in a `ConfigError` (not a minute of
+retries). Whatever the cache says is checked first, so that a cache another tool or user tampered with cannot
+point a load elsewhere: a ref must hold a commit hash, read as a small regular file (a FIFO would block), and
+the snapshot and every file in it must lie inside the repo's cache entry (its files are links into
+`../../blobs`); anything else is a `ConfigError` naming the file.
 
 Every failure is a `ConfigError` naming the id: not on the hub, no such revision, gated or private without a
 token, or (offline, or the hub unreachable) not in the cache. A path-looking argument that does not exist
@@ -38,6 +40,8 @@ from typing import Any, TypedDict
 
 from .errors import CheckpointError, ConfigError
 from .safetensors import INDEX_FILE, SINGLE_FILE, read_json, read_small
+
+__all__ = ["resolve", "HubOptions", "is_repo_id"]
 
 METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
 # `owner/name`, as the hub spells repo ids (huggingface_hub's `validate_repo_id`): each 1-96 ASCII letters, digits,
@@ -97,16 +101,21 @@ def resolve(
         ) from None
     storage = os.path.join(os.fspath(cache_dir or constants.HF_HUB_CACHE),
                            repo_folder_name(repo_id=path, repo_type="model"))
-    snapshot = _cached_snapshot(storage, path, revision)
-    if snapshot is not None and os.path.exists(os.path.join(snapshot, "config.json")) and not _missing(snapshot):
-        return snapshot  # complete: nothing to ask the hub
     options: dict[str, Any] = dict(cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+    snapshot = _cached_snapshot(storage, path, revision)
+    if snapshot is not None and os.path.exists(os.path.join(snapshot, "config.json")):
+        missing = _missing(snapshot)
+        if missing and missing != [SINGLE_FILE]:  # files its index names: fetched once each, or said missing
+            _fetch_missing(huggingface_hub, path, snapshot, missing, revision, options)
+            _check_inside(storage, snapshot, _ref_file(storage, revision) or snapshot)
+        if not _missing(snapshot):
+            return snapshot  # complete: nothing (more) to ask the hub
     snapshot = _snapshot(huggingface_hub, path, list(METADATA_FILES), revision=revision, **options)
     _check_inside(storage, snapshot, _ref_file(storage, revision) or snapshot)
     commit = os.path.basename(snapshot)  # snapshots/<commit hash>: pin the second step to it
     missing = _missing(snapshot)
     if missing:
-        _snapshot(huggingface_hub, path, missing, revision=commit, **options)
+        _snapshot(huggingface_hub, path, [glob.escape(name) for name in missing], revision=commit, **options)
         if _missing(snapshot) == [SINGLE_FILE]:  # no index, no model.safetensors: any top-level one
             _snapshot(huggingface_hub, path, ["*.safetensors"], ignore=["*/*"], revision=commit, **options)
     _check_inside(storage, snapshot, _ref_file(storage, revision) or snapshot)
@@ -177,17 +186,38 @@ def _check_inside(storage: str, snapshot: str, blame: str) -> None:
 
 
 def _missing(snapshot: str) -> list[str]:
-    """The patterns of the weight files a load reads that `snapshot` lacks (none: it holds them all): the shards
-    its index names, else model.safetensors, unless it holds some top-level safetensors file."""
+    """The weight files a load reads that `snapshot` lacks (none: it holds them all): the shards its index names,
+    else model.safetensors, unless it holds some top-level safetensors file."""
     index = os.path.join(snapshot, INDEX_FILE)
     if os.path.lexists(index):  # read only if a regular file: a FIFO or a directory there is refused
         weight_map = read_json(index, "the index")
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         shards = sorted({s for s in weight_map.values() if isinstance(s, str)}) if isinstance(weight_map, dict) else []
         # a malformed index fetches nothing more: `Checkpoint` then says what is wrong with it
-        absent = [glob.escape(s) for s in shards if not os.path.exists(os.path.join(snapshot, s))]
-        return absent
+        return [s for s in shards if not os.path.exists(os.path.join(snapshot, s))]
     return [] if glob.glob(os.path.join(glob.escape(snapshot), "*.safetensors")) else [SINGLE_FILE]
+
+
+def _fetch_missing(hub, repo_id: str, snapshot: str, missing: list[str], revision: str | None,
+                   options: dict[str, Any]) -> None:
+    """The files `missing` from a cached `snapshot`, fetched pinned to its commit after one bounded attempt to
+    reach the hub (`get_hf_file_metadata`: one request within `HF_HUB_ETAG_TIMEOUT`, no retries), rather than
+    through `snapshot_download` or a bare `hf_hub_download`, which retry for most of a minute when the hub is
+    unreachable. A failure (offline or `local_files_only` included) is a `ConfigError` naming what is missing."""
+    commit = os.path.basename(snapshot)
+    try:
+        if options["local_files_only"]:
+            raise FileNotFoundError("local_files_only=True")
+        hub.get_hf_file_metadata(hub.hf_hub_url(repo_id, missing[0], revision=commit), token=options["token"])
+        for name in missing:
+            hub.hf_hub_download(repo_id, name, revision=commit, **options)
+    except Exception as e:  # huggingface_hub's errors, and its HTTP client's (httpx's ConnectError is no OSError)
+        raise ConfigError(
+            f"{repo_id}: the hub cache holds revision {revision or 'main'!r} (snapshot {snapshot}) without "
+            f"{', '.join(missing)}, which its index names, and the hub could not supply "
+            f"{'it' if len(missing) == 1 else 'them'} ({type(e).__name__}: {_first_line(e)}); download it online "
+            "(or remove the snapshot to fetch it whole), or pass a local checkpoint directory"
+        ) from None
 
 
 def _snapshot(hub, repo_id: str, patterns: list[str], *, ignore: list[str] | None = None, **options) -> str:

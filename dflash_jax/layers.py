@@ -18,6 +18,9 @@ import jax.numpy as jnp
 from ._precision import dot as array_dot
 from .rope import Rope, apply_rope
 
+__all__ = ["QuantizedWeight", "Params", "Around", "dot", "is_quantized", "linear", "rms_norm", "lm_logits", "head_norm",
+           "queries", "keys_values", "swiglu", "decoder_layer"]
+
 Params = dict[str, Any]
 # A wrapper around a sublayer (`decoder_layer`'s `around`): `(layer params, name, x, run) -> run's output`, where
 # `run(x) -> (y, aux)` is the sublayer itself.
@@ -26,13 +29,27 @@ Around = Callable[[Params, str, jax.Array, Callable[[jax.Array], tuple[jax.Array
 
 @runtime_checkable
 class QuantizedWeight(Protocol):
-    """A linear weight `[out, in]` kept quantized (`nvfp4.Packed`, `fp8.Fp8`): `apply(x, out_dtype)` is `x @ W.T`
-    by the weight's own GEMM."""
+    """A linear weight `[out, in]` kept quantized (`nvfp4.Packed`, `fp8.Fp8`; a registered pytree node): it answers
+    `shape`, `dtype` (what it computes in), `ndim` and `nbytes` as an array would (and `sharding`, outside a trace:
+    not a member, since `isinstance` reads every member and a tracer has none), so that code reading a weight's
+    shape or dtype needs no special case; `apply(x, out_dtype)` is `x @ W.T` by its own GEMM and `dequantize()`
+    the weight in `dtype`. Code dispatches on this protocol (`dot`, `is_quantized`), never on the formats."""
 
     @property
     def shape(self) -> tuple[int, int]: ...
 
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
     def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array: ...
+
+    def dequantize(self) -> jax.Array: ...
 
 
 def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:

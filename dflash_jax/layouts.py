@@ -31,6 +31,8 @@ from typing import Any, NoReturn
 
 from .errors import CheckpointError, ConfigError
 
+__all__ = ["fold", "architecture_names"]
+
 # What this package implements (docs/references.md): the Qwen3-style drafter under its released names.
 MODEL_TYPES = ("qwen3",)
 ASSISTANT = ("MuseGlimmerAssistantModel", "DFlashMuseGlimmerAssistantModel")  # vLLM registers both names

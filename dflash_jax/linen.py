@@ -27,6 +27,8 @@ from .drafter import Drafter
 from .model import AttentionOptions, draft_logits
 from .plan import TensorPlan, build_tree, full_plan, init_leaves
 
+__all__ = ["DrafterModule", "init_params"]
+
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "own_embeddings"))
 def init_params(

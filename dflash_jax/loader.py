@@ -33,6 +33,8 @@ from .safetensors import Checkpoint
 from .spec import OWN_EMBED, OWN_HEAD
 from .validate import check_d2t_present, check_tensor_values
 
+__all__ = ["load_config", "load_drafter"]
+
 log = logging.getLogger("dflash_jax")
 EMBEDDINGS = ("own", "target")  # `load_drafter(embeddings=...)`: a shipped embedding / LM head used, or the target's
 SHIPPED_HEADS = (OWN_EMBED, OWN_HEAD)  # the tree roots `embeddings="target"` leaves unread

@@ -52,6 +52,9 @@ from .drafter import Drafter
 from .layers import Params, decoder_layer, keys_values, linear, lm_logits, queries, rms_norm
 from .rope import Rope, apply_rope, rope_tables
 
+__all__ = ["AttentionOptions", "draft_hidden", "draft_logits", "forward", "embed_block", "attention_rules",
+           "project_context", "Context", "Memory", "Absorb"]
+
 # --------------------------------------------------------------------------------------------------------------
 # Attention
 # --------------------------------------------------------------------------------------------------------------

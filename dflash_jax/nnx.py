@@ -38,6 +38,8 @@ from .linen import init_params
 from .loader import load_drafter
 from .model import AttentionOptions, draft_logits
 
+__all__ = ["DFlashDrafter", "TargetWeight"]
+
 
 class TargetWeight(nnx.Variable):
     """The target's embedding or LM head `[V, H]` attached to a drafter that ships none (not trained with it)."""

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from .drafter import Drafter
 from .errors import IncompatiblePairError
 
+__all__ = ["check_pair", "describe_drafter", "describe_target"]
+
 
 def describe_drafter(drafter: Drafter) -> str:
     """A short name for messages: family, architecture and sizes (a drafter does not know its path)."""
@@ -41,6 +43,7 @@ def describe_drafter(drafter: Drafter) -> str:
 
 
 def describe_target(target: Any) -> str:
+    """A short name for messages: class, model type and sizes, of any object passed as a target."""
     config = getattr(target, "config", None)
     kind = getattr(config, "model_type", None) or type(target).__name__
     return (f"target {type(target).__name__} ({kind}, hidden {getattr(target, 'hidden_size', '?')}, "

@@ -40,6 +40,8 @@ from .plan import TensorPlan
 from .safetensors import Checkpoint
 from .spec import leaf_dtype
 
+__all__ = ["auto_mesh"]
+
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
 WEIGHTS = ("dequantized", "packed")  # how quantized linear weights are placed (`load_drafter(weights=...)`)
 

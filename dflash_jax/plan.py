@@ -28,6 +28,9 @@ from .nvfp4.checkpoint import check_packed, check_quant_config, declared_quantiz
 from .safetensors import INT_DTYPES, WEIGHT_DTYPES, Checkpoint
 from .spec import CONFIDENCE, INT, LINEAR, MARKOV, FanIn, Initializer, ParamSpec, drafter_spec, expand, leaf_dtype
 
+__all__ = ["TensorPlan", "CheckedPlan", "open_checked", "plan_tensors", "check_tensors", "build_tree", "full_plan",
+           "unexpected_tensors"]
+
 # Tensors a checkpoint may carry that the drafter does not use; not worth a warning.
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".pre_quant_scale")
 IGNORED_NAMES = ("t2d",)
@@ -281,6 +284,20 @@ def unexpected_tensors(plan: list[TensorPlan], checkpoint: Checkpoint) -> list[s
         n for n in checkpoint
         if n not in used and not n.endswith(IGNORED_SUFFIXES) and n.split(".")[-1] not in IGNORED_NAMES
     )
+
+
+def tensor_report(checkpoint: Checkpoint, failures: list[tuple[str, CheckpointError]]) -> dict[str, list[Any]]:
+    """What `dflash-jax inspect` shows of an opened checkpoint whose plan was checked with `failures` collected
+    (`check_tensors(..., problems=failures)`): `tensors` (name, dtype, shape, bytes, file; by name), `files`,
+    `missing` and `malformed` (`(tensor name, message)`: absent from the checkpoint, or there but wrong)."""
+    return {
+        "tensors": [{"name": n, "dtype": checkpoint[n].dtype, "shape": list(checkpoint[n].shape),
+                     "bytes": checkpoint[n].nbytes, "file": os.path.basename(checkpoint[n].file)}
+                    for n in sorted(checkpoint)],
+        "files": [os.path.basename(f) for f in checkpoint.files],
+        "missing": [(n, str(e)) for n, e in failures if n not in checkpoint],
+        "malformed": [(n, str(e)) for n, e in failures if n in checkpoint],
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------

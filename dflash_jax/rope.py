@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
+__all__ = ["RopeConfig", "RopeScaling", "Rope", "rope_frequencies", "rope_tables", "apply_rope"]
+
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 

@@ -30,6 +30,8 @@ from ._json import loads as json_loads
 from ._shapes import round_up
 from .errors import CheckpointError
 
+__all__ = ["Checkpoint", "TensorInfo", "read_header", "write_tensors", "INDEX_FILE", "SINGLE_FILE"]
+
 DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F16": np.dtype(np.float16),

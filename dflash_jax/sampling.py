@@ -34,6 +34,8 @@ import numpy as np
 
 from ._arguments import check_integer, check_number, check_seed, refuse_traced
 
+__all__ = ["Warp", "warp_logits", "choose"]
+
 
 def warp_logits(
     logits: jax.Array,

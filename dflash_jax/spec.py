@@ -22,6 +22,9 @@ import numpy as np
 
 from .config import DflashConfig
 
+__all__ = ["ParamSpec", "drafter_spec", "expand", "LINEAR", "NORM", "FLOAT", "INT", "CONVS", "SELECTOR", "MARKOV",
+           "CONFIDENCE"]
+
 # Logical axes (jax-llm-examples' style): what a dimension IS; a target's `Layout` maps them to mesh axes.
 VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads", "mlp", "batch"
 # A mixture-of-experts layer's stacked expert weights `[E, ...]`: the expert index, and each expert's own SwiGLU

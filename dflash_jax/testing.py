@@ -48,6 +48,10 @@ from .plan import build_tree, full_plan, init_leaves
 from .safetensors import write_tensors
 from .spec import INT, LINEAR
 
+__all__ = ["TINY_CONFIGS", "presets", "preset_dict", "resolve_config", "random_drafter", "write_checkpoint",
+           "QWEN3_TINY_CONFIGS", "random_qwen3", "successor_drafter", "successor_target", "write_qwen3_checkpoint",
+           "QWEN3_5_TINY_CONFIGS", "random_qwen3_5", "successor_qwen3_5", "write_qwen3_5_checkpoint"]
+
 _BASE_TINY = {
     "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
     "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,

@@ -21,6 +21,8 @@ from typing import Any, Literal, TypeVar
 
 import jax
 
+__all__ = ["Tuning", "tuning", "device_kind", "has_cuda", "on_gpu"]
+
 T = TypeVar("T")
 
 

@@ -37,6 +37,8 @@ from .plan import TensorPlan
 from .safetensors import FLOAT_DTYPES, Checkpoint, TensorInfo
 from .spec import INT
 
+__all__ = ["scan_checkpoint", "check_tensor_values", "check_d2t"]
+
 SCAN_ELEMENTS = 1 << 16  # tensors up to this many elements are scanned for NaN/Inf on every load
 D2T_CHUNK = 1 << 20  # d2t entries compared at a time: bounded memory whatever the vocabulary
 

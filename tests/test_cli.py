@@ -14,6 +14,7 @@ import pytest
 
 import dflash_jax
 from dflash_jax import load_drafter
+from dflash_jax._qwen3_5_testing import write_qwen3_5_checkpoint
 from dflash_jax.cli import main, shown, use_compilation_cache
 from dflash_jax.testing import write_checkpoint
 
@@ -37,6 +38,28 @@ def test_inspect_reports_family_tensors_missing_and_unexpected(tmp_path, capsys)
     assert main(["inspect", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "missing tensor 'layers.0.mlp.up_proj.weight'" in out and "unexpected: 1\n    stray.weight" in out
+
+
+def test_inspect_describes_a_target_checkpoint(tmp_path, capsys):
+    """It read every directory as a drafter's and refused a target's config.json."""
+    write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-moe", seed=1)
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3_5Target (qwen3_5_moe_text) target" in out and "missing or malformed: 0" in out
+    for row in ("layers                   4 (3 linear_attention, 1 full_attention)",
+                "heads (q/kv x dim)       4/2 x 16", "experts                  8, 2 per token",
+                "quantization             none declared; tensors: 72 BF16",
+                "target_layer_ids in [-1, 3]"):
+        assert row in out
+
+    def damage(tensors):
+        tensors.pop("model.norm.weight")
+
+    rewrite_tensors(tmp_path, damage)
+    assert main(["inspect", "--json", str(tmp_path)]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["kind"] == "target" and report["missing"] == ["model.norm.weight"]
+    assert report["resolved"]["hidden_size"] == 64 and report["architectures"] == ["Qwen3_5MoeForCausalLM"]
 
 
 def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):

@@ -29,7 +29,7 @@ from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, write_qwen3_checkpoint
 from dflash_jax.config import parse_config
 from dflash_jax.drafter import Drafter
 from dflash_jax.drafting import append_context, init_cache, propose
-from dflash_jax.generate import greedy_generate, speculative_generate
+from dflash_jax.generate import greedy_generate, sample_generate, speculative_generate
 from dflash_jax.linen import DrafterModule, init_params
 from dflash_jax.model import draft_logits
 from dflash_jax.nnx import DFlashDrafter
@@ -260,6 +260,26 @@ def test_speculative_generate_under_jit_is_refused_clearly(target, drafter):
         run(target, drafter, tokens)  # a TracerIntegerConversionError deep inside before
     with pytest.raises(TypeError, match="greedy_generate is a host-side driver"):
         jax.jit(lambda t: greedy_generate(target, t, max_new_tokens=4))(tokens)
+
+
+def test_a_call_staged_with_no_traced_argument_is_refused_at_once(target, drafter):
+    """`jax.jit(lambda: speculative_generate(...))()` traces nothing the guard could see among the arguments: it
+    compiled the prefill and then raised a raw ConcretizationTypeError."""
+    for where, call in (("speculative_generate", lambda: speculative_generate(target, drafter, [1, 2, 3],
+                                                                             max_new_tokens=4)),
+                        ("sample_generate", lambda: sample_generate(target, [1, 2, 3], max_new_tokens=4)),
+                        ("greedy_generate", lambda: greedy_generate(target, [1, 2, 3], max_new_tokens=4))):
+        with pytest.raises(TypeError, match=f"{where} is a host-side driver"):
+            jax.jit(call)()
+        with pytest.raises(TypeError, match=f"{where} is a host-side driver"):
+            jax.eval_shape(call)
+
+
+def test_target_and_drafter_swapped_name_the_arguments(target, drafter):
+    with pytest.raises(TypeError, match=r"target, is a Drafter, a drafter \(are target and drafter swapped\?\)"):
+        speculative_generate(drafter, target, [1, 2, 3], max_new_tokens=4)  # AttributeError: vocab_size before
+    with pytest.raises(TypeError, match=r"target is a str; expected a dflash_jax.Target"):
+        speculative_generate("qwen3", drafter, [1, 2, 3], max_new_tokens=4)
 
 
 # --- the drafting entry points -----------------------------------------------------------------------------

@@ -187,3 +187,40 @@ def test_env_hf_home_and_offline_are_honoured(tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.startswith("error: org/other: ") and "not in the hub cache" in missing.stderr
     assert str(repo_folder(tmp_path / "home" / "hub", "x").parent) in missing.stderr
+
+
+def test_a_cached_snapshot_missing_a_shard_gets_one_bounded_attempt(tmp_path, cache, monkeypatch):
+    """The snapshot_download path retried for 52 s (ten "Retrying" lines) before its error: now one request to
+    the hub, pinned to the snapshot's commit, then the files fetched or an error naming what is missing."""
+    snapshot = cached_checkpoint(tmp_path, cache, "org/partial", num_shards=2)
+    shard = os.path.join(snapshot, "model-00001-of-00002.safetensors")
+    blob = os.path.realpath(shard)
+    os.unlink(shard)
+
+    def never(*args, **kwargs):
+        raise AssertionError("snapshot_download: the listing that retries")
+
+    probes, fetched = [], []
+
+    def refused(url, token=None):
+        probes.append(url)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", never)
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", refused)
+    refusal = r"org/partial: .*revision 'main'.* without model-00001-of-00002.safetensors, which its index names"
+    with pytest.raises(ConfigError, match=refusal + r".*ConnectionRefusedError"):
+        resolve("org/partial", cache_dir=cache)
+    assert len(probes) == 1 and os.path.basename(snapshot) in probes[0]
+    with pytest.raises(ConfigError, match=refusal + r".*local_files_only"):
+        load_drafter("org/partial", cache_dir=cache, **OFFLINE)
+    assert len(probes) == 1  # offline: not even the one request
+
+    def download(repo_id, name, *, revision, **options):
+        fetched.append((name, revision))
+        os.symlink(os.path.relpath(blob, snapshot), shard)
+
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata", lambda url, token=None: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert resolve("org/partial", cache_dir=cache) == snapshot
+    assert fetched == [("model-00001-of-00002.safetensors", os.path.basename(snapshot))]

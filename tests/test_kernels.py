@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dflash_jax.tuning
-from dflash_jax import attention, nvfp4
+from dflash_jax import attention, fp8, nvfp4
 from dflash_jax.attention import LayerRule, Span, attend
 from dflash_jax.drafting import init_cache, propose
 from dflash_jax.testing import QWEN3_TINY_CONFIGS, random_drafter, random_qwen3, random_qwen3_5
@@ -31,6 +31,24 @@ from dflash_jax.testing import QWEN3_TINY_CONFIGS, random_drafter, random_qwen3,
 def test_a_kernel_choice_outside_the_vocabulary_is_refused(call, says):
     with pytest.raises(ValueError, match=says):
         call()
+
+
+def test_one_vocabulary_names_the_pallas_kernels():
+    """`nvfp4.matmul` called its Pallas kernel "mosaic" where `attend`, `propose` and `nvfp4.dequantize` say
+    "pallas": the old spelling still runs for one release, with a warning naming the new one; every kernel-choice
+    argument refuses a value outside its choices in the same words."""
+    w = nvfp4.Packed(jnp.zeros((64, 128), jnp.uint8), jnp.ones((64, 16), jnp.float8_e4m3fn), jnp.float32(1),
+                     jnp.float32)
+    x = jnp.zeros((2, 256), jnp.float32)
+    renamed = r"nvfp4.matmul: backend='mosaic' is spelled backend='pallas' now .*refused in the next release"
+    with pytest.warns(FutureWarning, match=renamed), pytest.raises(ValueError, match="backend='pallas' computes"):
+        nvfp4.matmul(x, w, backend="mosaic")  # the kernel itself, as 'pallas', refuses a float32 weight
+    for call, where in ((lambda b: nvfp4.matmul(x, w, backend=b), "nvfp4.matmul: backend"),
+                        (lambda b: fp8.matmul(x[:, :64], fp8.Fp8(jnp.zeros((8, 64), jnp.float8_e4m3fn),
+                                                                  jnp.float32(1)), backend=b), "fp8.matmul: backend"),
+                        (lambda b: nvfp4.dequantize(w.codes, w.scale, w.scale_2, backend=b), "dequantize: backend")):
+        with pytest.raises(ValueError, match=rf"{where}='triton' \(not a kernel choice\); expected one of 'auto'"):
+            call("triton")
 
 
 def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):

@@ -1,4 +1,4 @@
-"""The packed NVFP4 GEMM's Pallas Mosaic GPU kernel (`nvfp4._mosaic_gemm`, `nvfp4.matmul(backend="mosaic")`) against
+"""The packed NVFP4 GEMM's Pallas Mosaic GPU kernel (`nvfp4._mosaic_gemm`, `nvfp4.matmul(backend="pallas")`) against
 a NumPy float64 reference: on a CPU in Pallas's GPU interpret mode (small shapes), on a GPU (tests marked `gpu`)
 every projection shape of the four released drafters at M = 16, 32, 128, 512.
 
@@ -83,12 +83,12 @@ def test_interpret_mode_against_numpy(m, n, k, tiling):
 
 @needs_mosaic_interpreter
 def test_matmul_backend_mosaic_keeps_leading_dims():
-    """`nvfp4.matmul(..., backend="mosaic")` on [batch, block, K] with a float32 output (interpret mode here)."""
+    """`nvfp4.matmul(..., backend="pallas")` on [batch, block, K] with a float32 output (interpret mode here)."""
     rng = np.random.default_rng(1)
     codes, scale, scale_2 = random_weight(rng, 64, 256)
     w = nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2))
     x = rng.standard_normal((2, 8, 256)).astype(ml_dtypes.bfloat16)
-    got = nvfp4.matmul(jnp.asarray(x), w, out_dtype=jnp.float32, backend="mosaic")
+    got = nvfp4.matmul(jnp.asarray(x), w, out_dtype=jnp.float32, backend="pallas")
     assert got.shape == (2, 8, 64) and got.dtype == jnp.float32
     assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
 
@@ -152,8 +152,8 @@ def test_bad_shapes_and_dtypes_are_refused():
         mosaic_matmul(x[:, :128], codes[:, :64], scale[:, :8], scale_2)
     w = nvfp4.Packed(codes, scale, scale_2, jnp.float32)
     with pytest.raises(ValueError, match="computes in bfloat16"):
-        nvfp4.matmul(x, w, backend="mosaic")
-    with pytest.raises(ValueError, match="backend must be"):
+        nvfp4.matmul(x, w, backend="pallas")
+    with pytest.raises(ValueError, match=r"backend=.triton. \(not a kernel choice\)"):
         nvfp4.matmul(x, w, backend="triton")  # type: ignore[arg-type]
 
 
@@ -163,10 +163,10 @@ def test_auto_takes_the_kernel_on_hopper_only(monkeypatch):
     operands the kernel takes."""
     w = nvfp4.Packed(jnp.zeros((64, 256), jnp.uint8), jnp.ones((64, 32), jnp.float8_e4m3fn), jnp.float32(1))
     x = jnp.zeros((2, 4, 512), jnp.bfloat16)
-    assert nvfp4.packed._auto_backend(x, w) == ("mosaic" if on_gpu and jax.devices()[0].compute_capability == "9.0"
+    assert nvfp4.packed._auto_backend(x, w) == ("pallas" if on_gpu and jax.devices()[0].compute_capability == "9.0"
                                                  else "xla")
     monkeypatch.setattr(nvfp4.packed, "hopper", lambda: True)
-    assert nvfp4.packed._auto_backend(x, w) == "mosaic"
+    assert nvfp4.packed._auto_backend(x, w) == "pallas"
     monkeypatch.setattr(nvfp4.packed, "AUTO_MOSAIC", False)
     assert nvfp4.packed._auto_backend(x, w) == "xla"
     assert nvfp4.packed.mosaic_takes(x, w)
@@ -228,7 +228,7 @@ def test_gpu_agrees_with_the_xla_path():
     w = nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2))
     for m in (16, 128):
         x = jnp.asarray(rng.standard_normal((m, 4096)).astype(ml_dtypes.bfloat16))
-        a = np.asarray(nvfp4.matmul(x, w, backend="mosaic").astype(jnp.float32))
+        a = np.asarray(nvfp4.matmul(x, w, backend="pallas").astype(jnp.float32))
         b = np.asarray(nvfp4.matmul(x, w, backend="xla").astype(jnp.float32))
         scale_of = np.abs(a).max()
         assert np.max(np.abs(a - b)) <= 2 * 2.0**-7 * scale_of, (m, np.max(np.abs(a - b)) / scale_of)

@@ -172,6 +172,7 @@ def test_unreachable_coordinator_is_an_error_within_the_timeout():
     [line] = error_lines(err)
     assert status == 2 and out == "" and elapsed < 15, (status, elapsed, err)
     assert line.startswith(f"error: --coordinator {address}: no coordinator answered within 3 s"), line
+    assert f"process 1: waiting up to 3 s for the coordinator (process 0) at {address}" in err, err  # said first
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,9 @@ MOSAIC_CALL = re.compile(r"mosaic_gpu(_v\d+)?")
 # The modules that name Pallas, each covered by an entry point below.
 PALLAS_MODULES = {"attention.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_mosaic_gemm.py", "target/moe.py",
                   "target/_expert_gemm.py", "_span_attention_mgpu.py", "_gpu.py",
-                  "drafting.py"}  # names the "pallas" impl it passes on to `attend`
+                  "nvfp4/packed.py",  # its "pallas" backend: `nvfp4.matmul`, covered below
+                  "drafting.py",  # names the "pallas" impl it passes on to `attend`
+                  "_kernel_choice.py"}  # the vocabulary of kernel choices, "pallas" among them
 # jax.experimental.pallas.ops.gpu modules written with Pallas Triton (the `*_mgpu` ones are Mosaic GPU).
 TRITON_OPS = {"attention", "decode_attention", "layer_norm", "paged_attention", "rms_norm", "softmax"}
 
@@ -80,11 +82,11 @@ def test_span_attention(as_on_hopper, Sq):
 
 
 def test_packed_nvfp4_matmul(as_on_hopper):
-    """`nvfp4.matmul` on its kernel (backend "mosaic"), a drafter projection's shape at M = 16."""
+    """`nvfp4.matmul` on its kernel (backend "pallas"), a drafter projection's shape at M = 16."""
     from dflash_jax.nvfp4 import Packed
 
     def f(x, codes, scale, scale_2):
-        return nvfp4.matmul(x, Packed(codes, scale, scale_2), backend="mosaic")
+        return nvfp4.matmul(x, Packed(codes, scale, scale_2), backend="pallas")
 
     assert_mosaic_only(custom_calls(f, spec((16, 4096), jnp.bfloat16), spec((1024, 2048), jnp.uint8),
                                     spec((1024, 256), jnp.float8_e4m3fn), spec((), jnp.float32)))

@@ -1,6 +1,7 @@
 """NVFP4 checkpoints through load_drafter: values, mixed checkpoints, companions, declared quant config, convert."""
 
 import json
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -118,6 +119,15 @@ def test_convert_cli_round_trip(tmp_path, capsys):
     assert 0 < relative < 0.15  # 4-bit weights: close, not equal
     np.testing.assert_array_equal(q.params["norm"]["weight"], bf16.params["norm"]["weight"])
     assert json.loads((tmp_path / "q/hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"
+
+
+def test_convert_refuses_an_already_quantized_checkpoint(tmp_path, capsys):
+    """It copied the NVFP4 checkpoint and exited 0 saying "0 linear weights stored as NVFP4"."""
+    write_checkpoint(tmp_path / "q", "tiny-dflash", nvfp4=True)
+    assert cli(["convert-nvfp4", str(tmp_path / "q"), str(tmp_path / "again")]) == 2
+    assert re.search(r"error: .*q: already quantized \(\d+ linear weights stored as NVFP4\); convert-nvfp4 quantizes",
+                     capsys.readouterr().err)
+    assert not (tmp_path / "again").exists()
 
 
 # --- issue 13 §6: converting into a directory that holds a checkpoint -------------------------------------

@@ -30,7 +30,7 @@ from dflash_jax import (
     speculative_generate,
 )
 from dflash_jax._qwen3_testing import random_qwen3
-from dflash_jax.layers import dot, is_quantized
+from dflash_jax.layers import QuantizedWeight, dot, is_quantized
 from dflash_jax.linen import DrafterModule
 from dflash_jax.nnx import DFlashDrafter
 from dflash_jax.testing import write_checkpoint
@@ -77,6 +77,20 @@ def random_packed(n: int, k: int, dtype=jnp.bfloat16) -> nvfp4.Packed:
 def random_fp8(n: int, k: int, dtype=jnp.bfloat16) -> fp8.Fp8:
     weight = np.clip(RNG.standard_normal((n, k)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return fp8.Fp8(jnp.asarray(weight), jnp.float32(RNG.uniform(1e-4, 1e-3)), dtype)
+
+
+def test_both_leaves_are_one_quantized_weight():
+    """`Packed` and `Fp8` satisfy every member of `layers.QuantizedWeight` (the protocol `dot` and the modules
+    dispatch on), with the same meaning: an array's shape, dtype, ndim, sharding and bytes, the GEMM, the weight."""
+    members = [n for n in dir(QuantizedWeight) if not n.startswith("_")]
+    assert set(members) == {"shape", "dtype", "ndim", "nbytes", "apply", "dequantize"}
+    x = jnp.asarray(RNG.standard_normal((3, 64)), jnp.float32)
+    for w in (random_packed(32, 64, jnp.float32), random_fp8(32, 64, jnp.float32)):
+        assert isinstance(w, QuantizedWeight) and is_quantized(w)
+        weight = w.dequantize()
+        assert (w.shape, w.ndim, w.dtype, w.sharding) == (weight.shape, 2, weight.dtype, weight.sharding)
+        assert w.nbytes == sum(leaf.nbytes for leaf in jax.tree.leaves(w)) < weight.nbytes
+        np.testing.assert_allclose(w.apply(x, jnp.float32), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 # Qwen3-8B-DFlash-b16's projections at 1/16 of its widths (H 4096 -> 256, I 12288 -> 768, KV 1024 -> 64, fc 5 H).

@@ -191,7 +191,8 @@ def test_load_target_refuses(tmp_path):
     with pytest.raises(ConfigError, match=refused):
         load_target(tmp_path / "qwen")
     write_qwen3_checkpoint(tmp_path / "llama", "tiny-llama", seed=1)
-    with pytest.raises(ConfigError, match="model_type is 'llama', expected 'qwen3'"):
+    with pytest.raises(ConfigError, match=r"model_type is 'llama', expected 'qwen3': the directory holds a 'llama' "
+                                          r"checkpoint \(LlamaForCausalLM\); load it with dflash_jax.load_target"):
         Qwen3Target.from_pretrained(tmp_path / "llama")
     assert os.path.isfile(tmp_path / "llama" / "model.safetensors")
 

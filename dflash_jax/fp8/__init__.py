@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from .._kernel_choice import kernel_choice
 from .._precision import weight_dot
 from ..errors import CheckpointError
 
@@ -156,8 +157,7 @@ def matmul(x: jax.Array, w: Fp8, *, out_dtype: Any = None, backend: MatmulBacken
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"fp8.matmul: x has {x.shape[-1]} features, the weight [{w.shape[0]}, {w.shape[1]}] "
                          f"expects {w.shape[1]}")
-    if backend not in ("auto", "scaled", "xla"):
-        raise ValueError(f"fp8.matmul: backend must be 'auto', 'scaled' or 'xla', got {backend!r}")
+    backend = kernel_choice("fp8.matmul", "backend", backend, ("auto", "scaled", "xla"))  # type: ignore[assignment]
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if backend == "xla":
         return weight_dot(x, w.dequantize(), out_dtype)

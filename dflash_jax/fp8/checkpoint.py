@@ -18,6 +18,8 @@ from ..errors import CheckpointError
 from ..safetensors import Checkpoint
 from . import check_scale, quantize
 
+__all__ = ["fp8_tensors", "declare_fp8", "SUPPORTED_ALGOS"]
+
 SUPPORTED_ALGOS = ("FP8",)
 REFUSED_ALGOS = {"MXFP8": "MXFP8 (E8M0 scales per block of 32)"}
 SCALE_DTYPES = ("F32", "BF16", "F16")

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._gpu import hopper_or_newer
+from .._kernel_choice import kernel_choice
 from ..tuning import on_gpu
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
@@ -64,8 +65,7 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
     if scale_2.size != 1 or not jnp.issubdtype(scale_2.dtype, jnp.floating):
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
     scale_2 = scale_2.astype(jnp.float32).reshape(())
-    if backend not in ("auto", "pallas", "xla"):
-        raise ValueError(f"dequantize: backend must be 'auto', 'pallas' or 'xla', got {backend!r}")
+    backend = kernel_choice("dequantize", "backend", backend, ("auto", "pallas", "xla"))  # type: ignore[assignment]
 
     def xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
         if scale.dtype == jnp.uint8:

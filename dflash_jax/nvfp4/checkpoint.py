@@ -25,6 +25,9 @@ from ..safetensors import Checkpoint, read_json
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import quantize
 
+__all__ = ["nvfp4_tensors", "declare_nvfp4", "declared_quantization", "exclusion_matcher", "QUANT_CONFIG_FILE",
+           "SUPPORTED_ALGOS"]
+
 QUANT_CONFIG_FILE = "hf_quant_config.json"
 SUPPORTED_ALGOS = ("NVFP4", "W4A16_NVFP4")  # weight-only dequantization is the same for both
 

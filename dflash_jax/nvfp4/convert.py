@@ -19,6 +19,8 @@ from ..safetensors import INDEX_FILE, write_tensors
 from ..spec import LINEAR
 from .checkpoint import QUANT_CONFIG_FILE, declare_nvfp4, nvfp4_tensors
 
+__all__ = ["convert_checkpoint"]
+
 # What makes a checkpoint, besides its *.safetensors files: replaced together, never mixed.
 CHECKPOINT_FILES = (INDEX_FILE, "config.json", QUANT_CONFIG_FILE)
 
@@ -37,7 +39,8 @@ def convert_checkpoint(
     index would win over the new `model.safetensors`). With `overwrite=True`, its checkpoint files
     (`*.safetensors`, the index, config.json, hf_quant_config.json) are replaced whole: the new ones are
     written beside it first, then the old ones removed and the new ones moved in; other files stay.
-    Returns the number of weights quantized. The whole checkpoint passes through host memory once.
+    Returns the number of weights quantized. The whole checkpoint passes through host memory once. A source
+    already quantized (NVFP4 or FP8 weights) is refused (`CheckpointError`), before anything is written.
     """
     source, destination = os.fspath(source), Path(destination)
     if destination.resolve() == Path(source).resolve():
@@ -51,7 +54,12 @@ def convert_checkpoint(
         )
     excluded = sorted(exclude)
     with open_checked(source, load_config(source)) as (checkpoint, _, plan, packed):
-        linear = {t.name for t in plan if t.kind == LINEAR and t.name not in packed}
+        if packed:  # quantizing the rest would mix formats under one declaration; a copy would claim a conversion
+            kinds = sorted({"NVFP4" if checkpoint[n].dtype == "U8" else "FP8" for n in packed})
+            raise CheckpointError(f"{source}: already quantized ({len(packed)} linear weights stored as "
+                                  f"{' and '.join(kinds)}); convert-nvfp4 quantizes an unquantized (BF16, FP16 or "
+                                  "FP32) drafter checkpoint: convert the one this was exported from")
+        linear = {t.name for t in plan if t.kind == LINEAR}
         linear = {n for n in linear if n.removesuffix(".weight") not in excluded}
         tensors: dict[str, np.ndarray] = {}
         for name in checkpoint:

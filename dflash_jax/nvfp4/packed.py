@@ -20,12 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from .._gpu import hopper
+from .._kernel_choice import kernel_choice
 from .._precision import weight_dot
 from ..tuning import has_cuda, on_gpu
 from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
 from ._reference import BLOCK, dequantize_xla
 
-MatmulBackend = Literal["auto", "xla", "mosaic"]
+__all__ = ["Packed", "matmul", "MatmulBackend"]
+
+MatmulBackend = Literal["auto", "xla", "pallas"]  # ("mosaic": "pallas" before 0.2, `_kernel_choice`)
 
 
 def _is_array_like(x: Any) -> bool:
@@ -114,7 +117,7 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     """`x [..., K] @ W.T -> [..., N]` for a packed NVFP4 weight `W [N, K]`, in `out_dtype` (default x's).
 
     The weight-only GEMM of packed drafters. Backends: "xla" dequantizes to `w.dtype` and multiplies (the
-    reference); "mosaic" runs the Pallas Mosaic GPU kernel that dequantizes in registers and feeds WGMMA
+    reference); "pallas" runs the Pallas Mosaic GPU kernel that dequantizes in registers and feeds WGMMA
     (`_mosaic_gemm`: Hopper, bf16 x and weight, N % 64 == 0, K % 256 == 0; on a CPU in Pallas's interpret
     mode, slowly); "auto" is what `_auto_backend` picks: the kernel on Hopper where it takes the operands, XLA
     elsewhere. Jit-compatible.
@@ -124,14 +127,13 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"nvfp4.matmul: x has {x.shape[-1]} features, the weight [{w.shape[0]}, {w.shape[1]}] "
                          f"expects {w.shape[1]}")
-    if backend not in ("auto", "xla", "mosaic"):
-        raise ValueError(f"nvfp4.matmul: backend must be 'auto', 'xla' or 'mosaic', got {backend!r}")
+    backend = kernel_choice("nvfp4.matmul", "backend", backend, ("auto", "xla", "pallas"))  # type: ignore[assignment]
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if backend == "auto" and _auto_backend(x, w) == "mosaic":  # the kernel where the program is lowered for a GPU
+    if backend == "auto" and _auto_backend(x, w) == "pallas":  # the kernel where the program is lowered for a GPU
         return on_gpu(lambda x, w: _mosaic(x, w, out_dtype), lambda x, w: _xla(x, w, out_dtype), x, w)
-    if backend == "mosaic":
+    if backend == "pallas":
         if w.dtype != jnp.bfloat16:
-            raise ValueError(f"nvfp4.matmul: backend='mosaic' computes in bfloat16; the weight's dtype is "
+            raise ValueError(f"nvfp4.matmul: backend='pallas' computes in bfloat16; the weight's dtype is "
                              f"{w.dtype.name}")
         return _mosaic(x, w, out_dtype)
     return _xla(x, w, out_dtype)
@@ -155,9 +157,9 @@ AUTO_MOSAIC = True
 
 
 def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
-    """The one place `backend="auto"` is decided: "mosaic" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
+    """The one place `backend="auto"` is decided: "pallas" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
     and the kernel takes the operands (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
-    return "mosaic" if AUTO_MOSAIC and hopper() and mosaic_takes(x, w) else "xla"
+    return "pallas" if AUTO_MOSAIC and hopper() and mosaic_takes(x, w) else "xla"
 
 
 def mosaic_takes(x: jax.Array, w: Packed) -> bool:

@@ -30,6 +30,8 @@ import jax
 
 from .._summary import summary
 
+__all__ = ["Target", "HFTarget", "TargetOutput", "KVCache", "FeatureMap", "mapped", "check_layer_ids", "PREFILL_CHUNK"]
+
 PREFILL_CHUNK = 2048  # prompt tokens per prefill step, over the whole batch (`dense.prefill_chunks`)
 
 
@@ -80,6 +82,17 @@ def check_layer_ids(layer_ids: tuple[int, ...], n: int) -> None:
     for l in layer_ids:
         if not -1 <= l < n:
             raise ValueError(f"target layer id {l} is outside [-1, {n - 1}] for a {n}-layer target")
+
+
+def other_family(raw: dict[str, Any], expected: str) -> str:
+    """The problem of a family's loader given another family's config.json (`Qwen3Target.from_pretrained` of a
+    Llama directory; `expected`: the model types it reads, as shown): what the directory holds, and the loader
+    that picks the family by itself."""
+    names = raw.get("architectures")
+    holds = f" ({', '.join(map(str, names))})" if isinstance(names, list) and names else ""
+    return (f"model_type is {raw.get('model_type')!r}, expected {expected}: the directory holds a "
+            f"{raw.get('model_type')!r} checkpoint{holds}; load it with dflash_jax.load_target, which picks the "
+            "family its config.json names")
 
 
 @runtime_checkable

@@ -13,6 +13,9 @@ import msgspec
 from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type, rope_problems
+from . import other_family
+
+__all__ = ["DecoderConfig", "Qwen3Config", "LlamaConfig", "ARCHITECTURES", "parse_decoder_config", "parse_qwen3_config"]
 
 
 class DecoderConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -107,7 +110,7 @@ def parse_decoder_config(raw: dict[str, Any], kind: type[C], *, source: str = "<
         raise ConfigError(f"{source}: {e}") from None
     problems = []
     if config.model_type not in (None, kind.MODEL_TYPE):
-        problems.append(f"model_type is {config.model_type!r}, expected {kind.MODEL_TYPE!r}")
+        problems.append(other_family(raw, repr(kind.MODEL_TYPE)))
     if config.hidden_act != "silu":
         problems.append(f"hidden_act is {config.hidden_act!r}; only 'silu' (SwiGLU) is implemented")
     if config.num_attention_heads % config.num_key_value_heads:

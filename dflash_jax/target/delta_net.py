@@ -37,6 +37,8 @@ from .layout import Layout
 from .qwen3_5_config import Qwen3_5Config
 from .views import Fused, TensorViews
 
+__all__ = ["delta_net", "delta_net_spec", "conv_state"]
+
 Params = dict[str, Any]
 Conv = tuple[jax.Array, jax.Array, jax.Array]  # one layer's conv state (or window): its q, k and v channels
 A = TypeVar("A")

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from .._precision import dot
 from .._shapes import chunked
 
+__all__ = ["block_delta_rule", "chunked_delta_rule", "l2_normed"]
+
 
 def l2_normed(x: jax.Array) -> jax.Array:
     """`x / sqrt(|x|^2 + 1e-6)` over the last axis, float32 (flash-linear-attention's and transformers' l2norm)."""

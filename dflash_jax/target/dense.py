@@ -60,6 +60,8 @@ from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout
 from .steps import cached_attention, prefill_chunks
 
+__all__ = ["DecoderTarget", "Qwen3Target", "parameter_spec", "plan_decoder"]
+
 log = logging.getLogger("dflash_jax")
 
 Params = dict[str, Any]

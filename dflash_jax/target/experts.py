@@ -23,6 +23,8 @@ from ..errors import CheckpointError
 from .moe import MoeConfig
 from .views import Fused, TensorViews
 
+__all__ = ["add_expert_stacks"]
+
 GATE_UP = Fused("experts.gate_up_proj", ("experts.gate_proj", "experts.up_proj"), 1, "fused gate and up projections")
 
 

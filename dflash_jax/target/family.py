@@ -39,6 +39,8 @@ from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
 from .config import TARGET, is_drafter_config, not_a_target
 from .layout import Layout, make_layout
 
+__all__ = ["Family"]
+
 log = logging.getLogger("dflash_jax")
 
 
@@ -83,6 +85,11 @@ class Family(HFTarget):
         """`layout.make_layout`: the heads, the vocabulary and the MLP split over the tensor axis; a family with
         more to split checks it too."""
         return make_layout(config, mesh, tensor_axis, source)
+
+    @classmethod
+    def prefix(cls, checkpoint: Checkpoint) -> str:
+        """Where this checkpoint's tensors live: the first of `PREFIXES` holding `embed_tokens`, else the last."""
+        return next((p for p in cls.PREFIXES if p + "embed_tokens.weight" in checkpoint), cls.PREFIXES[-1])
 
     @classmethod
     def views(cls, checkpoint: Checkpoint, config: Any, prefix: str) -> Any:
@@ -149,7 +156,7 @@ class Family(HFTarget):
         config = cls.parse(raw, file)
         layout = None if mesh is None else cls.layout_for(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
-            prefix = next((p for p in cls.PREFIXES if p + "embed_tokens.weight" in stored), cls.PREFIXES[-1])
+            prefix = cls.prefix(stored)
             plan = cls.plan(config, prefix)
             checkpoint = cls.views(stored, config, prefix)
             check_tensors(plan, checkpoint, path)

@@ -13,6 +13,8 @@ from ..errors import ConfigError
 from ..placement import auto_mesh
 from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
 
+__all__ = ["Layout", "make_layout"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Unpack
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,8 @@ from .dense import DecoderTarget
 from .family import Family
 from .nemotron_h_target import NemotronHTarget
 from .qwen3_5 import Qwen3_5Target
+
+__all__ = ["FAMILIES", "load_target"]
 
 FAMILIES = MappingProxyType({architecture: family for family in (DecoderTarget, Qwen3_5Target, NemotronHTarget)
                              for architecture in family.ARCHITECTURES})
@@ -41,9 +43,21 @@ def load_target(
     `ConfigError`."""
     path = resolve(path, **hub)
     file, raw = read_config_json(path, TARGET)
+    return family_of(file, raw).load(path, file, raw, mesh=mesh, dtype=dtype, progress=progress,
+                                     tensor_axis=tensor_axis)
+
+
+def named_family(raw: dict[str, Any]) -> type[Family] | None:
+    """The family of the first architecture a config.json (read as `raw`) names that `FAMILIES` holds, or None."""
     names = raw.get("architectures")
     names = [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
-    families = [FAMILIES[a] for a in names if a in FAMILIES]
-    if not families or is_drafter_config(raw):
+    return next((FAMILIES[a] for a in names if a in FAMILIES), None)
+
+
+def family_of(file: str, raw: dict[str, Any]) -> type[Family]:
+    """`named_family` of config.json (`file`, read as `raw`); none, or a drafter's config, is a `ConfigError`
+    (`not_a_target`)."""
+    family = named_family(raw)
+    if family is None or is_drafter_config(raw):
         raise not_a_target(file, raw, list(FAMILIES))
-    return families[0].load(path, file, raw, mesh=mesh, dtype=dtype, progress=progress, tensor_axis=tensor_axis)
+    return family

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from .._precision import dot, weight_dot
 from .._shapes import ceil_div
 
+__all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state"]
+
 F32 = jnp.float32
 
 

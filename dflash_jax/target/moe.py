@@ -53,6 +53,8 @@ from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
 from ..tuning import on_gpu, tuning
 from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes
 
+__all__ = ["MoeConfig", "MoeDims", "moe_block", "route", "routed_experts", "gated_shared_expert", "Impl", "IMPLS"]
+
 Params = dict[str, Any]
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's SwiGLU weights (a relu^2 expert: no gate_proj)
 

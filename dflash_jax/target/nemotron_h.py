@@ -73,6 +73,8 @@ from . import FeatureMap, check_layer_ids, mapped
 from .mamba2 import Mamba2State, empty_state, mixer, select_state
 from .nemotron_h_config import ATTENTION, MAMBA, MOE, NemotronHConfig
 
+__all__ = ["NemotronHCache", "init_cache", "commit", "forward", "prefill", "blocks"]
+
 Params = dict[str, Any]
 F32 = jnp.float32
 CAUSAL = LayerRule(causal=True, window=None)

@@ -45,7 +45,10 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 from ..errors import ConfigError
+from . import other_family
 from .mamba2 import Mamba2Dims
+
+__all__ = ["NemotronHConfig", "parse_nemotron_h_config", "ARCHITECTURES", "MODEL_TYPE"]
 
 # The block kinds, as transformers 5 names them (`layers_block_type`), and the other spellings of each.
 MAMBA, MOE, ATTENTION, MLP = "linear_attention", "moe", "full_attention", "mlp"
@@ -284,7 +287,7 @@ def parse_nemotron_h_config(raw: dict[str, Any], source: str = "<config>") -> Ne
 
     problems = []
     if c.model_type not in (None, MODEL_TYPE):
-        problems.append(f"model_type is {c.model_type!r}, expected {MODEL_TYPE!r}")
+        problems.append(other_family(raw, repr(MODEL_TYPE)))
     if c.num_attention_heads % c.num_key_value_heads:
         problems.append(f"num_attention_heads={c.num_attention_heads} is not a multiple of "
                         f"num_key_value_heads={c.num_key_value_heads}")

@@ -65,6 +65,8 @@ from ..spec import (
 from ..spec import MLP as MLP_AXIS
 from .nemotron_h_config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
 
+__all__ = ["parameter_spec"]
+
 ROOT = "backbone."  # the checkpoint's root of every tensor but `lm_head.weight`; the tree strips it
 BLOCK = ROOT + "layers.{i}."
 KV_AXES = (BATCH, KV_HEADS, None, None)  # an attention block's K or V `[batch, n_kv, T, d_h]` (`layout.CACHE_AXES`)

@@ -32,6 +32,8 @@ from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotr
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
 from .views import TensorViews
 
+__all__ = ["NemotronHTarget", "random_nemotron_h"]
+
 STACKS = ("experts.up_proj", "experts.down_proj")  # a MoE block's expert stacks, under its `mixer.`
 OPS = model.Ops(routed=weighted_experts)  # gathered or read in place for few rows, tiled by expert for a prefill
 

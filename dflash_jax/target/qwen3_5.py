@@ -83,6 +83,8 @@ from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qw
 from .steps import cached_attention, prefill_chunks
 from .views import Fused, TensorViews, fuse
 
+__all__ = ["Qwen3_5Target", "HybridCache", "parameter_spec", "plan_qwen3_5"]
+
 log = logging.getLogger("dflash_jax")
 
 Params = dict[str, Any]

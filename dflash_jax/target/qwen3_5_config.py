@@ -25,7 +25,10 @@ import msgspec
 from ..config import Dim, LayerCount, RopeTheta, normalise_raw
 from ..errors import ConfigError
 from ..rope import PositiveFloat, RopeScaling, declared_rope_type
+from . import other_family
 from .moe import check_moe_config
+
+__all__ = ["Qwen3_5Config", "parse_qwen3_5_config", "ARCHITECTURES", "MOE_ARCHITECTURES"]
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
@@ -179,8 +182,8 @@ def parse_qwen3_5_config(raw: dict[str, Any], *, source: str = "<config>") -> Qw
         raise ConfigError(f"{source}: {e}") from None
     c, problems = config, []
     if c.model_type not in (None, Qwen3_5Config.MODEL_TYPE, MOE_MODEL_TYPE):
-        problems.append(f"model_type is {c.model_type!r}, expected {Qwen3_5Config.MODEL_TYPE!r} or "
-                        f"{MOE_MODEL_TYPE!r} (or {' / '.join(_MULTIMODAL_MODEL_TYPES)} with a text_config)")
+        problems.append(other_family(raw, f"{Qwen3_5Config.MODEL_TYPE!r} or {MOE_MODEL_TYPE!r} (or "
+                                          f"{' / '.join(_MULTIMODAL_MODEL_TYPES)} with a text_config)"))
     if c.hidden_act != "silu":
         problems.append(f"hidden_act is {c.hidden_act!r}; only 'silu' is implemented")
     for heads, groups in (("num_attention_heads", "num_key_value_heads"),

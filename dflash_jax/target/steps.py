@@ -19,6 +19,8 @@ from ..spec import BATCH, HEADS
 from . import FeatureMap, mapped
 from .layout import CACHE_AXES, Layout
 
+__all__ = ["cached_attention", "prefill_chunks"]
+
 CAUSAL = LayerRule(causal=True, window=None)
 
 

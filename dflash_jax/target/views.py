@@ -23,6 +23,8 @@ import numpy as np
 from ..errors import CheckpointError
 from ..safetensors import WEIGHT_DTYPES, Checkpoint, TensorInfo
 
+__all__ = ["TensorViews", "Fused", "fuse"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Fused:
