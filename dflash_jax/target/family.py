@@ -12,11 +12,15 @@ its pieces:
     tree(plan, leaves) -> params          the placed leaves nested as `params` (by default at their paths)
     layout_for(config, mesh, axis, src)   where its leaves and caches live on a mesh (`layout.Layout`)
     views(checkpoint, config, prefix)     what the load reads the plan from (a fused or per-expert layout)
+    stored_plan(config, prefix, views)    the tensors of this checkpoint (by default `plan`: a family whose
+                                          quantized exports store other tensors plans them here)
     describe()                            one line for the load's log
 
 A load reads config.json once (`load_target` hands it over), checks every planned tensor's presence, dtype and shape
 before any data is read, then the small tensors' values, then places each leaf on its shard
-(`loader.check_and_place`): a failure raises before anything is placed.
+(`loader.check_and_place`): a failure raises before anything is placed. Quantized tensors (NVFP4, FP8: `LINEAR`
+tensors stored so) are dequantized on their devices, placed replicated, and moved onto their shards once the tree
+is built (`placed`).
 """
 
 from __future__ import annotations
@@ -96,6 +100,23 @@ class Family(HFTarget):
         """What the plan is read from: the checkpoint itself, unless a family reads another layout as its own."""
         return checkpoint
 
+    @classmethod
+    def stored_plan(cls, config: Any, prefix: str, checkpoint: Checkpoint) -> list[TensorPlan]:
+        """The tensors a load reads from `checkpoint` (`views`' result): the family's plan."""
+        return cls.plan(config, prefix)
+
+    @classmethod
+    def placed(cls, params: Any, config: Any, layout: Layout) -> Any:
+        """`params` moved onto the shards `layout` gives the family's plan; a leaf the plan does not hold (a quantized
+        export's activation scale) replicated."""
+        axes = {t.path: t.axes for t in cls.plan(config)}
+
+        def put(path: tuple, leaf: jax.Array) -> jax.Array:
+            keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+            return jax.device_put(leaf, layout.sharding(axes.get(keys, ())))
+
+        return jax.tree_util.tree_map_with_path(put, params)
+
     def describe(self) -> str:
         raise NotImplementedError
 
@@ -157,14 +178,19 @@ class Family(HFTarget):
         layout = None if mesh is None else cls.layout_for(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
             prefix = cls.prefix(stored)
-            plan = cls.plan(config, prefix)
             checkpoint = cls.views(stored, config, prefix)
-            check_tensors(plan, checkpoint, path)
-            leaves = check_and_place(path, plan, checkpoint, frozenset(), vocab_size=config.vocab_size, mesh=mesh,
+            plan = cls.stored_plan(config, prefix, checkpoint)
+            quantized = check_tensors(plan, checkpoint, path)
+            shardings = None if layout is None else [layout.sharding(() if t.name in quantized else t.axes)
+                                                     for t in plan]  # quantized: placed replicated, moved after
+            leaves = check_and_place(path, plan, checkpoint, quantized, vocab_size=config.vocab_size, mesh=mesh,
                                      dtype=dtype, progress=progress,
                                      ignored=(*cls.IGNORED, *tied_extras(config.tie_word_embeddings)),
-                                     shardings=None if layout is None else [layout.sharding(t.axes) for t in plan])
-        target = cls(params=cls.tree(plan, leaves), config=config, layout=layout)  # type: ignore[call-arg]
+                                     shardings=shardings)
+        params = cls.tree(plan, leaves)
+        if layout is not None and quantized:
+            params = cls.placed(params, config, layout)
+        target = cls(params=params, config=config, layout=layout)  # type: ignore[call-arg]
         log.info("%s: %s, tensor-parallel %d", path, target.describe(), 1 if layout is None else layout.tensor_size)
         return target
 
@@ -175,7 +201,5 @@ class Family(HFTarget):
         where = f"{type(self).__name__}.shard"
         check_mesh(where, mesh)
         layout = self.layout_for(self.config, mesh, tensor_axis, where)
-        plan = self.plan(self.config)
-        shardings = self.tree(plan, [layout.sharding(t.axes) for t in plan])
-        return dataclasses.replace(self, params=jax.device_put(self.params, shardings), layout=layout)  # type: ignore[type-var]
+        return dataclasses.replace(self, params=self.placed(self.params, self.config, layout), layout=layout)  # type: ignore[type-var]
 
