@@ -4,6 +4,8 @@ from typing import Any
 
 import jax
 
+from ._jax_compat import interpret_params
+
 
 def _compute_capability() -> float:
     """The default device's CUDA compute capability (9.0 on a Hopper), 0 off a GPU."""
@@ -19,18 +21,6 @@ def hopper_or_newer() -> bool:
 def hopper() -> bool:
     """Whether the default device is a Hopper GPU (compute capability 9.0: WGMMA, which later GPUs do not have)."""
     return _compute_capability() == 9.0
-
-
-def interpret_params() -> Any:
-    """Pallas's Mosaic GPU interpret-mode parameters (a kernel run on the CPU): `plgpu.InterpretGPUParams` where jax
-    exports it, else its jax 0.10 home (`jax._src.pallas.mosaic_gpu.interpret.params`)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
 
 
 def kernel_params(interpret: bool) -> dict[str, Any]:

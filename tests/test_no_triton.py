@@ -26,7 +26,8 @@ MOSAIC_CALL = re.compile(r"mosaic_gpu(_v\d+)?")
 # The modules that name Pallas, each covered by an entry point below.
 PALLAS_MODULES = {"attention.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_mosaic_gemm.py", "target/moe.py",
                   "target/_expert_gemm.py", "_span_attention_mgpu.py", "_gpu.py",
-                  "drafting.py"}  # names the "pallas" impl it passes on to `attend`
+                  "drafting.py",  # names the "pallas" impl it passes on to `attend`
+                  "_jax_compat.py"}  # the Mosaic GPU interpreter's parameters (for the kernels above)
 # jax.experimental.pallas.ops.gpu modules written with Pallas Triton (the `*_mgpu` ones are Mosaic GPU).
 TRITON_OPS = {"attention", "decode_attention", "layer_norm", "paged_attention", "rms_norm", "softmax"}
 

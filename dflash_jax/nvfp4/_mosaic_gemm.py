@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from .._gpu import k_splits, kernel_params, sm_count
+from .._jax_compat import fragmented_array, mlir
 from .._shapes import ceil_div, round_up
 from ._reference import BLOCK
 
@@ -167,11 +168,10 @@ def _decode_registers(ctx, codes, block_scale):
     rows) -> the weight tile x 2^-9, bf16 [tn, tk] in the WGMMA layout, columns in `column_order`. Exact: a code (2
     significant bits) x an E4M3 scale (4) fits bf16."""
     del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    ir, _, llvm, vector = mlir()
 
     i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -181,13 +181,13 @@ def _decode_registers(ctx, codes, block_scale):
         words = vector.bitcast(ir.VectorType.get((4,), i32), sixteen_bytes)
         for block in range(2):  # words 2 block, 2 block + 1 lie in scale block 8 g + 2 t + block
             scale = vector.extract(block_scale.registers[index], [], [block])
-            scale_pair = cast(ir.Value, llvm.inline_asm(i32, [scale], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f"))
+            scale_pair = llvm.inline_asm(i32, [scale], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f")
             for w in (2 * block, 2 * block + 1):
                 word = vector.extract(words, [], [w])
                 for p in range(4):
-                    bits = cast(ir.Value, llvm.inline_asm(i32, [word, scale_pair], _ptx_pair(p), "=r,r,r"))
+                    bits = llvm.inline_asm(i32, [word, scale_pair], _ptx_pair(p), "=r,r,r")
                     out[(index[0], 16 * index[1] + 4 * w + p, *index[2:])] = mgpu_utils.bitcast(bits, pair)
-    return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    return fragmented_array(out, fa.WGMMA_LAYOUT, is_signed=None)
 
 
 def _decode_interpreted(codes: jax.Array, block_scale: jax.Array) -> jax.Array:

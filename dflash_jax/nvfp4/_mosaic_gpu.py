@@ -27,7 +27,7 @@ bit-identity tests of the kernel itself are marked `gpu`.
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .._jax_compat import fragmented_array, mlir
 from .._shapes import round_up
 from ..tuning import tuning
 
@@ -88,22 +89,20 @@ def _decode_registers(ctx, words, block_scale, *, dtype):
     """Mosaic GPU (lane level): code words u32 [2 tile] and block scales f32 [tile], both in the strided layout (a
     thread's register i: block 128 i + t) -> output words u32 [8 tile], strided likewise (8 words a block)."""
     del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    ir, arith, llvm, vector = mlir()
 
     i32 = ir.IntegerType.get_signless(32)
     blocks = block_scale.shape[0]
     out = words.registers.copy()
     for index, pair in np.ndenumerate(words.registers):  # vector<2 x i32>: the block's two code words
         scale = arith.bitcast(i32, vector.extract(block_scale.registers[index], [], [0]))
-        outs = [cast(ir.Value, llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype),
-                                               "=r,r,r"))
+        outs = [llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype), "=r,r,r")
                 for w in range(2) for j in range(4)]
         out[index] = vector.from_elements(ir.VectorType.get((8,), i32), outs)
     layout = fa.WGStridedFragLayout((8 * blocks,), 8)
-    return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=False)
+    return fragmented_array(out, layout, is_signed=False)
 
 
 def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *, n_blocks, tile, dtype):
