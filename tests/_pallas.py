@@ -9,8 +9,13 @@ import jax
 import pytest
 
 from dflash_jax._jax_compat import interpret_params, pallas_interpret_switch
+from dflash_jax.platform import Platform
+from dflash_jax.tuning import tuning_for
 
 on_gpu = jax.default_backend() == "gpu"
+# An H200's platform: what the kernel choices read on a Hopper GPU, for tracing their GPU branches on a CPU (lowered
+# for CUDA by `jax.export`, which needs no GPU)
+HOPPER = Platform(kind="NVIDIA H200", compute_capability=9.0, sm_count=132, cuda=True, tuning=tuning_for("NVIDIA H200"))
 # The tests of a kernel on the device it was written for (a Hopper GPU); CI runs them with `pytest -m gpu` there.
 needs_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
 

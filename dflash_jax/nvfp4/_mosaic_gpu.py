@@ -38,7 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._jax_compat import fragmented_array, mlir
 from .._shapes import round_up
-from ..tuning import tuning
 
 BLOCK_BYTES = 8  # 16 codes share one scale
 WARPGROUP = 128
@@ -137,14 +136,13 @@ def padded_blocks(n_real: int, tile: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "tile"))
-def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, dtype=jnp.bfloat16,
-                          tile: int | None = None) -> jax.Array:
+def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, tile: int,
+                          dtype=jnp.bfloat16) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [] or [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values per CTA: 128 to 1024, a multiple of 128) overrides
-    the device kind's (`tuning.Tuning.nvfp4_tile`). GPU only (Hopper or newer).
+    `dtype` is bfloat16 or float16; `tile`: blocks of 16 values per CTA (128 to 1024, a multiple of 128; the device
+    kind's is `tuning.Tuning.nvfp4_tile`). GPU only (Hopper or newer).
     """
-    tile = tile or tuning().nvfp4_tile
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Mosaic GPU kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
     if tile % WARPGROUP or not WARPGROUP <= tile <= 1024:
