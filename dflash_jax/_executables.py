@@ -173,7 +173,8 @@ def _describe(key: tuple) -> bytes:
 @functools.cache
 def _environment() -> tuple:
     """Versions, flags and the source of the conversion code: any change makes new cache entries."""
-    source = source_digest(Path(__file__).parent)
+    with _LOCK:  # the pool's threads start here at once, and CPython 3.11's ast.parse is not thread-safe
+        source = source_digest(Path(__file__).parent)
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
     return jax.__version__, JAXLIB_VERSION, os.environ.get("XLA_FLAGS", ""), bool(x64), source
 

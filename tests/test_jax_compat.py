@@ -2,6 +2,8 @@
 run 0.11.2), and a jax outside the supported range is refused by name at import."""
 
 import inspect
+import os
+import tomllib
 
 import jax
 import pytest
@@ -39,3 +41,12 @@ def test_every_private_api_resolves():
     client = _jax_compat.xla_client
     assert all(hasattr(client, name) for name in ("LoadedExecutable", "XlaComputation"))
     assert _jax_compat.JAXLIB_VERSION
+
+
+def test_the_package_metadata_states_the_same_range():
+    """pyproject.toml's jax requirement is `SUPPORTED`: pip refuses what the import would."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        requirements = tomllib.load(f)["project"]["dependencies"]
+    (low, high) = _jax_compat.SUPPORTED
+    assert f"jax>={low[0]}.{low[1]},<{high[0]}.{high[1]}" in requirements
