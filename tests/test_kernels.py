@@ -4,6 +4,7 @@ their devices, and the target's forward and prefill donating the cache."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,11 @@ def test_the_platform_is_read_from_the_devices_given():
     seen = []
     jax.jit(lambda x: seen.append(platform_of(x)) or x)(jnp.ones(3))
     assert seen == [process_platform()]
+    # a GPU as jax describes one (compute capability as a string): its kind's entry, its SMs
+    h100 = Platform.of(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                                       core_count=132))
+    assert (h100.hopper, h100.sm_count, h100.cuda) == (True, 132, has_cuda())
+    assert h100.tuning is TUNING["NVIDIA H100 80GB HBM3"]
 
 
 def test_init_cache_takes_the_tuning_it_is_given():
