@@ -50,7 +50,7 @@ from ..attention import (
 )
 from ..layers import decoder_layer, keys_values, lm_logits, queries, rms_norm
 from ..plan import TensorPlan, planned
-from ..platform import on_gpu, process_platform
+from ..platform import on_gpu, platform_of, process_platform
 from ..rope import rope_tables
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
 from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, check_layer_ids, mapped
@@ -182,7 +182,8 @@ class DecoderTarget(Family):
         `attention.span_capacity`, so that the GPU kernel reads it well), in the params' dtype (on a mesh: split by KV
         heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
-        shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        rows = span_capacity(max_length, platform_of(self.embed).tuning)  # the embedding's devices' tuning
+        shape = (batch_size, c.num_key_value_heads, rows, c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
         layers = lambda: tuple(zeros(shape, self.embed.dtype, where)  # noqa: E731
                                for _ in range(c.num_hidden_layers))

@@ -306,7 +306,7 @@ class Qwen3_5Target(Family):
         def zeros_at(shape, dtype, axes):
             return zeros(shape, dtype, None if self.layout is None else self.layout.sharding(axes, batch_size))
 
-        kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        kv = (batch_size, c.num_key_value_heads, span_capacity(max_length, platform_of(self.embed).tuning), c.head_dim)
         dims = part_dims(c)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         return HybridCache(
@@ -338,7 +338,7 @@ class Qwen3_5Target(Family):
         token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
         tiles among them, are those of `chunk` tokens whatever the batch; `steps.prefill_chunks`) through every
         layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within,
-        default the params' device kind's `tuning.Tuning.delta_chunk`, its state carried across; padding rows
+        default the embedding's device kind's `tuning.Tuning.delta_chunk`, its state carried across; padding rows
         leave the states untouched). Returns the features of every row `[batch, P, Lf * H]` (a `FeatureMap`
         `project`: its map of them, made a chunk at a time), the logits of each prompt's last token `[batch, V]`
         float32, and the committed cache after each prompt's real tokens. A chunk or delta chunk below 1 or not an
@@ -346,7 +346,7 @@ class Qwen3_5Target(Family):
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
         if delta_chunk is None:
-            delta_chunk = platform_of(self.params).tuning.delta_chunk
+            delta_chunk = platform_of(self.embed).tuning.delta_chunk
         delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
         return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk, delta_chunk)
 
