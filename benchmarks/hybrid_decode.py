@@ -32,7 +32,7 @@ rollback against verify.
 `--profile DIR` runs only the part `step` programs, each once under `jax.profiler.trace` (traces under DIR), and
 reports from the trace (`gpu_trace.py`): kernels a step, GPU busy time against the step's wall time, the top
 kernels, the time of each model scope (embed, gated_attention, delta_net/{inputs,rule,out}, moe/{router,routed,
-shared}, lm_head, commit). `--moe-few-rows gather|reduce|slots` overrides the device's `tuning` entry for the MoE
+shared}, lm_head, commit). `--moe-few-rows gather|reduce|slots` overrides the device's tuning entry for the MoE
 block's decode and verify rows.
 """
 
@@ -57,9 +57,10 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop, 
 import gpu_trace  # noqa: E402
 from timing import call_seconds, print_row, read_rate  # noqa: E402
 
-from dflash_jax import tuning  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
+from dflash_jax.platform import process_platform  # noqa: E402
+from dflash_jax.target import moe, qwen3_5  # noqa: E402
 from dflash_jax.target.nemotron_h_config import parse_nemotron_h_config  # noqa: E402
 from dflash_jax.testing import (  # noqa: E402
     preset_dict,
@@ -329,9 +330,10 @@ def main() -> None:
         # a CPU check: compiling is most of its time, and XLA's lowest backend optimisation level halves that
         # (read when the backend starts, at the first JAX call below)
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    if args.moe_few_rows:  # this process's tuning entry, changed in place (`tuning.tuning` reads it at trace time)
-        kind = tuning.device_kind() or ""
-        tuning.TUNING[kind] = dataclasses.replace(tuning.tuning(), moe_few_rows=args.moe_few_rows)
+    if args.moe_few_rows:  # the target's MoE blocks given this platform with another choice (a script's own patch)
+        here = process_platform()
+        chosen = dataclasses.replace(here, tuning=dataclasses.replace(here.tuning, moe_few_rows=args.moe_few_rows))
+        qwen3_5.moe_block = functools.partial(moe.moe_block, platform=chosen)
     start = time.perf_counter()
     rate = read_rate(0.0625 if args.small else 4)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum)",

@@ -50,8 +50,8 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop
 import gpu_trace  # noqa: E402
 from timing import call_seconds, read_rate  # noqa: E402
 
+from dflash_jax.platform import process_platform  # noqa: E402
 from dflash_jax.target import moe  # noqa: E402
-from dflash_jax.tuning import tuning  # noqa: E402
 
 QWEN3_5_35B_A3B = moe.MoeDims()  # the defaults are its sizes
 SMALL = moe.MoeDims(hidden_size=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
@@ -149,7 +149,8 @@ def main() -> None:
         for impl in args.variants:
             if impl == "sliced" and T * c.num_experts_per_tok > SLICED_MAX_PAIRS:
                 continue
-            if impl == "slots" and T * c.num_experts_per_tok > tuning().moe_gather_max_rows:  # few rows only
+            few_rows = process_platform().tuning.moe_gather_max_rows
+            if impl == "slots" and T * c.num_experts_per_tok > few_rows:  # few rows only
                 continue
             f = jax.jit(run_layers, static_argnums=(1, 3))
             if args.profile:

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plt  # deprecated in jax 0.11: the
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_jax.nvfp4 import _mosaic_gpu  # noqa: E402
 from dflash_jax.nvfp4._reference import dequantize_xla  # noqa: E402
+from dflash_jax.platform import process_platform  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import call_seconds, read_rate  # noqa: E402
@@ -139,6 +140,7 @@ def xla_path(packed, scale, scale_2):
 
 
 def mosaic_path(tile=None):
+    tile = tile or process_platform().tuning.nvfp4_tile  # this device kind's by default
     return lambda packed, scale, scale_2: _mosaic_gpu.dequantize_mosaic_gpu(packed, scale, scale_2, tile=tile)
 
 

@@ -50,7 +50,8 @@ from timing import call_seconds, matmul_rate, read_rate  # noqa: E402
 
 from dflash_jax import fp8, nvfp4  # noqa: E402
 from dflash_jax.nvfp4 import _mosaic_gemm  # noqa: E402
-from dflash_jax.nvfp4._mosaic_gemm import Tiling  # noqa: E402
+from dflash_jax.platform import Platform  # noqa: E402
+from dflash_jax.tuning import GemmTiling as Tiling  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "8B q/o": (4096, 4096), "8B k/v": (1024, 4096), "8B gate/up": (12288, 4096), "8B down": (4096, 12288),
@@ -143,7 +144,7 @@ def main() -> None:
     flops = matmul_rate(256 if args.small else 8192)
     device = jax.devices()[0]
     print(f"{device.device_kind}, jax {jax.__version__}; read rate {rate / 1e12:.2f} TB/s (jnp.sum), "
-          f"{flops / 1e12:.0f} TFLOP/s (bf16 8192^3); kernel tiling {_mosaic_gemm.tiling_for(device)}")
+          f"{flops / 1e12:.0f} TFLOP/s (bf16 8192^3); kernel tiling {Platform.of(device).tuning.nvfp4_gemm}")
     print("| shape | M | variant | us | floor us | x floor | of read rate | TFLOP/s | identical to xla packed "
           "| max diff (of max) | kernel us | GPU busy us |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -187,7 +188,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=device.device_kind, jax=jax.__version__, read_rate=rate, matmul_rate=flops,
-                           tiling=str(_mosaic_gemm.tiling_for(device)), rows=rows,
+                           tiling=str(Platform.of(device).tuning.nvfp4_gemm), rows=rows,
                            time=time.strftime("%Y-%m-%d %H:%M")), fh, indent=2)
 
 

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import decode_attention  # Pallas Triton: the kernel compared against
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from dflash_jax._span_attention_mgpu import BLOCK_K, STAGES, span_partials  # noqa: E402
-from dflash_jax.attention import SPAN_BLOCK, Span, _span_xla, kernel_keys_per_split, pallas_tile  # noqa: E402
+from dflash_jax._span_attention_mgpu import span_partials  # noqa: E402
+from dflash_jax.attention import Span, _span_xla, kernel_keys_per_split, pallas_tile  # noqa: E402
+from dflash_jax.platform import process_platform  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import read_rate  # noqa: E402
@@ -62,17 +63,21 @@ def triton(q, k, v, stop, *, per_split):
     return out.reshape(q.shape)
 
 
-def mosaic(q, k, v, stop, *, per_split, block_k=BLOCK_K, stages=None):
-    """[batch, n_kv, rows, d] -> the normalised output, through the package's Mosaic GPU kernel."""
+def mosaic(q, k, v, stop, *, per_split, block_k=None, stages=None):
+    """[batch, n_kv, rows, d] -> the normalised output, through the package's Mosaic GPU kernel (by default at this
+    device's `span_block_k` and `span_stages`)."""
+    tuning = process_platform().tuning
+    block_k, stages = block_k or tuning.span_block_k, stages or tuning.span_stages
     acc, _, l = span_partials(q, k, v, jnp.zeros_like(stop), stop, keys_per_split=per_split, block_k=block_k,
                               stages=stages)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def xla(q, k, v, stop):
-    """[batch, n_kv, rows, d] -> the normalised output, through the package's XLA span loop (`SPAN_BLOCK` keys a
+    """[batch, n_kv, rows, d] -> the normalised output, through the package's XLA span loop (`span_block` keys a
     step): what `attention.attend` runs where the kernel does not apply."""
-    p = _span_xla(q[:, :, :, None], Span(k, v, jnp.zeros_like(stop), stop), SPAN_BLOCK)
+    p = _span_xla(q[:, :, :, None], Span(k, v, jnp.zeros_like(stop), stop),
+                  process_platform().tuning.span_block)
     return (p.acc / jnp.where(p.l > 0, p.l, 1.0)[..., None])[:, :, :, 0].astype(q.dtype)
 
 
@@ -137,7 +142,8 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001  more slots or stages than shared memory holds
                     print(f"    block_k {block_k} stages {stages} keys/split {split}: {type(e).__name__}")
             for label, t in sorted(sweep.items(), key=lambda kv: kv[1])[:5]:
-                print(f"    {label}: {t:.4f} ms (default: {BLOCK_K}, {STAGES}, {per_split})")
+                tuning = process_platform().tuning
+                print(f"    {label}: {t:.4f} ms (default: {tuning.span_block_k}, {tuning.span_stages}, {per_split})")
             row["mosaic_sweep_ms"] = sweep
         rows_out.append(row)
     if args.json:

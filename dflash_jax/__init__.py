@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
     from .adaptive import Adaptive, StepCosts
+    from .compile_cache import enable_compile_cache
     from .config import DflashConfig, parse_config
     from .drafter import Drafter, draft_to_target_ids
     from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
@@ -57,6 +58,7 @@ _EXPORTS = {
     "load_config": "loader", "load_drafter": "loader",
     "AttentionOptions": "model", "draft_hidden": "model", "draft_logits": "model",
     "check_pair": "pairing",
+    "enable_compile_cache": "compile_cache",
     "Target": "target",
     "DecoderTarget": "target.dense", "Qwen3Target": "target.dense",
     "load_target": "target.loading",
@@ -105,6 +107,7 @@ __all__ = [
     "draft_hidden",
     "draft_logits",
     "draft_to_target_ids",
+    "enable_compile_cache",
     "greedy_generate",
     "init_cache",
     "load_config",

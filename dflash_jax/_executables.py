@@ -30,6 +30,7 @@ JAX's compilation cache.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import hmac
@@ -42,18 +43,18 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib.version
-import jaxlib.xla_client as xc
 import numpy as np
 
+from ._jax_compat import JAXLIB_VERSION
+from ._jax_compat import xla_client as xc
 from ._private import absolute, cache_home, private_directory, user_key, warn_once
 
 CACHE_ENV = "DFLASH_JAX_CACHE_DIR"
 MAGIC = b"dflash_jax exe 2\n"  # 17 bytes; a new layout of the file gets a new magic
 MAX_ENTRY_BYTES = 64 * 1024 * 1024  # a dequantizer's executable is ~10-200 KB
 _DIGEST_BYTES = 32
-_SOURCES = ("_executables.py", "_gpu.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "nvfp4/_reference.py",
-            "tuning.py")
+# The modules that build a conversion: their sources and every package module they import key the entries
+_ENTRY_MODULES = ("dflash_jax._executables", "dflash_jax.nvfp4")
 
 # (kind, inputs, dtype, device) -> future `Program`, where kind is "nvfp4" or "cast" and inputs is a tuple
 # of (shape, numpy dtype) per argument
@@ -122,7 +123,7 @@ def _load_or_compile(key: tuple) -> Program:
             return Program(executable)
     specs = tuple(jax.ShapeDtypeStruct(shape, d, sharding=jax.sharding.SingleDeviceSharding(device))
                   for shape, d in inputs)
-    executable = _compile(kind, specs, dtype).runtime_executable()
+    executable = _compile(kind, specs, dtype, device).runtime_executable()
     problem = _signature_problem(executable, inputs, output)
     if problem:  # what `_output` or the jitted function says disagrees: a bug here, never stored
         raise AssertionError(f"compiled {kind} conversion of {inputs}: {problem}")
@@ -131,11 +132,13 @@ def _load_or_compile(key: tuple) -> Program:
     return Program(executable)
 
 
-def _compile(kind: str, specs: tuple[jax.ShapeDtypeStruct, ...], dtype: jnp.dtype) -> jax.stages.Compiled:
+def _compile(kind: str, specs: tuple[jax.ShapeDtypeStruct, ...], dtype: jnp.dtype, device: jax.Device
+             ) -> jax.stages.Compiled:
     if kind == "nvfp4":
         from .nvfp4 import dequantize
+        from .platform import Platform
 
-        fn = functools.partial(dequantize, dtype=dtype)
+        fn = functools.partial(dequantize, dtype=dtype, platform=Platform.of(device))  # chosen for where it runs
     else:
         fn = functools.partial(jnp.asarray, dtype=dtype)
     return jax.jit(fn).lower(*specs).compile()
@@ -170,10 +173,59 @@ def _describe(key: tuple) -> bytes:
 @functools.cache
 def _environment() -> tuple:
     """Versions, flags and the source of the conversion code: any change makes new cache entries."""
-    package = Path(__file__).parent
-    source = hashlib.sha256(b"".join((package / name).read_bytes() for name in _SOURCES)).hexdigest()
+    with _LOCK:  # the pool's threads start here at once, and CPython 3.11's ast.parse is not thread-safe
+        source = source_digest(Path(__file__).parent)
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # a run-time flag, not in jax's Config stub
-    return jax.__version__, jaxlib.version.__version__, os.environ.get("XLA_FLAGS", ""), bool(x64), source
+    return jax.__version__, JAXLIB_VERSION, os.environ.get("XLA_FLAGS", ""), bool(x64), source
+
+
+def source_digest(package: Path) -> str:
+    """SHA-256 of the sources of `_ENTRY_MODULES` and of every module of the package at `package` that they import,
+    transitively (imports inside functions too), each file's path with its bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(imported_sources(package, _ENTRY_MODULES)):
+        digest.update(f"{path.relative_to(package).as_posix()}\n{path.stat().st_size}\n".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def imported_sources(package: Path, modules: tuple[str, ...]) -> set[Path]:
+    """The source files of `modules` (dotted names under the package at `package`) and of the package modules
+    they import, transitively, read with `ast`. A module's parent packages count (their `__init__` runs first),
+    the root's excepted: it only re-exports, and would make every file of the package part of every key."""
+    root = package.name
+    found: set[Path] = set()
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        path = _module_file(package, name)
+        if path is None or path in found:
+            continue
+        found.add(path)
+        base = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        parts = name.split(".")
+        todo += [".".join(parts[:n]) for n in range(2, len(parts))]  # parent packages, below the root
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+            if isinstance(node, ast.Import):
+                todo += [alias.name for alias in node.names if alias.name.startswith(root + ".")]
+            elif isinstance(node, ast.ImportFrom):
+                anchor = base.split(".")[: len(base.split(".")) - node.level + 1] if node.level else []
+                module = ".".join(anchor + ([node.module] if node.module else []))
+                if module == root or module.startswith(root + "."):
+                    todo += [module, *(f"{module}.{alias.name}" for alias in node.names)]  # `from . import x`
+    return found
+
+
+def _module_file(package: Path, name: str) -> Path | None:
+    """The source of module `name` ("dflash_jax.nvfp4._reference") under `package`, or None: not a module of it
+    (an imported attribute, or the root)."""
+    parts = name.split(".")[1:]
+    if not parts:
+        return None
+    for path in (package.joinpath(*parts).with_suffix(".py"), package.joinpath(*parts, "__init__.py")):
+        if path.is_file():
+            return path
+    return None
 
 
 def _digest(key: bytes, description: bytes, payload: bytes) -> bytes:

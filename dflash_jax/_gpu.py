@@ -1,36 +1,9 @@
-"""Which GPU the package's Pallas kernels compile for, and how they run on a CPU."""
+"""How the package's Pallas Mosaic GPU kernels are compiled, run on a CPU, and split over a GPU's SMs (which GPU
+they compile for: `platform`)."""
 
 from typing import Any
 
-import jax
-
-
-def _compute_capability() -> float:
-    """The default device's CUDA compute capability (9.0 on a Hopper), 0 off a GPU."""
-    device = jax.devices()[0]
-    return float(getattr(device, "compute_capability", 0)) if device.platform == "gpu" else 0.0
-
-
-def hopper_or_newer() -> bool:
-    """Whether the default device is a GPU that Pallas Mosaic GPU compiles for (compute capability 9.0 or more)."""
-    return _compute_capability() >= 9.0
-
-
-def hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.0: WGMMA, which later GPUs do not have)."""
-    return _compute_capability() == 9.0
-
-
-def interpret_params() -> Any:
-    """Pallas's Mosaic GPU interpret-mode parameters (a kernel run on the CPU): `plgpu.InterpretGPUParams` where jax
-    exports it, else its jax 0.10 home (`jax._src.pallas.mosaic_gpu.interpret.params`)."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
+from ._jax_compat import interpret_params
 
 
 def kernel_params(interpret: bool) -> dict[str, Any]:
@@ -41,11 +14,6 @@ def kernel_params(interpret: bool) -> dict[str, Any]:
     if interpret:
         return {"interpret": interpret_params()}
     return {"compiler_params": plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)}
-
-
-def sm_count() -> int:
-    """The default device's streaming multiprocessors (1 where it does not say: a CPU)."""
-    return getattr(jax.devices()[0], "core_count", 0) or 1
 
 
 def k_splits(steps: int, tiles: int, sms: int) -> int:

@@ -34,8 +34,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ._shapes import ceil_div, round_up
 
 ROWS = 64  # query rows per CTA: one WGMMA M tile
-BLOCK_K = 64  # key slots per step
-STAGES = 2  # K/V slots in SMEM (1 for a head size of 256: 2 do not fit beside the rest)
 _BOUNDS = 32  # start/stop are copied to SMEM as [2, a multiple of 32] int32: TMA moves multiples of 128 bytes
 _LOG2E = math.log2(math.e)
 
@@ -113,12 +111,13 @@ def _kernel(q_gmem, k_gmem, v_gmem, bounds_gmem, o_gmem, m_gmem, l_gmem,
 
 @functools.partial(jax.jit, static_argnames=("keys_per_split", "block_k", "stages", "interpret"))
 def span_partials(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, stop: jax.Array, *,
-                  keys_per_split: int, block_k: int = BLOCK_K, stages: int | None = None, interpret=None):
+                  keys_per_split: int, block_k: int, stages: int, interpret=None):
     """Partial softmax of `q [batch, n_kv, rows, d]` over slots `[start, stop)` (`[batch]` int32) of `k, v [batch,
     n_kv, capacity, d]` -> `acc [batch, n_kv, rows, d]` f32 (unnormalised), `m`, `l [batch, n_kv, rows]` f32 (the
     row max in natural-log units, -inf where no key; the sum of exp(s - m)). bf16/f16 operands, `d` a multiple of
-    64 up to 256, `capacity` and `keys_per_split` multiples of `block_k`. `stages` defaults to `STAGES` (1 for
-    `d` = 256); `interpret`: `plgpu.InterpretGPUParams()` runs the kernel in JAX's GPU interpreter (jax >= 0.11)."""
+    64 up to 256, `capacity` and `keys_per_split` multiples of `block_k`. `block_k` and `stages`: the device
+    kind's (`tuning.Tuning.span_block_k`, `span_stages`; 1 stage for `d` = 256); `interpret`:
+    `plgpu.InterpretGPUParams()` runs the kernel in JAX's GPU interpreter (jax >= 0.11)."""
     batch, n_kv, rows, d_h = q.shape
     capacity = k.shape[2]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -126,7 +125,7 @@ def span_partials(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, st
     if d_h % 64 or d_h > 256 or capacity % block_k or keys_per_split % block_k:
         raise ValueError(f"span_partials: head size {d_h} (a multiple of 64 up to 256), capacity {capacity} and "
                          f"keys per split {keys_per_split} (multiples of {block_k}) do not fit the kernel")
-    stages = stages or (STAGES if d_h <= 128 else 1)
+    stages = stages if d_h <= 128 else 1  # for a head size of 256, 2 K/V slots do not fit beside the rest
     bh, padded = batch * n_kv, round_up(rows, ROWS)
     n_splits = ceil_div(capacity, keys_per_split)
     q = jnp.pad(q.reshape(bh, rows, d_h), ((0, 0), (0, padded - rows), (0, 0)))  # [BH, Rp, d]

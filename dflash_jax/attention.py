@@ -4,7 +4,7 @@ A query block attends to keys from two kinds of source, merged through one float
 
 - `Span`: a contiguous slot range `[start, stop)` (per sequence) of a static-shape cache, every key of which the
   rule lets every query see (earlier context, a target's committed prefix). Only the key blocks that intersect
-  the range are read: a `lax.fori_loop` over blocks of `SPAN_BLOCK` slots with a dynamic trip count (the XLA
+  the range are read: a `lax.fori_loop` over blocks of `Tuning.span_block` slots with a dynamic trip count (the XLA
   path, also the reference), or on a Hopper GPU a split-K Pallas Mosaic GPU kernel (`_span_attention_mgpu`),
   which skips the blocks outside the range too. No `[rows, capacity]` score is formed.
 - `KeyValues`: a few rows with positions and a validity mask (the block itself, new context rows, a sliding
@@ -26,23 +26,22 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._gpu import hopper_or_newer
 from ._kernel_choice import kernel_choice
 from ._precision import dot
 from ._shapes import ceil_div, round_up
-from .tuning import on_gpu, tuning
+from .platform import Platform, on_gpu, process_platform
+from .tuning import Tuning
 
 __all__ = ["attend", "causal_self_attention", "LayerRule", "KeyValues", "Span", "visible", "span_capacity",
-           "SPAN_ALIGN", "SPAN_BLOCK", "Impl", "ATTEND_IMPLS", "PREFILL_IMPLS"]
+           "SPAN_ALIGN", "Impl", "ATTEND_IMPLS", "PREFILL_IMPLS"]
 
-SPAN_BLOCK = 512  # key slots per step of the XLA span loop (the CPU and reference path; not tuned)
 _PALLAS_MAX_ROWS = 256  # query rows per KV head up to which the GPU kernel is used (it reads K/V once a 64-row tile)
 SPAN_ALIGN = 128  # the GPU kernel reads caches whose capacity is a multiple of this (init_cache rounds up to it)
-# The GPU kernel's splits are tuned per device kind: `tuning.Tuning.span_splits`.
+# The GPU kernel's splits and tiles and the XLA loop's block are tuned per device kind (`tuning.Tuning`: `span_*`).
 
 
 # The kernel choice, one vocabulary for `attend`, `propose` and a target's `prefill` (each takes the values that
-# apply to it, `check_impl`): "auto" picks by where the program runs (`on_gpu`) and the operands; "xla" forces
+# apply to it, `check_impl`): "auto" picks by where the program runs (`platform.on_gpu`) and the operands; "xla" forces
 # XLA's path; "pallas" the Pallas Mosaic GPU span kernel (attend, propose); "cudnn" cuDNN's fused prefill (prefill).
 Impl = Literal["auto", "xla", "pallas", "cudnn"]
 ATTEND_IMPLS: tuple[Impl, ...] = ("auto", "xla", "pallas")
@@ -179,23 +178,24 @@ def _span_xla(q: jax.Array, span: Span, block: int) -> _Partial:
     return jax.lax.fori_loop(first, jnp.maximum(first, last), body, _empty(q))
 
 
-def _span_pallas(q: jax.Array, span: Span) -> _Partial:
+def _span_pallas(q: jax.Array, span: Span, tuning: Tuning) -> _Partial:
     """The split-K Mosaic GPU kernel over `[start, stop)` (key blocks outside the range are skipped, not masked)."""
     from ._span_attention_mgpu import span_partials
 
     batch, n_kv, groups, Sq, d_h = q.shape
-    keys = kernel_keys_per_split(span.k.shape[2], groups * Sq, batch * n_kv)
+    keys = kernel_keys_per_split(span.k.shape[2], groups * Sq, batch * n_kv, tuning)
     acc, m, l = span_partials(q.reshape(batch, n_kv, groups * Sq, d_h), span.k, span.v, span.start, span.stop,
-                              keys_per_split=keys)  # [batch, n_kv, rows(, d_h)]
+                              keys_per_split=keys, block_k=tuning.span_block_k,
+                              stages=tuning.span_stages)  # [batch, n_kv, rows(, d_h)]
     shape = (batch, n_kv, groups, Sq)
     return _Partial(acc.reshape(*shape, d_h), m.reshape(shape), l.reshape(shape))
 
 
-def kernel_keys_per_split(capacity: int, rows: int, heads: int) -> int:
+def kernel_keys_per_split(capacity: int, rows: int, heads: int, tuning: Tuning | None = None) -> int:
     """Keys per split of the GPU kernel reading a cache of `capacity` slots with `rows` query rows per KV head, for
     `heads` (sequences x KV heads) at once: the kernel runs a program per head, 64-row query tile and split."""
     programs = heads * ceil_div(rows, 64)
-    return capacity // _splits(capacity, pallas_tile(rows), programs)  # SPAN_ALIGN-aligned
+    return capacity // _splits(capacity, pallas_tile(rows), programs, tuning)  # SPAN_ALIGN-aligned
 
 
 def pallas_tile(rows: int) -> int:
@@ -204,41 +204,43 @@ def pallas_tile(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def split_keys(capacity: int, tile: int) -> int:
+def split_keys(capacity: int, tile: int, tuning: Tuning | None = None) -> int:
     """Keys per split of the GPU kernel for a cache of `capacity` slots read by `tile`-row programs
-    (`tuning.Tuning.span_splits`)."""
-    _, small, large = next(band for band in tuning().span_splits if capacity <= band[0])
+    (`tuning.Tuning.span_splits`; default: `platform.process_platform()`'s entry)."""
+    tuning = tuning or process_platform().tuning
+    _, small, large = next(band for band in tuning.span_splits if capacity <= band[0])
     return large if tile >= 64 else small
 
 
-def span_capacity(rows: int) -> int:
+def span_capacity(rows: int, tuning: Tuning | None = None) -> int:
     """The capacity of a cache for `rows` rows that the GPU kernel reads well: a multiple of `SPAN_ALIGN`, and of
     the longest split its band uses (`tuning.Tuning.span_splits`), since the kernel's splits must divide the
     capacity (128-slot alignment alone gives capacities of a prime number of blocks, read in splits of 128 keys).
     Rounding up never leaves the band."""
-    align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16), split_keys(rows, 128))
+    align = SPAN_ALIGN if rows <= SPAN_ALIGN else max(split_keys(rows, 16, tuning), split_keys(rows, 128, tuning))
     return round_up(rows, align)
 
 
-def _splits(capacity: int, tile: int, programs: int | None = None) -> int:
+def _splits(capacity: int, tile: int, programs: int | None = None, tuning: Tuning | None = None) -> int:
     """Split-K count: a divisor of the capacity's 128-slot blocks giving splits of about `split_keys` keys (exactly
     that for a `span_capacity`), so a long span is read by many programs at once (measured: 16 fixed splits ran a
     128k span at 1/6 of the bandwidth); a split past a sequence's `stop` exits at once. `programs` (sequences x KV
     heads x query tiles) below `tuning.Tuning.span_programs` shortens the splits in proportion: a hybrid target's
     2 KV heads of 256 at batch 1 read 8k slots in 0.030 ms with 128-key splits against 0.047 ms with 512 (H200,
     docs/benchmarks.md)."""
-    blocks, per_split = capacity // SPAN_ALIGN, split_keys(capacity, tile) / SPAN_ALIGN
-    if programs is not None and programs < tuning().span_programs:
-        per_split = max(1.0, per_split * programs / tuning().span_programs)
+    tuning = tuning or process_platform().tuning
+    blocks, per_split = capacity // SPAN_ALIGN, split_keys(capacity, tile, tuning) / SPAN_ALIGN
+    if programs is not None and programs < tuning.span_programs:
+        per_split = max(1.0, per_split * programs / tuning.span_programs)
     return min((d for d in range(1, blocks + 1) if blocks % d == 0), key=lambda d: abs(blocks / d - per_split))
 
 
-def use_pallas(q: jax.Array, span: Span) -> bool:
+def use_pallas(q: jax.Array, span: Span, platform: Platform) -> bool:
     """The GPU kernel applies on Hopper or newer to 16-bit operands, few query rows per KV head and block-aligned
     capacities (on a GPU: `on_gpu` decides that)."""
     _, _, groups, Sq, d_h = q.shape
     return (
-        hopper_or_newer()
+        platform.hopper_or_newer
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and span.k.dtype == q.dtype
         and groups * Sq <= _PALLAS_MAX_ROWS
@@ -273,8 +275,9 @@ def attend(
     spans: Sequence[Span] = (),
     *,
     impl: Impl = "auto",
-    block: int = SPAN_BLOCK,
+    block: int | None = None,
     sink_logits: jax.Array | None = None,
+    platform: Platform | None = None,
 ) -> jax.Array:
     """Softmax attention of `q [batch, Sq, n_h, d_h]` at `q_positions [batch, Sq]` over all sources together.
 
@@ -284,20 +287,24 @@ def attend(
     it enters as one more partial, so every kernel path takes it unchanged. impl: "xla" (blocked loop), "pallas"
     (the Mosaic GPU kernel for spans, Hopper or newer) or "auto" (the kernel where it applies: a program lowered for
     a Hopper or newer GPU, 16-bit operands, at most `_PALLAS_MAX_ROWS` (256) query rows per KV head); another is a
-    `ValueError`. Returns `[batch, Sq, n_h, d_h]` in q's dtype; a query that sees no key gets zeros (with sinks too:
+    `ValueError`. `block`: the XLA loop's key slots a step (default the platform's `span_block`); `platform`: the
+    device facts and tuning that choose (default `platform.process_platform()`). Returns `[batch, Sq, n_h, d_h]` in
+    q's dtype; a query that sees no key gets zeros (with sinks too:
     the sink's value is zero).
     """
     check_impl("attend", impl, ATTEND_IMPLS)
+    platform = platform or process_platform()
     batch, Sq, n_h, d_h = q.shape
     n_kv = (dense[0] if dense else spans[0]).k.shape[1]
     q5 = q.reshape(batch, Sq, n_kv, n_h // n_kv, d_h).transpose(0, 2, 3, 1, 4)  # [batch, n_kv, groups, Sq, d_h]
     parts = [_dense(q5, q_positions, kv, rule) for kv in dense]
     for span in spans:
-        xla = functools.partial(_span_xla, block=block)
+        xla = functools.partial(_span_xla, block=block or platform.tuning.span_block)
+        pallas = functools.partial(_span_pallas, tuning=platform.tuning)
         if impl == "pallas":
-            parts.append(_span_pallas(q5, span))
-        elif impl == "auto" and use_pallas(q5, span):
-            parts.append(on_gpu(_span_pallas, xla, q5, span))
+            parts.append(pallas(q5, span))
+        elif impl == "auto" and use_pallas(q5, span, platform):
+            parts.append(on_gpu(platform, pallas, xla, q5, span))
         else:
             parts.append(xla(q5, span))
     if sink_logits is not None:

@@ -4,7 +4,7 @@ Every PATH is a checkpoint directory or a Hugging Face hub id (`--revision`, `--
 `HF_HUB_OFFLINE` and `HF_TOKEN` as for every hub library). Bad input of any kind (a broken checkpoint, an
 unknown hub id, an argument out of range) is reported as one `error: ...` line on stderr with exit status 2,
 never a traceback. The program (`dflash-jax`, `python -m dflash_jax`) keeps JAX's compiled programs in JAX's
-persistent compilation cache, so a second run of the same shapes skips compiling: see `use_compilation_cache`.
+persistent compilation cache, so a second run of the same shapes skips compiling: see `compile_cache`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from ._cluster import coordinator_address, digest
+from .compile_cache import enable_compile_cache
 
 if TYPE_CHECKING:
     from .errors import CheckpointError
@@ -39,36 +40,10 @@ def run() -> NoReturn:
     sys.exit(main(compilation_cache=True))
 
 
-def use_compilation_cache() -> str | None:
-    """Turn on JAX's persistent compilation cache for this process; return its directory (None: off).
-
-    `JAX_COMPILATION_CACHE_DIR`, when set, names it (the empty string turns it off); otherwise the cache is
-    `$XDG_CACHE_HOME/dflash_jax/jax-compilation-cache` (default `~/.cache/...`). Its entries are programs the
-    process runs, so the directory must pass the package's own rules for caches of code (`_private`: this
-    user's, writable by nobody else, created 0700); one that does not, or no home directory, turns the cache
-    off with one warning. JAX's own rules apply too: programs that compile in under a second are not stored,
-    and entries are keyed by the program, the backend and the jax/jaxlib versions (JAX's documentation,
-    "Persistent compilation cache").
-    """
-    from ._private import absolute, cache_home, private_directory
-
-    variable = "JAX_COMPILATION_CACHE_DIR"
-    if variable in os.environ:  # JAX read it when imported: overridden below when it is not trusted
-        configured = os.environ[variable]
-        directory = absolute(configured, variable) if configured else None
-    else:
-        home = cache_home()
-        directory = home / "dflash_jax" / "jax-compilation-cache" if home else None
-    trusted = private_directory(directory, "JAX's compilation cache", variable) if directory else None
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(trusted) if trusted else None)
-    return str(trusted) if trusted else None
-
-
 def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> int:
     """Parse `argv` (default `sys.argv[1:]`), run the verb, return the exit status. Process-wide settings
-    (`compilation_cache`: `use_compilation_cache`) are `run`'s, so that a caller embedding the CLI keeps its own.
+    (`compilation_cache`: `compile_cache.enable_compile_cache`) are `run`'s, so that a caller embedding the CLI
+    keeps its own.
 
     JAX is imported only once the arguments have parsed: `--help` and argument errors answer at once. A reader
     that goes away (`dflash-jax inspect --json x | head -1`) ends the program quietly, with the status of a
@@ -81,7 +56,7 @@ def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> i
 
     try:
         if compilation_cache:
-            use_compilation_cache()
+            enable_compile_cache()
         status = args.run(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return status

@@ -64,10 +64,11 @@ from .model import (
     layer_functions,
     project_context,
 )
+from .platform import Platform, platform_of
 from .rope import rope_tables
 from .sampling import Warp, choose
 from .target import FeatureMap
-from .tuning import tuning
+from .tuning import Tuning
 
 __all__ = ["ContextCache", "Proposal", "init_cache", "propose", "append_context", "sample_drafts", "context_projection"]
 
@@ -123,14 +124,14 @@ def _rings(rules) -> tuple[bool, ...]:
     return tuple(r.window is not None and r.sinks == 0 for r in rules)
 
 
-def _ring_rows(needed: int, spans: bool) -> int:
+def _ring_rows(needed: int, spans: bool, tuning: Tuning) -> int:
     """A ring's rows: `needed` (window + block size), rounded up past `SPAN_ALIGN` rows (a longer ring holds more
     positions, outside the window): read as spans, by `span_capacity` so that the GPU kernel reads it; scored
     whole, to a multiple of `SPAN_ALIGN`, since XLA pads an unaligned ring for its GPU GEMMs on every step
     (docs/benchmarks.md)."""
     if needed <= SPAN_ALIGN:
         return needed
-    return span_capacity(needed) if spans else round_up(needed, SPAN_ALIGN)
+    return span_capacity(needed, tuning) if spans else round_up(needed, SPAN_ALIGN)
 
 
 def init_cache(
@@ -141,6 +142,7 @@ def init_cache(
     dtype: jnp.dtype | None = None,
     sharding: jax.sharding.Sharding | None = None,
     attention: AttentionOptions = AttentionOptions(),
+    platform: Platform | None = None,
 ) -> ContextCache:
     """An empty cache for `batch_size` sequences of up to `max_context` context rows.
 
@@ -148,7 +150,8 @@ def init_cache(
     or replicated over their mesh); e.g. `NamedSharding(mesh, P("data"))` to split the batch. The arrays are
     committed there, as `propose` returns them, so the first step and the later ones share one compiled program.
     `attention` (`AttentionOptions`) decides which layers are ring buffers: the cache records it, and `propose`
-    must be given the same.
+    must be given the same. `platform`: whose tuning sizes the rows and decides ring spans (default: that of the
+    devices `sharding` names, `platform.platform_of`).
     """
     batch_size = check_integer("init_cache", "batch_size", batch_size, 1)
     max_context = check_integer("init_cache", "max_context", max_context, 1)
@@ -160,10 +163,11 @@ def init_cache(
     rules = attention_rules(c, attention)
     rings = _rings(rules)
     # aligned for the GPU kernel, with room for the block after a full context (`_absorbed`)
-    full_rows = span_capacity(max_context + c.effective_block_size)
-    ring_spans = batch_size >= tuning().ring_spans_min_batch
+    tuning = (platform or platform_of(sharding)).tuning
+    full_rows = span_capacity(max_context + c.effective_block_size, tuning)
+    ring_spans = batch_size >= tuning.ring_spans_min_batch
     rows = [full_rows if not ring or r.window is None else
-            _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans)
+            _ring_rows(min(max_context, r.window + c.effective_block_size), ring_spans, tuning)
             for r, ring in zip(rules, rings)]
 
     def empty(shape, dtype) -> jax.Array:  # distinct committed buffers, so the whole cache can be donated

@@ -1,29 +1,53 @@
 """Kernel tuning: one table keyed by device kind (`jax.Device.device_kind`), with a fallback for devices never
 measured.
 
-Each entry holds the figures measured on that device kind: the GPU span-attention kernel's splits and tiles
-(`attention`), when the drafter reads its rings with that kernel (`drafting`), the NVFP4 dequantizer's tile
-(`nvfp4`), and when the MoE block gathers experts (`target.moe`). The measurements, their commands and the
+Each entry holds every tile, chunk and threshold the package's programs take from the device: the span-attention
+kernel's splits and tiles and the XLA span loop's block (`attention`, `_span_attention_mgpu`), when the drafter
+reads its rings with that kernel (`drafting`), the NVFP4 dequantizer's tile and the packed GEMM's tiling (`nvfp4`),
+how the MoE block runs its experts and the tiles of its kernels (`target.moe`, `target._expert_gemm`), the dense
+target's fused prefill rows and the hybrid's delta-rule chunk (`target`). The measurements, their commands and the
 devices they ran on are in docs/benchmarks.md; the code keeps only the values. A device kind without an entry
-runs the fallback, the only entry measured so far (an NVIDIA H200); to tune another, run the benchmarks that
-docs/benchmarks.md names on it and add its entry.
+runs the fallback (the H200's figures); to tune another, run the benchmarks that docs/benchmarks.md names on it and
+add its entry.
 
-The values decide programs at trace time, by the kind of this process's GPUs (a process has one kind); whether a
-program runs a GPU kernel at all is decided by where it is lowered (`on_gpu`), not by the default backend.
+Which entry a program reads is `platform.Platform.tuning`: the kind of the devices the program runs on. A value
+here is never changed in place: an override is a new value (`dataclasses.replace(entry, ...)`) passed as
+`platform=` / `tuning=` to the functions that read it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+import types
+from collections.abc import Mapping
+from typing import Literal
 
-import jax
+__all__ = ["Tuning", "GemmTiling", "RaggedDotTiling", "TUNING", "FALLBACK", "tuning_for"]
 
-__all__ = ["Tuning", "tuning", "device_kind", "has_cuda", "on_gpu"]
 
-T = TypeVar("T")
+@dataclasses.dataclass(frozen=True)
+class GemmTiling:
+    """The packed NVFP4 GEMM's tiles (`nvfp4._mosaic_gemm`). tile_n: weight rows per CTA (WGMMA M, 64 or 128);
+    tile_k: K per pipeline step (256 or 512); max_concurrent_steps: pipeline depth (TMA copies in flight); split_k:
+    CTAs sharing one output tile's K range (their float32 partial sums are added by XLA), 0 = enough to give every
+    SM a CTA (`_mosaic_gemm.split_for`)."""
+
+    tile_n: int = 64
+    tile_k: int = 256
+    max_concurrent_steps: int = 4
+    split_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedDotTiling:
+    """The tiles of JAX's Mosaic GPU grouped matmul (`ragged_dot_mgpu.ragged_dot`'s keywords), as the MoE block's
+    opt-in "grouped" form calls it (`target.moe._grouped_matmul`)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +61,21 @@ class Tuning:
     # The kernel's programs per split (sequences x KV heads x 64-row query tiles) at which `span_splits` was
     # measured; a read with fewer programs takes proportionally shorter splits, so that as many CTAs run.
     span_programs: int
+    # The span kernel's key slots per step, and the K/V slots in shared memory (1 for a head size of 256: 2 do not
+    # fit beside the rest; `_span_attention_mgpu`).
+    span_block_k: int
+    span_stages: int
+    # Key slots per step of the XLA span loop (`attention._span_xla`: the CPU and reference path; not tuned).
+    span_block: int
     # Batches from this size on read the drafter's ring layers with the span kernel; smaller ones score a whole
     # ring densely (two kernel launches per ring cost more than one dense pass at small batches).
     ring_spans_min_batch: int
     # The NVFP4 dequantizer's 16-value blocks per CTA (`nvfp4._mosaic_gpu`: a multiple of 128, at most 1024; 256 and
     # 512 measured alike, 1024 slower: docs/benchmarks.md).
     nvfp4_tile: int
+    # The packed NVFP4 GEMM's tiles (no configuration measured more than 11% faster on every shape and M, so the
+    # defaults: docs/benchmarks.md, "Packed NVFP4 GEMM").
+    nvfp4_gemm: GemmTiling
     # The MoE block gathers each token's experts up to this many (token, expert) pairs (decode and verify
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
     moe_gather_max_rows: int
@@ -51,53 +84,45 @@ class Tuning:
     # them in place inside a multiply-and-reduce (`target.moe._gathered_in_place`); "slots" reads each distinct
     # expert once in place in a Mosaic GPU kernel (`target._expert_gemm`).
     moe_few_rows: Literal["gather", "reduce", "slots"]
+    # The expert-slot kernel's pipeline steps in flight (`target._expert_gemm`).
+    expert_gemm_depth: int
+    # The tiles of JAX's grouped matmul kernel (the MoE block's "grouped" form).
+    ragged_dot: RaggedDotTiling
     # The dense target's fused (cuDNN) prefill runs whole sequences, at most this many prompt rows (batch x P) a
     # step (`target.dense._fused_rows`): 8 x 32k rows at once ran an 80 GB H100 out of memory (docs/benchmarks.md);
     # 32k-row GEMMs are compute-bound already.
     fused_prefill_rows: int
+    # Rows of the hybrid target's chunked gated delta rule (`target.qwen3_5`: transformers' and flash-linear-
+    # attention's default).
+    delta_chunk: int
 
 
 H200 = Tuning(
     span_splits=((16384, 512, 512), (65536, 1024, 1024), (float("inf"), 1024, 4096)),
     span_programs=8,  # 8 KV heads at batch 1 (Qwen3-8B shapes)
+    span_block_k=64,
+    span_stages=2,
+    span_block=512,
     ring_spans_min_batch=8,
     nvfp4_tile=256,
+    nvfp4_gemm=GemmTiling(),
     moe_gather_max_rows=256,
     moe_tile_rows=128,
     moe_few_rows="reduce",
+    expert_gemm_depth=3,
+    ragged_dot=RaggedDotTiling(),
     fused_prefill_rows=32768,
+    delta_chunk=64,
 )
-TUNING: dict[str, Tuning] = {"NVIDIA H200": H200}
-FALLBACK = H200  # a device kind never measured (and the CPU, where only `span_splits` sizes the caches)
+# The H100's entry holds the H200's values until each is measured on an H100: the H100 runs of docs/benchmarks.md
+# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values.
+H100 = dataclasses.replace(H200)
+# device kind -> entry, read-only; the kinds as `jax.Device.device_kind` spells them (an H100 SXM: "NVIDIA H100 80GB
+# HBM3")
+TUNING: Mapping[str, Tuning] = types.MappingProxyType({"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100})
+FALLBACK = H200  # a device kind never measured (and the CPU, where only the sizes of caches and loops matter)
 
 
-def tuning(kind: str | None = None) -> Tuning:
-    """The entry of device kind `kind` (default: this process's GPUs', `device_kind`), else `FALLBACK`."""
-    return TUNING.get(kind or device_kind() or "", FALLBACK)
-
-
-@functools.cache
-def device_kind() -> str | None:
-    """The kind of this process's first GPU (`"NVIDIA H200"`), or None in a process without one."""
-    try:
-        return jax.devices("gpu")[0].device_kind
-    except RuntimeError:
-        return None
-
-
-@functools.cache
-def has_cuda() -> bool:
-    """Whether this process has a CUDA backend (then a program may be lowered for its GPUs)."""
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-def on_gpu(gpu: Callable[..., T], other: Callable[..., T], *args: Any) -> T:
-    """`gpu(*args)` where the program is lowered for a CUDA GPU, else `other(*args)`: decided by where the
-    computation and its arrays live (`lax.platform_dependent`, resolved when lowering), not by the process's
-    default backend. Both must return the same types. In a process without a CUDA backend `gpu` is not traced."""
-    if not has_cuda():
-        return other(*args)
-    return jax.lax.platform_dependent(*args, cuda=gpu, default=other)
+def tuning_for(kind: str | None) -> Tuning:
+    """The entry of device kind `kind` (`jax.Device.device_kind`), else `FALLBACK`."""
+    return TUNING.get(kind or "", FALLBACK)

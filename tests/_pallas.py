@@ -8,9 +8,14 @@ from typing import TypeVar
 import jax
 import pytest
 
-from dflash_jax._gpu import interpret_params
+from dflash_jax._jax_compat import interpret_params, pallas_interpret_switch
+from dflash_jax.platform import Platform
+from dflash_jax.tuning import tuning_for
 
 on_gpu = jax.default_backend() == "gpu"
+# An H200's platform: what the kernel choices read on a Hopper GPU, for tracing their GPU branches on a CPU (lowered
+# for CUDA by `jax.export`, which needs no GPU)
+HOPPER = Platform(kind="NVIDIA H200", compute_capability=9.0, sm_count=132, cuda=True, tuning=tuning_for("NVIDIA H200"))
 # The tests of a kernel on the device it was written for (a Hopper GPU); CI runs them with `pytest -m gpu` there.
 needs_gpu = pytest.mark.skipif(not on_gpu, reason="needs a CUDA GPU")
 
@@ -22,19 +27,15 @@ def interpreted(run: Callable[[], T]) -> T:
     (which runs Triton-style kernels such as the split-K decode kernel), else its Mosaic GPU interpreter (for
     kernels written with Mosaic GPU primitives). Skips, naming each interpreter's error, where none runs the
     kernel; `run` should only compute (check its results outside), so that a wrong result fails, never skips."""
-    from jax._src import config  # the switch behind pallas' force_*_interpret_mode; JAX has no public generic one
-
-    switch = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+    switch = pallas_interpret_switch()
     if switch is None:
         pytest.skip("this JAX has no Pallas interpret-mode switch (jax._src.config."
                     "pallas_tpu_interpret_mode_context_manager)")
     modes: list[object] = [True]
     try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        modes.append(interpret_params())
     except ImportError:
         pass
-    else:
-        modes.append(InterpretGPUParams())
     errors = []
     for mode in modes:
         previous = switch.swap_local(mode)

@@ -8,6 +8,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dflash_jax.attention import KeyValues, LayerRule, Span, attend
+from dflash_jax.tuning import FALLBACK
 
 from ._pallas import needs_gpu
 
@@ -175,7 +176,8 @@ def test_mosaic_kernel_in_the_gpu_interpreter():
     start, stop = np.array([3, 100, 0]), np.array([200, 100, 256])
     q4 = q.transpose(0, 2, 1, 3)  # [batch, n_kv, rows, d]: one query head per KV head here
     acc, m, l = span_partials(*(jnp.asarray(a, jnp.bfloat16) for a in (q4, k, v)), jnp.asarray(start),
-                              jnp.asarray(stop), keys_per_split=128, interpret=plgpu.InterpretGPUParams())
+                              jnp.asarray(stop), keys_per_split=128, block_k=FALLBACK.span_block_k,
+                              stages=FALLBACK.span_stages, interpret=plgpu.InterpretGPUParams())
     chex.assert_shape(acc, (batch, n_kv, rows, d))
     out = np.asarray(acc) / np.where(np.asarray(l) > 0, np.asarray(l), 1)[..., None]
     slots = np.arange(T)

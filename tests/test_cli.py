@@ -15,7 +15,7 @@ import pytest
 import dflash_jax
 from dflash_jax import load_drafter
 from dflash_jax._qwen3_5_testing import write_qwen3_5_checkpoint
-from dflash_jax.cli import main, shown, use_compilation_cache
+from dflash_jax.cli import main, shown
 from dflash_jax.testing import write_checkpoint
 
 from ._io import rewrite_tensors
@@ -171,22 +171,6 @@ def test_progress_bar_on_request(tmp_path, monkeypatch):
     assert last["tensors"] == "25/25 tensors" and stopped == [bar]  # stopped after the last tensor
     task = bar.tasks[0]
     assert task.finished and task.completed == task.total == sum(a.nbytes for a in leaves)  # bf16 on disk and here
-
-
-def test_compilation_cache_directory_and_off_switch(tmp_path, monkeypatch):
-    before = jax.config.jax_compilation_cache_dir
-    try:
-        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-        expected = str(tmp_path / "dflash_jax" / "jax-compilation-cache")
-        assert use_compilation_cache() == expected == jax.config.jax_compilation_cache_dir
-        jax.config.update("jax_compilation_cache_dir", before)
-        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")  # off: JAX reads the variable itself
-        assert use_compilation_cache() is None and jax.config.jax_compilation_cache_dir == before
-        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
-        assert use_compilation_cache() == str(tmp_path / "mine")
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
 
 
 def test_python_dash_m_and_version(tmp_path):

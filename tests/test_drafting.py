@@ -16,8 +16,8 @@ from dflash_jax.attention import SPAN_ALIGN, _splits, span_capacity, split_keys
 from dflash_jax.config import parse_config
 from dflash_jax.drafting import _propose, init_cache, propose, sample_drafts
 from dflash_jax.model import AttentionOptions, attention_rules, draft_hidden
+from dflash_jax.platform import process_platform
 from dflash_jax.testing import preset_dict, random_drafter
-from dflash_jax.tuning import tuning
 
 from . import _numpy_reference as ref
 from ._drafters import block, features, tiny_drafter
@@ -30,7 +30,7 @@ STEPS = [(5, 9), (4, 0), (4, 4)]
 PAD = 9  # new context rows are padded to this many, so every step runs the same compiled program
 sample = jax.jit(sample_drafts)
 
-RING_SPANS_MIN_BATCH = tuning().ring_spans_min_batch  # this process's device kind's (the fallback on the CPU)
+RING_SPANS_MIN_BATCH = process_platform().tuning.ring_spans_min_batch  # this process's (the fallback on a CPU)
 
 
 def _uncached(drafter, feats, length, anchor, attention=AttentionOptions()):

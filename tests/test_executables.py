@@ -5,6 +5,7 @@ import os
 import pickle
 import stat
 from concurrent.futures import Future
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -331,3 +332,21 @@ def test_a_compile_that_fails_at_once_raises_its_error_and_is_retried(cache, mon
         future.result()
     _executables.compiled("nvfp4", INPUTS, jnp.bfloat16, DEVICE)
     assert calls == ["failed", "failed"]  # forgotten, so tried again
+
+
+def test_the_key_covers_every_module_a_conversion_imports(tmp_path):
+    """The entries' key hashes the sources the conversion imports, found from its imports (a hand list missed
+    `_shapes.py`, which the NVFP4 kernel sizes its tiles with): editing it makes new entries; editing a module
+    the conversion never imports (the CLI) does not."""
+    package = tmp_path / "dflash_jax"
+    for source in Path(_executables.__file__).parent.rglob("*.py"):
+        copy = package / source.relative_to(Path(_executables.__file__).parent)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(source.read_bytes())
+    before = _executables.source_digest(package)
+    with open(package / "cli.py", "a") as f:
+        f.write("# an edit\n")
+    assert _executables.source_digest(package) == before
+    with open(package / "_shapes.py", "a") as f:
+        f.write("# an edit\n")
+    assert _executables.source_digest(package) != before

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from dflash_jax import CheckpointError, ConfigError, Qwen3Target, _executables, _private, load_config, load_drafter
-from dflash_jax.cli import main, use_compilation_cache
+from dflash_jax.cli import main
+from dflash_jax.compile_cache import enable_compile_cache
 from dflash_jax.hub import check_revision, resolve
 from dflash_jax.nvfp4 import quantize
 from dflash_jax.testing import write_checkpoint, write_qwen3_checkpoint
@@ -109,7 +110,7 @@ def test_the_cli_does_not_use_a_jax_compilation_cache_others_can_write(tmp_path,
     make_unsafe(directory, how)
     try:
         with pytest.warns(RuntimeWarning, match=f"not using {directory} for JAX's compilation cache") as record:
-            assert use_compilation_cache() is None
+            assert enable_compile_cache() is None
         assert jax.config.jax_compilation_cache_dir is None and len(record) == 1
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
@@ -276,7 +277,7 @@ def test_the_cli_without_a_home_has_no_compilation_cache(tmp_path, monkeypatch, 
     before = jax.config.jax_compilation_cache_dir
     try:
         with pytest.warns(RuntimeWarning, match="no home directory"):
-            assert use_compilation_cache() is None
+            assert enable_compile_cache() is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
     assert list(tmp_path.iterdir()) == []

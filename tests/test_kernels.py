@@ -4,17 +4,21 @@ their devices, and the target's forward and prefill donating the cache."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import dflash_jax.tuning
 from dflash_jax import attention, fp8, nvfp4
 from dflash_jax.attention import LayerRule, Span, attend
 from dflash_jax.drafting import init_cache, propose
+from dflash_jax.platform import Platform, has_cuda, platform_of, process_platform
 from dflash_jax.testing import QWEN3_TINY_CONFIGS, random_drafter, random_qwen3, random_qwen3_5
+from dflash_jax.tuning import FALLBACK, TUNING, tuning_for
+
+from ._pallas import HOPPER
 
 
 @pytest.mark.parametrize("call, says", [
@@ -51,19 +55,17 @@ def test_one_vocabulary_names_the_pallas_kernels():
             call("triton")
 
 
-def test_the_span_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+def test_the_span_kernel_is_chosen_by_where_the_program_runs():
     """"auto" takes the GPU span kernel in a program lowered for a CUDA GPU and XLA's loop in one lowered for the
-    CPU, within one process (`tuning.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
-    for the CPU (as if this process had a GPU too), the result equals the XLA path's exactly."""
-    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
-    for module in (attention, nvfp4):  # the Mosaic GPU kernels compile for Hopper or newer
-        monkeypatch.setattr(module, "hopper_or_newer", lambda: True)
+    CPU, within one process (`platform.on_gpu`: `lax.platform_dependent`), not by the default backend. Lowered
+    for the CPU (on a Hopper's platform, as if this process had a GPU too), the result equals the XLA path's
+    exactly."""
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, 2, 4, 64)), jnp.bfloat16)  # 2 rows, 4 query heads
     k, v = (jnp.asarray(rng.standard_normal((1, 2, 256, 64)), jnp.bfloat16) for _ in range(2))  # 2 KV heads
     span = Span(k, v, jnp.zeros(1, jnp.int32), jnp.array([100], jnp.int32))
     run = jax.jit(lambda q, span, impl: attend(q, jnp.array([[100, 101]]), LayerRule(True, None), spans=(span,),
-                                               impl=impl), static_argnames="impl")
+                                               impl=impl, platform=HOPPER), static_argnames="impl")
     np.testing.assert_array_equal(run(q, span, "auto"), run(q, span, "xla"))
     traced = run.trace(q, span, "auto")
     assert "mosaic_gpu" not in traced.lower().as_text()
@@ -97,18 +99,48 @@ def test_the_targets_forward_and_prefill_donate_the_cache(family):
         assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
 
 
-def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback(monkeypatch):
-    """A measured kind gets its entry, any other kind (and a process without a GPU) the fallback; the entry is what
-    the kernels and cache sizes read."""
-    assert dflash_jax.tuning.tuning("NVIDIA H200") is dflash_jax.tuning.TUNING["NVIDIA H200"]
-    assert dflash_jax.tuning.tuning("a GPU never measured") is dflash_jax.tuning.FALLBACK
+def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback():
+    """A measured kind gets its entry (the H100's holds the H200's values until measured), any other kind (and a
+    process without a GPU) the fallback; the table is read-only, and an override is a value passed in."""
+    assert tuning_for("NVIDIA H200") is TUNING["NVIDIA H200"]
+    assert tuning_for("NVIDIA H100 80GB HBM3") is TUNING["NVIDIA H100 80GB HBM3"] == TUNING["NVIDIA H200"]
+    assert tuning_for("a GPU never measured") is tuning_for(None) is FALLBACK
+    with pytest.raises(TypeError):
+        TUNING["NVIDIA H200"] = FALLBACK  # type: ignore[index]
     assert attention.span_capacity(17_000) == 17 * 1024  # the fallback's band up to 64k slots splits by 1024 keys
-    other = dataclasses.replace(dflash_jax.tuning.FALLBACK, span_splits=((float("inf"), 4096, 4096),))
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", other)
-    assert attention.span_capacity(17_000) == 5 * 4096 and attention.split_keys(17_000, 16) == 4096
+    other = dataclasses.replace(FALLBACK, span_splits=((float("inf"), 4096, 4096),))
+    assert attention.span_capacity(17_000, other) == 5 * 4096 and attention.split_keys(17_000, 16, other) == 4096
+    assert attention.span_capacity(17_000) == 17 * 1024  # nothing changed in place
 
 
-def test_span_splits_shorten_where_few_programs_read_the_cache(monkeypatch):
+def test_the_platform_is_read_from_the_devices_given():
+    """One answer to "which device": the devices of arrays, meshes, shardings or devices given (a GPU among them
+    decides), the process's GPU (else its CPU) where a traced program's arrays have none yet."""
+    device = jax.devices()[0]
+    here = Platform.of(device)
+    assert here == process_platform() and here.tuning is FALLBACK  # a CPU: no GPU kind
+    assert (here.hopper, here.hopper_or_newer, here.cuda, here.sm_count) == (False, False, has_cuda(), 1)
+    mesh = jax.make_mesh((len(jax.devices()),), ("model",))
+    assert platform_of(jnp.ones(3)) == platform_of(mesh) == platform_of(device) == platform_of({"w": [jnp.ones(2)]})
+    seen = []
+    jax.jit(lambda x: seen.append(platform_of(x)) or x)(jnp.ones(3))
+    assert seen == [process_platform()]
+    # a GPU as jax describes one (compute capability as a string): its kind's entry, its SMs
+    h100 = Platform.of(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                                       core_count=132))
+    assert (h100.hopper, h100.sm_count, h100.cuda) == (True, 132, has_cuda())
+    assert h100.tuning is TUNING["NVIDIA H100 80GB HBM3"]
+
+
+def test_init_cache_takes_the_tuning_it_is_given():
+    """The drafter's cache reads its rows and ring spans from the platform of its devices, or the one passed."""
+    drafter = random_drafter("tiny-dflash", dtype=jnp.float32)
+    assert not init_cache(drafter, 2, 40).ring_spans  # the fallback reads rings as spans from 8 sequences
+    eager = dataclasses.replace(process_platform(), tuning=dataclasses.replace(FALLBACK, ring_spans_min_batch=2))
+    assert init_cache(drafter, 2, 40, platform=eager).ring_spans
+
+
+def test_span_splits_shorten_where_few_programs_read_the_cache():
     """The tuned split length holds at the programs it was measured with (8: sequences x KV heads x 64-row query
     tiles) and above; fewer programs take proportionally shorter splits (a divisor of the capacity's blocks). The
     kernel takes up to 256 query rows per KV head (a 17-token verify with 8 query heads per KV head: 136)."""
@@ -116,40 +148,35 @@ def test_span_splits_shorten_where_few_programs_read_the_cache(monkeypatch):
     assert 8192 // splits(8192, 16) == 8192 // splits(8192, 16, 8) == 8192 // splits(8192, 16, 64) == 512
     assert 8192 // splits(8192, 16, 2) == 128 and 32768 // splits(32768, 16, 2) == 256  # 2 KV heads, batch 1
     assert 8192 // splits(8192, 16, 1) == 128  # never below one 128-slot block
-    monkeypatch.setattr(attention, "hopper_or_newer", lambda: True)
     span = Span(jnp.zeros((1, 2, 256, 64), jnp.bfloat16), jnp.zeros((1, 2, 256, 64), jnp.bfloat16),
                 jnp.zeros((1,), jnp.int32), jnp.ones((1,), jnp.int32))
     verify = jnp.zeros((1, 2, 8, 17, 64), jnp.bfloat16)  # [batch, n_kv, groups, Sq, d_h]
-    assert attention.use_pallas(verify, span) and not attention.use_pallas(jnp.zeros((1, 2, 8, 33, 64),
-                                                                                     jnp.bfloat16), span)
+    assert attention.use_pallas(verify, span, HOPPER)
+    assert not attention.use_pallas(jnp.zeros((1, 2, 8, 33, 64), jnp.bfloat16), span, HOPPER)
+    assert not attention.use_pallas(verify, span, process_platform())  # no GPU here
 
 
-def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
+def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs():
     """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
-    dequantization for the CPU, in one process."""
-    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
-    for module in (attention, nvfp4):  # the Mosaic GPU kernels compile for Hopper or newer
-        monkeypatch.setattr(module, "hopper_or_newer", lambda: True)
+    dequantization for the CPU, in one process (a Hopper's)."""
     packed, scale = jnp.zeros((32, 8), jnp.uint8), jnp.zeros((32, 1), jnp.uint8)
-    traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16)).trace(packed, scale)
+    traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16, platform=HOPPER)
+                     ).trace(packed, scale)
     assert "mosaic_gpu" not in traced.lower().as_text()
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_the_packed_gemm_kernel_is_chosen_by_where_the_program_runs(monkeypatch):
-    """`nvfp4.matmul(backend="auto")` in a process with a Hopper GPU: the Mosaic GEMM in a program lowered for the
-    GPU, XLA's dequantize-then-dot in one lowered for the CPU (a packed drafter placed on the host)."""
-    for module in (dflash_jax.tuning, nvfp4.packed):
-        monkeypatch.setattr(module, "has_cuda", lambda: True)
-    monkeypatch.setattr(nvfp4.packed, "hopper", lambda: True)
+def test_the_packed_gemm_kernel_is_chosen_by_where_the_program_runs():
+    """`nvfp4.matmul(backend="auto")` on a Hopper's platform: the Mosaic GEMM in a program lowered for the GPU,
+    XLA's dequantize-then-dot in one lowered for the CPU (a packed drafter placed on the host)."""
     w = nvfp4.Packed(jnp.zeros((64, 128), jnp.uint8), jnp.ones((64, 16), jnp.float8_e4m3fn), jnp.float32(1))
-    traced = jax.jit(lambda x, w: nvfp4.matmul(x, w)).trace(jnp.ones((2, 16, 256), jnp.bfloat16), w)
+    traced = jax.jit(lambda x, w: nvfp4.matmul(x, w, platform=HOPPER)).trace(jnp.ones((2, 16, 256), jnp.bfloat16), w)
     assert "mosaic_gpu" not in traced.lower().as_text()
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not dflash_jax.tuning.has_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 def test_on_a_gpu_auto_lowers_the_kernels():
     """On a GPU, "auto" lowers cuDNN's fused prefill and the Pallas span kernel in the forward over the cache (the
     CPU twin above checks the choice; the kernels' numbers are tested in test_target / test_attention)."""

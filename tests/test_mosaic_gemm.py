@@ -13,6 +13,7 @@ length-K sum (Hopper's tensor cores align the products before adding, which may 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -25,9 +26,12 @@ import pytest
 
 from dflash_jax import nvfp4
 from dflash_jax.nvfp4 import _mosaic_gemm
-from dflash_jax.nvfp4._mosaic_gemm import Tiling, mosaic_matmul
+from dflash_jax.nvfp4._mosaic_gemm import mosaic_matmul
+from dflash_jax.platform import platform_of
+from dflash_jax.tuning import FALLBACK
+from dflash_jax.tuning import GemmTiling as Tiling
 
-from ._pallas import needs_gpu, needs_mosaic_interpreter, on_gpu
+from ._pallas import HOPPER, needs_gpu, needs_mosaic_interpreter, on_gpu
 from ._ptx import run_ptx
 from .test_nvfp4 import E2M1, np_e4m3
 
@@ -93,7 +97,7 @@ def test_matmul_backend_mosaic_keeps_leading_dims():
     assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
 
 
-@pytest.mark.parametrize("m,tiling", [(16, Tiling(split_k=2)), (512, _mosaic_gemm.FALLBACK)])
+@pytest.mark.parametrize("m,tiling", [(16, Tiling(split_k=2)), (512, FALLBACK.nvfp4_gemm)])
 def test_lowers_for_hopper_on_a_cpu(m, tiling):
     """`jax.export` for CUDA runs Mosaic GPU's Python passes (layout inference, lowering of the Mosaic GPU dialect,
     shared-memory budget) for sm_90 without a GPU: the kernel lowers with the fallback tiling at the smallest
@@ -163,17 +167,17 @@ def test_auto_takes_the_kernel_on_hopper_only(monkeypatch):
     operands the kernel takes."""
     w = nvfp4.Packed(jnp.zeros((64, 256), jnp.uint8), jnp.ones((64, 32), jnp.float8_e4m3fn), jnp.float32(1))
     x = jnp.zeros((2, 4, 512), jnp.bfloat16)
-    assert nvfp4.packed._auto_backend(x, w) == ("pallas" if on_gpu and jax.devices()[0].compute_capability == "9.0"
-                                                 else "xla")
-    monkeypatch.setattr(nvfp4.packed, "hopper", lambda: True)
-    assert nvfp4.packed._auto_backend(x, w) == "pallas"
+    here = platform_of(w)
+    assert nvfp4.packed._auto_backend(x, w, here) == ("pallas" if on_gpu and here.compute_capability == 9.0 else "xla")
+    assert nvfp4.packed._auto_backend(x, w, HOPPER) == "pallas"
+    assert nvfp4.packed._auto_backend(x, w, dataclasses.replace(HOPPER, compute_capability=10.0)) == "xla"  # no WGMMA
     monkeypatch.setattr(nvfp4.packed, "AUTO_MOSAIC", False)
-    assert nvfp4.packed._auto_backend(x, w) == "xla"
-    assert nvfp4.packed.mosaic_takes(x, w)
-    assert not nvfp4.packed.mosaic_takes(x.astype(jnp.float32), w)  # x must be bf16
-    assert not nvfp4.packed.mosaic_takes(x, nvfp4.Packed(w.codes, w.scale, w.scale_2, jnp.float32))
+    assert nvfp4.packed._auto_backend(x, w, HOPPER) == "xla"
+    assert nvfp4.packed.mosaic_takes(x, w, HOPPER)
+    assert not nvfp4.packed.mosaic_takes(x.astype(jnp.float32), w, HOPPER)  # x must be bf16
+    assert not nvfp4.packed.mosaic_takes(x, nvfp4.Packed(w.codes, w.scale, w.scale_2, jnp.float32), HOPPER)
     narrow = nvfp4.Packed(w.codes[:32], w.scale[:32], w.scale_2)  # N = 32
-    assert not nvfp4.packed.mosaic_takes(x, narrow)
+    assert not nvfp4.packed.mosaic_takes(x, narrow, HOPPER)
 
 
 # --- GPU: every released drafter's projection shapes ---------------------------------------------------------

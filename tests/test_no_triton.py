@@ -1,11 +1,11 @@
 """No Pallas call of the package lowers through Pallas Triton (deprecated in jax 0.11, "will be removed").
 
-On any machine, CPU included: each GPU kernel's entry point, taken the way the package takes it on a GPU (the
-backend check answered "gpu", a Hopper device), is lowered for CUDA (`jax.export` for
-"cuda" needs no GPU) and the StableHLO is read for its custom calls: a Pallas Triton kernel is the custom call
-`__gpu$xla.gpu.triton`, a Mosaic GPU one `mosaic_gpu_v2` (or `mosaic_gpu`). Every entry point must give Mosaic
-GPU calls and no Triton call. A scan of the sources keeps the list of entry points complete: every module that
-names Pallas is one this file lowers, and none imports Pallas' Triton module or JAX's Triton-written ops.
+On any machine, CPU included: each GPU kernel's entry point, taken the way the package takes it on a GPU (given a
+Hopper's `platform.Platform`, whose CUDA backend makes `on_gpu` trace the GPU branch), is lowered for CUDA
+(`jax.export` for "cuda" needs no GPU) and the StableHLO is read for its custom calls: a Pallas Triton kernel is
+the custom call `__gpu$xla.gpu.triton`, a Mosaic GPU one `mosaic_gpu_v2` (or `mosaic_gpu`). Every entry point must
+give Mosaic GPU calls and no Triton call. A scan of the sources keeps the list of entry points complete: every module
+that names Pallas is one this file lowers, and none imports Pallas' Triton module or JAX's Triton-written ops.
 """
 
 import ast
@@ -20,6 +20,8 @@ import dflash_jax
 from dflash_jax import attention, nvfp4
 from dflash_jax.target import moe
 
+from ._pallas import HOPPER
+
 PACKAGE = os.path.dirname(dflash_jax.__file__)
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MOSAIC_CALL = re.compile(r"mosaic_gpu(_v\d+)?")
@@ -28,19 +30,10 @@ PALLAS_MODULES = {"attention.py", "nvfp4/__init__.py", "nvfp4/_mosaic_gpu.py", "
                   "target/_expert_gemm.py", "_span_attention_mgpu.py", "_gpu.py",
                   "nvfp4/packed.py",  # its "pallas" backend: `nvfp4.matmul`, covered below
                   "drafting.py",  # names the "pallas" impl it passes on to `attend`
-                  "_kernel_choice.py"}  # the vocabulary of kernel choices, "pallas" among them
+                  "_kernel_choice.py",  # the vocabulary of kernel choices, "pallas" among them
+                  "_jax_compat.py"}  # the Mosaic GPU interpreter's parameters (for the kernels above)
 # jax.experimental.pallas.ops.gpu modules written with Pallas Triton (the `*_mgpu` ones are Mosaic GPU).
 TRITON_OPS = {"attention", "decode_attention", "layer_norm", "paged_attention", "rms_norm", "softmax"}
-
-
-@pytest.fixture
-def as_on_hopper(monkeypatch):
-    """Tracing takes the GPU branches: the process has a CUDA backend (`tuning.on_gpu` then traces both branches and
-    lowering for CUDA keeps the GPU one), the device checks say Hopper."""
-    monkeypatch.setattr(dflash_jax.tuning, "has_cuda", lambda: True)
-    monkeypatch.setattr(dflash_jax.nvfp4.packed, "has_cuda", lambda: True)
-    for module in (attention, nvfp4):
-        monkeypatch.setattr(module, "hopper_or_newer", lambda: True, raising=False)  # the Triton code had no such check
 
 
 def custom_calls(fn, *args) -> list[str]:
@@ -58,15 +51,15 @@ def spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def test_nvfp4_dequantize(as_on_hopper):
+def test_nvfp4_dequantize():
     """`nvfp4.dequantize` as the loader calls it (backend "auto", bf16 out), a ragged shape."""
-    calls = custom_calls(lambda p, s, g: nvfp4.dequantize(p, s, g), spec((4097, 1040), jnp.uint8),
+    calls = custom_calls(lambda p, s, g: nvfp4.dequantize(p, s, g, platform=HOPPER), spec((4097, 1040), jnp.uint8),
                          spec((4097, 130), jnp.uint8), spec((), jnp.float32))
     assert_mosaic_only(calls)
 
 
 @pytest.mark.parametrize("Sq", [1, 16, 17])  # a greedy token, a draft block, a verify block
-def test_span_attention(as_on_hopper, Sq):
+def test_span_attention(Sq):
     """`attend` with a cache span and dense rows, impl "auto" (where the GPU kernel applies), the drafter's shapes."""
     batch, n_kv, n_h, d_h, capacity = 2, 8, 32, 128, 4096
     span = attention.Span(spec((batch, n_kv, capacity, d_h), jnp.bfloat16), spec((batch, n_kv, capacity, d_h),
@@ -75,34 +68,34 @@ def test_span_attention(as_on_hopper, Sq):
                                 spec((batch, Sq), jnp.int32), spec((batch, Sq), jnp.bool_))
 
     def f(q, q_pos, kv, span):
-        return attention.attend(q, q_pos, attention.LayerRule(True, None), (kv,), (span,))
+        return attention.attend(q, q_pos, attention.LayerRule(True, None), (kv,), (span,), platform=HOPPER)
 
     assert_mosaic_only(custom_calls(f, spec((batch, Sq, n_h, d_h), jnp.bfloat16), spec((batch, Sq), jnp.int32),
                                     dense, span))
 
 
-def test_packed_nvfp4_matmul(as_on_hopper):
+def test_packed_nvfp4_matmul():
     """`nvfp4.matmul` on its kernel (backend "pallas"), a drafter projection's shape at M = 16."""
     from dflash_jax.nvfp4 import Packed
 
     def f(x, codes, scale, scale_2):
-        return nvfp4.matmul(x, Packed(codes, scale, scale_2), backend="pallas")
+        return nvfp4.matmul(x, Packed(codes, scale, scale_2), backend="pallas", platform=HOPPER)
 
     assert_mosaic_only(custom_calls(f, spec((16, 4096), jnp.bfloat16), spec((1024, 2048), jnp.uint8),
                                     spec((1024, 256), jnp.float8_e4m3fn), spec((), jnp.float32)))
 
 
-def test_moe_grouped_matmul(as_on_hopper):
+def test_moe_grouped_matmul():
     """The MoE target's grouped matmul on its kernel branch (JAX's `ragged_dot_mgpu`)."""
-    calls = custom_calls(lambda r, w, s: moe._grouped_matmul(r, w, s, True), spec((256, 512), jnp.bfloat16),
+    calls = custom_calls(lambda r, w, s: moe._grouped_matmul(r, w, s, True, HOPPER), spec((256, 512), jnp.bfloat16),
                          spec((8, 256, 512), jnp.bfloat16), spec((8,), jnp.int32))
     assert_mosaic_only(calls)
 
 
-def test_moe_slots(as_on_hopper):
+def test_moe_slots():
     """The MoE target's few-rows kernel (`target._expert_gemm`) as `moe_block(impl="slots")` takes it."""
     stack = spec((16, 128, 256), jnp.bfloat16)
-    calls = custom_calls(lambda p, x, w, e: moe.weighted_experts(p, x, w, e, "slots"),
+    calls = custom_calls(lambda p, x, w, e: moe.weighted_experts(p, x, w, e, "slots", HOPPER),
                          {"experts": {"gate_proj": stack, "up_proj": stack, "down_proj": spec((16, 256, 128),
                                                                                               jnp.bfloat16)}},
                          spec((3, 256), jnp.bfloat16), spec((3, 4), jnp.float32), spec((3, 4), jnp.int32))

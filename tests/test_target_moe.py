@@ -21,6 +21,7 @@ from dflash_jax import CheckpointError, ConfigError
 from dflash_jax.layers import linear
 from dflash_jax.placement import auto_mesh, place_all
 from dflash_jax.plan import build_tree, check_tensors, planned
+from dflash_jax.platform import process_platform
 from dflash_jax.safetensors import Checkpoint, write_tensors
 from dflash_jax.spec import EXPERT_MLP, EXPERTS, expand
 from dflash_jax.target.experts import add_expert_stacks
@@ -130,44 +131,40 @@ def test_grouped_matmuls_equal_the_dense_form(block, dims, impl):
 
 
 @pytest.mark.parametrize("tile", [1, 4, 7])
-def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile, monkeypatch):
+def test_tiles_of_few_rows_equal_the_dense_form(block, dims, tile):
     """Experts whose runs span several tiles and end mid-tile (the uneven groups above, tiles of 1, 4 and 7 rows):
     each pair's row lands in its expert's tile and comes back to its token. Measured max error 3.6e-7."""
     import dflash_jax.target.moe as moe
-    import dflash_jax.tuning
 
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(dflash_jax.tuning.FALLBACK,
-                                                                           moe_tile_rows=tile))
+    here = process_platform()
+    tiles = dataclasses.replace(here, tuning=dataclasses.replace(here.tuning, moe_tile_rows=tile))
     rng = np.random.default_rng(6)
     rows = np.concatenate([np.repeat(rng.standard_normal((1, dims.hidden_size)), 10, 0),
                            rng.standard_normal((5, dims.hidden_size))])
     x = jnp.asarray(rows.astype(np.float32).reshape(1, 15, dims.hidden_size))
-    tiled = jax.jit(lambda block, x: moe.moe_block(block, dims, x, "tiled"))  # one program (traced with this tile)
+    tiled = jax.jit(lambda block, x: moe.moe_block(block, dims, x, "tiled", tiles))  # one program (with this tile)
     np.testing.assert_allclose(np.asarray(tiled(block, x)), np.asarray(dense_block(block, dims, x)), rtol=0,
                                atol=1e-6)
 
 
 def test_auto_gathers_few_rows_and_tiles_many(block, dims, monkeypatch):
-    """The device kind's `moe_gather_max_rows` and `moe_few_rows` (`tuning`) decide; a typo in impl is refused."""
+    """The platform's `moe_gather_max_rows` and `moe_few_rows` (`tuning`) decide; a typo in impl is refused."""
     import dflash_jax.target.moe as moe
-    import dflash_jax.tuning
 
     calls = []
     for name in ("_gathered", "_gathered_in_place", "_tiled"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     x = jnp.zeros((1, 3, dims.hidden_size), jnp.float32)  # 3 tokens x top-2: 6 pairs
-    fallback = dflash_jax.tuning.FALLBACK
+    here = process_platform()
 
-    def block_traced():  # the choice is made while tracing: nothing compiles
-        jax.eval_shape(lambda: moe.moe_block(block, dims, x))
+    def block_traced(**tuned):  # the choice is made while tracing: nothing compiles
+        platform = dataclasses.replace(here, tuning=dataclasses.replace(here.tuning, **tuned))
+        jax.eval_shape(lambda: moe.moe_block(block, dims, x, platform=platform))
 
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="gather"))
-    block_traced()
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_few_rows="reduce"))
-    block_traced()
-    monkeypatch.setattr(dflash_jax.tuning, "FALLBACK", dataclasses.replace(fallback, moe_gather_max_rows=5))
-    block_traced()
+    block_traced(moe_few_rows="gather")
+    block_traced(moe_few_rows="reduce")
+    block_traced(moe_gather_max_rows=5)
     assert calls == ["_gathered", "_gathered_in_place", "_tiled"]
     with pytest.raises(ValueError, match="moe impl"):
         moe.moe_block(block, dims, x, "ragged")

@@ -31,9 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._gpu import hopper_or_newer
 from .._kernel_choice import kernel_choice
-from ..tuning import on_gpu
+from ..platform import Platform, on_gpu, platform_of
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 from .packed import Packed, matmul
@@ -43,15 +42,18 @@ __all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Pack
 Backend = Literal["auto", "pallas", "xla"]
 
 
-def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto") -> jax.Array:
+def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto",
+               platform: Platform | None = None) -> jax.Array:
     """Dequantizes NVFP4 `packed` [..., K/2] u8 with `scale` [..., K/16] and `scale_2` to [..., K] `dtype`.
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
     pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the Pallas
     Mosaic GPU kernel, bfloat16/float16 output, Hopper GPUs or newer), "xla" (plain jnp), "auto" (pallas where
     the program is lowered for a GPU of this process that is a Hopper or newer, for bfloat16/float16; xla
-    otherwise). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    otherwise). `platform`: the device facts and tuning that choose (default: those of the devices holding
+    `packed`, `platform.platform_of`). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
     """
+    platform = platform or platform_of(packed)
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
     if packed.dtype != jnp.uint8:
@@ -77,12 +79,12 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
             scale = lax.bitcast_convert_type(scale, jnp.uint8)
         from ._mosaic_gpu import dequantize_mosaic_gpu  # here: importing Pallas costs ~50 ms a load may not need
 
-        return dequantize_mosaic_gpu(packed, scale, scale_2, dtype=dtype)
+        return dequantize_mosaic_gpu(packed, scale, scale_2, dtype=dtype, tile=platform.tuning.nvfp4_tile)
 
     if backend == "pallas":
-        if not hopper_or_newer():
+        if not platform.hopper_or_newer:
             raise ValueError("dequantize: backend='pallas' needs a Hopper or newer GPU (use 'xla' or 'auto' elsewhere)")
         return pallas(packed, scale, scale_2)
-    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and hopper_or_newer():
-        return on_gpu(pallas, xla, packed, scale, scale_2)  # the kernel where the program is lowered for a GPU
+    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and platform.hopper_or_newer:
+        return on_gpu(platform, pallas, xla, packed, scale, scale_2)  # the kernel where lowered for a GPU
     return xla(packed, scale, scale_2)

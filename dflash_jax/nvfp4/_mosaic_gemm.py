@@ -29,7 +29,7 @@ Why this shape of kernel (NVIDIA's PTX ISA, "Asynchronous Warpgroup Level Matrix
   `plgpu.emit_pipeline` (TMA copies up to `max_concurrent_steps` ahead, fewer where shared memory runs out:
   `pipeline_depth`). Warpgroup lowering semantics: Mosaic infers register layouts and shared-memory tilings/swizzles.
 
-Tile sizes come from `TILINGS`, keyed by `device.device_kind`, with `FALLBACK` for unmeasured devices.
+Tile sizes come from the device kind's tuning entry (`tuning.Tuning.nvfp4_gemm`, a `tuning.GemmTiling`).
 Constraints: N % tile_n == 0 (tile_n 64 or 128), K % tile_k == 0 (tile_k 256 or 512: the scale block's TMA
 row must be >= 16 bytes), x bf16; M is padded to tile_m.
 Pallas's interpret mode (CPU) runs no PTX: there `_decode_interpreted` gives the same tile with jax ops, and the
@@ -39,34 +39,21 @@ the GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._gpu import k_splits, kernel_params, sm_count
+from .._gpu import k_splits, kernel_params
+from .._jax_compat import fragmented_array, mlir
 from .._shapes import ceil_div, round_up
+from ..platform import process_platform
+from ..tuning import GemmTiling
 from ._reference import BLOCK
 
-
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-    """tile_n: weight rows per CTA (WGMMA M, 64 or 128); tile_k: K per pipeline step (256 or 512);
-    max_concurrent_steps: pipeline depth (TMA copies in flight); split_k: CTAs sharing one output tile's K range
-    (their float32 partial sums are added by XLA), 0 = enough to give every SM a CTA (`split_for`)."""
-
-    tile_n: int = 64
-    tile_k: int = 256
-    max_concurrent_steps: int = 4
-    split_k: int = 0
-
-
-FALLBACK = Tiling()
-TILINGS: dict[str, Tiling] = {}  # device_kind -> Tiling, filled from H200 measurements (benchmarks/packed_gemm.py)
 # WGMMA N: x's rows per CTA; M above 128 spans several CTAs (a 256-row x tile leaves no room for 2 pipeline steps)
 TILE_M = (16, 32, 64, 128)
 SMEM_BYTES = 227 * 1024  # Hopper's shared memory per CTA (sm_90: 227 KiB usable)
@@ -75,18 +62,12 @@ SMEM_BYTES = 227 * 1024  # Hopper's shared memory per CTA (sm_90: 227 KiB usable
 _SCALE_SHIFT = 2.0**107
 
 
-def tiling_for(device: Any = None) -> Tiling:
-    """The tiling measured for `device` (default: the first device), else `FALLBACK`."""
-    kind = (device or jax.devices()[0]).device_kind
-    return TILINGS.get(kind, FALLBACK)
-
-
 def tile_m_for(m: int) -> int:
     """The WGMMA N (columns of x^T per CTA) for M rows: the smallest tile that holds M, at most 128."""
     return next((t for t in TILE_M if t >= m), TILE_M[-1])
 
 
-def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
+def split_for(tiling: GemmTiling, n: int, m: int, k: int, sms: int) -> int:
     """How many CTAs share each output tile's K range: `tiling.split_k`, or (0) `k_splits`'s rule over the
     output tiles (8B-b16's k_proj is 16 tiles of 64 rows: without a split most SMs would idle)."""
     if tiling.split_k:
@@ -94,7 +75,7 @@ def split_for(tiling: Tiling, n: int, m: int, k: int, sms: int) -> int:
     return k_splits(k // tiling.tile_k, n // tiling.tile_n * ceil_div(m, tile_m_for(m)), sms)
 
 
-def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
+def pipeline_depth(tiling: GemmTiling, tile_m: int, out_dtype: Any) -> int:
     """Pipeline steps in flight: the tiling's, or fewer where a step's buffers (code bytes, scale bytes, x^T) would
     not fit beside the output tile."""
     tn, tk = tiling.tile_n, tiling.tile_k
@@ -103,7 +84,7 @@ def pipeline_depth(tiling: Tiling, tile_m: int, out_dtype: Any) -> int:
     return max(0, min(tiling.max_concurrent_steps, (SMEM_BYTES - fixed) // step))
 
 
-def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: Tiling) -> None:
+def check_shapes(m: int, n: int, k: int, x_dtype: Any, tiling: GemmTiling) -> None:
     """Raise ValueError naming the argument for a shape or dtype the kernel does not take."""
     if jnp.dtype(x_dtype) != jnp.bfloat16:
         raise ValueError(f"nvfp4 mosaic matmul: x must be bfloat16, got {jnp.dtype(x_dtype).name}")
@@ -167,11 +148,10 @@ def _decode_registers(ctx, codes, block_scale):
     rows) -> the weight tile x 2^-9, bf16 [tn, tk] in the WGMMA layout, columns in `column_order`. Exact: a code (2
     significant bits) x an E4M3 scale (4) fits bf16."""
     del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    ir, _, llvm, vector = mlir()
 
     i32 = ir.IntegerType.get_signless(32)
     pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -181,13 +161,13 @@ def _decode_registers(ctx, codes, block_scale):
         words = vector.bitcast(ir.VectorType.get((4,), i32), sixteen_bytes)
         for block in range(2):  # words 2 block, 2 block + 1 lie in scale block 8 g + 2 t + block
             scale = vector.extract(block_scale.registers[index], [], [block])
-            scale_pair = cast(ir.Value, llvm.inline_asm(i32, [scale], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f"))
+            scale_pair = llvm.inline_asm(i32, [scale], "cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f")
             for w in (2 * block, 2 * block + 1):
                 word = vector.extract(words, [], [w])
                 for p in range(4):
-                    bits = cast(ir.Value, llvm.inline_asm(i32, [word, scale_pair], _ptx_pair(p), "=r,r,r"))
+                    bits = llvm.inline_asm(i32, [word, scale_pair], _ptx_pair(p), "=r,r,r")
                     out[(index[0], 16 * index[1] + 4 * w + p, *index[2:])] = mgpu_utils.bitcast(bits, pair)
-    return mgpu.FragmentedArray(_registers=out, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    return fragmented_array(out, fa.WGMMA_LAYOUT, is_signed=None)
 
 
 def _decode_interpreted(codes: jax.Array, block_scale: jax.Array) -> jax.Array:
@@ -205,7 +185,7 @@ def _decode_interpreted(codes: jax.Array, block_scale: jax.Array) -> jax.Array:
     return value.reshape(tn, BLOCK * blocks).astype(jnp.bfloat16)
 
 
-def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, scale_2_gmem, out_gmem, out_smem, *w_smem, tiling: Tiling,
+def _gemm_kernel(codes_gmem, scale_gmem, xt_gmem, scale_2_gmem, out_gmem, out_smem, *w_smem, tiling: GemmTiling,
                  tile_m: int, depth: int, interpret: bool):
     """One CTA: out^T[split, n tile, m tile] = sum over the split's K range of W tile @ x^T tile, times scale_2."""
     import jax.experimental.pallas as pl
@@ -282,14 +262,17 @@ def permute_x(x: jax.Array, tile_m: int) -> jax.Array:
     return x.reshape(m_pad, k // 128, 4, 4, 2, 4).transpose(1, 3, 5, 2, 4, 0).reshape(k, m_pad)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiling", "sms", "interpret"))
 def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax.Array, *,
-                  out_dtype: Any = jnp.bfloat16, tiling: Tiling | None = None, interpret: bool = False) -> jax.Array:
+                  out_dtype: Any = jnp.bfloat16, tiling: GemmTiling | None = None, sms: int | None = None,
+                  interpret: bool = False) -> jax.Array:
     """`x [M, K] bf16 @ W.T -> [M, N] out_dtype` for W packed NVFP4 (codes u8 [N, K/2], scale float8_e4m3fn or its
-    uint8 bits [N, K/16], scale_2 f32 []). `interpret=True` runs Pallas's GPU interpreter (on a CPU)."""
+    uint8 bits [N, K/16], scale_2 f32 []). `tiling` and `sms` (the GPU's streaming multiprocessors, which the K
+    split fills) default to `platform.process_platform()`'s; `interpret=True` runs Pallas's GPU interpreter (on a
+    CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    tiling = tiling or tiling_for()
+    tiling = tiling or process_platform().tuning.nvfp4_gemm
     (m, k), n = x.shape, codes.shape[0]
     check_shapes(m, n, k, x.dtype, tiling)
     tile_m = tile_m_for(m)
@@ -298,7 +281,7 @@ def mosaic_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, scale_2: jax
     if scale.dtype != jnp.uint8:
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     code_pairs = lax.bitcast_convert_type(codes.reshape(n, k // 4, 2), jnp.uint16)  # [N, K/4]: a bitcast
-    splits = split_for(tiling, n, m, k, sm_count())
+    splits = split_for(tiling, n, m, k, sms or process_platform().sm_count)
     part_dtype = jnp.dtype(out_dtype) if splits == 1 else jnp.dtype(jnp.float32)  # partial sums stay f32
     kernel = plgpu.kernel(
         functools.partial(_gemm_kernel, tiling=tiling, tile_m=tile_m, interpret=interpret,

@@ -27,7 +27,7 @@ bit-identity tests of the kernel itself are marked `gpu`.
 from __future__ import annotations
 
 import functools
-from typing import Any, cast
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .._jax_compat import fragmented_array, mlir
 from .._shapes import round_up
-from ..tuning import tuning
 
 BLOCK_BYTES = 8  # 16 codes share one scale
 WARPGROUP = 128
@@ -88,22 +88,20 @@ def _decode_registers(ctx, words, block_scale, *, dtype):
     """Mosaic GPU (lane level): code words u32 [2 tile] and block scales f32 [tile], both in the strided layout (a
     thread's register i: block 128 i + t) -> output words u32 [8 tile], strided likewise (8 words a block)."""
     del ctx
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
-    from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    ir, arith, llvm, vector = mlir()
 
     i32 = ir.IntegerType.get_signless(32)
     blocks = block_scale.shape[0]
     out = words.registers.copy()
     for index, pair in np.ndenumerate(words.registers):  # vector<2 x i32>: the block's two code words
         scale = arith.bitcast(i32, vector.extract(block_scale.registers[index], [], [0]))
-        outs = [cast(ir.Value, llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype),
-                                               "=r,r,r"))
+        outs = [llvm.inline_asm(i32, [vector.extract(pair, [], [w]), scale], _ptx_word(j, dtype), "=r,r,r")
                 for w in range(2) for j in range(4)]
         out[index] = vector.from_elements(ir.VectorType.get((8,), i32), outs)
     layout = fa.WGStridedFragLayout((8 * blocks,), 8)
-    return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=False)
+    return fragmented_array(out, layout, is_signed=False)
 
 
 def _kernel(w_gmem, s_gmem, g_gmem, o_gmem, w_smem, s_smem, o_smem, barriers, *, n_blocks, tile, dtype):
@@ -138,14 +136,13 @@ def padded_blocks(n_real: int, tile: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "tile"))
-def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, dtype=jnp.bfloat16,
-                          tile: int | None = None) -> jax.Array:
+def dequantize_mosaic_gpu(packed: jax.Array, scale_bits: jax.Array, scale_2: jax.Array, *, tile: int,
+                          dtype=jnp.bfloat16) -> jax.Array:
     """packed [..., K/2] u8, scale_bits [..., K/16] u8 (E4M3 bits), scale_2 f32 [] or [1] -> [..., K] `dtype`.
 
-    `dtype` is bfloat16 or float16; `tile` (blocks of 16 values per CTA: 128 to 1024, a multiple of 128) overrides
-    the device kind's (`tuning.Tuning.nvfp4_tile`). GPU only (Hopper or newer).
+    `dtype` is bfloat16 or float16; `tile`: blocks of 16 values per CTA (128 to 1024, a multiple of 128; the device
+    kind's is `tuning.Tuning.nvfp4_tile`). GPU only (Hopper or newer).
     """
-    tile = tile or tuning().nvfp4_tile
     if jnp.dtype(dtype) not in map(jnp.dtype, _OUT_DTYPES):
         raise ValueError(f"the Mosaic GPU kernel writes bfloat16 or float16, not {jnp.dtype(dtype).name}")
     if tile % WARPGROUP or not WARPGROUP <= tile <= 1024:

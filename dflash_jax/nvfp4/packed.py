@@ -19,11 +19,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from .._gpu import hopper
 from .._kernel_choice import kernel_choice
 from .._precision import weight_dot
-from ..tuning import has_cuda, on_gpu
-from ._mosaic_gemm import check_shapes, mosaic_matmul, tiling_for
+from ..platform import Platform, on_gpu, platform_of
+from ._mosaic_gemm import check_shapes, mosaic_matmul
 from ._reference import BLOCK, dequantize_xla
 
 __all__ = ["Packed", "matmul", "MatmulBackend"]
@@ -113,14 +112,16 @@ def check_packed(codes: Any, scale: Any, scale_2: Any) -> None:
                          f"{jnp.dtype(scale_2.dtype).name}{list(scale_2.shape)}")
 
 
-def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBackend = "auto") -> jax.Array:
+def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBackend = "auto",
+           platform: Platform | None = None) -> jax.Array:
     """`x [..., K] @ W.T -> [..., N]` for a packed NVFP4 weight `W [N, K]`, in `out_dtype` (default x's).
 
     The weight-only GEMM of packed drafters. Backends: "xla" dequantizes to `w.dtype` and multiplies (the
     reference); "pallas" runs the Pallas Mosaic GPU kernel that dequantizes in registers and feeds WGMMA
     (`_mosaic_gemm`: Hopper, bf16 x and weight, N % 64 == 0, K % 256 == 0; on a CPU in Pallas's interpret
     mode, slowly); "auto" is what `_auto_backend` picks: the kernel on Hopper where it takes the operands, XLA
-    elsewhere. Jit-compatible.
+    elsewhere. `platform`: the device facts and tiling that choose (default: those of the devices holding the
+    weight, `platform.platform_of`). Jit-compatible.
     """
     if not isinstance(w, Packed):
         raise TypeError(f"nvfp4.matmul: w must be an nvfp4.Packed, got {type(w).__name__}")
@@ -129,21 +130,24 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
                          f"expects {w.shape[1]}")
     backend = kernel_choice("nvfp4.matmul", "backend", backend, ("auto", "xla", "pallas"))  # type: ignore[assignment]
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    if backend == "auto" and _auto_backend(x, w) == "pallas":  # the kernel where the program is lowered for a GPU
-        return on_gpu(lambda x, w: _mosaic(x, w, out_dtype), lambda x, w: _xla(x, w, out_dtype), x, w)
+    platform = platform or platform_of(w)
+    if backend == "auto" and _auto_backend(x, w, platform) == "pallas":  # the kernel where lowered for a GPU
+        return on_gpu(platform, lambda x, w: _mosaic(x, w, out_dtype, platform), lambda x, w: _xla(x, w, out_dtype),
+                      x, w)
     if backend == "pallas":
         if w.dtype != jnp.bfloat16:
             raise ValueError(f"nvfp4.matmul: backend='pallas' computes in bfloat16; the weight's dtype is "
                              f"{w.dtype.name}")
-        return _mosaic(x, w, out_dtype)
+        return _mosaic(x, w, out_dtype, platform)
     return _xla(x, w, out_dtype)
 
 
-def _mosaic(x: jax.Array, w: Packed, out_dtype: Any) -> jax.Array:
+def _mosaic(x: jax.Array, w: Packed, out_dtype: Any, platform: Platform) -> jax.Array:
     *lead, k = x.shape
-    # Pallas' interpreter in a process without a GPU (its callbacks cannot sit in a `platform_dependent` branch)
+    # Pallas' interpreter where there is no GPU (its callbacks cannot sit in a `platform_dependent` branch)
     out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=out_dtype,
-                        interpret=not has_cuda())  # [M, N]
+                        tiling=platform.tuning.nvfp4_gemm, sms=platform.sm_count,
+                        interpret=not platform.cuda)  # [M, N]
     return out.reshape(*lead, w.shape[0])
 
 
@@ -156,16 +160,16 @@ def _xla(x: jax.Array, w: Packed, out_dtype: Any) -> jax.Array:
 AUTO_MOSAIC = True
 
 
-def _auto_backend(x: jax.Array, w: Packed) -> MatmulBackend:
-    """The one place `backend="auto"` is decided: "pallas" where `AUTO_MOSAIC` is set, the device is a Hopper GPU
-    and the kernel takes the operands (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
-    return "pallas" if AUTO_MOSAIC and hopper() and mosaic_takes(x, w) else "xla"
+def _auto_backend(x: jax.Array, w: Packed, platform: Platform) -> MatmulBackend:
+    """The one place `backend="auto"` is decided: "pallas" where `AUTO_MOSAIC` is set, the platform is a Hopper GPU
+    and the kernel takes the operands at its tiling (`mosaic_takes`); XLA's dequantize-then-dot otherwise."""
+    return "pallas" if AUTO_MOSAIC and platform.hopper and mosaic_takes(x, w, platform) else "xla"
 
 
-def mosaic_takes(x: jax.Array, w: Packed) -> bool:
-    """Whether the Mosaic kernel takes `x @ w.T`: bf16 x and weight, and shapes its tiling divides."""
+def mosaic_takes(x: jax.Array, w: Packed, platform: Platform) -> bool:
+    """Whether the Mosaic kernel takes `x @ w.T`: bf16 x and weight, and shapes the platform's tiling divides."""
     try:
-        check_shapes(math.prod(x.shape[:-1]), *w.shape, x.dtype, tiling_for())
+        check_shapes(math.prod(x.shape[:-1]), *w.shape, x.dtype, platform.tuning.nvfp4_gemm)
     except ValueError:
         return False
     return w.dtype == jnp.bfloat16

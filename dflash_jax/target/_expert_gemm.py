@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._gpu import k_splits, kernel_params, sm_count
+from .._gpu import k_splits, kernel_params
+from ..platform import process_platform
 
 TILE_N = 64  # rows of the expert per CTA: WGMMA's M
 MIN_COLUMNS = 16  # N, the tokens, padded to a multiple of this (bf16 rows of 32 bytes in shared memory)
-DEPTH = 3  # pipeline steps in flight
 
 
 def tile_k_for(inner: int) -> int:
@@ -51,7 +51,7 @@ def splits_for(slots: int, out: int, inner: int, sms: int) -> int:
 
 
 def _kernel(slot_expert_gmem, used_gmem, w_gmem, rhs_gmem, out_gmem, out_smem, *, out_rows: int, tile_k: int,
-            shared_rhs: bool, columns: int):
+            shared_rhs: bool, columns: int, depth: int):
     """One CTA: partial sum `split` of slot `s`'s rows [n * 64, n * 64 + 64) x all columns."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -65,7 +65,7 @@ def _kernel(slot_expert_gmem, used_gmem, w_gmem, rhs_gmem, out_gmem, out_smem, *
         row_tile = slot_expert_gmem[s] * (out_rows // TILE_N) + n  # the expert's tile n in the flat [E * out, in]
         rhs_step = split * k_steps if shared_rhs else (s * splits + split) * k_steps  # in [S * in, N] for per-slot
 
-        concurrent = min(DEPTH, k_steps)
+        concurrent = min(depth, k_steps)
         overlap = int(concurrent >= 2)  # with 1 step in flight its buffers are refilled next: wait for the product
 
         def step(_, w_smem, rhs_smem, acc_ref):
@@ -92,12 +92,14 @@ def _kernel(slot_expert_gmem, used_gmem, w_gmem, rhs_gmem, out_gmem, out_smem, *
         plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("splits", "depth", "sms", "interpret"))
 def expert_matmul(rhs: jax.Array, stack: jax.Array, slot_expert: jax.Array, slots_used: jax.Array, *,
-                  splits: int | None = None, interpret: bool = False) -> jax.Array:
+                  splits: int | None = None, depth: int | None = None, sms: int | None = None,
+                  interpret: bool = False) -> jax.Array:
     """`[splits, S, out, N]` float32 partial sums of `stack[slot_expert[s]] @ rhs_s` (module docstring). `rhs`
-    `[in, N]` or `[S, in, N]` bf16 with N a multiple of 16; `splits` overrides `splits_for`; `interpret=True` runs
-    Pallas's GPU interpreter (on a CPU)."""
+    `[in, N]` or `[S, in, N]` bf16 with N a multiple of 16; `splits` overrides `splits_for`; `depth` (pipeline steps
+    in flight, `tuning.Tuning.expert_gemm_depth`) and `sms` (the GPU's streaming multiprocessors, which the splits
+    fill) default to `platform.process_platform()`'s; `interpret=True` runs Pallas's GPU interpreter (on a CPU)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     E, out, inner = stack.shape
@@ -108,9 +110,11 @@ def expert_matmul(rhs: jax.Array, stack: jax.Array, slot_expert: jax.Array, slot
         raise ValueError(f"expert kernel: stack {stack.shape} {stack.dtype}, rhs {rhs.shape} {rhs.dtype}, "
                          f"{slots} slots (stack bf16 [E, out % 64, in % 128], rhs bf16 [(S,) in, N % 16])")
     tile_k = tile_k_for(inner)
-    splits = splits or splits_for(slots, out, inner, sm_count())
+    here = process_platform()
+    splits = splits or splits_for(slots, out, inner, sms or here.sm_count)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, out_rows=out, tile_k=tile_k, shared_rhs=shared_rhs, columns=columns),
+        functools.partial(_kernel, out_rows=out, tile_k=tile_k, shared_rhs=shared_rhs, columns=columns,
+                          depth=depth or here.tuning.expert_gemm_depth),
         out_type=jax.ShapeDtypeStruct((splits, slots, out, columns), jnp.float32),
         grid=(slots, out // TILE_N, splits),
         grid_names=("slot", "n", "split"),

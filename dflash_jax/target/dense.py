@@ -50,9 +50,9 @@ from ..attention import (
 )
 from ..layers import decoder_layer, keys_values, lm_logits, queries, rms_norm
 from ..plan import TensorPlan, planned
+from ..platform import on_gpu, platform_of, process_platform
 from ..rope import rope_tables
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, Gain, ParamSpec, expand
-from ..tuning import on_gpu, tuning
 from . import PREFILL_CHUNK, FeatureMap, KVCache, TargetOutput, check_layer_ids, mapped
 from .config import ARCHITECTURES as DECODER_ARCHITECTURES
 from .config import DecoderConfig, Qwen3Config, not_a_target, parse_decoder_config
@@ -184,7 +184,8 @@ class DecoderTarget(Family):
         `attention.span_capacity`, so that the GPU kernel reads it well), in the params' dtype (on a mesh: split by KV
         heads over the tensor axis and by sequences over the others, `CACHE_AXES`)."""
         c = self.config
-        shape = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        rows = span_capacity(max_length, platform_of(self.embed).tuning)  # the embedding's devices' tuning
+        shape = (batch_size, c.num_key_value_heads, rows, c.head_dim)
         where = None if self.layout is None else self.layout.sharding(CACHE_AXES, batch_size)
         layers = lambda: tuple(zeros(shape, self.embed.dtype, where)  # noqa: E731
                                for _ in range(c.num_hidden_layers))
@@ -302,7 +303,7 @@ def _prefill(
     if impl == "cudnn":
         last_hidden, features, cache = fused(cache)
     elif impl == "auto" and use_cudnn(target.embed.dtype, target.config.head_dim):
-        last_hidden, features, cache = on_gpu(fused, chunked, cache)
+        last_hidden, features, cache = on_gpu(process_platform(), fused, chunked, cache)
     else:
         last_hidden, features, cache = chunked(cache)
     return TargetOutput(lm_logits(last_hidden, target.lm_head), features, cache)
@@ -318,7 +319,7 @@ def _fused_rows(target: DecoderTarget, tokens: jax.Array, cache: KVCache, length
     [rows, intermediate], the GEMM autotuner's scratch) scale with its rows. Where a mesh splits the batch the whole
     batch is one step (a batch offset into a split axis would gather it)."""
     batch, P = tokens.shape
-    max_rows = tuning().fused_prefill_rows if max_rows is None else max_rows
+    max_rows = process_platform().tuning.fused_prefill_rows if max_rows is None else max_rows
     group = max([g for g in range(1, batch + 1) if batch % g == 0 and g * P <= max_rows], default=1)
     if target.layout is not None and target.layout.splits_batch(batch):
         group = batch

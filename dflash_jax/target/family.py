@@ -109,7 +109,7 @@ class Family(HFTarget):
     def placed(cls, params: Any, config: Any, layout: Layout) -> Any:
         """`params` moved onto the shards `layout` gives the family's plan; a leaf the plan does not hold (a quantized
         export's activation scale) replicated."""
-        axes = {t.path: t.axes for t in cls.plan(config)}
+        axes: dict[tuple, tuple[str | None, ...]] = {t.path: t.axes for t in cls.plan(config)}
 
         def put(path: tuple, leaf: jax.Array) -> jax.Array:
             keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)

@@ -39,6 +39,7 @@ them with its own sigmoid router and passes `weighted_experts` in).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -49,11 +50,12 @@ from .._precision import precision
 from .._shapes import ceil_div, round_up
 from ..errors import ConfigError
 from ..layers import dot, linear
+from ..platform import Platform, on_gpu, process_platform
 from ..spec import EMBED, EXPERT_MLP, EXPERTS, MLP, ParamSpec
-from ..tuning import on_gpu, tuning
 from ._expert_gemm import MIN_COLUMNS, expert_matmul, slots_of, takes
 
-__all__ = ["MoeConfig", "MoeDims", "moe_block", "route", "routed_experts", "gated_shared_expert", "Impl", "IMPLS"]
+__all__ = ["MoeConfig", "MoeDims", "moe_block", "route", "routed_experts", "weighted_experts", "gated_shared_expert",
+           "Impl", "IMPLS"]
 
 Params = dict[str, Any]
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # an expert's SwiGLU weights (a relu^2 expert: no gate_proj)
@@ -197,10 +199,12 @@ def _gathered_in_place(p: Params, x: jax.Array, weights: jax.Array, experts: jax
     return jnp.einsum("tkh,tk->th", jnp.sum(e["down_proj"] * h, axis=-1), weights)  # [T, k, H] -> [T, H]
 
 
-def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, interpret: bool = False) -> jax.Array:
+def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, interpret: bool = False,
+             platform: Platform | None = None) -> jax.Array:
     """Each distinct routed expert's weights read once, in place, by the Mosaic GPU kernel (`_expert_gemm`), for
     all T tokens as its columns; each (token, expert) pair takes its own column: `[T, H]` float32, rounded as
-    `_gathered` rounds (h to x's dtype between the products)."""
+    `_gathered` rounds (h to x's dtype between the products). `platform`: the kernel's depth and SMs (default
+    `platform.process_platform()`)."""
     T, k = experts.shape
     P, N = T * k, round_up(T, MIN_COLUMNS)  # N: the kernel's columns, the tokens padded
     if T == 1:  # one token's k experts are distinct: each pair is its own slot, no sort
@@ -209,32 +213,39 @@ def _slotted(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, in
         slot_expert, used, slot_of = slots_of(experts.reshape(P))  # [P], [], [P]
     token = jnp.arange(P) // k  # [P] pair t * k + j is token t's
     e = p["experts"]
+    here = platform or process_platform()
+    matmul = functools.partial(expert_matmul, depth=here.tuning.expert_gemm_depth, sms=here.sm_count,
+                               interpret=interpret)
 
     def pairs(partials: jax.Array) -> jax.Array:  # [splits, S, out, N] -> [P, out]: each pair's slot and token
         return partials.sum(0)[slot_of, :, token]
 
     xt = jnp.pad(x, ((0, N - T), (0, 0))).T  # [H, N]
-    h = _hidden(e, lambda name: pairs(expert_matmul(xt, e[name], slot_expert, used, interpret=interpret)))
+    h = _hidden(e, lambda name: pairs(matmul(xt, e[name], slot_expert, used)))
     h = h.astype(x.dtype)  # [P, I]
     rhs = jnp.zeros((P, h.shape[1], N), x.dtype).at[slot_of, :, token].set(h, unique_indices=True)  # [S, I, N]
-    out = pairs(expert_matmul(rhs, e["down_proj"], slot_expert, used, interpret=interpret))
+    out = pairs(matmul(rhs, e["down_proj"], slot_expert, used))
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1), weights)  # [P, H] -> [T, H]
 
 
-def _slotted_where_it_runs(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+def _slotted_where_it_runs(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
+                           platform: Platform) -> jax.Array:
     """`_slotted` where the program is lowered for a GPU and the kernel takes the stacks (bf16, tileable), else
     `_gathered_in_place`. For one device: XLA does not partition a Mosaic GPU call, so on a mesh that splits the
     experts it would gather the stacks first (as for "grouped")."""
     if x.dtype == jnp.bfloat16 and all(takes(w.shape, w.dtype) for w in p["experts"].values()):
-        return on_gpu(_slotted, _gathered_in_place, p, x, weights, experts)
+        slotted = functools.partial(_slotted, platform=platform)
+        return on_gpu(platform, slotted, _gathered_in_place, p, x, weights, experts)
     return _gathered_in_place(p, x, weights, experts)
 
 
-def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel: bool) -> jax.Array:
+def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel: bool, platform: Platform
+                    ) -> jax.Array:
     """`rows [M, in] @ stack[e].T` for each expert e's run of `sizes[e]` consecutive rows: `[M, out]`, rows' dtype.
 
     `stack [E, out, in]` is contracted on its last dim in place (no transposed copy of the weights). `kernel`, on a
-    GPU with bf16 operands of tileable sizes: JAX's Mosaic GPU grouped matmul; else `jax.lax.ragged_dot_general`."""
+    GPU with bf16 operands of tileable sizes: JAX's Mosaic GPU grouped matmul, at the platform's tiles
+    (`tuning.Tuning.ragged_dot`); else `jax.lax.ragged_dot_general`."""
     E, out, inner = stack.shape
 
     def xla(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
@@ -246,15 +257,17 @@ def _grouped_matmul(rows: jax.Array, stack: jax.Array, sizes: jax.Array, kernel:
     def mosaic(rows: jax.Array, stack: jax.Array, sizes: jax.Array) -> jax.Array:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-        return ragged_dot_mgpu.ragged_dot(rows, stack, group_sizes=sizes, block_m=64, block_n=128, block_k=64,
-                                          max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+        return ragged_dot_mgpu.ragged_dot(rows, stack, group_sizes=sizes, transpose_rhs=True, **tiles)
 
-    if kernel and rows.dtype == stack.dtype == jnp.bfloat16 and inner % 64 == 0 and out % 128 == 0:
-        return on_gpu(mosaic, xla, rows, stack, sizes)  # where the program is lowered for a GPU
+    tiles = dataclasses.asdict(platform.tuning.ragged_dot)
+    if kernel and rows.dtype == stack.dtype == jnp.bfloat16 and inner % tiles["block_k"] == 0 \
+            and out % tiles["block_n"] == 0:
+        return on_gpu(platform, mosaic, xla, rows, stack, sizes)  # where the program is lowered for a GPU
     return xla(rows, stack, sizes)
 
 
-def _grouped(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, kernel: bool = True) -> jax.Array:
+def _grouped(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, kernel: bool,
+             platform: Platform) -> jax.Array:
     """The (token, expert) pairs sorted by expert, each expert's weights applied to its run of rows: `[T, H]`
     float32. Reads each routed expert once however many tokens chose it; computes `T * k` rows, not `T * E`."""
     T, k = experts.shape
@@ -263,21 +276,21 @@ def _grouped(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, ke
     sizes = jnp.bincount(flat, length=_num_experts(p)).astype(jnp.int32)  # [E] rows per expert
     rows = jnp.take(x, order // k, axis=0)  # [T * k, H]
     e = p["experts"]
-    h = _hidden(e, lambda name: _grouped_matmul(rows, e[name], sizes, kernel))  # [T * k, I] in the rows' dtype
-    out = _grouped_matmul(h.astype(x.dtype), e["down_proj"], sizes, kernel)  # [T * k, H]
+    h = _hidden(e, lambda name: _grouped_matmul(rows, e[name], sizes, kernel, platform))  # [T * k, I] rows' dtype
+    out = _grouped_matmul(h.astype(x.dtype), e["down_proj"], sizes, kernel, platform)  # [T * k, H]
     out = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back in pair order
     return jnp.einsum("tkh,tk->th", out.reshape(T, k, -1).astype(jnp.float32), weights)
 
 
-def _tiled(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+def _tiled(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array, tile: int) -> jax.Array:
     """The (token, expert) pairs sorted by expert, each expert's run padded to whole tiles of
-    `tuning.Tuning.moe_tile_rows` rows, and
+    `tile` rows (`tuning.Tuning.moe_tile_rows`), and
     each tile multiplied by its expert's weights, gathered once a tile: a batched matmul over tiles, `[T, H]`
     float32. Reads each routed expert once per tile it fills, never the experts no token chose; every shape static
     (at most `ceil((P + min(E, P) * (tile - 1)) / tile)` tiles for P pairs: each expert with rows wastes
     less than one tile)."""
     T, k = experts.shape
-    E, tile, P = _num_experts(p), tuning().moe_tile_rows, T * k
+    E, P = _num_experts(p), T * k
     n_tiles = ceil_div(P + min(E, P) * (tile - 1), tile)
     flat = experts.reshape(P)  # pair t * k + j: token t's j-th expert
     order = jnp.argsort(flat, stable=True)  # [P] the pairs grouped by expert
@@ -308,40 +321,43 @@ def _num_experts(p: Params) -> int:
 
 
 def weighted_experts(p: Params, x: jax.Array, weights: jax.Array, experts: jax.Array,
-                     impl: Impl = "auto") -> jax.Array:
+                     impl: Impl = "auto", platform: Platform | None = None) -> jax.Array:
     """The routed experts' weighted sum for tokens `x [T, H]` routed to `experts [T, k]` with `weights [T, k]`:
     `[T, H]` float32; the stacks under `p["experts"]` gated (`gate_proj` and `up_proj`) or not
     (`up_proj` alone: Nemotron-H's relu^2 experts). impl "auto": for at most
     `tuning.Tuning.moe_gather_max_rows` pairs the device kind's `moe_few_rows` ("gather": copied out,
     `_gathered`; "reduce": read in place, `_gathered_in_place`; "slots": each distinct expert read once in place
     by the Mosaic GPU kernel where it runs, `_slotted`, else "reduce"), tiled beyond; "grouped": JAX's Mosaic GPU
-    grouped matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always."""
+    grouped matmul where it runs, XLA's `ragged_dot` elsewhere; "ragged_dot": XLA's always. `platform`: the device
+    facts and tuning that choose (default `platform.process_platform()`)."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    if impl == "auto" and experts.size <= tuning().moe_gather_max_rows:
-        impl = tuning().moe_few_rows
+    platform = platform or process_platform()
+    if impl == "auto" and experts.size <= platform.tuning.moe_gather_max_rows:
+        impl = platform.tuning.moe_few_rows
     if impl == "gather":
         return _gathered(p, x, weights, experts)
     if impl == "reduce":
         return _gathered_in_place(p, x, weights, experts)
     if impl == "slots":
-        return _slotted_where_it_runs(p, x, weights, experts)
+        return _slotted_where_it_runs(p, x, weights, experts, platform)
     if impl in ("auto", "tiled"):
-        return _tiled(p, x, weights, experts)
+        return _tiled(p, x, weights, experts, platform.tuning.moe_tile_rows)
     # The Mosaic GPU kernel stays opt-in: inside the 35B-A3B prefill program (16384 rows a chunk) its compilation
     # crashed XLA on the H200 (jax 0.11.2, docs/benchmarks.md); standalone it ran.
-    return _grouped(p, x, weights, experts, kernel=impl == "grouped")
+    return _grouped(p, x, weights, experts, impl == "grouped", platform)
 
 
-def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto") -> jax.Array:
+def moe_block(p: Params, c: MoeConfig, x: jax.Array, impl: Impl = "auto", platform: Platform | None = None
+              ) -> jax.Array:
     """The sparse MoE block over `x [batch, S, H]`: `[batch, S, H]` in x's dtype (module docstring; `impl`: how the
-    routed experts run, `weighted_experts`)."""
+    routed experts run, and `platform`: what chooses it, `weighted_experts`)."""
     batch, S, H = x.shape
     xt = x.reshape(batch * S, H)  # [T, H]
     with jax.named_scope("router"):  # scopes: names in the HLO metadata, for profiles (benchmarks/gpu_trace.py)
         weights, experts = route(p, c, xt)  # [T, k]
     with jax.named_scope("routed"):
-        routed = weighted_experts(p, xt, weights, experts, impl)  # [T, H] float32
+        routed = weighted_experts(p, xt, weights, experts, impl, platform)  # [T, H] float32
     with jax.named_scope("shared"):
         shared = gated_shared_expert(p, xt)  # [T, H] float32
     return (routed + shared).astype(x.dtype).reshape(batch, S, H)

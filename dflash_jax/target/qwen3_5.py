@@ -58,6 +58,7 @@ from ..attention import span_capacity
 from ..errors import ConfigError
 from ..layers import linear, lm_logits
 from ..plan import TensorPlan, planned
+from ..platform import platform_of, process_platform
 from ..rope import Rope, apply_rope, rope_tables
 from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
@@ -88,7 +89,6 @@ __all__ = ["Qwen3_5Target", "HybridCache", "parameter_spec", "plan_qwen3_5"]
 log = logging.getLogger("dflash_jax")
 
 Params = dict[str, Any]
-DELTA_CHUNK = 64  # rows of the chunked gated delta rule (transformers' and flash-linear-attention's default)
 MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
 NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower and multi-token-prediction head
 FUSED: tuple[Fused, ...] = (QKV, CONV, GATE_UP)  # tensors stored fused that the tree holds in parts
@@ -308,7 +308,7 @@ class Qwen3_5Target(Family):
         def zeros_at(shape, dtype, axes):
             return zeros(shape, dtype, None if self.layout is None else self.layout.sharding(axes, batch_size))
 
-        kv = (batch_size, c.num_key_value_heads, span_capacity(max_length), c.head_dim)
+        kv = (batch_size, c.num_key_value_heads, span_capacity(max_length, platform_of(self.embed).tuning), c.head_dim)
         dims = part_dims(c)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         return HybridCache(
@@ -334,18 +334,21 @@ class Qwen3_5Target(Family):
         return commit(pending, kept)
 
     def prefill(self, tokens: jax.Array, cache: HybridCache, lengths: jax.Array, *, layer_ids: tuple[int, ...] = (),
-                chunk: int = PREFILL_CHUNK, delta_chunk: int = DELTA_CHUNK, project: FeatureMap | None = None
+                chunk: int = PREFILL_CHUNK, delta_chunk: int | None = None, project: FeatureMap | None = None
                 ) -> TargetOutput:
         """Run right-padded prompts `tokens [batch, P]` (`lengths [batch]` real tokens) into an empty cache, `chunk`
         token rows at a time over the whole batch (`chunk // batch` of each prompt: a step's activations, the MoE
         tiles among them, are those of `chunk` tokens whatever the batch; `steps.prefill_chunks`) through every
-        layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within, its
-        state carried across; padding rows leave the states untouched). Returns the features of every row
-        `[batch, P, Lf * H]` (a `FeatureMap` `project`: its map of them, made a chunk at a time), the logits of
-        each prompt's last token `[batch, V]` float32, and the committed cache after each prompt's real tokens. A
-        chunk or delta chunk below 1 or not an int: `ValueError`/`TypeError`.
+        layer (attention chunked as the dense target's; the delta rule chunked by `delta_chunk` rows within,
+        default the embedding's device kind's `tuning.Tuning.delta_chunk`, its state carried across; padding rows
+        leave the states untouched). Returns the features of every row `[batch, P, Lf * H]` (a `FeatureMap`
+        `project`: its map of them, made a chunk at a time), the logits of each prompt's last token `[batch, V]`
+        float32, and the committed cache after each prompt's real tokens. A chunk or delta chunk below 1 or not an
+        int: `ValueError`/`TypeError`.
         """
         chunk = check_integer("prefill", "chunk", chunk, 1)
+        if delta_chunk is None:
+            delta_chunk = platform_of(self.embed).tuning.delta_chunk
         delta_chunk = check_integer("prefill", "delta_chunk", delta_chunk, 1)
         return _prefill(self, tokens, cache, lengths, project, tuple(layer_ids), chunk, delta_chunk)
 
@@ -387,7 +390,7 @@ def _gated_attention(target: Qwen3_5Target, p: Params, xn: jax.Array, rope: Rope
 
 
 def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start: jax.Array,
-            layer_ids: tuple[int, ...], valid: jax.Array | None, delta_chunk: int = DELTA_CHUNK):
+            layer_ids: tuple[int, ...], valid: jax.Array | None, delta_chunk: int):
     """All layers over `tokens [batch, S]` at positions `start[b] ..`: `(hidden [batch, S, H], features, cache)`,
     the cache pending (`valid` None) or committed (prefill; `valid [batch, S]` the real rows), `delta_net`."""
     params, c, layout = target.params, target.config, target.layout
@@ -438,7 +441,8 @@ def _layers(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, start:
 def _forward(target: Qwen3_5Target, tokens: jax.Array, cache: HybridCache, lengths: jax.Array,
              layer_ids: tuple[int, ...]) -> TargetOutput:
     check_layer_ids(layer_ids, target.config.num_hidden_layers)
-    hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None)
+    hidden, features, pending = _layers(target, tokens, cache, lengths.astype(jnp.int32), layer_ids, None,
+                                        process_platform().tuning.delta_chunk)
     with jax.named_scope("lm_head"):
         logits = lm_logits(hidden, target.lm_head)
     return TargetOutput(logits, features, pending)
