@@ -133,7 +133,7 @@ def shell_commands(path: str) -> list[tuple[str, ...]]:
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         found += re.sub(r"\\?\n(?=[ \t])", " ", block).splitlines()  # an indented line goes on the one before
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    found += [m.group(1) for m in re.finditer(r"^    (\S(?:[^\n]*\\\n)*[^\n]*)$", prose, flags=re.M)
+    found += [m.group(1) for m in re.finditer(r"^ {4,}(\S(?:[^\n]*\\\n)*[^\n]*)$", prose, flags=re.M)
               if re.match(_PROGRAM, m.group(1))]
     found += [span for span in re.findall(r"`([^`]+)`", prose) if re.match(_PROGRAM, span) and " " in span.strip()]
     commands = (tuple(shlex.split(c.replace("\\\n", " "), comments=True)) for c in found)
