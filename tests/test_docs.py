@@ -26,6 +26,7 @@ NOT_RUN = [
     (r"^(\.venv/bin/|/tmp/floors/bin/)?python3? -m pytest$", "the whole suite: CI runs it (.ci/run)"),
     (r"-m pytest .*-m gpu", "needs a CUDA GPU"),
     (r"-m pytest -n 0 -q tests/", "one module of the suite: the suite runs it"),
+    (r"HYPOTHESIS_PROFILE=long", "the fuzz tests' long profile (half an hour): the suite runs their default one"),
     (r"ruff check", "tests/test_lint.py runs it"),
     (r"-m mypy", "CI runs it after the suite (.ci/run); minutes on 2 cores"),
     (r"Qwen/Qwen3-8B", "downloads real checkpoints from the hub"),
