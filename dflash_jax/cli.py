@@ -111,8 +111,8 @@ def parser() -> argparse.ArgumentParser:
     hub_options(v)
     v.set_defaults(run=convert_nvfp4)
 
-    v = verbs.add_parser("generate", help="speculative decoding: a Qwen3 or Llama target, a drafter, prompt ids")
-    v.add_argument("target", help="Qwen3 checkpoint directory or hub id")
+    v = verbs.add_parser("generate", help="speculative decoding: a target, a drafter, prompt ids")
+    v.add_argument("target", help="target checkpoint directory or hub id (Qwen3, Llama 3, Qwen3.5 / 3.6, Nemotron-H)")
     v.add_argument("drafter", help="drafter checkpoint directory or hub id")
     v.add_argument("--prompt-ids", required=True, type=token_ids, help="comma-separated token ids, e.g. 1,2,3")
     v.add_argument("--max-new-tokens", type=positive_int, default=64,

@@ -4,8 +4,12 @@ Writes a tiny Qwen3 target and tiny drafters to a temporary directory, loads the
 loaded, and compares plain greedy decoding with speculative decoding:
 
 1. a random DFlash drafter: nearly every draft is rejected (acceptance length about 1), the output is still
-   the target's own, and speculation at the fixed draft length costs more than it saves; the adaptive policy
-   (the default) turns to plain target steps while drafts keep failing;
+   the target's own, and speculation at the fixed draft length costs more than it saves. The adaptive policy
+   (the default) first measures what a step of each draft length costs, on real decode steps of the first
+   runs of a setup (about 150 steps: docs/generate.md, "Cost model"); runs this short end while it is still
+   measuring, so its tokens/s here are not its speed (the example prints how many tokens came from plain target
+   steps and whether the costs were measured): over long runs `benchmarks/adaptive.py` measures it at about
+   greedy's speed with a never-accepted drafter (docs/benchmarks.md);
 2. a target rebuilt to follow a fixed successor map and a DSpark drafter whose Markov head walks that map:
    nearly whole blocks are accepted, which is where speculation pays.
 
@@ -68,6 +72,9 @@ def main() -> None:
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW,
                                               draft_length="adaptive"))
     report("random target, random DFlash drafter, adaptive", spec, greedy)
+    measured = ("measured" if spec.step_costs is not None
+                else "still being measured (these tokens/s are not the policy's speed)")
+    print(f"    {sum(spec.plain_tokens)} of {spec.num_tokens} tokens from plain target steps; step costs {measured}")
 
     successor = np.random.default_rng(0).permutation(target.config.vocab_size)
     follower = successor_target(target, successor)

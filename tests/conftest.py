@@ -56,9 +56,9 @@ def quick_calibration(monkeypatch):
 # loadfile`) finish together instead of one of them ending the run alone on a late heavy module. Order within a
 # module is kept.
 _HEAVY_FIRST = ("test_benchmarks", "test_generate_sampling", "test_tensor_parallel_hybrid", "test_generate_hybrid",
-                "test_readme", "test_multihost", "test_generate", "test_tensor_parallel", "test_fuzz", "test_examples",
-                "test_target_qwen3_5_moe", "test_drafting", "test_target", "test_generate_cli", "test_packed",
-                "test_sampling", "test_cli")
+                "test_docs", "test_readme", "test_multihost", "test_generate", "test_tensor_parallel", "test_fuzz",
+                "test_examples", "test_target_qwen3_5_moe", "test_drafting", "test_target", "test_generate_cli",
+                "test_packed", "test_sampling", "test_cli")
 
 
 def pytest_configure(config):

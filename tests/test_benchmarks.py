@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,41 @@ def test_plot_writes_the_figures(monkeypatch, long_context_json, adaptive_json, 
     run_script(monkeypatch, "plot", str(long_context_json), str(adaptive_json), "--out", str(out))
     for name in ("draft_step_vs_context.png", "speedup_vs_acceptance.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- docs/benchmarks.md and the README's table: every figure names its device -------------------------------------
+
+DEVICES = ("H100", "H200", "2-core CPU")
+
+
+def _sections_with_tables(text: str) -> list[tuple[str, str]]:
+    """(heading, section text) of each `##` / `###` section of `text` that holds a table."""
+    parts = re.split(r"^(#{2,3} .*)$", text, flags=re.M)
+    return [(heading, body) for heading, body in zip(parts[1::2], parts[2::2]) if re.search(r"^\|", body, re.M)]
+
+
+def test_every_benchmark_table_names_its_run():
+    """Each section of docs/benchmarks.md that holds tables says, once, what ran where: one run line naming one
+    device (an H100, an H200 or the 2-core CPU), a date and the commit (or that none was recorded), beside its
+    command and its floor; so no table mixes devices."""
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        sections = _sections_with_tables(f.read())
+    assert len(sections) >= 15
+    for heading, body in sections:
+        runs = re.findall(r"^- Run: (.*(?:\n  .*)*)", body, re.M)
+        assert len(runs) == 1, f"{heading}: {len(runs)} run lines"
+        run = " ".join(runs[0].split())
+        assert sum(device in run for device in DEVICES) == 1, f"{heading}: the run names no one device: {run}"
+        assert re.search(r"\b2026-\d\d-\d\d\b", run), f"{heading}: no date: {run}"
+        assert re.search(r"\b[0-9a-f]{7}\b", run) or "no commit recorded" in run, f"{heading}: no commit: {run}"
+        assert re.search(r"^- Commands?\b", body, re.M) and re.search(r"^- Floor:", body, re.M), heading
+
+
+def test_readme_benchmarks_name_their_device():
+    """The README's benchmark table has a device column, an H100 or an H200 on every row."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        section = f.read().split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|")]
+    assert rows[0][1] == "device" and len(rows) > 5
+    assert all(row[1] in ("H100", "H200") for row in rows[2:]), rows

@@ -1,120 +1,26 @@
-"""The documentation's examples are true of the code.
+"""The README's examples are true of the code, and the checker of shown results can fail.
 
-Every ```python block of README.md and docs/*.md runs, each on its own (a fresh namespace), in order, with files
-under a temporary directory standing for `/tmp/`; every result a block shows in a comment is asserted:
-
-    expr                      # -> 42            the value equals the literal (arrays compared as lists)
-    expr                      # -> 0.1 +- 0.02   a number within the stated margin
-    expr                      # -> Text ...      str(value) starts with the text before ` ...`
-    print(a, b)               # -> a b           what the call prints
-    expr  # -> (2, 7)  # why  a second `#` starts a note, which is not compared
-
-A shown result on a line that is not an expression statement fails the test, as does a value that differs.
-```py blocks, which download real checkpoints from the hub, are only compiled. The "Parameter tree" table of
+Every ```python block of README.md runs and every result it shows is asserted, with the machinery of
+tests/_doc_blocks.py (docs/*.md's blocks and the shell commands: tests/test_docs.py). ```py blocks, which download
+real checkpoints from the hub, are only compiled (README.md's and docs/*.md's). The "Parameter tree" table of
 docs/loading.md is rendered from `spec.drafter_spec` and compared."""
 
-import ast
-import io
 import os
 import re
-import tokenize
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", *sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
-                             if f.endswith(".md"))]
-SHOWN = re.compile(r"#\s*->\s*(.*?)\s*(?:\s#.*)?$")
+from ._doc_blocks import DOCS, ROOT, blocks, check, instrument, printed, run_python_blocks
 
 
-def blocks(path: str, language: str) -> list[str]:
-    with open(os.path.join(ROOT, path)) as f:
-        return re.findall(rf"```{language}\n(.*?)```", f.read(), flags=re.S)
-
-
-def shown_results(code: str) -> dict[int, str]:
-    """Line number -> the result its comment shows (`# -> ...`)."""
-    found = {}
-    for tok in tokenize.generate_tokens(io.StringIO(code).readline):
-        if tok.type == tokenize.COMMENT and (m := SHOWN.match(tok.string)):
-            found[tok.start[0]] = m.group(1)
-    return found
-
-
-def normalise(value):
-    """Arrays (NumPy, JAX) and NumPy scalars as Python lists and numbers; tuples and lists element-wise."""
-    if isinstance(value, tuple | list):
-        return type(value)(normalise(v) for v in value)
-    return value.tolist() if hasattr(value, "tolist") else value
-
-
-def matches(value, shown: str) -> bool:
-    if shown.endswith(" ..."):
-        return str(value).startswith(shown[:-4])
-    if m := re.fullmatch(r"(\S+) \+- (\S+)", shown):
-        return abs(float(value) - float(m.group(1))) <= float(m.group(2))
-    try:
-        expected = ast.literal_eval(shown)
-    except (ValueError, SyntaxError):
-        return shown in (str(value), repr(value))
-    return normalise(value) == expected
-
-
-def printed(*args) -> str:
-    text = " ".join(map(str, args))
-    print(text)
-    return text
-
-
-def check(value, shown: str, where: str):
-    assert matches(value, shown), f"{where}: shows {shown!r}, got {value!r}"
-    return value
-
-
-def instrument(code: str, where: str) -> tuple[ast.Module, int]:
-    """The block's module, each expression statement with a shown result wrapped in `__check__` (and a `print`
-    call in `__printed__`, which returns the printed text); how many results it checks."""
-    shown = shown_results(code)
-    tree = ast.parse(code)
-    checked = 0
-    for stmt in tree.body:
-        lines = [n for n in range(stmt.lineno, stmt.end_lineno + 1) if n in shown]
-        if not lines:
-            continue
-        line = lines[-1]
-        assert isinstance(stmt, ast.Expr), (
-            f"{where} line {line}: a shown result on a statement that is not an expression")
-        value = stmt.value
-        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print":
-            value.func.id = "__printed__"
-        stmt.value = ast.Call(ast.Name("__check__", ast.Load()),
-                              [value, ast.Constant(shown[line]), ast.Constant(f"{where} line {line}")], [])
-        checked += 1
-    # a shown result inside a compound statement (a loop, a try) is not checked: refuse it rather than skip it
-    top = {n for stmt in tree.body for n in range(stmt.lineno, stmt.end_lineno + 1) if isinstance(stmt, ast.Expr)}
-    assert set(shown) <= top, f"{where}: shown results on lines {sorted(set(shown) - top)} are not checked"
-    return ast.fix_missing_locations(tree), checked
-
-
-@pytest.mark.parametrize("path", DOCS)
-def test_examples_run_and_show_true_results(path, monkeypatch, tmp_path):
-    monkeypatch.chdir(ROOT)  # examples name configs/ relative to the checkout
-    checked = 0
-    for i, block in enumerate(blocks(path, "python")):
-        where = f"{path} python block {i}"
-        tree, n = instrument(block.replace("/tmp/", f"{tmp_path}/"), where)
-        checked += n
-        namespace = {"__name__": f"doc_block_{i}", "__check__": check, "__printed__": printed}
-        try:
-            exec(compile(tree, where, "exec"), namespace)
-        except Exception as e:  # noqa: BLE001  (report which block failed)
-            pytest.fail(f"{where} failed: {type(e).__name__}: {e}\n{block}")
-    if path in ("README.md", "docs/loading.md", "docs/forward.md", "docs/generate.md"):
-        assert checked >= 5, f"{path}: its examples show fewer results than expected ({checked})"
+def test_readme_examples_run_and_show_true_results(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    checked = run_python_blocks("README.md", tmp_path)
+    assert checked >= 5, f"README.md: its examples show fewer results than expected ({checked})"
 
 
 def test_hub_examples_compile():
-    found = [(path, b) for path in DOCS for b in blocks(path, "py")]
+    found = [(path, b) for path in ["README.md", *DOCS] for b in blocks(path, "py")]
     assert found and all("from_pretrained" in b or "load_drafter" in b or "load_target" in b for _, b in found)
     for path, block in found:
         compile(block, f"{path} py block", "exec")

@@ -1,13 +1,15 @@
 """The sparse mixture-of-experts block of Qwen3.5 / Qwen3.6 MoE (transformers `qwen3_5_moe`): pure model code.
 
-    probs = softmax(x @ gate.T)                          router, float32, over all E experts
-    w, e = top_k(probs, k);  w /= sum(w)                 the k experts of each token, renormalised
+    l = x @ gate.T                                       router logits, float32, over all E experts
+    top, e = top_k(l, k);  w = softmax(top)              the k experts of each token, their weights renormalised
     y = sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))    routed experts (SwiGLU each)
       + sigmoid(x @ shared_expert_gate.T) * shared_expert(x)
 
 as transformers 5.24.0 `models/qwen3_5_moe/modeling_qwen3_5_moe.py` (`Qwen3_5MoeSparseMoeBlock`) computes it.
-Its router (`Qwen3_5MoeTopKRouter`) always renormalises the top-k weights: `qwen3_5_moe` configs have no
-`norm_topk_prob` (its modular file deletes the field), so a Qwen3.5 config passes `norm_topk_prob=True`.
+Its router (`Qwen3_5MoeTopKRouter`) takes the top k of `softmax(l)` and renormalises them, which is the softmax of
+the k largest logits: `route` takes that form (equal within float32 rounding; no softmax over all E). It always
+renormalises: `qwen3_5_moe` configs have no `norm_topk_prob` (its modular file deletes the field), so a Qwen3.5
+config passes `norm_topk_prob=True`; a config with `norm_topk_prob=False` gets `top_k(softmax(l), k)` unchanged.
 
 The routed experts run one of two ways by default (`weighted_experts`), both reading only the experts the tokens
 route to and computing about `tokens * k` rows, not `tokens * E`: for the few rows of decode and verify steps each
