@@ -19,9 +19,10 @@ from ._precision import dot as array_dot
 from .rope import Rope, apply_rope
 
 __all__ = ["QuantizedWeight", "Params", "Around", "dot", "is_quantized", "linear", "rms_norm", "lm_logits", "head_norm",
-           "queries", "keys_values", "swiglu", "decoder_layer"]
+           "queries", "keys_values", "swiglu", "decoder_layer", "static_fp8_input"]
 
 Params = dict[str, Any]
+FP8_MAX = 448.0  # the largest finite E4M3 value
 # A wrapper around a sublayer (`decoder_layer`'s `around`): `(layer params, name, x, run) -> run's output`, where
 # `run(x) -> (y, aux)` is the sublayer itself.
 Around = Callable[[Params, str, jax.Array, Callable[[jax.Array], tuple[jax.Array, Any]]], tuple[jax.Array, Any]]
@@ -87,6 +88,16 @@ def linear(x: jax.Array, p: Params) -> jax.Array:
     returns x's dtype."""
     y = dot("...i,oi->...o", x, p["weight"], out_dtype=x.dtype)  # [..., out]
     return y + p["bias"].astype(y.dtype) if "bias" in p else y
+
+
+def static_fp8_input(x: jax.Array, p: Params) -> jax.Array:
+    """The input of a projection `p` as an FP8 W8A8 kernel reads it (ModelOpt FP8 with a static `input_scale`):
+    `e4m3(x / s) * s`, saturating at +-448, in x's dtype; `x` itself when `p` has no `input_scale`."""
+    if "input_scale" not in p:
+        return x
+    s = p["input_scale"].astype(jnp.float32)
+    codes = jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return (codes.astype(jnp.float32) * s).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

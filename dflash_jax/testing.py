@@ -26,7 +26,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ._nemotron_h_testing import random_nemotron_h, successor_nemotron_h  # noqa: F401  (re-exported)
+from ._nemotron_h_testing import (  # noqa: F401  (the Nemotron-H target helpers, re-exported)
+    random_nemotron_h,
+    successor_nemotron_h,
+    write_nemotron_h_checkpoint,
+)
 from ._qwen3_5_testing import (  # noqa: F401  (the Qwen3.5 hybrid target helpers, re-exported)
     QWEN3_5_TINY_CONFIGS,
     random_qwen3_5,

@@ -4,19 +4,24 @@ Nemotron 3.5 Lightning drafters in the compiled loop. The maths alone: tests/tes
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 import dflash_jax
 from dflash_jax import CheckpointError, greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax.layers import static_fp8_input
 from dflash_jax.target import nemotron_h
 from dflash_jax.target.nemotron_h_target import NemotronHTarget
-from dflash_jax.testing import successor_nemotron_h, write_checkpoint
+from dflash_jax.testing import successor_nemotron_h, write_checkpoint, write_nemotron_h_checkpoint
 
 from ._io import load_file, rewrite_tensors
 
@@ -153,3 +158,106 @@ def _values(jaxpr):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's
                 if hasattr(inner, "eqns"):
                     yield from _values(inner)
+
+
+# --- the ModelOpt mixed-precision export (the released NVFP4 target's layout) ---------------------------------
+
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _numpy_dequantized(tensors: dict) -> dict:
+    """The float weights a mixed checkpoint stores, dequantized in NumPy from the format's definition: FP8
+    `e4m3 * weight_scale`; NVFP4 two E2M1 codes a byte (low nibble first), each 16 times `weight_scale (E4M3) *
+    weight_scale_2`. Companions dropped, `input_scale` kept aside (it is no weight)."""
+    out = {}
+    for name, value in tensors.items():
+        stem = name.removesuffix(".weight")
+        if name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        if value.dtype == np.uint8:
+            codes = np.stack([value & 0xF, value >> 4], axis=-1).reshape(*value.shape[:-1], -1)  # [out, K]
+            scale = tensors[stem + ".weight_scale"].astype(np.float32) * tensors[stem + ".weight_scale_2"]
+            value = (_E2M1[codes].reshape(*codes.shape[:-1], -1, 16) * scale[..., None]).reshape(codes.shape)
+        elif str(value.dtype) == "float8_e4m3fn":
+            value = value.astype(np.float32) * tensors[stem + ".weight_scale"]
+        out[name] = value.astype(np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A tiny mixed checkpoint (the shared expert 64 wide: NVFP4 packs K in multiples of 32) and the same model
+    dequantized in NumPy, written as a float checkpoint."""
+    with open(os.path.join(DATA, "moe", "config.json")) as f:
+        raw = json.load(f) | {"moe_shared_expert_intermediate_size": 64}
+    directory = tmp_path_factory.mktemp("mixed")
+    tensors = write_nemotron_h_checkpoint(directory / "nvfp4", raw, seed=3, quantized=True)
+    float_dir = directory / "dequantized"
+    float_dir.mkdir()
+    save_file(_numpy_dequantized(tensors), str(float_dir / "model.safetensors"))
+    shutil.copy(directory / "nvfp4" / "config.json", float_dir / "config.json")
+    return (directory / "nvfp4", load_target(directory / "nvfp4", dtype=jnp.float32),
+            load_target(float_dir, dtype=jnp.float32), tensors)
+
+
+def _logits(target, tokens):
+    return np.asarray(target(tokens, target.init_cache(2, 16), jnp.zeros(2, jnp.int32)).logits)
+
+
+def test_the_mixed_export_loads_as_its_numpy_dequantization_with_w8a8_inputs(mixed):
+    """The mixed checkpoint's weights are the NumPy dequantization's (bit for bit), the experts stacked as the
+    block runs them, and its Mamba projections read their inputs as FP8 W8A8 kernels do (`input_scale`): the
+    model equals the dequantized one given the same scales (float32, measured 0); without them the logits move by
+    3.3 (of logits up to 3.8, the writer's uncalibrated input_scale 0.05): the scales are applied, not dropped."""
+    _, quantized, dequantized, tensors = mixed
+    mamba = quantized.params["layers"][0]["mixer"]
+    assert mamba["in_proj"]["input_scale"].dtype == jnp.float32 and "input_scale" in mamba["out_proj"]
+    experts = quantized.params["layers"][1]["mixer"]["experts"]
+    np.testing.assert_array_equal(np.asarray(experts["up_proj"]), np.stack(
+        [_numpy_dequantized(tensors)[f"backbone.layers.1.mixer.experts.{e}.up_proj.weight"] for e in range(8)]))
+    np.testing.assert_array_equal(np.asarray(quantized.lm_head), _numpy_dequantized(tensors)["lm_head.weight"])
+
+    scales = {i: {proj: float(tensors[f"backbone.layers.{i}.mixer.{proj}.input_scale"]) for proj in
+                  ("in_proj", "out_proj")} for i in quantized.config.blocks("linear_attention")}
+    layers = list(dequantized.params["layers"])
+    for i, by_proj in scales.items():
+        mixer = dict(layers[i]["mixer"])
+        for proj, s in by_proj.items():
+            mixer[proj] = {**mixer[proj], "input_scale": jnp.float32(s)}
+        layers[i] = {**layers[i], "mixer": mixer}
+    with_scales = dataclasses.replace(dequantized, params={**dequantized.params, "layers": tuple(layers)})
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)), jnp.int32)
+    got = _logits(quantized, tokens)
+    np.testing.assert_allclose(got, _logits(with_scales, tokens), rtol=0, atol=1e-6)
+    assert np.abs(got - _logits(dequantized, tokens)).max() > 0.1
+
+
+def test_static_fp8_input_rounds_as_e4m3():
+    """`layers.static_fp8_input` against ml_dtypes' E4M3 rounding, saturating at 448."""
+    x = np.array([[0.0, 1e-4, 0.0123, -0.7, 3.3, 30.0, -1e3]], np.float32)
+    s = np.float32(0.05)
+    want = np.clip(x / s, -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * s
+    got = static_fp8_input(jnp.asarray(x), {"input_scale": jnp.asarray(s)})
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(static_fp8_input(jnp.asarray(x), {})), x)  # no scale: x itself
+
+
+def test_the_mixed_export_on_a_mesh_gives_the_same_tokens(mixed, cpu_mesh):
+    """Quantized tensors placed replicated, dequantized, then moved onto their shards: the greedy tokens of one
+    device on a 2 x 4 mesh."""
+    directory, quantized, _, _ = mixed
+    sharded = load_target(directory, dtype=jnp.float32, mesh=jax.make_mesh((2, 4), ("data", "model")))
+    experts = sharded.params["layers"][1]["mixer"]["experts"]["up_proj"]
+    assert experts.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38]]
+    assert greedy_generate(sharded, prompts, max_new_tokens=6).tokens == greedy_generate(
+        quantized, prompts, max_new_tokens=6).tokens
+
+
+def test_a_quantized_expert_with_scales_of_another_shape_is_named(mixed, tmp_path):
+    directory, *_ = mixed
+    shutil.copytree(directory, tmp_path / "bad")
+    name = "backbone.layers.4.mixer.experts.6.down_proj.weight_scale"
+    rewrite_tensors(tmp_path / "bad", lambda t: t.update({name: t[name][:, :1]}))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        load_target(tmp_path / "bad")

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from .._precision import dot, weight_dot
 from .._shapes import ceil_div
+from ..layers import static_fp8_input
 
 __all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state"]
 
@@ -188,7 +189,7 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)  # [batch]
     x = jnp.where(valid[..., None], x, 0)  # past the prefix: zeros, whatever was there
 
-    proj = weight_dot(x, p["in_proj"]["weight"], x.dtype)  # [batch, S, d_inner + conv_dim + nh]
+    proj = weight_dot(static_fp8_input(x, p["in_proj"]), p["in_proj"]["weight"], x.dtype)  # [batch, S, in_proj rows]
     z, xbc, dt = jnp.split(proj, [dims.d_inner, dims.d_inner + dims.conv_dim], axis=-1)
     conv_inputs, xbc = _conv(p["conv1d"], state.conv, xbc)  # [batch, K-1+S, conv_dim], [batch, S, conv_dim]
     xs, b, c = jnp.split(xbc.astype(F32), [dims.d_inner, dims.d_inner + groups * n], axis=-1)
@@ -217,4 +218,4 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
     y = y.reshape(batch, rows, groups, per_group * hd) * jax.nn.silu(z.astype(F32)).reshape(batch, rows, groups, -1)
     y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + dims.eps)
     y = y.reshape(batch, rows, dims.d_inner) * p["norm"]["weight"].astype(F32)
-    return weight_dot(y.astype(x.dtype), p["out_proj"]["weight"], x.dtype), new
+    return weight_dot(static_fp8_input(y.astype(x.dtype), p["out_proj"]), p["out_proj"]["weight"], x.dtype), new

@@ -30,14 +30,12 @@ tensor axis, EMBED and unnamed axes nowhere):
   group, which needs a tensor axis dividing `n_groups` (8 in Nemotron 3 Nano: up to 8-way), the mixer taking the
   parts, `out_proj` by input with an all-reduce after it.
 
-Kinds: `spec.FLOAT` for every tensor, as the other targets declare theirs (float checkpoints), but the router's
-weight and correction bias, `spec.FLOAT32`: kept float32 in a bfloat16 load, as transformers (`DeepseekV3TopkRouter`
-computes in float32; the bias a float32 buffer) and vLLM keep them, since the bias steers the choice of experts
-in steps finer than bfloat16 resolves. The released NVFP4
-checkpoint (`hf_quant_config.json`: `MIXED_PRECISION`) stores Mamba `in_proj` / `out_proj` in FP8, the routed and
-shared experts' `up_proj` / `down_proj` and `lm_head` in NVFP4 (group 16); embeddings, `conv1d`, the router and the
-attention projections unquantized: loading it needs those declared `spec.LINEAR` and the experts' packed per-expert
-tensors stacked.
+Kinds: the projections `spec.LINEAR` (stored float, or quantized as ModelOpt's `MIXED_PRECISION` export of the
+released NVFP4 target stores them: Mamba `in_proj` / `out_proj` FP8 W8A8, the routed and shared experts'
+`up_proj` / `down_proj` and `lm_head` W4A16 NVFP4; `NemotronHTarget.stored_plan` reads that layout), the router's
+weight and correction bias `spec.FLOAT32` (kept float32 in a bfloat16 load, as transformers'
+`DeepseekV3TopkRouter` computes in float32 with a float32 bias buffer, and vLLM: the bias steers the choice of
+experts in steps finer than bfloat16 resolves), every other tensor `spec.FLOAT`.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ from ..spec import (
     FLOAT32,
     HEADS,
     KV_HEADS,
+    LINEAR,
     NORM,
     VOCAB,
     Bias,
@@ -114,22 +113,22 @@ def block_spec(c: NemotronHConfig, kind: str, prefix: str = BLOCK) -> list[Param
         dims = c.mamba_dims
         nh = dims.heads
         specs += [
-            ParamSpec(mixer + "in_proj.weight", (c.in_proj_rows, H), axes=(None, EMBED)),
+            ParamSpec(mixer + "in_proj.weight", (c.in_proj_rows, H), LINEAR, (None, EMBED)),
             ParamSpec(mixer + "conv1d.weight", (dims.conv_dim, 1, dims.conv_kernel), axes=(None, None, None)),
             ParamSpec(mixer + "conv1d.bias", (dims.conv_dim,), axes=(None,), init=Bias()),
             ParamSpec(mixer + "dt_bias", (nh,), axes=(None,), init=TimeStepBias(c.time_step_min, c.time_step_max)),
             ParamSpec(mixer + "A_log", (nh,), axes=(None,), init=LogUniform()),
             ParamSpec(mixer + "D", (nh,), axes=(None,), init=Gain()),
             ParamSpec(mixer + "norm.weight", (dims.d_inner,), NORM, (None,), Gain()),
-            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), axes=(EMBED, None)),
+            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), LINEAR, (EMBED, None)),
         ]
     elif kind == ATTENTION:
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         specs += [
-            ParamSpec(mixer + "q_proj.weight", (q_dim, H), axes=(HEADS, EMBED)),
-            ParamSpec(mixer + "k_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
-            ParamSpec(mixer + "v_proj.weight", (kv_dim, H), axes=(KV_HEADS, EMBED)),
-            ParamSpec(mixer + "o_proj.weight", (H, q_dim), axes=(EMBED, HEADS)),
+            ParamSpec(mixer + "q_proj.weight", (q_dim, H), LINEAR, (HEADS, EMBED)),
+            ParamSpec(mixer + "k_proj.weight", (kv_dim, H), LINEAR, (KV_HEADS, EMBED)),
+            ParamSpec(mixer + "v_proj.weight", (kv_dim, H), LINEAR, (KV_HEADS, EMBED)),
+            ParamSpec(mixer + "o_proj.weight", (H, q_dim), LINEAR, (EMBED, HEADS)),
         ]
     elif kind == MOE:
         E, I, Is = c.n_routed_experts, c.moe_intermediate_size, c.moe_shared_expert_intermediate_size
@@ -138,14 +137,14 @@ def block_spec(c: NemotronHConfig, kind: str, prefix: str = BLOCK) -> list[Param
             ParamSpec(mixer + "gate.e_score_correction_bias", (E,), FLOAT32, axes=(None,), init=Bias()),
             ParamSpec(mixer + "experts.up_proj", (E, I, H), axes=(EXPERTS, EXPERT_MLP, EMBED)),
             ParamSpec(mixer + "experts.down_proj", (E, H, I), axes=(EXPERTS, EMBED, EXPERT_MLP)),
-            ParamSpec(mixer + "shared_experts.up_proj.weight", (Is, H), axes=(MLP_AXIS, EMBED)),
-            ParamSpec(mixer + "shared_experts.down_proj.weight", (H, Is), axes=(EMBED, MLP_AXIS)),
+            ParamSpec(mixer + "shared_experts.up_proj.weight", (Is, H), LINEAR, (MLP_AXIS, EMBED)),
+            ParamSpec(mixer + "shared_experts.down_proj.weight", (H, Is), LINEAR, (EMBED, MLP_AXIS)),
         ]
     elif kind == MLP:
         I = c.intermediate_size
         specs += [
-            ParamSpec(mixer + "up_proj.weight", (I, H), axes=(MLP_AXIS, EMBED)),
-            ParamSpec(mixer + "down_proj.weight", (H, I), axes=(EMBED, MLP_AXIS)),
+            ParamSpec(mixer + "up_proj.weight", (I, H), LINEAR, (MLP_AXIS, EMBED)),
+            ParamSpec(mixer + "down_proj.weight", (H, I), LINEAR, (EMBED, MLP_AXIS)),
         ]
     else:
         raise ValueError(f"block kind {kind!r}; expected one of {MAMBA!r}, {ATTENTION!r}, {MOE!r}, {MLP!r}")
@@ -161,7 +160,7 @@ def parameter_spec(c: NemotronHConfig) -> list[ParamSpec]:
         specs += [s._replace(name=s.name.format(i=i)) for s in block_spec(c, kind)]
     specs.append(ParamSpec(ROOT + "norm_f.weight", (H,), NORM, (EMBED,), Gain()))
     if not c.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), axes=(VOCAB, EMBED)))
+        specs.append(ParamSpec("lm_head.weight", (c.vocab_size, H), LINEAR, (VOCAB, EMBED)))
     return specs
 
 

@@ -1,15 +1,15 @@
 """The NVIDIA Nemotron-H / Nemotron 3 target (`NemotronHForCausalLM`): the maths of `target.nemotron_h` on the family
 template (`target.family.Family`), as the third family.
 
-What this module adds to the maths: the load (tensors under `backbone.` with `lm_head.weight` beside them, each
-MoE block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs,
-`mtp.*` not read), the mesh layout (`nemotron_h_spec`'s logical axes: attention by heads, experts by their width,
-the Mamba mixer replicated), the cache placed where the layout says, and the jitted `Target` methods, the cache
-donated. The verify's pending cache keeps each Mamba state after every row, and `commit` selects each sequence's
-(`nemotron_h.commit`): a rollback is a selection inside the compiled loop, no replay. The routed experts run on
-`target.moe`'s machinery (`OPS`): the maths' own gather would copy `[T, k, I, H]` of expert weights, 114 GiB for a
-2048-token prefill chunk at the Lightning shapes.
-"""
+What this module adds to the maths: the load (tensors under `backbone.` with `lm_head.weight` beside them, each MoE
+block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs,
+`mtp.*` not read; ModelOpt's mixed NVFP4 / FP8 export read as `stored_plan` says, dequantized), the mesh layout
+(`nemotron_h_spec`'s logical axes: attention by heads, experts by their width, the Mamba mixer replicated), the
+cache placed where the layout says, and the jitted `Target` methods, the cache donated. The verify's pending cache
+keeps each Mamba state after every row, and `commit` selects each sequence's (`nemotron_h.commit`): a rollback is a
+selection inside the compiled loop, no replay. The routed experts run on `target.moe`'s machinery (`OPS`): the
+maths' own gather would copy `[T, k, I, H]` of expert weights, 114 GiB for a 2048-token prefill chunk at the
+Lightning shapes. """
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from .._shapes import zeros
 from ..plan import TensorPlan, init_leaves, planned
 from ..safetensors import Checkpoint
+from ..spec import FLOAT32, LINEAR
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
@@ -35,6 +36,7 @@ from .views import TensorViews
 __all__ = ["NemotronHTarget", "random_nemotron_h"]
 
 STACKS = ("experts.up_proj", "experts.down_proj")  # a MoE block's expert stacks, under its `mixer.`
+QUANTIZED = ("U8", "F8_E4M3")  # NVFP4-packed codes, FP8 weights
 OPS = model.Ops(routed=weighted_experts)  # gathered or read in place for few rows, tiled by expert for a prefill
 
 
@@ -63,15 +65,50 @@ class NemotronHTarget(Family):
 
     @classmethod
     def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str) -> TensorViews:
-        """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`)."""
+        """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`),
+        float experts only: quantized ones are read one by one (`stored_plan`) and stacked once dequantized."""
         views = TensorViews(checkpoint)
         shapes = {t.name: t.shape for t in cls.plan(config, prefix)}
         for i in config.blocks(MOE):
             for stack in STACKS:
                 name = f"{prefix}layers.{i}.mixer.{stack}"
-                views.stack(name, expert_tensors(config, name), shapes[name][1:],
-                            f"the {stack.split('.')[-1]} of expert")
+                sources = expert_tensors(config, name)
+                if sources[0] in checkpoint and checkpoint[sources[0]].dtype in QUANTIZED:
+                    continue
+                views.stack(name, sources, shapes[name][1:], f"the {stack.split('.')[-1]} of expert")
         return views
+
+    @classmethod
+    def stored_plan(cls, config: NemotronHConfig, prefix: str, checkpoint: Checkpoint) -> list[TensorPlan]:
+        """The plan as a ModelOpt export stores it: an expert stack the checkpoint does not hold as one view (its
+        experts quantized: `views`) read as its E per-expert tensors, and beside each FP8 projection stored with an
+        `input_scale` (W8A8: Mamba's `in_proj` / `out_proj` in the mixed NVFP4 export) that scale, applied to the
+        projection's input as the checkpoint's kernels do (`layers.static_fp8_input`)."""
+        plan: list[TensorPlan] = []
+        for t in cls.plan(config, prefix):
+            if t.name.endswith(STACKS) and t.name not in checkpoint:
+                *root, proj = t.path
+                plan += [TensorPlan((*root, e, proj, "weight"), name, t.shape[1:], LINEAR, (), t.init)
+                         for e, name in enumerate(expert_tensors(config, t.name))]
+                continue
+            plan.append(t)
+            scale = t.name.removesuffix(".weight") + ".input_scale"
+            if t.kind == LINEAR and t.name in checkpoint and checkpoint[t.name].dtype == "F8_E4M3" \
+                    and scale in checkpoint:
+                plan.append(TensorPlan((*t.path[:-1], "input_scale"), scale, (), FLOAT32))
+        return plan
+
+    @classmethod
+    def tree(cls, plan: list[TensorPlan], leaves: list[Any]) -> Any:
+        """The leaves nested; experts read one by one stacked as the block runs them, each expert's own buffer
+        freed once in its stack (a dequantized expert set is most of the model: two copies would not fit)."""
+        params = super().tree(plan, leaves)
+        for layer in params["layers"]:
+            experts = layer["mixer"].get("experts")
+            if isinstance(experts, list):
+                layer["mixer"]["experts"] = {proj: _stacked([e[proj]["weight"] for e in experts])
+                                             for proj in experts[0]}
+        return params
 
     def describe(self) -> str:
         c = self.config
@@ -155,6 +192,13 @@ def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHC
     logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
                                             project=project, ops=OPS)
     return TargetOutput(logits, features, cache)
+
+
+def _stacked(arrays: list[jax.Array]) -> jax.Array:
+    stack = jnp.stack(arrays)
+    for a in arrays:
+        a.delete()
+    return stack
 
 
 def random_nemotron_h(config: NemotronHConfig, *, seed: int = 0, dtype: jnp.dtype = jnp.bfloat16) -> NemotronHTarget:
