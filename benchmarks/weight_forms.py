@@ -58,7 +58,8 @@ def quantized_weight(leaf: jax.Array, weights: str, seed: int):
         n, k = leaf.shape
         codes = jax.random.bits(jax.random.key(seed), (n, k // 2), jnp.uint8)
         spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
-        return nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+        packed = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+        return packed if weights == "nvfp4-xla" else nvfp4.padded(packed, KERNEL_K)  # as a load on Hopper pads
     scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
     return fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)
 

@@ -99,17 +99,17 @@ def warn_shipped_heads_differ(target: Any, drafter: Drafter, where: str) -> None
     difference means the drafter was trained for another target or revision. Its evaluator then drafts with the
     shipped ones, as this package does; SGLang's DSpark loader skips them and uses the target's
     (`load_drafter(embeddings="target")`). NVIDIA's Nemotron drafters declare their embedding (`has_embed_tokens`),
-    and every reference uses it: no warning. A packed target head is not compared (it cannot equal a BF16 copy).
+    and every reference uses it: no warning. A quantized head on either side is not compared.
     """
     if drafter.config.has_embed_tokens:
         return
     differ = []
     targets = {"embed_tokens": getattr(target, "embed", None), "lm_head": getattr(target, "lm_head", None)}
     for name, theirs in targets.items():
-        own = drafter.params.get(name)
-        if own is None or not isinstance(theirs, jax.Array) or own["weight"].shape != theirs.shape:
-            continue
-        if not bool(_equal(own["weight"], theirs)):
+        own = drafter.params.get(name, {}).get("weight")
+        if not isinstance(own, jax.Array) or not isinstance(theirs, jax.Array) or own.shape != theirs.shape:
+            continue  # a packed copy cannot equal a float head: not compared
+        if not bool(_equal(own, theirs)):
             differ.append(name)
     if differ:
         warnings.warn(

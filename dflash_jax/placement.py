@@ -34,9 +34,10 @@ from .errors import CheckpointError
 from .fp8 import Fp8
 from .fp8 import dequantize as fp8_dequantize
 from .fp8.checkpoint import fp8_companions
-from .nvfp4 import Packed
+from .nvfp4 import Packed, padded
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
+from .platform import platform_of
 from .safetensors import Checkpoint
 from .spec import leaf_dtype
 
@@ -140,6 +141,9 @@ def place_all(
             if len(replicas) == 3:
                 codes, scale, scale_2 = replicas
                 leaf: Any = Packed(codes, scale, scale_2, dtype=dtype)
+                platform = platform_of(sharding)
+                if platform.hopper:  # the K its kernel tiles (`nvfp4.padded`: products unchanged)
+                    leaf = padded(leaf, platform.tuning.nvfp4_gemm.tile_k)
             else:
                 weight, weight_scale = replicas
                 leaf = Fp8(weight, weight_scale, dtype=dtype)

@@ -97,6 +97,26 @@ def test_matmul_backend_mosaic_keeps_leading_dims():
     assert check(got.reshape(16, 64), x.reshape(16, 256), codes, scale, scale_2, u_out=2.0**-24) < 0.1
 
 
+@needs_mosaic_interpreter
+def test_a_weight_padded_to_the_kernels_k_gives_the_same_products():
+    """`nvfp4.padded`: a K of 96 (Nemotron's 2688 is not a multiple of 256 either) padded with zero codes to 256
+    for the kernel's tile: the same shape, dequantization and XLA product, bit for bit; the kernel (interpret
+    mode) takes it, x padded to match, within the kernel's bound; `mosaic_takes` says so, unpadded it did not."""
+    rng = np.random.default_rng(5)
+    codes, scale, scale_2 = random_weight(rng, 64, 96)
+    w = nvfp4.Packed(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(scale_2))
+    wide = nvfp4.padded(w, 256)
+    assert (wide.shape, wide.stored_columns, nvfp4.padded(wide, 256) is wide) == ((64, 96), 256, True)
+    np.testing.assert_array_equal(np.asarray(wide.dequantize()), np.asarray(w.dequantize()))
+    x = rng.standard_normal((8, 96)).astype(ml_dtypes.bfloat16)
+    xla = nvfp4.matmul(jnp.asarray(x), w, backend="xla")
+    np.testing.assert_array_equal(np.asarray(nvfp4.matmul(jnp.asarray(x), wide, backend="xla")), np.asarray(xla))
+    assert not nvfp4.packed.mosaic_takes(jnp.asarray(x), w, HOPPER) and nvfp4.packed.mosaic_takes(
+        jnp.asarray(x), wide, HOPPER)
+    got = nvfp4.matmul(jnp.asarray(x), wide, backend="pallas", platform=dataclasses.replace(HOPPER, cuda=False))
+    check(got, x, codes, scale, scale_2)
+
+
 @pytest.mark.parametrize("m,tiling", [(16, Tiling(split_k=2)), (512, FALLBACK.nvfp4_gemm)])
 def test_lowers_for_hopper_on_a_cpu(m, tiling):
     """`jax.export` for CUDA runs Mosaic GPU's Python passes (layout inference, lowering of the Mosaic GPU dialect,

@@ -25,7 +25,7 @@ from ..platform import Platform, on_gpu, platform_of
 from ._mosaic_gemm import check_shapes, mosaic_matmul
 from ._reference import BLOCK, dequantize_xla
 
-__all__ = ["Packed", "matmul", "MatmulBackend"]
+__all__ = ["Packed", "matmul", "padded", "MatmulBackend"]
 
 MatmulBackend = Literal["auto", "xla", "pallas"]  # ("mosaic": "pallas" before 0.2, `_kernel_choice`)
 
@@ -44,6 +44,7 @@ class Packed:
     scale   float8_e4m3fn [N, K/16]   one scale per 16 consecutive values of a row
     scale_2 float32 []                the global scale
     dtype   (static) the dtype it is computed in: `dequantize()` gives it, `matmul` multiplies in it
+    columns (static) K when the codes hold more columns, zeros past it (`padded`); None: all of them
 
     Constructed from arrays, the shapes and dtypes are checked (ValueError); K must be a multiple of 32, as
     the loader requires of NVFP4 weights.
@@ -53,6 +54,7 @@ class Packed:
     scale: jax.Array
     scale_2: jax.Array
     dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+    columns: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -69,7 +71,12 @@ class Packed:
     def shape(self) -> tuple[int, int]:
         """The unpacked weight's `(N, K)`."""
         n, half_k = self.codes.shape
-        return n, 2 * half_k
+        return n, 2 * half_k if self.columns is None else self.columns
+
+    @property
+    def stored_columns(self) -> int:
+        """The columns the codes hold: K, or K padded (`padded`)."""
+        return 2 * self.codes.shape[1]
 
     @property
     def ndim(self) -> int:
@@ -87,11 +94,25 @@ class Packed:
 
     def dequantize(self) -> jax.Array:
         """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
-        return dequantize_xla(self.codes, self.scale, self.scale_2, self.dtype)
+        return dequantize_xla(self.codes, self.scale, self.scale_2, self.dtype)[:, :self.shape[1]]
 
     def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
         """`x [..., K] @ W.T` in `out_dtype` (`matmul`): what `layers.dot` calls for a `layers.QuantizedWeight`."""
         return matmul(x, self, out_dtype=out_dtype)
+
+
+def padded(w: Packed, multiple: int) -> Packed:
+    """`w` with its codes' columns padded to a multiple of `multiple` by zero codes (unit block scales): the K the
+    Mosaic kernel's tiles take (`_mosaic_gemm.check_shapes`: a multiple of `tile_k`; Nemotron's hidden 2688 is
+    not). A zero code is 0 whatever its scale, so every product and `dequantize()` stay what they were; `matmul`
+    pads x to match (a copy of x, 5% wider at 2688 -> 2816, against the weight's dequantization each step)."""
+    n, k = w.shape
+    extra = -k % multiple
+    if extra == 0 or w.stored_columns != k:
+        return w
+    codes = jnp.pad(w.codes, ((0, 0), (0, extra // 2)))  # [N, (K + extra) / 2]
+    scale = jnp.concatenate([w.scale, jnp.ones((n, extra // BLOCK), w.scale.dtype)], axis=1)
+    return Packed(codes, scale, w.scale_2, dtype=w.dtype, columns=k)
 
 
 def check_packed(codes: Any, scale: Any, scale_2: Any) -> None:
@@ -143,6 +164,7 @@ def matmul(x: jax.Array, w: Packed, *, out_dtype: Any = None, backend: MatmulBac
 
 
 def _mosaic(x: jax.Array, w: Packed, out_dtype: Any, platform: Platform) -> jax.Array:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.stored_columns - x.shape[-1])])  # to a padded weight's K
     *lead, k = x.shape
     # Pallas' interpreter where there is no GPU (its callbacks cannot sit in a `platform_dependent` branch)
     out = mosaic_matmul(x.reshape(-1, k), w.codes, w.scale, w.scale_2, out_dtype=out_dtype,
@@ -169,7 +191,7 @@ def _auto_backend(x: jax.Array, w: Packed, platform: Platform) -> MatmulBackend:
 def mosaic_takes(x: jax.Array, w: Packed, platform: Platform) -> bool:
     """Whether the Mosaic kernel takes `x @ w.T`: bf16 x and weight, and shapes the platform's tiling divides."""
     try:
-        check_shapes(math.prod(x.shape[:-1]), *w.shape, x.dtype, platform.tuning.nvfp4_gemm)
+        check_shapes(math.prod(x.shape[:-1]), w.shape[0], w.stored_columns, x.dtype, platform.tuning.nvfp4_gemm)
     except ValueError:
         return False
     return w.dtype == jnp.bfloat16
