@@ -25,7 +25,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
-    from .adaptive import Adaptive, StepCosts
+    from .adaptive import Adaptive, Calibration, StepCosts
     from .config import DflashConfig, parse_config
     from .drafter import Drafter, draft_to_target_ids
     from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): 
     from .loader import load_config, load_drafter
     from .model import AttentionOptions, draft_hidden, draft_logits
     from .pairing import check_pair
+    from .sampling import Sampling
     from .target import Target
     from .target.dense import DecoderTarget, Qwen3Target
     from .target.loading import load_target
@@ -49,13 +50,14 @@ _EXPORTS = {
     "ContextCache": "drafting", "Proposal": "drafting", "append_context": "drafting", "init_cache": "drafting",
     "propose": "drafting", "sample_drafts": "drafting",
     "CheckpointError": "errors", "ConfigError": "errors", "IncompatiblePairError": "errors",
-    "Adaptive": "adaptive", "StepCosts": "adaptive",
+    "Adaptive": "adaptive", "Calibration": "adaptive", "StepCosts": "adaptive",
     "GenerationResult": "generate", "greedy_generate": "generate",
     "sample_generate": "generate", "speculative_generate": "generate",
     "DrafterModule": "linen",
     "load_config": "loader", "load_drafter": "loader",
     "AttentionOptions": "model", "draft_hidden": "model", "draft_logits": "model",
     "check_pair": "pairing",
+    "Sampling": "sampling",
     "Target": "target",
     "DecoderTarget": "target.dense", "Qwen3Target": "target.dense",
     "load_target": "target.loading",
@@ -85,6 +87,7 @@ __all__ = [
     "__version__",
     "Adaptive",
     "AttentionOptions",
+    "Calibration",
     "CheckpointError",
     "ConfigError",
     "ContextCache",
@@ -97,6 +100,7 @@ __all__ = [
     "Proposal",
     "Qwen3Target",
     "Qwen3_5Target",
+    "Sampling",
     "StepCosts",
     "Target",
     "append_context",

@@ -39,7 +39,7 @@ from typing import Any, TypedDict
 from .errors import CheckpointError, ConfigError
 from .safetensors import INDEX_FILE, SINGLE_FILE, read_json, read_small
 
-METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
+METADATA_FILES = ("config.json", "generation_config.json", "hf_quant_config.json", INDEX_FILE)
 # `owner/name`, as the hub spells repo ids (huggingface_hub's `validate_repo_id`): each 1-96 ASCII letters, digits,
 # `-`, `_`, `.`, beginning and ending with neither `-` nor `.` (the owner: with a letter or digit).
 _REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}\w)?/\w(?:[\w.-]{0,94}\w)?", re.ASCII)

@@ -14,7 +14,7 @@ so every such pairing is refused here with both values named:
   stated `num_target_layers` is the target's layer count;
 - rollback: the target has `commit` (`Target`), so a verify that rejects drafts can be undone.
 
-Prompt lengths against `max_position_embeddings` are checked per call (`generate._check_positions`).
+Prompt lengths against `max_position_embeddings` are checked per call (`bookkeeping.check_positions`).
 """
 
 from __future__ import annotations

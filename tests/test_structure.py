@@ -14,7 +14,8 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 # model modules load checkpoints too (`from_pretrained`), so the loop sees targets only through the protocol.
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
            "dflash_jax.target", "dflash_jax.target.moe", "dflash_jax.target.delta_rule",
-           "dflash_jax.adaptive", "dflash_jax.sampling")
+           "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax.acceptance", "dflash_jax.draft_policy",
+           "dflash_jax.bookkeeping", "dflash_jax.plain", "dflash_jax._progress")
 # What drafters and targets share, and the targets' pure maths: they reach no I/O, no drafter config parsing (its
 # layouts, decoding and checks) and no kernel module; a quantized weight brings its own product
 # (`layers.QuantizedWeight`), so naming it needs no kernel either.
