@@ -151,7 +151,8 @@ def parser() -> argparse.ArgumentParser:
                           help="drop tokens less likely than P times the most likely one, P in [0, 1]")
     sampling.add_argument("--seed", type=seed, default=0, help="sampling seed, any integer of at most 64 bits")
     v.add_argument("--stop-token-ids", type=token_ids, default=None,
-                   help="comma-separated (default: the target's eos_token_id)")
+                   help="comma-separated (default: the target's eos ids, from generation_config.json, else "
+                        "config.json)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")

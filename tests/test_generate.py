@@ -128,6 +128,10 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert result.tokens == expected
     assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
     assert {a for steps in result.acceptance_lengths for a in steps[1:-1]} == {4}  # the last may end at the budget
+    # An int draft length verifies that many drafts every step, the first included, and takes no plain step.
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=3)
+    assert result.tokens == expected and result.plain_tokens == [0] * len(PROMPTS)
+    assert {a for steps in result.acceptance_lengths for a in steps[:-1]} == {4}
 
     nudged = successor_target(target, SUCCESSOR, layer_scale=NUDGE)
     reference = greedy_generate(nudged, PROMPTS, max_new_tokens=MAX_NEW)
