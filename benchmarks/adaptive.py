@@ -117,7 +117,8 @@ def main() -> None:
                "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
-    adaptive_length = "adaptive" if args.lengths is None else Adaptive(draft_lengths=tuple(args.lengths))
+    # one policy for the script: it measures the step costs on the first run of each setup and keeps them
+    adaptive_length = Adaptive(draft_lengths=None if args.lengths is None else tuple(args.lengths))
     span = args.max_new + 2 * K + 2
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
           f"in {time.perf_counter() - start:.1f} s", flush=True)
@@ -138,9 +139,9 @@ def main() -> None:
 
             def run(drafter=None, draft_length="fixed", prompts=prompts):
                 if drafter is None:
-                    return greedy_generate(target, prompts, max_new_tokens=args.max_new)
+                    return greedy_generate(target, prompts, max_new_tokens=args.max_new, stop_token_ids=())
                 return speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,
-                                            draft_length=draft_length)
+                                            draft_length=draft_length, stop_token_ids=())  # the walk passes eos
 
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 print(f"| {prompt_len} | {batch} | skipped: over the time budget | | | | | | | | | |", flush=True)

@@ -2,7 +2,7 @@
 
 No model runs: each step's outcome is drawn from the workload (does the token at each output position agree with the
 drafter's map, as in adaptive.py's dialled drafters) and its time taken from a cost table, while the decisions are
-the package's own (`generate._Policy.choose`, over `dflash_jax.adaptive`'s `weights` and `choose_length`; `History`,
+the package's own (`draft_policy.Policy.choose`, over `dflash_jax.adaptive`'s `weights` and `choose_length`; `History`,
 `Probing`, `longest_gap`), taken in the order `generate._Loop` takes them: the first step verifies every draft;
 after each verify the history decides whether the next step drafts; a drafting step's verify length comes from the
 drafts' confidences (here 1: an uninformative drafter, so its calibration is the history) times the calibration;
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.adaptive import Adaptive, History, Probing, longest_gap
-from dflash_jax.generate import _Policy, _resolve_policy, _Settings
+from dflash_jax.draft_policy import Policy, Settings, resolve_draft_length
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: adaptive.py's workload rates
 from adaptive import BATCH_RATES, RATES  # noqa: E402
@@ -51,7 +51,7 @@ def workloads(batch: int, span: int, switch: int, rng: np.random.Generator) -> d
 
 
 class _UninformativeProposal:
-    """What `_Policy.choose` reads of a proposal: every draft proposed, each with confidence 1."""
+    """What `Policy.choose` reads of a proposal: every draft proposed, each with confidence 1."""
 
     def __init__(self, batch: int):
         self.num_tokens = jnp.full((batch,), LENGTHS[-1], jnp.int32)
@@ -61,8 +61,8 @@ class _UninformativeProposal:
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "drafted"))
-def _choose(policy: _Policy, settings: _Settings, history: History, seconds, remaining, live, drafted: bool):
-    """The loop's choice (`_Policy.choose`): after a verify, whether the next step drafts (the history alone, with
+def _choose(policy: Policy, settings: Settings, history: History, seconds, remaining, live, drafted: bool):
+    """The loop's choice (`Policy.choose`): after a verify, whether the next step drafts (the history alone, with
     the margin); in a drafting step, its verify length (the proposal's confidences times the calibration)."""
     if drafted:
         return policy.choose(settings, _UninformativeProposal(live.shape[0]), history, seconds, remaining, live,
@@ -80,7 +80,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
     history, probing = History.empty(batch), Probing.start()
     secs = jnp.asarray(seconds, jnp.float32)
     longest = longest_gap(secs, policy.probe_share) if policy else None
-    loop_policy, settings, _ = _resolve_policy(policy or "fixed", K)  # what the compiled loop knows
+    loop_policy, settings, _ = resolve_draft_length(policy or "fixed", K)  # what the compiled loop knows
     draft, step, total = True, 0, 0.0
     while (n_out < budget).any():
         live = n_out < budget

@@ -57,6 +57,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: the timing loop, 
 import gpu_trace  # noqa: E402
 from timing import call_seconds, print_row, read_rate  # noqa: E402
 
+from dflash_jax import Adaptive  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
 from dflash_jax.platform import process_platform  # noqa: E402
@@ -276,15 +277,16 @@ def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: fl
                 print(f"| {name} | {P} | {batch} | skipped: past the time budget | | | | | | | |", flush=True)
                 continue
             prompts = rng.integers(0, target.vocab_size, (batch, P)).tolist()
-            greedy = None
+            greedy, policy = None, Adaptive()  # measures the step costs on its first run, keeps them for the next
             for run in ["greedy", *args.runs]:
-                def go(run=run, prompts=prompts):
+                def go(run=run, prompts=prompts, policy=policy):
                     if run == "greedy":
-                        return greedy_generate(target, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk)
+                        return greedy_generate(target, prompts, max_new_tokens=args.max_new, prefill_chunk=args.chunk,
+                                               stop_token_ids=())
                     drafter, adaptive = runs[run.removesuffix(" + adaptive")], run.endswith(" + adaptive")
                     return speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,
-                                                prefill_chunk=args.chunk,
-                                                draft_length="adaptive" if adaptive else "fixed")
+                                                prefill_chunk=args.chunk, draft_length=policy if adaptive else "fixed",
+                                                stop_token_ids=())  # random weights: the budget, past any eos id
 
                 if not args.small:
                     go()  # compile

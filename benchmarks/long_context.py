@@ -46,6 +46,7 @@ from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
 from timing import matmul_rate, print_row, read_rate, write_rows  # noqa: E402
 from weight_forms import WEIGHTS, packed_backend, quantized  # noqa: E402
 
+from dflash_jax import Adaptive, Calibration  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache, propose  # noqa: E402
 from dflash_jax.generate import greedy_generate, speculative_generate  # noqa: E402
@@ -144,7 +145,10 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
     plan = full_plan(dspark_config)
     # each form of the drafters' linear weights (`weight_forms`): runs named "<run>, <form>" beyond bf16
     drafters = {(name, form): quantized(d, plan, form) for form in forms for name, d in walking.items()}
-    policies = {"": "fixed", " + adaptive": "adaptive"}
+    # one adaptive policy: it measures each setup's step costs once (--small: in calls of 1 and 2 steps, so that its
+    # 40 tokens finish the measurement) and keeps them for the repeats
+    calibration = Calibration(steps=1, repeats=1) if small else Calibration()
+    policies = {"": "fixed", " + adaptive": Adaptive(calibration=calibration)}
     c = target.config
     params = sum(x.size for x in jax.tree.leaves(target.params)) - c.vocab_size * c.hidden_size  # embedding: a gather
     weight_bytes = nbytes(target.params) - c.vocab_size * c.hidden_size * 2
@@ -157,14 +161,14 @@ def decode_rows(prompt_lens, batches, max_new: int, repeats: int, rate: float, f
             prompts = rng.integers(0, V, (batch, P)).tolist()
             beyond = P + max_new > c.max_position_embeddings  # a 131072-token prompt fills YaRN's whole range
             runs = {"greedy": ("bf16", lambda p=prompts, b=beyond: greedy_generate(  # name: (drafter form, run)
-                target, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b))}
+                target, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b, stop_token_ids=()))}
             for ((name, form), d), (suffix, policy) in itertools.product(drafters.items(), policies.items()):
                 if name + suffix not in wanted:
                     continue
                 named = name + suffix + ("" if form == "bf16" else f", {form}")  # e.g. "full acceptance, nvfp4"
                 runs[named] = form, lambda d=d, p=prompts, b=beyond, po=policy: speculative_generate(
                     target, d, p, max_new_tokens=max_new, prefill_chunk=chunk, beyond_max_positions=b,
-                    draft_length=po)
+                    draft_length=po, stop_token_ids=())  # random weights: the budget, past any eos id
             base, greedy_tokens = None, None
             for name, (form, run) in runs.items():
                 with packed_backend(form):

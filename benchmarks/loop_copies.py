@@ -31,11 +31,13 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: share spec_decode
 from spec_decode import QWEN3_8B, SMALL, drafter_configs  # noqa: E402
 from timing import write_rows  # noqa: E402
 
-from dflash_jax import generate  # noqa: E402
+from dflash_jax import draft_policy, generate  # noqa: E402
 from dflash_jax._shapes import round_up  # noqa: E402
+from dflash_jax.bookkeeping import stop_array  # noqa: E402
 from dflash_jax.config import parse_config  # noqa: E402
 from dflash_jax.drafting import init_cache  # noqa: E402
 from dflash_jax.model import AttentionOptions  # noqa: E402
+from dflash_jax.plain import plain_decode, plain_prefill  # noqa: E402
 from dflash_jax.sampling import sampling_controls  # noqa: E402
 from dflash_jax.testing import random_drafter, random_qwen3  # noqa: E402
 
@@ -94,14 +96,14 @@ def main() -> None:
     caches = jax.eval_shape(lambda: (target.init_cache(args.batch, capacity),
                                      init_cache(drafter, args.batch, capacity)))
     shapes = {"target KV": caches[0].k[0].shape, "drafter context": caches[1].keys[0].shape}
-    warp, stop, key = sampling_controls("loop_copies", 0.0, None, None, None), generate._stop_array(None), \
+    warp, stop, key = sampling_controls("loop_copies", 0.0, None, None, None), stop_array(()), \
         jax.random.key(0)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; batch {args.batch}, caches of {capacity} positions; "
           f"a layer's target KV {shapes['target KV']}, drafter context {shapes['drafter context']}", flush=True)
     print("| program | buffer | copies | where (computation: copies) |\n|---|---|---:|---|", flush=True)
 
-    greedy = jax.eval_shape(lambda: generate._greedy_prefill(
+    greedy = jax.eval_shape(lambda: plain_prefill(
         target, caches[0], tokens, lengths, stop, scalar, warp, key, capacity=budget, prefill_chunk=2048,
         sampling=False))
     speculative = jax.eval_shape(lambda: generate._spec_prefill(
@@ -110,8 +112,8 @@ def main() -> None:
 
     def lowered(mode: str):
         if mode == "greedy":
-            return generate._greedy_decode.lower(target, greedy, stop, warp, sampling=False)
-        policy, settings, _ = generate._resolve_policy(mode, K)
+            return plain_decode.lower(target, greedy, stop, warp, sampling=False)
+        policy, settings, _ = draft_policy.resolve_draft_length(mode, K)
         seconds = jax.ShapeDtypeStruct((len(policy.lengths),), jnp.float32)
         return generate._spec_decode.lower(
             target, drafter, speculative, stop, warp, jax.ShapeDtypeStruct((), jnp.float32), scalar, seconds,

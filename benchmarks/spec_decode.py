@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from timing import write_rows
 
+from dflash_jax import Adaptive
 from dflash_jax.config import parse_config
 from dflash_jax.generate import greedy_generate, speculative_generate
 from dflash_jax.testing import preset_dict, random_drafter, random_qwen3, successor_drafter, successor_target
@@ -109,7 +110,8 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         prompts = rng.integers(0, V, (batch, args.prompt_len)).tolist()
-        base, greedy = timed(lambda: greedy_generate(target, prompts, max_new_tokens=args.max_new), args.repeats)  # noqa: B023  (run here)
+        base, greedy = timed(lambda: greedy_generate(target, prompts, max_new_tokens=args.max_new,  # noqa: B023
+                                                     stop_token_ids=()), args.repeats)  # (run here; past any eos)
         follows = np.mean([t[j + 1] == successor[t[j]] for t in greedy.tokens for j in range(len(t) - 1)])
         rows.append(dict(batch=batch, name="greedy", tokens_per_s=base, follows_map=float(follows)))
         print(f"| {batch} | greedy (target follows its map {follows:.0%}) | {base:.1f} | 1.00 | | |", flush=True)
@@ -117,8 +119,10 @@ def main() -> None:
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 print(f"| {batch} | {name} | skipped: over the time budget | | | |", flush=True)
                 continue
+            policy = Adaptive()  # measures the step costs on the first (compiling) run, keeps them for the repeats
             speed, result = timed(
-                lambda: speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new),  # noqa: B023
+                lambda: speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,  # noqa: B023
+                                             stop_token_ids=(), draft_length=policy),  # noqa: B023
                 args.repeats,
             )  # the lambda runs here, inside the loop
             same = result.tokens == greedy.tokens

@@ -26,7 +26,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
-    from .adaptive import Adaptive, StepCosts
+    from .adaptive import Adaptive, Calibration, StepCosts
     from .compile_cache import enable_compile_cache
     from .config import DflashConfig, parse_config
     from .drafter import Drafter, draft_to_target_ids
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): 
     from .loader import load_config, load_drafter
     from .model import AttentionOptions, draft_hidden, draft_logits
     from .pairing import check_pair
+    from .sampling import Sampling
     from .target import Target
     from .target.dense import DecoderTarget, Qwen3Target
     from .target.loading import load_target
@@ -51,7 +52,7 @@ _EXPORTS = {
     "ContextCache": "drafting", "Proposal": "drafting", "append_context": "drafting", "init_cache": "drafting",
     "propose": "drafting", "sample_drafts": "drafting",
     "CheckpointError": "errors", "ConfigError": "errors", "IncompatiblePairError": "errors",
-    "Adaptive": "adaptive", "StepCosts": "adaptive",
+    "Adaptive": "adaptive", "Calibration": "adaptive", "StepCosts": "adaptive",
     "GenerationResult": "generate", "greedy_generate": "generate",
     "sample_generate": "generate", "speculative_generate": "generate",
     "DrafterModule": "linen",
@@ -59,6 +60,7 @@ _EXPORTS = {
     "AttentionOptions": "model", "draft_hidden": "model", "draft_logits": "model",
     "check_pair": "pairing",
     "enable_compile_cache": "compile_cache",
+    "Sampling": "sampling",
     "Target": "target",
     "DecoderTarget": "target.dense", "Qwen3Target": "target.dense",
     "load_target": "target.loading",
@@ -88,6 +90,7 @@ __all__ = [
     "__version__",
     "Adaptive",
     "AttentionOptions",
+    "Calibration",
     "CheckpointError",
     "ConfigError",
     "ContextCache",
@@ -100,6 +103,7 @@ __all__ = [
     "Proposal",
     "Qwen3Target",
     "Qwen3_5Target",
+    "Sampling",
     "StepCosts",
     "Target",
     "append_context",

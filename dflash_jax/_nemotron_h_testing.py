@@ -67,13 +67,13 @@ def write_nemotron_h_checkpoint(directory: str | os.PathLike[str], raw: dict[str
         for name in list(tensors):
             stem = name.removesuffix(".weight")
             if name.endswith(FP8_W8A8):
-                codes, scale = fp8.quantize(tensors[name])
-                tensors |= {name: codes, stem + ".weight_scale": np.asarray(scale, np.float32),
+                weight, weight_scale = fp8.quantize(tensors[name])
+                tensors |= {name: weight, stem + ".weight_scale": np.asarray(weight_scale, np.float32),
                             stem + ".input_scale": np.asarray(input_scale, np.float32)}
                 layers[stem] = {"quant_algo": "FP8"}
             elif name.endswith(NVFP4_W4A16):
-                packed, scale, scale_2 = nvfp4.quantize(tensors[name])
-                tensors |= {name: packed, stem + ".weight_scale": scale,
+                packed, block_scale, scale_2 = nvfp4.quantize(tensors[name])
+                tensors |= {name: packed, stem + ".weight_scale": block_scale,
                             stem + ".weight_scale_2": np.asarray(scale_2, np.float32)}
                 layers[stem] = {"quant_algo": "W4A16_NVFP4", "group_size": 16}
     os.makedirs(directory, exist_ok=True)

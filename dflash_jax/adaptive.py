@@ -61,14 +61,16 @@ nothing would learn nothing and draft again).
 
 Costs (`StepCosts`): seconds of a whole decode step at each length for this target, drafter, batch, cache and
 device, measured by `speculative_generate` on its first run of a kind (a few real decode steps at each length,
-timed; their tokens are part of the output) and kept in memory by what determines them, or given by the user.
+timed; their tokens are part of the output) and kept by the policy's `Calibration`, by what determines them, or
+given by the user.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,19 +145,60 @@ class StepCosts:
                                  "the costs were taken for another setup")
 
 
+@dataclasses.dataclass
+class Measurement:
+    """A setup's measurement so far, kept across its calls (`draft_policy.calibrate`): the length indices that ran
+    their untimed step, and the seconds of each timed call by (length index, steps)."""
+
+    warmed: set[int] = dataclasses.field(default_factory=set)
+    seconds: dict[tuple[int, int], list[float]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class Calibration:
+    """Where an `Adaptive` policy keeps the step costs it measured, by setup (`measured`: what a step's cost depends
+    on -> `StepCosts`), and the measurements that runs too short to finish them left (`unfinished`): a policy passed
+    to several calls measures once per setup; `reset()` forgets both. How it measures: at each length, calls of
+    `steps` steps and of twice as many, `repeats` times each, timed by `clock` (seconds); the difference of the
+    fastest of each is the steps' own time, without what a call of the decode program costs on its own. Measured
+    on an H200 (docs/benchmarks.md): 3 steps once gave K-draft steps cheaper than plain ones (one slow call early
+    in the run); 6 steps, fastest of 2, stay within 5% of the steps' times in the decode."""
+
+    steps: int = 6
+    repeats: int = 2
+    clock: Callable[[], float] = time.perf_counter
+    measured: dict[Hashable, StepCosts] = dataclasses.field(default_factory=dict)
+    unfinished: dict[Hashable, Measurement] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("steps", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Calibration.{name} must be an int >= 1, got {value!r}")
+        if not callable(self.clock):
+            raise TypeError(f"Calibration.clock must be a function returning seconds, got {self.clock!r}")
+
+    def reset(self) -> None:
+        """Forget every measured cost and unfinished measurement: the next call measures anew."""
+        self.measured.clear()
+        self.unfinished.clear()
+
+
 @dataclasses.dataclass(frozen=True)
 class Adaptive:
     """The adaptive draft-length policy of `speculative_generate(..., draft_length=Adaptive(...))` (module doc).
 
     draft_lengths: the static lengths to choose from (None: 0, 3, 7 and the drafter's K, those up to K); 0 is a
-    plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a kind (cached
-    in memory). memory: how much of a sequence's acceptance history a verify keeps (the rest is the new step's);
-    prior: the acceptance rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps
-    are taken only if they are that much faster than drafting, in proportion to the accepted drafts on record;
-    probe_share: the share of the plain steps' time that probes of a drafter that keeps failing may cost, which
-    sets the longest gap between them (module doc, `longest_gap`); focus: how much the choice serves the sequences
-    the batch will wait for, the exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8
-    by default, large values serve only the slowest).
+    plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a setup and keep
+    them in `calibration` (a `Calibration` of this policy's own unless given: hold the policy, or the calibration,
+    to measure once for many calls; `"adaptive"` is a new `Adaptive()` each call, which measures in each). memory:
+    how much of a sequence's acceptance history a verify keeps (the rest is the new step's); prior: the acceptance
+    rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps are taken only if they are
+    that much faster than drafting, in proportion to the accepted drafts on record; probe_share: the share of the
+    plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them
+    (module doc, `longest_gap`); focus: how much the choice serves the sequences the batch will wait for, the
+    exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large values serve
+    only the slowest).
     """
 
     draft_lengths: tuple[int, ...] | None = None
@@ -165,6 +208,7 @@ class Adaptive:
     margin: float = 0.1
     probe_share: float = 0.005
     focus: float = 8.0
+    calibration: Calibration = dataclasses.field(default_factory=Calibration, compare=False, repr=False)
 
     def __post_init__(self):
         if self.draft_lengths is not None:
@@ -181,6 +225,9 @@ class Adaptive:
         if isinstance(self.focus, bool) or not isinstance(self.focus, (int, float)) \
                 or not (math.isfinite(self.focus) and 0 <= self.focus <= 64):
             raise ValueError(f"Adaptive.focus must be a number in [0, 64], got {self.focus!r}")
+        if not isinstance(self.calibration, Calibration):
+            raise TypeError(f"Adaptive.calibration must be a dflash_jax.Calibration, got "
+                            f"{type(self.calibration).__name__}")
         object.__setattr__(self, "focus", float(self.focus))
 
     def lengths(self, num_draft_tokens: int) -> tuple[int, ...]:

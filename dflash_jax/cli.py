@@ -18,6 +18,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
@@ -129,7 +130,8 @@ def parser() -> argparse.ArgumentParser:
                           help="drop tokens less likely than P times the most likely one, P in [0, 1]")
     sampling.add_argument("--seed", type=seed, default=0, help="sampling seed, any integer of at most 64 bits")
     v.add_argument("--stop-token-ids", type=token_ids, default=None,
-                   help="comma-separated (default: the target's eos_token_id)")
+                   help="comma-separated (default: the target's eos ids, from generation_config.json, else "
+                        "config.json)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     v.add_argument("--target-revision", default=None, help="hub revision (branch, tag or commit) of the target")
     v.add_argument("--drafter-revision", default=None, help="hub revision of the drafter")
@@ -485,7 +487,8 @@ def convert_nvfp4(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate(args: argparse.Namespace) -> int:
+def generate(args: argparse.Namespace, decode: Callable[..., Any] | None = None) -> int:
+    """The `generate` verb: load the pair, decode with `decode` (`speculative_generate` unless given), print."""
     import jax
     import jax.numpy as jnp
 
@@ -524,16 +527,15 @@ def generate(args: argparse.Namespace) -> int:
     if args.confidence_threshold and "confidence_head" not in drafter.params:
         raise ValueError(f"--confidence-threshold {args.confidence_threshold}: this {drafter.config.family} drafter "
                          "has no confidence head (DSpark drafters with enable_confidence_head have one)")
-    stop = args.stop_token_ids if args.stop_token_ids is not None else list(target.config.eos_token_ids)
     # A progress display on a terminal only: its callback runs inside the compiled loop, and JAX does not store
     # programs with host callbacks in the persistent cache, so without a terminal the loop is cached too.
     shows = jax.process_index() == 0  # every process holds the same tokens: one prints them
     terminal = shows and sys.stderr.isatty()
     bar, report = progress_display(args.max_new_tokens, enabled=terminal)
     with bar:
-        result = speculative_generate(
+        result = (decode or speculative_generate)(
             target, drafter, args.prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop,
+            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=args.stop_token_ids,
             confidence_threshold=args.confidence_threshold, progress=report if terminal else None,
             attention=attention, draft_length=args.draft_length,
         )

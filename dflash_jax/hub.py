@@ -43,7 +43,7 @@ from .safetensors import INDEX_FILE, SINGLE_FILE, read_json, read_small
 
 __all__ = ["resolve", "HubOptions", "is_repo_id"]
 
-METADATA_FILES = ("config.json", "hf_quant_config.json", INDEX_FILE)
+METADATA_FILES = ("config.json", "generation_config.json", "hf_quant_config.json", INDEX_FILE)
 # `owner/name`, as the hub spells repo ids (huggingface_hub's `validate_repo_id`): each 1-96 ASCII letters, digits,
 # `-`, `_`, `.`, beginning and ending with neither `-` nor `.` (the owner: with a letter or digit).
 _REPO_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]{0,94}\w)?/\w(?:[\w.-]{0,94}\w)?", re.ASCII)

@@ -18,7 +18,7 @@ A drafter that ships its own `embed_tokens` / `lm_head` as frozen copies of its 
 DSpark drafters) and finds the target's different is warned about, not refused (`warn_shipped_heads_differ`):
 the references disagree on which to use there, and either keeps the output the target's.
 
-Prompt lengths against `max_position_embeddings` are checked per call (`generate._check_positions`).
+Prompt lengths against `max_position_embeddings` are checked per call (`bookkeeping.check_positions`).
 """
 
 from __future__ import annotations

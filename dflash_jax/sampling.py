@@ -3,7 +3,9 @@
     warp_logits(logits, temperature, top_k=, top_p=, min_p=)   logits [..., n] -> the warped logits (-inf cut)
     Warp                                                       the controls of one batch, a pytree (`jit` argument)
     choose(key, logits, warp)                                  one id per row, and the distribution it came from
+    Sampling(temperature, top_k=, top_p=, min_p=, key=, seed=)  the controls and randomness of a call, one value
     sampling_controls(where, ...) / rng_key(where, key, seed)  the host-side checks of the public entry points
+    resolve_sampling(where, sampling, ...)                     a call's `Sampling` or loose keywords -> Warp, key
 
 The warpers are transformers' (`generation/logits_process.py`), in its order: divide by the temperature, keep
 the `top_k` largest logits (ties at the k-th value kept), keep the smallest set of the largest whose probability
@@ -26,6 +28,7 @@ of the same controls share one compiled program.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -148,6 +151,12 @@ def sampling_controls(where: str, temperature: Any, top_k: Any, top_p: Any, min_
     m = None if min_p is None else check_number(where, "min_p", min_p)
     if m is not None and not 0 <= m <= 1:
         raise ValueError(f"{where}: min_p={m} is outside [0, 1] (0 keeps every token)")
+    cuts = [f"{name}={v}" for name, v, off in (("top_k", k, 0), ("top_p", p, 1), ("min_p", m, 0))
+            if v is not None and v != off]
+    if t == 0 and cuts:  # as transformers warns when do_sample is False: the caller may believe it samples
+        warnings.warn(f"{where}: {', '.join(cuts)} has no effect at temperature 0 (greedy decoding takes the "
+                      "argmax); pass a temperature > 0 to sample under it",
+                      UserWarning, stacklevel=4)  # `resolve_sampling`'s caller's caller
     return Warp(
         temperature=jnp.float32(t),
         top_k=None if not k else jnp.int32(k),
@@ -171,3 +180,37 @@ def rng_key(where: str, key: Any, seed: Any) -> jax.Array:
         return jax.random.wrap_key_data(jnp.asarray(key))  # a legacy PRNGKey: its raw bits
     shown = f"{type(key).__name__} {getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}"
     raise TypeError(f"{where}: key is a {shown}; expected one JAX PRNG key, e.g. key=jax.random.key(0) (or seed=0)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a decoding call samples, as one value: `speculative_generate(..., sampling=Sampling(0.7, top_p=0.9,
+    seed=1))` is `speculative_generate(..., temperature=0.7, top_p=0.9, seed=1)`, and `sample_generate` takes the
+    same. `temperature` 1 by default (a `Sampling` samples; 0 is greedy); the cuts as `warp_logits` (None: off);
+    randomness from `key` (a JAX PRNG key) or `seed` (an int; neither: seed 0). Checked where it is used
+    (`sampling_controls`, `rng_key`), with the errors of the loose keywords."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    key: jax.Array | None = None
+    seed: int | None = None
+
+
+def resolve_sampling(where: str, sampling: Sampling | None, temperature: Any, default_temperature: float, top_k: Any,
+            top_p: Any, min_p: Any, key: Any, seed: Any) -> tuple[Warp, jax.Array]:
+    """A call's `Warp` and key from its `sampling` value, or from the loose keywords when it is None. Both at once
+    (a loose keyword off its default) is refused: which one would win is not for the reader to guess."""
+    if sampling is None:
+        return sampling_controls(where, temperature, top_k, top_p, min_p), rng_key(where, key, seed)
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"{where}: sampling is a {type(sampling).__name__}; expected a dflash_jax.Sampling")
+    loose = {"temperature": temperature != default_temperature, "top_k": top_k is not None,
+             "top_p": top_p is not None, "min_p": min_p is not None, "key": key is not None, "seed": seed is not None}
+    if any(loose.values()):
+        given = ", ".join(name for name, on in loose.items() if on)
+        raise ValueError(f"{where}: pass sampling= or the loose keywords ({given}), not both")
+    s = sampling
+    return (sampling_controls(where, s.temperature, s.top_k, s.top_p, s.min_p),
+            rng_key(f"{where}: Sampling", s.key, s.seed))

@@ -69,8 +69,9 @@ def main() -> None:
     report("random target, greedy", greedy)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW, draft_length="fixed"))
     report("random target, random DFlash drafter", spec, greedy)
+    adaptive = dflash_jax.Adaptive()  # measures the step costs on its first run (the compiling one), keeps them
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW,
-                                              draft_length="adaptive"))
+                                              draft_length=adaptive))
     report("random target, random DFlash drafter, adaptive", spec, greedy)
     measured = ("measured" if spec.step_costs is not None
                 else "still being measured (these tokens/s are not the policy's speed)")
@@ -81,7 +82,9 @@ def main() -> None:
     oracle = successor_drafter(dspark, successor)
     greedy = timed(lambda: greedy_generate(follower, PROMPTS, max_new_tokens=MAX_NEW))
     report("successor target, greedy", greedy)
-    spec = timed(lambda: speculative_generate(follower, oracle, PROMPTS, max_new_tokens=MAX_NEW))
+    adaptive = dflash_jax.Adaptive()
+    spec = timed(lambda: speculative_generate(follower, oracle, PROMPTS, max_new_tokens=MAX_NEW,
+                                              draft_length=adaptive))
     report("successor target, DSpark drafter walking it", spec, greedy)
 
 

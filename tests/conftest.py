@@ -41,15 +41,13 @@ def cpu_mesh():
 
 
 @pytest.fixture
-def quick_calibration(monkeypatch):
-    """The adaptive policy measures its step costs in calls of 1 and 2 steps, once each, from nothing measured: so
-    that a run of a few dozen tokens finishes the measurement and then takes the policy's own lengths."""
-    from dflash_jax import generate
+def quick_calibration():
+    """A calibration for the adaptive policy (`Adaptive(calibration=...)`) that measures its step costs in calls of
+    1 and 2 steps, once each, from nothing measured: so that a run of a few dozen tokens finishes the measurement and
+    then takes the policy's own lengths."""
+    from dflash_jax import Calibration
 
-    monkeypatch.setattr(generate, "CALIBRATION_STEPS", 1)
-    monkeypatch.setattr(generate, "CALIBRATION_REPEATS", 1)
-    monkeypatch.setattr(generate, "_COSTS", {})
-    monkeypatch.setattr(generate, "_CALIBRATIONS", {})
+    return Calibration(steps=1, repeats=1)
 
 
 # The modules that compile the most run first, longest first, so that parallel workers (pyproject's `-n 2 --dist

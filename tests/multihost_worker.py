@@ -129,10 +129,10 @@ print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")
 # Greedy under the adaptive policy, its step costs measured on the run in calls of 1 and 2 steps (so that 40 tokens
 # hold the measurement): each process times its own calls and process 0's times decide, so the processes must
 # report the same costs (and choose the same lengths: one program).
-from dflash_jax import generate as generate_module  # noqa: E402
+from dflash_jax import Adaptive, Calibration  # noqa: E402
 
-generate_module.CALIBRATION_STEPS = generate_module.CALIBRATION_REPEATS = 1
-adaptive = speculative_generate(target, paired, prompts, max_new_tokens=40)
+adaptive = speculative_generate(target, paired, prompts, max_new_tokens=40,
+                                draft_length=Adaptive(calibration=Calibration(steps=1, repeats=1)))
 costs = adaptive.step_costs.seconds if adaptive.step_costs is not None else None
 print(f"process {process_id}: adaptive {json.dumps([adaptive.tokens, costs])}")
 jax.distributed.shutdown()

@@ -7,14 +7,14 @@ Losslessness with the policy on: tests/test_generate*.py."""
 
 from __future__ import annotations
 
-import types
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import Adaptive, StepCosts, greedy_generate, speculative_generate
+from dflash_jax import Adaptive, Calibration, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
 from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap, weights
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
@@ -231,49 +231,52 @@ def test_costs_for_another_setup_are_refused(models):
             speculative_generate(target, drafter, [1, 2], max_new_tokens=8, draft_length=Adaptive(costs=costs))
 
 
-def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(models, monkeypatch):
-    """The first run measures the step costs on its own steps (their tokens are the output's), keeps them and
-    reports them (`GenerationResult.step_costs`); a second run of the same setup reuses them, and so does a run
-    given them (as another process would be), measuring nothing. A clock that does not move gives no usable costs:
-    a warning, and the fixed length from there on, with the same tokens and no costs reported."""
+def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(models):
+    """The first run measures the step costs on its own steps (their tokens are the output's), keeps them in the
+    policy's calibration and reports them (`GenerationResult.step_costs`); a second run of the same policy and setup
+    reuses them (its clock never read), and so does a run given them (as another process would be), measuring
+    nothing; `reset()` forgets them. A clock that does not move gives no usable costs: a warning, and the fixed
+    length from there on, with the same tokens and no costs reported."""
     target, drafter = models
-    policy = Adaptive(draft_lengths=(0, 7))
     prompts, steps = [[5, 17, 99], [4]], 2
-    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)  # the mechanism, in few of the 40 tokens
     expected = greedy_generate(target, prompts, max_new_tokens=40).tokens
-    monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
+    reads = []
+
+    def clock() -> float:
+        reads.append(1)
+        return time.perf_counter()
+
+    calibration = Calibration(steps=steps, clock=clock)  # the mechanism, in few of the 40 tokens
+    policy = Adaptive(draft_lengths=(0, 7), calibration=calibration)
     result = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert result.tokens == expected
-    (costs,) = generate_module._COSTS.values()
+    (costs,) = calibration.measured.values()
     assert costs.draft_lengths == (0, 7) and costs.batch == 2 and costs.device == "cpu"
     assert all(t > 0 for t in costs.seconds) and result.step_costs is costs
 
-    calls = []
-    monkeypatch.setattr(generate_module, "_calibrate", lambda *args: calls.append(args))
+    reads.clear()
     again = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert again.tokens == expected and again.step_costs is costs
-    assert calls == [] and len(generate_module._COSTS) == 1
-    monkeypatch.setattr(generate_module, "_COSTS", {})  # a fresh process, given what the first one measured
-    given = speculative_generate(target, drafter, prompts, max_new_tokens=40,
-                                 draft_length=Adaptive(draft_lengths=(0, 7), costs=result.step_costs))
-    assert given.tokens == expected and given.step_costs == costs and calls == [] and generate_module._COSTS == {}
+    assert reads == [] and len(calibration.measured) == 1
+    fresh = Calibration(clock=clock)  # a fresh process, given what the first one measured
+    given = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
+        draft_lengths=(0, 7), costs=result.step_costs, calibration=fresh))
+    assert given.tokens == expected and given.step_costs == costs and reads == [] and fresh.measured == {}
     fixed = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length="fixed")
     assert fixed.step_costs is None and greedy_generate(target, prompts, max_new_tokens=40).step_costs is None
+    calibration.reset()
+    assert calibration.measured == {} and calibration.unfinished == {}
 
-    monkeypatch.undo()
-    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", steps)
-    monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
-    monkeypatch.setattr(generate_module, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    stuck_calibration = Calibration(steps=steps, clock=lambda: 0.0)
     with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
-        stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
-    assert stuck.tokens == expected and generate_module._COSTS == {} and stuck.step_costs is None
-    repeats = generate_module.CALIBRATION_REPEATS  # the plain steps of the measurement only: 1, then n and 2n
+        stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
+            draft_lengths=(0, 7), calibration=stuck_calibration))
+    assert stuck.tokens == expected and stuck_calibration.measured == {} and stuck.step_costs is None
+    repeats = stuck_calibration.repeats  # the plain steps of the measurement only: 1, then n and 2n
     assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
 
 
-def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_next_run(models, monkeypatch):
+def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_next_run(models):
     """A timed call of n steps starts only where the decode lasts n steps even if every draft is accepted (7 drafts: 8
     tokens a step), so a run too short for the next one forces no step to another length: it decodes at the fixed
     length and keeps its progress, and a longer run of the setup measures only the rest, then adapts. Here n = 2 and
@@ -284,15 +287,12 @@ def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_
     time, not a new measurement, that the costs are made of, and it makes 7 drafts look half a second dearer than a
     plain step, so that the policy takes plain steps for certain once it has the costs."""
     target, drafter = models
-    policy, prompts = Adaptive(draft_lengths=(0, 7)), [[5, 17, 99], [4]]
-    monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 2)
-    monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 2)
-    monkeypatch.setattr(generate_module, "_COSTS", {})
-    monkeypatch.setattr(generate_module, "_CALIBRATIONS", {})
+    calibration = Calibration(steps=2, repeats=2)
+    policy, prompts = Adaptive(draft_lengths=(0, 7), calibration=calibration), [[5, 17, 99], [4]]
     first = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
     assert first.tokens == greedy_generate(target, prompts, max_new_tokens=20).tokens
-    assert first.step_costs is None and first.plain_tokens == [0, 0] and generate_module._COSTS == {}
-    (progress,) = generate_module._CALIBRATIONS.values()
+    assert first.step_costs is None and first.plain_tokens == [0, 0] and calibration.measured == {}
+    (progress,) = calibration.unfinished.values()
     assert progress.warmed == {1} and list(progress.seconds) == [(1, 2)] and len(progress.seconds[1, 2]) == 1
     progress.seconds[1, 2] = [-1.0]
     second = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
@@ -302,20 +302,24 @@ def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_
     assert second.plain_tokens[0] > 13  # the plain steps measured (13), then the policy's own
 
 
-def test_a_key_reproduces_its_sampled_tokens_by_default(monkeypatch):
+def test_a_key_reproduces_its_sampled_tokens_by_default():
     """At temperature > 0 the default draft length is the fixed one, whatever step times the run measures: the
     tokens a key draws depend on the verify lengths, so a default that adapted to a clock would not reproduce them.
-    With two sets of step costs that make the adaptive policy choose differently, the default's tokens agree."""
+    The default measures nothing (no step costs, no plain step), and its tokens are those of `draft_length="fixed"`,
+    while an adaptive policy given costs that make it choose plain steps draws others."""
     target = random_qwen3("tiny-qwen3", dtype=jnp.float32)
     drafter = random_drafter("tiny-dflash", dtype=jnp.float32)
-    runs = []
-    for seconds in ((0.1, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 0.1)):
-        monkeypatch.setattr(generate_module, "_COSTS", {})
-        monkeypatch.setattr(generate_module, "_calibrate", lambda run, state, policy, batch, device, progress,
-                            s=seconds: (state, StepCosts(policy.lengths, s[:len(policy.lengths)], batch, device)))
-        runs.append(speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
-                                         key=jax.random.key(3)))
-    assert runs[0].tokens == runs[1].tokens and runs[0].plain_tokens == runs[1].plain_tokens == [0]
+
+    def run(**kw):
+        return speculative_generate(target, drafter, [[5, 17, 99]], max_new_tokens=10, temperature=1.0,
+                                    key=jax.random.key(3), stop_token_ids=(), **kw)
+
+    default, fixed = run(), run(draft_length="fixed")
+    assert default.tokens == fixed.tokens and default.plain_tokens == [0] and default.step_costs is None
+    lengths = Adaptive().lengths(drafter.config.num_draft_tokens)
+    cheap_plain = StepCosts(lengths, (0.1, 1.0, 1.0, 1.0)[:len(lengths)], 1, "cpu")
+    adapted = run(draft_length=Adaptive(costs=cheap_plain))
+    assert adapted.plain_tokens[0] > 0
 
 
 def test_a_drafter_never_right_leaves_drafting_even_where_probes_are_cheap(models):
@@ -355,10 +359,10 @@ def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
     K = drafter.config.num_draft_tokens
     lengths = Adaptive().lengths(K)
     costs = StepCosts(lengths, (1.0, 1.6, 1.8)[:len(lengths)], 2, "cpu")
-    expected = greedy_generate(target, prompts, max_new_tokens=32).tokens
+    expected = greedy_generate(target, prompts, max_new_tokens=32, stop_token_ids=()).tokens  # the walk passes eos
     runs, programs = {}, []
     for focus in (8.0, 0.0):
-        runs[focus] = speculative_generate(target, drafter, prompts, max_new_tokens=32,
+        runs[focus] = speculative_generate(target, drafter, prompts, max_new_tokens=32, stop_token_ids=(),
                                            draft_length=Adaptive(costs=costs, focus=focus))
         programs.append(generate_module._spec_decode._cache_size())
     assert programs[1] == programs[0]  # another setting runs the same program (the settings are traced)

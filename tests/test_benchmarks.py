@@ -14,8 +14,6 @@ import sys
 
 import pytest
 
-from dflash_jax import generate as generate_module
-
 from ._pallas import needs_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,9 +40,6 @@ def long_context_json(tmp_path_factory) -> pathlib.Path:
     """`long_context.py --small --json` (both parts), run once: its test and plot.py's read the file."""
     out = tmp_path_factory.mktemp("long_context") / "long_context.json"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        # the adaptive policy's measurement in few steps (1 and 2 a length), so that 40 tokens finish it
-        monkeypatch.setattr(generate_module, "CALIBRATION_STEPS", 1)
-        monkeypatch.setattr(generate_module, "CALIBRATION_REPEATS", 1)
         run_script(monkeypatch, "long_context", "--small", "--runs", *LONG_CONTEXT_RUNS, "--drafter-weights", "nvfp4",
                    "--json", str(out))
     return out

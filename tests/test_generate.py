@@ -17,18 +17,16 @@ import pytest
 from dflash_jax import Adaptive, AttentionOptions, StepCosts, load_drafter
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3, successor_drafter, successor_target
 from dflash_jax._shapes import round_up
+from dflash_jax.bookkeeping import pad_prompts, stop_array
+from dflash_jax.draft_policy import Policy, Settings
 from dflash_jax.drafting import append_context, init_cache, propose
 from dflash_jax.generate import (
     BUDGET_BUCKET,
     CACHE_BUCKET,
     GenerationResult,
     _attach,
-    _pad_prompts,
-    _Policy,
-    _Settings,
     _spec_decode,
     _spec_prefill,
-    _stop_array,
     greedy_generate,
     speculative_generate,
 )
@@ -103,7 +101,8 @@ def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset,
     with DSpark the costs are measured in the run, in calls of 1 and 2 steps here so that 24 tokens hold them,
     plain steps included, and the policy then takes its own)."""
     drafter = _drafter(tmp_path_factory, preset, seed=2)
-    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=draft_length)
+    policy = Adaptive(calibration=quick_calibration) if draft_length == "adaptive" else draft_length
+    result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=policy)
     assert result.tokens == greedy.tokens
     K = drafter.config.num_draft_tokens
     for steps, plain, tokens in zip(result.acceptance_lengths, result.plain_tokens, result.tokens):
@@ -129,6 +128,10 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert result.tokens == expected
     assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
     assert {a for steps in result.acceptance_lengths for a in steps[1:-1]} == {4}  # the last may end at the budget
+    # An int draft length verifies that many drafts every step, the first included, and takes no plain step.
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=3)
+    assert result.tokens == expected and result.plain_tokens == [0] * len(PROMPTS)
+    assert {a for steps in result.acceptance_lengths for a in steps[:-1]} == {4}
 
     nudged = successor_target(target, SUCCESSOR, layer_scale=NUDGE)
     reference = greedy_generate(nudged, PROMPTS, max_new_tokens=MAX_NEW)
@@ -150,14 +153,14 @@ def _stepper(target, drafter):
     (0, 3, 7), greedy, with the caches `speculative_generate` makes for PROMPTS (so the programs are shared; longer
     prompts fit them too): `steps` runs `n` decode steps of the length of index `force` (0: plain steps, their
     context rows appended to the drafter's cache at the end)."""
-    stop, warp, threshold = _stop_array(None), Warp(jnp.float32(1.0)), jnp.float32(0.0)
-    policy, settings, seconds = _Policy((0, 3, 7), True), _Settings.of(Adaptive()), jnp.ones(3, jnp.float32)
+    stop, warp, threshold = stop_array(()), Warp(jnp.float32(1.0)), jnp.float32(0.0)
+    policy, settings, seconds = Policy((0, 3, 7), True), Settings.of(Adaptive()), jnp.ones(3, jnp.float32)
     budget = round_up(MAX_NEW, BUDGET_BUCKET)
-    capacity = round_up(_pad_prompts(PROMPTS)[0].shape[1] + budget + drafter.config.num_draft_tokens + 1,
+    capacity = round_up(pad_prompts(PROMPTS)[0].shape[1] + budget + drafter.config.num_draft_tokens + 1,
                         CACHE_BUCKET)
 
     def prefill(prompts):
-        tokens, lengths = _pad_prompts(prompts)
+        tokens, lengths = pad_prompts(prompts)
         caches = target.init_cache(len(prompts), capacity), init_cache(drafter, len(prompts), capacity)
         return _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, jax.random.key(0),
                              jnp.int32(budget), capacity=budget, sampling=False, attention=AttentionOptions(),
@@ -320,7 +323,7 @@ def test_positions_past_the_models_are_refused_before_compiling(tmp_path_factory
 
 def test_beyond_max_positions_runs_on():
     """`beyond_max_positions=True` runs past a target declaring 16 positions (RoPE continues): greedy decoding is
-    the NumPy forward's. (`speculative_generate` shares the check, `_check_positions`.)"""
+    the NumPy forward's. (`speculative_generate` shares the check, `bookkeeping.check_positions`.)"""
     raw = {**QWEN3_TINY_CONFIGS["tiny-qwen3"], "max_position_embeddings": 16}
     short = random_qwen3(raw, seed=1, dtype=jnp.float32)
     prompt = PROMPTS[5]  # 8 tokens, + 12 reaches position 20

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import AttentionOptions, load_drafter
+from dflash_jax import AttentionOptions, GenerationResult, cli, load_drafter
 from dflash_jax import generate as generate_module
 from dflash_jax.cli import main
 from dflash_jax.generate import greedy_generate, speculative_generate
@@ -165,17 +165,19 @@ def test_generate_does_not_hang_on_a_target_config_that_is_a_fifo(checkpoints, t
     assert codes == [2] and "config.json" in capsys.readouterr().err
 
 
-def test_without_a_terminal_no_progress_callback_enters_the_loop(checkpoints, monkeypatch, capsys):
+def run_generate(argv: list[str], decode) -> int:
+    """The `generate` verb of `argv` with `decode` in place of `speculative_generate` (`cli.generate`'s argument)."""
+    return cli.generate(cli.parser().parse_args(["generate", *argv]), decode=decode)
+
+
+def test_without_a_terminal_no_progress_callback_enters_the_loop(checkpoints, capsys):
     """The bar's callback would keep the decode loop out of JAX's persistent cache (host callbacks are not
     stored): off a terminal (here, captured output) none is passed."""
-    import dflash_jax.generate
-
-    seen, real = [], dflash_jax.generate.speculative_generate
-    monkeypatch.setattr(dflash_jax.generate, "speculative_generate",
-                        lambda *args, **kw: seen.append(kw["progress"]) or real(*args, **kw))
+    seen = []
     target_dir, drafter_dir = checkpoints
-    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32"]) == 0
+    assert run_generate([target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
+                         "--dtype", "float32"],
+                        lambda *args, **kw: seen.append(kw["progress"]) or speculative_generate(*args, **kw)) == 0
     assert seen == [None]
 
 
@@ -187,38 +189,37 @@ def test_generate_reports_an_absurd_layer_count(checkpoints, tmp_path, capsys):
     assert code == 2 and err.startswith("error: ") and "num_hidden_layers" in err
 
 
-def capture_speculative_keywords(monkeypatch) -> dict:
-    """`speculative_generate` replaced by a stub that records its keyword arguments (the dict returned)."""
-    import dflash_jax.generate
-
+def keywords_seen(argv: list[str]) -> dict:
+    """The keyword arguments the `generate` verb of `argv` passes to `speculative_generate` (a stub in its place)."""
     seen: dict = {}
 
     def fake(target, drafter, prompt, **kwargs):
         seen.update(kwargs)
-        return dflash_jax.generate.GenerationResult([[1]], [[1]], 0.0, 0.0, [0])
+        return GenerationResult([[1]], [[1]], 0.0, 0.0, [0])
 
-    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", fake)
+    assert run_generate(argv, fake) == 0
     return seen
 
 
-def test_generate_passes_the_draft_length(checkpoints, monkeypatch):
+def test_generate_passes_the_draft_length(checkpoints):
     """`--draft-length adaptive|fixed` reaches `speculative_generate` as `draft_length`; without it, None: the
-    library's default for the temperature."""
-    seen = capture_speculative_keywords(monkeypatch)
+    library's default for the temperature. `--stop-token-ids` reaches it as given; without it, None: the target's
+    eos ids (`speculative_generate`'s default)."""
     target_dir, drafter_dir = checkpoints
     for flags, expected in (([], None), (["--draft-length", "fixed"], "fixed"),
                             (["--draft-length", "adaptive"], "adaptive")):
-        assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", *flags]) == 0
-        assert seen["draft_length"] == expected
+        seen = keywords_seen([target_dir, drafter_dir, "--prompt-ids", "5", *flags])
+        assert seen["draft_length"] == expected and seen["stop_token_ids"] is None
+    assert keywords_seen([target_dir, drafter_dir, "--prompt-ids", "5", "--stop-token-ids", "3,4"])[
+        "stop_token_ids"] == [3, 4]
 
 
-def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
+def test_generate_passes_the_attention_rule(checkpoints, capsys):
     """`--attention-rule` / `--draft-window` / `--draft-sinks` reach `speculative_generate` as its options;
     options `AttentionOptions` refuses are one error line."""
-    seen = capture_speculative_keywords(monkeypatch)
     target_dir, drafter_dir = checkpoints
-    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
-                 "--draft-window", "8", "--draft-sinks", "2"]) == 0
+    seen = keywords_seen([target_dir, drafter_dir, "--prompt-ids", "5", "--attention-rule", "zlab",
+                          "--draft-window", "8", "--draft-sinks", "2"])
     assert seen["attention"] == AttentionOptions(causal=False, sliding_window=False, draft_window=8, draft_sinks=2)
     capsys.readouterr()
     assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--draft-sinks", "2"]) == 2
@@ -231,24 +232,21 @@ def test_generate_passes_the_attention_rule(checkpoints, monkeypatch, capsys):
     assert e.value.code == 2 and "--draft-length: invalid choice: '0.5'" in capsys.readouterr().err
 
 
-def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
+def test_generate_on_a_tensor_parallel_mesh(checkpoints, capsys):
     """`--tensor-parallel 2`: the target split over a (1, 2) ("data", "model") mesh, the DSpark drafter replicated
     on the same two devices; with `--confidence-threshold` the tokens are still the single-device greedy ones. At
     the fixed draft length (one verify program to compile): the adaptive one over several devices is
     test_multihost's."""
-    import dflash_jax.generate
-
-    seen, real = {}, dflash_jax.generate.speculative_generate
+    seen = {}
 
     def spy(target, drafter, prompt, **kwargs):
         seen.update(target=target, drafter=drafter, **kwargs)
-        return real(target, drafter, prompt, **kwargs)
+        return speculative_generate(target, drafter, prompt, **kwargs)
 
-    monkeypatch.setattr(dflash_jax.generate, "speculative_generate", spy)
     target_dir, drafter_dir = checkpoints
-    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6",
-                 "--draft-length", "fixed"]) == 0
+    assert run_generate([target_dir, drafter_dir, "--prompt-ids", "5,17,99", "--max-new-tokens", "12",
+                         "--dtype", "float32", "--tensor-parallel", "2", "--confidence-threshold", "0.6",
+                         "--draft-length", "fixed"], spy) == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     expected = greedy_generate(target, [5, 17, 99], max_new_tokens=12,
                                stop_token_ids=target.config.eos_token_ids).tokens[0]
@@ -260,11 +258,10 @@ def test_generate_on_a_tensor_parallel_mesh(checkpoints, monkeypatch, capsys):
     assert seen["confidence_threshold"] == 0.6
 
 
-def test_generate_passes_the_sampling_controls(checkpoints, monkeypatch, capsys):
-    seen = capture_speculative_keywords(monkeypatch)
+def test_generate_passes_the_sampling_controls(checkpoints, capsys):
     target_dir, drafter_dir = checkpoints
-    assert main(["generate", target_dir, drafter_dir, "--prompt-ids", "5", "--temperature", "0.7", "--top-k", "20",
-                 "--top-p", "0.9", "--min-p", "0.05", "--seed", "7"]) == 0
+    seen = keywords_seen([target_dir, drafter_dir, "--prompt-ids", "5", "--temperature", "0.7", "--top-k", "20",
+                          "--top-p", "0.9", "--min-p", "0.05", "--seed", "7"])
     assert {k: seen[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")} == dict(
         temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=7)
     for flag, value, words in (("--top-p", "0", "expected a number in (0, 1]"), ("--min-p", "1.5", "in [0, 1]"),

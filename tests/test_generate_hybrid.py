@@ -78,8 +78,8 @@ def test_sampling_follows_the_targets_distribution():
     exact = _distribution(np.asarray(logits), T)
 
     result = speculative_generate(small, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T, seed=1,
-                                  prefill_chunk=WHOLE_BATCH)
-    tokens = np.array(result.tokens)  # [SAMPLES, 3]
+                                  prefill_chunk=WHOLE_BATCH, stop_token_ids=())
+    tokens = np.array(result.tokens)  # [SAMPLES, 3]: every sample, its eos draws included
     first_steps = [steps[0] for steps in result.acceptance_lengths]
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
     joint12 = np.zeros((V, V))

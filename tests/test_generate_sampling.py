@@ -147,8 +147,9 @@ def test_output_distribution_is_the_targets(request, tmp_path, preset, threshold
 
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=T,
                                   key=jax.random.key(1), confidence_threshold=threshold,
-                                  draft_length=draft_length, prefill_chunk=WHOLE_BATCH, **controls)
-    tokens = np.array(result.tokens)  # [SAMPLES, 3]
+                                  draft_length=draft_length, prefill_chunk=WHOLE_BATCH, stop_token_ids=(),
+                                  **controls)
+    tokens = np.array(result.tokens)  # [SAMPLES, 3]: every sample, its eos draws included
     first_steps = [steps[0] for steps in result.acceptance_lengths]  # both paths of the rule, often
     assert first_steps.count(1) > SAMPLES // 10 and sum(a > 1 for a in first_steps) > SAMPLES // 10
     if preset == "tiny-dflash2":  # the sequences whose first verify made only x2 made x3 in a plain step

@@ -234,7 +234,9 @@ def test_prompt_ids_that_are_not_token_ids_are_refused(target, drafter, prompt_i
     (dict(temperature="0.5"), TypeError, "temperature must be a number"),
     (dict(confidence_threshold=math.nan), ValueError, r"confidence_threshold=nan is outside \[0, 1\]"),
     (dict(confidence_threshold=1.5), ValueError, r"confidence_threshold=1.5 is outside \[0, 1\]"),
-    (dict(draft_length="sometimes"), TypeError, "draft_length must be 'adaptive', 'fixed' or a dflash_jax.Adaptive"),
+    (dict(draft_length="sometimes"), TypeError,
+     "draft_length must be 'adaptive', 'fixed', an int or a dflash_jax.Adaptive"),
+    (dict(draft_length=0), ValueError, r"draft_length=0 is outside \[1, "),
 ])
 def test_generate_arguments_of_the_wrong_type_or_range_are_refused(target, drafter, changes, error, says):
     kwargs = {"max_new_tokens": 4, **changes}

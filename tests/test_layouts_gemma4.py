@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import ConfigError, load_drafter
+from dflash_jax import Adaptive, ConfigError, load_drafter
 from dflash_jax._qwen3_testing import random_qwen3, successor_drafter, successor_target
 from dflash_jax.config import parse_config
 from dflash_jax.generate import speculative_generate
@@ -150,7 +150,8 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, quick_calibrat
         walks.append([int(successor[prompt[-1]])])
         while len(walks[-1]) < 64:
             walks[-1].append(int(successor[walks[-1][-1]]))
-    result = speculative_generate(target, drafter, prompts, max_new_tokens=64)
+    result = speculative_generate(target, drafter, prompts, max_new_tokens=64, stop_token_ids=(),  # the walk passes eos
+                                  draft_length=Adaptive(calibration=quick_calibration))
     assert result.tokens == walks
     assert drafter.config.num_draft_tokens == 7 and all(8 in steps for steps in result.acceptance_lengths)
     assert all(plain > 0 for plain in result.plain_tokens)  # the plain step ran

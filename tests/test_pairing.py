@@ -1,21 +1,35 @@
 """A drafter and a target that do not belong together are refused before anything compiles, naming both and the
 two values (`dflash_jax.pairing`); and inside the loop no draft id outside the target's vocabulary is accepted,
-even when the check is bypassed. Every compatible pair returns the target's greedy tokens."""
+even when the loop runs without the check. Every compatible pair returns the target's greedy tokens."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflash_jax import IncompatiblePairError, check_pair, greedy_generate, load_drafter, speculative_generate
-from dflash_jax import generate as generate_module
+from dflash_jax import (
+    AttentionOptions,
+    IncompatiblePairError,
+    check_pair,
+    draft_policy,
+    greedy_generate,
+    load_drafter,
+    speculative_generate,
+)
 from dflash_jax._qwen3_testing import random_qwen3
+from dflash_jax._shapes import round_up
+from dflash_jax.bookkeeping import BUDGET_BUCKET, CACHE_BUCKET, pad_prompts, stop_array, stop_ids, to_lists
+from dflash_jax.drafting import init_cache
+from dflash_jax.generate import _spec_decode, _spec_prefill
 from dflash_jax.nnx import DFlashDrafter
+from dflash_jax.sampling import sampling_controls
+from dflash_jax.target import PREFILL_CHUNK
 from dflash_jax.testing import preset_dict, random_drafter, write_checkpoint
 
 # Speculative runs here use the fixed draft length: one verify shape to compile per pair (the adaptive default
@@ -39,13 +53,12 @@ def greedy(target):
 
 
 @pytest.fixture
-def no_compile(monkeypatch):
-    """Fail if the loop gets as far as its first compiled program."""
-
-    def compiled(*args, **kwargs):
-        raise AssertionError("the pair was not refused before compiling")
-
-    monkeypatch.setattr(generate_module, "_spec_prefill", compiled)
+def no_compile():
+    """Fail if the loop got as far as compiling a program of its own."""
+    programs = _spec_prefill._cache_size(), _spec_decode._cache_size()
+    yield
+    compiled = _spec_prefill._cache_size(), _spec_decode._cache_size()
+    assert compiled == programs, "the pair was not refused before compiling"
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +81,23 @@ def test_an_nnx_module_is_checked_too(target, wide_dspark, no_compile):
         speculative_generate(target, module, PROMPT, max_new_tokens=MAX_NEW)
 
 
-def test_out_of_vocabulary_drafts_are_never_accepted(target, wide_dspark, greedy, monkeypatch):
-    """With the check bypassed, the 256-token drafter proposes ids the target cannot embed: before the loop's own
-    guard they were embedded as NaN and the output became `[13, 0, 0, ...]`."""
-    monkeypatch.setattr(generate_module, "check_pair", lambda target, drafter: None)
-    assert speculative_generate(target, wide_dspark, PROMPT, max_new_tokens=MAX_NEW,
-                                draft_length="fixed").tokens == greedy
+def test_out_of_vocabulary_drafts_are_never_accepted(target, wide_dspark, greedy):
+    """The loop run directly, as `speculative_generate` runs it at the fixed length, without the pair check: the
+    256-token drafter proposes ids the target cannot embed: before the loop's own guard they were embedded as NaN
+    and the output became `[13, 0, 0, ...]`."""
+    K, attention = wide_dspark.config.num_draft_tokens, AttentionOptions()
+    tokens, lengths = pad_prompts([PROMPT])
+    capacity = round_up(tokens.shape[1] + BUDGET_BUCKET + K + 1, CACHE_BUCKET)
+    stop, warp = stop_array(stop_ids(target, None)), sampling_controls("test", 0.0, None, None, None)
+    policy, settings, _ = draft_policy.resolve_draft_length("fixed", K)
+    caches = target.init_cache(1, capacity), init_cache(wide_dspark, 1, capacity)
+    state = _spec_prefill(target, wide_dspark, *caches, tokens, lengths, stop, warp, jax.random.key(0),
+                          jnp.int32(MAX_NEW), capacity=BUDGET_BUCKET, sampling=False, attention=attention,
+                          prefill_chunk=PREFILL_CHUNK)
+    state = _spec_decode(target, wide_dspark, state, stop, warp, jnp.float32(0.0), jnp.int32(0),
+                         jnp.ones(1, jnp.float32), jnp.int32(-1), jnp.int32(2**31 - 1), settings, sampling=False,
+                         attention=attention, policy=policy)
+    assert to_lists(*jax.device_get((state.out, state.n_out))) == greedy
 
 
 def _changed(preset: str, **changes):

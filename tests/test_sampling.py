@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import warnings
 
 import chex
 import jax
@@ -15,7 +16,7 @@ import pytest
 
 from dflash_jax import greedy_generate, sample_generate, speculative_generate
 from dflash_jax._qwen3_testing import QWEN3_TINY_CONFIGS, random_qwen3
-from dflash_jax.sampling import Warp, choose, rng_key, sampling_controls, warp_logits
+from dflash_jax.sampling import Sampling, Warp, choose, resolve_sampling, rng_key, sampling_controls, warp_logits
 
 from ._numpy_reference import warped_distribution
 from .test_generate_sampling import PROMPT, SAMPLES, WHOLE_BATCH, V, _chi2_z, _distribution
@@ -55,7 +56,12 @@ def test_every_temperature_gives_the_warped_distribution(temperature):
     `Warp.probs`) is the reference's, one-hot at the argmax where the temperature is tiny (logits / T overflowed
     and the softmax was NaN); below float32's normal range the temperature is 0, greedy."""
     logits = jax.random.normal(jax.random.key(3), (4, 3, 50)) * 3
-    warp = sampling_controls("f", temperature, None, None, 0.01)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        warp = sampling_controls("f", temperature, None, None, 0.01)
+    assert [str(w.message) for w in said] == (["f: min_p=0.01 has no effect at temperature 0 (greedy decoding takes "
+                                               "the argmax); pass a temperature > 0 to sample under it"]
+                                              if temperature < 2.0**-126 else [])
     assert (float(warp.temperature) == 0) == (temperature < 2.0**-126)
     tokens, probs = jax.jit(choose)(jax.random.key(4), logits, warp)
     expected = warped_distribution(np.asarray(logits), temperature, min_p=0.01)  # float64
@@ -87,8 +93,8 @@ def test_sample_generate_follows_the_warped_distribution(target, logits):
     exact = _distribution(logits, 0.8, **controls)
     assert (_distribution(logits, 0.8, top_k=6) > 0).sum() > (exact > 0).sum()  # top_p / min_p cut more
     tokens = np.array(sample_generate(target, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=0.8,
-                                      key=jax.random.key(4), prefill_chunk=WHOLE_BATCH,
-                                      **controls).tokens)  # [SAMPLES, 3]
+                                      key=jax.random.key(4), prefill_chunk=WHOLE_BATCH, stop_token_ids=(),
+                                      **controls).tokens)  # [SAMPLES, 3]: every sample, its eos draws included
     joint12 = np.zeros((V, V))
     np.add.at(joint12, (tokens[:, 0], tokens[:, 1]), 1)
     assert _chi2_z(joint12, SAMPLES * exact.sum(2)) < 4
@@ -101,6 +107,24 @@ def test_keys_seeds_and_greedy(target):
     three = run(seed=3)
     assert three == run(key=jax.random.key(3)) == run(key=jax.random.PRNGKey(3)) != run(seed=4)
     assert run(temperature=0.0) == greedy_generate(target, [PROMPT] * 4, max_new_tokens=5).tokens
+
+
+def test_one_sampling_value(target):
+    """`sampling=Sampling(...)` is the loose keywords as one value (temperature 1 unless given); both at once are
+    refused before anything runs; a cut at temperature 0 warns that greedy decoding ignores it."""
+    run = lambda **kw: sample_generate(target, [PROMPT] * 4, max_new_tokens=5, **kw).tokens  # noqa: E731
+    assert run(sampling=Sampling(0.7, top_k=5, seed=1)) == run(temperature=0.7, top_k=5, seed=1)
+    assert run(sampling=Sampling(key=jax.random.key(3))) == run(seed=3)
+    with pytest.raises(ValueError, match=r"speculative_generate: pass sampling= or the loose keywords \(top_p\)"):
+        speculative_generate(target, None, PROMPT, max_new_tokens=2, sampling=Sampling(), top_p=0.5)
+    with pytest.raises(TypeError, match="sampling is a dict; expected a dflash_jax.Sampling"):
+        sample_generate(target, PROMPT, max_new_tokens=2, sampling={"temperature": 0.5})
+    with pytest.warns(UserWarning, match="sample_generate: top_k=5, min_p=0.1 has no effect at temperature 0") as w:
+        greedy = run(temperature=0.0, top_k=5, min_p=0.1)  # the program of `test_keys_seeds_and_greedy`
+    assert greedy == greedy_generate(target, [PROMPT] * 4, max_new_tokens=5).tokens
+    assert w[0].filename == __file__  # attributed to the caller of the entry point
+    with pytest.warns(UserWarning, match="speculative_generate: top_p=0.9 has no effect"):
+        resolve_sampling("speculative_generate", Sampling(0.0, top_p=0.9), 0.0, 0.0, None, None, None, None, None)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

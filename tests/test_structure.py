@@ -14,7 +14,8 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 # model modules load checkpoints too (`from_pretrained`), so the loop sees targets only through the protocol.
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
            "dflash_jax.target", "dflash_jax.target.moe", "dflash_jax.target.delta_rule",
-           "dflash_jax.adaptive", "dflash_jax.sampling")
+           "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax.acceptance", "dflash_jax.draft_policy",
+           "dflash_jax.bookkeeping", "dflash_jax.plain", "dflash_jax._progress")
 # What drafters and targets share, and the targets' pure maths: they reach no I/O, no drafter config parsing (its
 # layouts, decoding and checks) and no kernel module; a quantized weight brings its own product
 # (`layers.QuantizedWeight`), so naming it needs no kernel either.
@@ -123,3 +124,32 @@ def test_target_families_stand_on_the_template_not_on_each_other():
     for module in MODEL_MATHS:
         bad = reach(graph, module) & {*IO, *DRAFTER_CONFIG}
         assert not bad, f"{module} reaches {sorted(bad)}"
+
+
+# The decode loop's modules: what a call learns is returned, or kept in a value its caller holds
+# (`adaptive.Calibration`), never in a module-level container.
+DECODE = ("dflash_jax.generate", "dflash_jax.plain", "dflash_jax.bookkeeping", "dflash_jax.draft_policy",
+          "dflash_jax.acceptance", "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax._progress")
+MUTABLE = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+MUTABLE_CALLS = {"dict", "list", "set", "count", "defaultdict", "OrderedDict", "deque", "Counter"}
+
+
+def test_the_decode_loop_keeps_no_module_global_registry():
+    """No decode module binds a dict, list, set or counter at module level (on 03f7534 generate held four, by which
+    a call's draft lengths depended on earlier calls). The one process-wide table, the progress callbacks' (a
+    host callback baked into the program would recompile per callback), is `_progress.CALLBACKS`: a locked,
+    bounded object of its own module, which says why."""
+    known = modules()
+    for module in DECODE:
+        with open(known[module]) as f:
+            tree = ast.parse(f.read(), known[module])
+        for node in tree.body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+                continue
+            names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Name)]
+            value = node.value
+            called = value.func if isinstance(value, ast.Call) else None
+            name = getattr(called, "attr", None) or getattr(called, "id", None)
+            assert names == ["__all__"] or not (isinstance(value, MUTABLE) or name in MUTABLE_CALLS), (
+                f"{module} line {node.lineno}: {names} is module-level mutable state")

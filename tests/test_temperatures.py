@@ -75,8 +75,9 @@ def test_every_temperature_samples_as_the_target(target, logits, drafter, expone
     temperature = 10.0**exponent
     greedy, margin = _greedy_path(logits)
     result = speculative_generate(target, drafter, [PROMPT] * SAMPLES, max_new_tokens=3, temperature=temperature,
-                                  key=jax.random.key(1), prefill_chunk=SAMPLES * PROMPT_BUCKET, draft_length="fixed")
-    tokens = np.array(result.tokens)  # [SAMPLES, 3]
+                                  key=jax.random.key(1), prefill_chunk=SAMPLES * PROMPT_BUCKET, draft_length="fixed",
+                                  stop_token_ids=())
+    tokens = np.array(result.tokens)  # [SAMPLES, 3]: every sample, its eos draws included
     if margin / temperature > CERTAIN:
         assert (tokens == greedy).all(), (temperature, margin, tokens[(tokens != greedy).any(1)][:4])
         return

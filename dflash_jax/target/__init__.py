@@ -124,6 +124,8 @@ class Target(Protocol):
       tokens at a time. With a `FeatureMap` `project`, the features returned are its map of them, applied to
       each step's rows (a prefill without the keyword returns them whole; the loop maps them after).
     - `max_positions`: the longest sequence it runs (`max_position_embeddings`), or None for no limit.
+    - optionally `eos_token_ids`: the ids generation stops after unless the call says otherwise (a target
+      without it stops only at the call's `stop_token_ids`).
     """
 
     @property
@@ -188,6 +190,12 @@ class HFTarget:
     @property
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops after by default: the checkpoint's generation_config.json `eos_token_id`, else
+        config.json's (read at load), as a tuple."""
+        return self.config.eos_token_ids
 
     @property
     def embed(self) -> jax.Array:

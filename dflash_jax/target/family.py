@@ -32,9 +32,10 @@ from typing import Any, ClassVar, Self, Unpack
 
 import jax
 import jax.numpy as jnp
+import msgspec
 
 from .._arguments import check_load_arguments, check_mesh
-from .._config_file import read_config_json
+from .._config_file import generation_eos, read_config_json
 from ..hub import HubOptions, resolve
 from ..loader import check_and_place
 from ..plan import TensorPlan, build_tree, check_tensors
@@ -175,6 +176,9 @@ class Family(HFTarget):
         if is_drafter_config(raw):  # else refused as a config of another model_type, which says less
             raise not_a_target(file, raw, list(cls.ARCHITECTURES))
         config = cls.parse(raw, file)
+        eos = generation_eos(path)  # what transformers stops at, before config.json's
+        if eos is not None:
+            config = msgspec.structs.replace(config, eos_token_id=eos)
         layout = None if mesh is None else cls.layout_for(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
             prefix = cls.prefix(stored)
