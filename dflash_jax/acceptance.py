@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from .drafting import Proposal
 from .sampling import Warp
 
+__all__ = ["accept", "in_vocabulary"]
+
 
 def in_vocabulary(drafts: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
     """`(drafts with ids outside [0, vocab_size) replaced by 0, which drafts were inside)`, both `[batch, K]`.

@@ -21,6 +21,8 @@ from .adaptive import StepCosts
 from .drafter import Drafter
 from .target import Target
 
+__all__ = ["GenerationResult", "PROMPT_BUCKET", "CACHE_BUCKET", "BUDGET_BUCKET"]
+
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this, so prompt lengths share compilations
 CACHE_BUCKET = 128  # cache capacities are rounded up to a multiple of this
 BUDGET_BUCKET = 64  # output buffers hold a multiple of this many tokens: budgets within one share compilations

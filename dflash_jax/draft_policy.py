@@ -29,6 +29,8 @@ from .drafting import Proposal
 from .model import AttentionOptions
 from .target import Target
 
+__all__ = ["resolve_draft_length", "calibrate", "Policy", "Settings"]
+
 DraftLength = int | Literal["adaptive", "fixed"] | Adaptive
 DRAFT_LENGTH: Literal["adaptive", "fixed"] = "adaptive"  # the default draft_length at temperature 0
 

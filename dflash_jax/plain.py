@@ -33,6 +33,8 @@ from .errors import IncompatiblePairError
 from .sampling import Sampling, Warp, choose, resolve_sampling
 from .target import PREFILL_CHUNK, Target
 
+__all__ = ["greedy_generate", "sample_generate"]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
