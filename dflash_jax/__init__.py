@@ -25,10 +25,13 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from ._version import VERSION as __version__
+
 if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): `dflash-jax --help` needs no JAX
     from .adaptive import Adaptive, Calibration, StepCosts
     from .compile_cache import enable_compile_cache
     from .config import DflashConfig, parse_config
+    from .cost_store import CostStore
     from .drafter import Drafter, draft_to_target_ids
     from .drafting import ContextCache, Proposal, append_context, init_cache, propose, sample_drafts
     from .errors import CheckpointError, ConfigError, IncompatiblePairError
@@ -43,7 +46,6 @@ if TYPE_CHECKING:  # the names below are imported on first use (`__getattr__`): 
     from .target.loading import load_target
     from .target.qwen3_5 import Qwen3_5Target
 
-__version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -52,7 +54,7 @@ _EXPORTS = {
     "ContextCache": "drafting", "Proposal": "drafting", "append_context": "drafting", "init_cache": "drafting",
     "propose": "drafting", "sample_drafts": "drafting",
     "CheckpointError": "errors", "ConfigError": "errors", "IncompatiblePairError": "errors",
-    "Adaptive": "adaptive", "Calibration": "adaptive", "StepCosts": "adaptive",
+    "Adaptive": "adaptive", "Calibration": "adaptive", "StepCosts": "adaptive", "CostStore": "cost_store",
     "GenerationResult": "generate", "greedy_generate": "generate",
     "sample_generate": "generate", "speculative_generate": "generate",
     "DrafterModule": "linen",
@@ -91,6 +93,7 @@ __all__ = [
     "Adaptive",
     "AttentionOptions",
     "Calibration",
+    "CostStore",
     "CheckpointError",
     "ConfigError",
     "ContextCache",

@@ -71,6 +71,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,14 @@ class Measurement:
     seconds: dict[tuple[int, int], list[float]] = dataclasses.field(default_factory=dict)
 
 
+class CostKeeper(Protocol):
+    """Where a `Calibration` keeps costs beyond its process (`cost_store.CostStore`): by setup key."""
+
+    def get(self, setup: Hashable) -> StepCosts | None: ...
+
+    def put(self, setup: Hashable, costs: StepCosts) -> None: ...
+
+
 @dataclasses.dataclass(eq=False)
 class Calibration:
     """Where an `Adaptive` policy keeps the step costs it measured, by setup (`measured`: what a step's cost depends
@@ -169,6 +178,7 @@ class Calibration:
     clock: Callable[[], float] = time.perf_counter
     measured: dict[Hashable, StepCosts] = dataclasses.field(default_factory=dict)
     unfinished: dict[Hashable, Measurement] = dataclasses.field(default_factory=dict)
+    store: CostKeeper | None = None  # costs kept for the next process (`cost_store.CostStore`); None: this one only
 
     def __post_init__(self):
         for name in ("steps", "repeats"):
@@ -179,9 +189,28 @@ class Calibration:
             raise TypeError(f"Calibration.clock must be a function returning seconds, got {self.clock!r}")
 
     def reset(self) -> None:
-        """Forget every measured cost and unfinished measurement: the next call measures anew."""
+        """Forget every measured cost and unfinished measurement: the next call measures anew (or reads `store`,
+        which `store.clear()` empties)."""
         self.measured.clear()
         self.unfinished.clear()
+
+    def known(self, setup: Hashable, lengths: tuple[int, ...], batch: int, device: str) -> StepCosts | None:
+        """The costs of `setup`: measured in this process, else read from `store` (a record for other lengths, batch
+        or device is not used)."""
+        costs = self.measured.get(setup)
+        if costs is None and self.store is not None:
+            costs = self.store.get(setup)
+            if costs is not None and (costs.draft_lengths, costs.batch, costs.device) != (lengths, batch, device):
+                return None
+            if costs is not None:
+                self.measured[setup] = costs
+        return costs
+
+    def keep(self, setup: Hashable, costs: StepCosts) -> None:
+        """Remember the costs measured for `setup`, in `store` too."""
+        self.measured[setup] = costs
+        if self.store is not None:
+            self.store.put(setup, costs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -188,5 +188,5 @@ def calibrate(run: Callable[[S, jax.Array, jax.Array, jax.Array], S], state: S, 
         warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
                       f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
         return state, None
-    calibration.measured[setup] = costs
+    calibration.keep(setup, costs)
     return state, costs

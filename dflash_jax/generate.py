@@ -403,7 +403,7 @@ def speculative_generate(
     if costs is not None:
         costs.check_fits("speculative_generate", policy.lengths, batch, device)
     elif adaptive is not None:
-        costs = adaptive.calibration.measured.get(setup)
+        costs = adaptive.calibration.known(setup, policy.lengths, batch, device)
     seconds = jnp.asarray(costs.seconds if costs is not None else [1.0] * len(policy.lengths), jnp.float32)
 
     start = time.perf_counter()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import Adaptive, Calibration, StepCosts, greedy_generate, speculative_generate
+from dflash_jax import Adaptive, Calibration, CostStore, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
 from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap, weights
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
@@ -374,3 +374,21 @@ def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
     # sequence 0 sets the batch's end: one step per token either way, fewer of them (dearer) verifies
     steps = [len(r.acceptance_lengths[0]) + r.plain_tokens[0] for r in (weighted, summed)]
     assert steps == [31, 31] and len(weighted.acceptance_lengths[0]) < len(summed.acceptance_lengths[0])
+
+
+def test_costs_kept_in_a_store_spare_the_next_process_its_measurement(models, tmp_path):
+    """A run that finishes its measurement keeps the costs in a `CostStore`; a new policy reading that store (as the
+    next process would) decodes with them from its first step: its clock is never read, and the tokens are greedy's."""
+    target, drafter = models
+    prompts = [[5, 17, 99], [4]]
+    first = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
+        draft_lengths=(0, 7), calibration=Calibration(steps=1, repeats=1, store=CostStore(tmp_path))))
+    assert first.step_costs is not None and len(list(tmp_path.glob("*.json"))) == 1
+
+    def unread() -> float:
+        raise AssertionError("measured again: the stored costs were not used")
+
+    policy = Adaptive(draft_lengths=(0, 7), calibration=Calibration(clock=unread, store=CostStore(tmp_path)))
+    second = speculative_generate(target, drafter, prompts, max_new_tokens=12, draft_length=policy)
+    assert second.step_costs == first.step_costs
+    assert second.tokens == greedy_generate(target, prompts, max_new_tokens=12).tokens
