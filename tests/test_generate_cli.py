@@ -27,9 +27,12 @@ def checkpoints(tmp_path_factory):
 
 
 def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
+    """At the fixed draft length, the program `test_generate_takes_hub_ids` runs too (the CLI under the default
+    adaptive policy: docs/cli.md's `dflash-jax generate` command in tests/test_docs.py, and across processes in
+    tests/test_multihost.py; the flag reaching `speculative_generate`: `test_generate_passes_the_draft_length`)."""
     target_dir, drafter_dir = checkpoints
     code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32", "--draft-length", "adaptive"])
+                 "--dtype", "float32", "--draft-length", "fixed"])
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
