@@ -57,11 +57,14 @@ def test_generate_verb_at_a_tiny_temperature_prints_the_greedy_continuation(chec
 
 
 def test_progress_callback_sees_every_step(checkpoints):
+    """At the fixed draft length: the steps the default adaptive policy takes too (12 tokens are too few to measure
+    step costs), in a decode program of one length's branch, not three."""
     target_dir, drafter_dir = checkpoints
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     drafter = load_drafter(drafter_dir, dtype=jnp.float32)
     seen: list[np.ndarray] = []
-    result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append)
+    result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append,
+                                  draft_length="fixed")
     steps = max(len(verifies) + plain for verifies, plain in zip(result.acceptance_lengths, result.plain_tokens))
     assert len(seen) == steps  # verify steps and plain steps (one token each)
     counts = np.stack(seen)  # [steps, batch]: tokens made so far
@@ -70,7 +73,8 @@ def test_progress_callback_sees_every_step(checkpoints):
     # Another budget of the same bucket and another callback run the programs already compiled.
     programs = generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()
     other: list[np.ndarray] = []
-    shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append)
+    shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append,
+                                   draft_length="fixed")
     assert (generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()) == programs
     assert [len(t) for t in shorter.tokens] == [7, 7] and shorter.tokens == [t[:7] for t in result.tokens]
     assert other and len(seen) == steps  # the old one not called
