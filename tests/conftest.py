@@ -1,8 +1,9 @@
 """Test set-up: 8 simulated CPU devices (so replication over a mesh is exercised on any machine), strict dtype
-promotion (an implicit promotion in the package is a bug: casts are written out), cheap CPU compilation, a
-private executable cache."""
+promotion (an implicit promotion in the package is a bug: casts are written out), cheap CPU compilation, rarer
+garbage collections, a private executable cache."""
 
 import atexit
+import gc
 import importlib.util
 import os
 import shutil
@@ -24,6 +25,10 @@ import pytest  # noqa: E402
 # Before any backend is initialised. JAX's own option, not XLA_FLAGS, so subprocesses keep their one device.
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Tracing and lowering allocate millions of objects, and at Python's default thresholds (700, 10, 10) the collector
+# ran about 1200 times over test_golden and test_nemotron_h, walking the ever larger heap of compiled programs: those
+# two modules ran 9% faster with these (12 collections, the same peak memory). Cycles are freed all the same.
+gc.set_threshold(50_000, 20, 20)
 # compiled conversions go to a cache of this run, not the user's (tests that need their own set it themselves)
 os.environ["DFLASH_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="dflash_jax-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_JAX_CACHE_DIR"], ignore_errors=True)

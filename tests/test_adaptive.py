@@ -316,9 +316,8 @@ def test_a_key_reproduces_its_sampled_tokens_by_default():
 
     default, fixed = run(), run(draft_length="fixed")
     assert default.tokens == fixed.tokens and default.plain_tokens == [0] and default.step_costs is None
-    lengths = Adaptive().lengths(drafter.config.num_draft_tokens)
-    cheap_plain = StepCosts(lengths, (0.1, 1.0, 1.0, 1.0)[:len(lengths)], 1, "cpu")
-    adapted = run(draft_length=Adaptive(costs=cheap_plain))
+    K = drafter.config.num_draft_tokens  # two lengths, plain steps and every draft: a branch less to compile
+    adapted = run(draft_length=Adaptive(draft_lengths=(0, K), costs=StepCosts((0, K), (0.1, 1.0), 1, "cpu")))
     assert adapted.plain_tokens[0] > 0
 
 

@@ -121,9 +121,10 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert result.tokens == expected
     assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
     assert result.mean_acceptance_length == K + 1
-    # Verifying 7 drafts costs 100 plain steps here: after the first step (every draft: nothing is known yet) the
-    # policy verifies 3 of them, all accepted, every step.
-    three = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.0, 100.0), batch=len(PROMPTS), device="cpu"))
+    # Verifying 7 drafts costs 100 times as much as verifying 3 here: after the first step (every draft: nothing is
+    # known yet) the policy verifies 3 of them, all accepted, every step. (No plain steps among its lengths: a branch
+    # less to compile.)
+    three = Adaptive(draft_lengths=(3, 7), costs=StepCosts((3, 7), (1.0, 100.0), batch=len(PROMPTS), device="cpu"))
     result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=three)
     assert result.tokens == expected
     assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
@@ -306,9 +307,11 @@ def long_greedy(target):
 def test_long_prompts_are_lossless(tmp_path_factory, target, long_greedy, preset, attention):
     """Prompts several times the drafter's window and the prefill chunk (target prefill and the drafter's first
     append both in chunks of 32): exactly the target's greedy tokens, for every family; the DFlash run also
-    bounds its full layers with the opt-in draft window, which changes drafts, never the greedy output."""
+    bounds its full layers with the opt-in draft window, which changes drafts, never the greedy output. At the
+    fixed draft length: the steps the default adaptive policy takes too (12 tokens are too few to measure step costs,
+    so it decodes at the fixed length), in a decode program a third the size (one length's branch, not three)."""
     result = speculative_generate(target, _drafter(tmp_path_factory, preset), LONG_PROMPTS, max_new_tokens=12,
-                                  prefill_chunk=32, attention=attention)
+                                  prefill_chunk=32, attention=attention, draft_length="fixed")
     assert result.tokens == long_greedy.tokens
 
 

@@ -27,9 +27,12 @@ def checkpoints(tmp_path_factory):
 
 
 def test_generate_verb_prints_the_greedy_continuation(checkpoints, capsys):
+    """At the fixed draft length, the program `test_generate_takes_hub_ids` runs too (the CLI under the default
+    adaptive policy: docs/cli.md's `dflash-jax generate` command in tests/test_docs.py, and across processes in
+    tests/test_multihost.py; the flag reaching `speculative_generate`: `test_generate_passes_the_draft_length`)."""
     target_dir, drafter_dir = checkpoints
     code = main(["generate", target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                 "--dtype", "float32", "--draft-length", "adaptive"])
+                 "--dtype", "float32", "--draft-length", "fixed"])
     out, err = capsys.readouterr()
     assert code == 0
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
@@ -54,11 +57,14 @@ def test_generate_verb_at_a_tiny_temperature_prints_the_greedy_continuation(chec
 
 
 def test_progress_callback_sees_every_step(checkpoints):
+    """At the fixed draft length: the steps the default adaptive policy takes too (12 tokens are too few to measure
+    step costs), in a decode program of one length's branch, not three."""
     target_dir, drafter_dir = checkpoints
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     drafter = load_drafter(drafter_dir, dtype=jnp.float32)
     seen: list[np.ndarray] = []
-    result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append)
+    result = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=12, progress=seen.append,
+                                  draft_length="fixed")
     steps = max(len(verifies) + plain for verifies, plain in zip(result.acceptance_lengths, result.plain_tokens))
     assert len(seen) == steps  # verify steps and plain steps (one token each)
     counts = np.stack(seen)  # [steps, batch]: tokens made so far
@@ -67,7 +73,8 @@ def test_progress_callback_sees_every_step(checkpoints):
     # Another budget of the same bucket and another callback run the programs already compiled.
     programs = generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()
     other: list[np.ndarray] = []
-    shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append)
+    shorter = speculative_generate(target, drafter, [[5, 17, 99], [4]], max_new_tokens=7, progress=other.append,
+                                   draft_length="fixed")
     assert (generate_module._spec_prefill._cache_size(), generate_module._spec_decode._cache_size()) == programs
     assert [len(t) for t in shorter.tokens] == [7, 7] and shorter.tokens == [t[:7] for t in result.tokens]
     assert other and len(seen) == steps  # the old one not called

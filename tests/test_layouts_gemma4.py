@@ -136,9 +136,10 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, quick_calibrat
     """A Gemma 4 drafter whose Markov head walks a tiny target's successor map (`successor_drafter`: a bias of 100,
     above the backbone's logits, which the softcap bounds to 30) in the speculative loop: the tokens are the
     target's greedy ones, whole blocks of all B = 7 drafting rows accepted where the adaptive policy verifies them
-    all (its first steps measure shorter verifies and plain steps, in calls of 1 and 2 steps here so that 64 tokens
-    hold them; a plain step appends context rows alone: that path read `v_proj`, which a K = V drafter lacks,
-    until it took the variant's keys and values). The target is
+    all (its lengths: plain steps or all 7 drafts, a branch less to compile than the default three; its first steps
+    measure both, in calls of 1 and 2 steps here so that 64 tokens hold them; a plain step appends context rows
+    alone: that path read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The
+    target is
     `successor_target` with its layers' outputs scaled to 0, so that its greedy continuation is the successor walk
     itself (logit margin 10 over N(0, 1.25^2) others)."""
     write_checkpoint(tmp_path, {**copy.deepcopy(GEMMA4), "markov_rank": 128}, seed=1, own_embeddings=True)
@@ -151,7 +152,7 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, quick_calibrat
         while len(walks[-1]) < 64:
             walks[-1].append(int(successor[walks[-1][-1]]))
     result = speculative_generate(target, drafter, prompts, max_new_tokens=64, stop_token_ids=(),  # the walk passes eos
-                                  draft_length=Adaptive(calibration=quick_calibration))
+                                  draft_length=Adaptive(draft_lengths=(0, 7), calibration=quick_calibration))
     assert result.tokens == walks
     assert drafter.config.num_draft_tokens == 7 and all(8 in steps for steps in result.acceptance_lengths)
     assert all(plain > 0 for plain in result.plain_tokens)  # the plain step ran

@@ -100,12 +100,13 @@ def test_two_process_load(checkpoints, one_target, greedy_tokens):
 def test_generate_across_two_processes(checkpoints, greedy_tokens):
     """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
     four, process 0 prints the target's greedy tokens, process 1 prints nothing (on stdout: Gloo's connection lines go
-    to stderr). Greedy, so the adaptive policy is on; 6 tokens are too few to time a call of steps, so both run the
-    fixed length (the step costs measured across processes: `test_two_process_load`). The prompt is PROMPTS[0], so
-    that the target's own tokens are those of `greedy_tokens` (no greedy program of a batch of one to compile)."""
+    to stderr). `--draft-length fixed`: the steps the default adaptive policy would take too (6 tokens are too few to
+    time a call of steps), in a decode program of one length's branch, not three (the adaptive policy and its step
+    costs measured across processes: `test_two_process_load`). The prompt is PROMPTS[0], so that the target's own
+    tokens are those of `greedy_tokens` (no greedy program of a batch of one to compile)."""
     drafter, target = checkpoints
     flags = ["--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "6", "--dtype", "float32",
-             "--stop-token-ids", "127"]
+             "--stop-token-ids", "127", "--draft-length", "fixed"]
     # two devices per process; compiled programs not cached (a test leaves nothing behind)
     env = {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": "",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
@@ -161,18 +162,18 @@ def test_bad_coordinator_is_refused_before_anything_starts(address):
 
 
 def test_unreachable_coordinator_is_an_error_within_the_timeout():
-    """Process 1 with nothing listening at the coordinator's address gives up after --coordinator-timeout with
-    one error line (JAX alone would abort the process with a C++ stack after its own 300 s)."""
+    """Process 1 with nothing listening at the coordinator's address gives up after --coordinator-timeout (1 s)
+    with one error line (JAX alone would abort the process with a C++ stack after its own 300 s)."""
     address = f"127.0.0.1:{free_port()}"  # a loopback port nothing listens on
     start = time.monotonic()
     [(status, out, err)] = launch([[sys.executable, "-m", "dflash_jax", "generate", "t", "d", "--prompt-ids", "1",
                                     "--coordinator", address, "--num-processes", "2", "--process-id", "1",
-                                    "--coordinator-timeout", "3"]], CPU_ENV, timeout=30)
+                                    "--coordinator-timeout", "1"]], CPU_ENV, timeout=30)
     elapsed = time.monotonic() - start
     [line] = error_lines(err)
     assert status == 2 and out == "" and elapsed < 15, (status, elapsed, err)
-    assert line.startswith(f"error: --coordinator {address}: no coordinator answered within 3 s"), line
-    assert f"process 1: waiting up to 3 s for the coordinator (process 0) at {address}" in err, err  # said first
+    assert line.startswith(f"error: --coordinator {address}: no coordinator answered within 1 s"), line
+    assert f"process 1: waiting up to 1 s for the coordinator (process 0) at {address}" in err, err  # said first
 
 
 @pytest.fixture(scope="module")
