@@ -137,6 +137,10 @@ class StepCosts:
         object.__setattr__(self, "draft_lengths", tuple(self.draft_lengths))
         object.__setattr__(self, "seconds", tuple(float(t) for t in self.seconds))
 
+    def fits(self, lengths: tuple[int, ...], batch: int, device: str) -> bool:
+        """Whether these costs were taken for `lengths`, `batch` and `device`."""
+        return (self.draft_lengths, self.batch, self.device) == (lengths, batch, device)
+
     def check_fits(self, where: str, lengths: tuple[int, ...], batch: int, device: str) -> None:
         """Refuse (ValueError) costs taken for other draft lengths, another batch size or another device."""
         for field, have, want in (("draft_lengths", self.draft_lengths, lengths), ("batch", self.batch, batch),
@@ -199,11 +203,9 @@ class Calibration:
         or device is not used)."""
         costs = self.measured.get(setup)
         if costs is None and self.store is not None:
-            costs = self.store.get(setup)
-            if costs is not None and (costs.draft_lengths, costs.batch, costs.device) != (lengths, batch, device):
-                return None
-            if costs is not None:
-                self.measured[setup] = costs
+            stored = self.store.get(setup)
+            if stored is not None and stored.fits(lengths, batch, device):
+                costs = self.measured[setup] = stored
         return costs
 
     def keep(self, setup: Hashable, costs: StepCosts) -> None:

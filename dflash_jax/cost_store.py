@@ -33,13 +33,6 @@ __all__ = ["CostStore"]
 SUBDIRECTORY = os.path.join("dflash_jax", "step_costs")
 
 
-class _Record(msgspec.Struct, forbid_unknown_fields=True):
-    draft_lengths: tuple[int, ...]
-    seconds: tuple[float, ...]
-    batch: int
-    device: str
-
-
 @dataclasses.dataclass(frozen=True)
 class CostStore:
     """Step costs by setup in `directory` (default `$XDG_STATE_HOME/dflash_jax/step_costs`, else
@@ -75,10 +68,9 @@ class CostStore:
             if not stat.S_ISREG(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o022:
                 return None
             data = f.read(1 << 16)
-        try:
-            record = msgspec.json.decode(data, type=_Record)
-            return StepCosts(record.draft_lengths, record.seconds, record.batch, record.device)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError):
+        try:  # `StepCosts`' own checks run in the decode (a failed one is a ValidationError)
+            return msgspec.json.decode(data, type=StepCosts)
+        except (msgspec.ValidationError, msgspec.DecodeError):
             return None
 
     def put(self, setup: Hashable, costs: StepCosts) -> None:
@@ -86,12 +78,11 @@ class CostStore:
         home = self._home()
         if home is None:
             return
-        record = _Record(costs.draft_lengths, costs.seconds, costs.batch, costs.device)
         path = home / self._name(setup)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.encode(record))
+            f.write(msgspec.json.encode(costs))
         os.replace(temporary, path)
 
     def clear(self) -> None:

@@ -22,7 +22,6 @@ __all__ = ["QuantizedWeight", "Params", "Around", "dot", "is_quantized", "linear
            "queries", "keys_values", "swiglu", "decoder_layer", "static_fp8_input"]
 
 Params = dict[str, Any]
-FP8_MAX = 448.0  # the largest finite E4M3 value
 # A wrapper around a sublayer (`decoder_layer`'s `around`): `(layer params, name, x, run) -> run's output`, where
 # `run(x) -> (y, aux)` is the sublayer itself.
 Around = Callable[[Params, str, jax.Array, Callable[[jax.Array], tuple[jax.Array, Any]]], tuple[jax.Array, Any]]
@@ -96,7 +95,8 @@ def static_fp8_input(x: jax.Array, p: Params) -> jax.Array:
     if "input_scale" not in p:
         return x
     s = p["input_scale"].astype(jnp.float32)
-    codes = jnp.clip(x.astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    largest = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+    codes = jnp.clip(x.astype(jnp.float32) / s, -largest, largest).astype(jnp.float8_e4m3fn)
     return (codes.astype(jnp.float32) * s).astype(x.dtype)
 
 

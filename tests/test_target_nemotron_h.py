@@ -24,6 +24,7 @@ from dflash_jax.target.nemotron_h_target import NemotronHTarget
 from dflash_jax.testing import successor_nemotron_h, write_checkpoint, write_nemotron_h_checkpoint
 
 from ._io import load_file, rewrite_tensors
+from .test_nvfp4 import E2M1
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "nemotron_h")
 
@@ -162,9 +163,6 @@ def _values(jaxpr):
 
 # --- the ModelOpt mixed-precision export (the released NVFP4 target's layout) ---------------------------------
 
-_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
-
-
 def _numpy_dequantized(tensors: dict) -> dict:
     """The float weights a mixed checkpoint stores, dequantized in NumPy from the format's definition: FP8
     `e4m3 * weight_scale`; NVFP4 two E2M1 codes a byte (low nibble first), each 16 times `weight_scale (E4M3) *
@@ -177,7 +175,7 @@ def _numpy_dequantized(tensors: dict) -> dict:
         if value.dtype == np.uint8:
             codes = np.stack([value & 0xF, value >> 4], axis=-1).reshape(*value.shape[:-1], -1)  # [out, K]
             scale = tensors[stem + ".weight_scale"].astype(np.float32) * tensors[stem + ".weight_scale_2"]
-            value = (_E2M1[codes].reshape(*codes.shape[:-1], -1, 16) * scale[..., None]).reshape(codes.shape)
+            value = (E2M1[codes].reshape(*codes.shape[:-1], -1, 16) * scale[..., None]).reshape(codes.shape)
         elif str(value.dtype) == "float8_e4m3fn":
             value = value.astype(np.float32) * tensors[stem + ".weight_scale"]
         out[name] = value.astype(np.float32)
