@@ -94,8 +94,11 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--devices", type=positive_int, default=None,
                    help="replicate over the first N local devices (default: all)")
     v.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    v.add_argument("--weights", default="dequantized", choices=["dequantized", "packed"],
-                   help="NVFP4 / FP8 linear weights dequantized to --dtype (default) or kept packed")
+    v.add_argument("--weights", default="auto", choices=["auto", "dequantized", "packed", "fp8"],
+                   help="the form of NVFP4 / FP8 linear weights: dequantized to --dtype, kept packed, NVFP4 codes "
+                        "as FP8 bytes, or auto (default): the device's fastest for --batch")
+    v.add_argument("--batch", type=positive_int, default=None,
+                   help="sequences a step, for --weights auto (default 1)")
     hub_options(v)
     v.set_defaults(run=load)
 
@@ -317,6 +320,8 @@ def inspect(args: argparse.Namespace) -> int:
         "embedding": "own (embed_tokens)" if "embed_tokens" in own else "the target's",
         "lm_head": "own" if "lm_head" in own else "the target's",
     }
+    if packed:
+        resolved["weights_auto"] = auto_forms()
     problems = [message for _, message in missing + malformed]
     if args.json:
         print(json.dumps({
@@ -328,7 +333,7 @@ def inspect(args: argparse.Namespace) -> int:
         return 1 if problems else 0
     c = config
     print(shown(f"{args.path}: {c.family} drafter" + (f" ({path})" if path != args.path else "")
-                + (f", NVFP4: {len(packed)} packed linear weights, dequantized on load" if packed else "")))
+                + (f", NVFP4: {len(packed)} packed linear weights" if packed else "")))
     rows = {**resolved, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
             "heads (q/kv x dim)": f"{c.num_attention_heads}/{c.num_key_value_heads} x {c.head_dim}",
             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
@@ -338,6 +343,18 @@ def inspect(args: argparse.Namespace) -> int:
     print_tensors(tensors, files, problems)
     print(shown(f"  unexpected: {len(extra)}" + "".join(f"\n    {n}" for n in extra)))
     return 1 if problems else 0
+
+
+def auto_forms() -> str:
+    """The forms `load_drafter(weights="auto")` places quantized weights in on this process's devices (bfloat16),
+    by batch, and whose rules they are: `inspect`'s `weights_auto`."""
+    import jax.numpy as jnp
+
+    from .placement import auto_rules, describe_rules
+    from .platform import process_platform
+
+    rules, whose = auto_rules(process_platform(), jnp.bfloat16)
+    return f"{describe_rules(rules)} ({whose})"
 
 
 def inspect_target(args: argparse.Namespace, path: str, file: str, raw: dict[str, Any]) -> int:
@@ -398,7 +415,8 @@ def load(args: argparse.Namespace) -> int:
     with Checkpoint(path) as ckpt:
         nbytes = sum(ckpt[n].nbytes for n in ckpt)
     start = time.perf_counter()
-    drafter = load_drafter(path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None, weights=args.weights)
+    drafter = load_drafter(path, mesh=mesh, dtype=jnp.dtype(args.dtype), progress=None, weights=args.weights,
+                           batch=args.batch)
     jax.block_until_ready(drafter.params)
     seconds = time.perf_counter() - start
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -406,7 +424,8 @@ def load(args: argparse.Namespace) -> int:
     print(shown(f"{args.path}: {drafter.config.family}, {len(leaves)} tensors, {nbytes / 1e6:.1f} MB on disk"))
     print(f"loaded onto {len(devices)} x {devices[0].platform} in {seconds:.3f} s "
           f"({nbytes / seconds / 1e9:.2f} GB/s), peak host RSS {peak_mb:.0f} MB, "
-          f"{drafter.param_bytes / 1e6:.1f} MB of parameters per device")
+          f"{drafter.param_bytes / 1e6:.1f} MB of parameters per device"
+          + (f", weights {drafter.weights}" if drafter.weights else ""))
     return 0
 
 

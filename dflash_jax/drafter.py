@@ -23,7 +23,9 @@ __all__ = ["Drafter", "draft_to_target_ids"]
 @dataclasses.dataclass(frozen=True)
 class Drafter:
     """A loaded drafter: `config` (static), `params` (docs/design.md tree) and the target's attached
-    `embed` / `lm_head` ([V, H], HF layout) when the drafter does not ship its own.
+    `embed` / `lm_head` ([V, H], HF layout) when the drafter does not ship its own; `weights` (static): the form
+    `load_drafter` placed quantized weights in ("packed", "fp8", "dequantized"; "packed (auto, batch 1)" where
+    `weights="auto"` chose it), None where there were none or the drafter was not loaded.
 
     A pytree: pass it whole through `jax.jit`; the config is static metadata.
     """
@@ -33,13 +35,15 @@ class Drafter:
     lm_head: jax.Array | None = None
     # Always given (a default only because it follows defaulted fields; None is no usable config).
     config: DflashConfig = dataclasses.field(default=cast(DflashConfig, None), metadata=dict(static=True))
+    weights: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def __repr__(self) -> str:
         c = self.config
         attached = [name for name, x in (("embed", self.embed), ("lm_head", self.lm_head)) if x is not None]
         return summary("Drafter", [c.family, f"{c.num_hidden_layers} layers", f"hidden {c.hidden_size}",
                                    f"block {c.effective_block_size}", f"vocab {c.vocab_size}"]
-                       + ([f"target's {' and '.join(attached)} attached"] if attached else []), self)
+                       + ([f"target's {' and '.join(attached)} attached"] if attached else [])
+                       + ([f"weights {self.weights}"] if self.weights else []), self)
 
     def attach(self, *, embed: jax.Array | None = None, lm_head: jax.Array | None = None) -> Drafter:
         """Return a drafter that uses the target's embedding `[vocab_size, H]` / LM head `[draft vocabulary, H]`

@@ -27,7 +27,8 @@ from .config import DflashConfig, parse_config
 from .drafter import Drafter
 from .errors import ConfigError
 from .hub import HubOptions, resolve
-from .placement import WEIGHTS, place_all
+from .placement import WEIGHTS, auto_rules, auto_weights, place_all, target_sharding
+from .platform import platform_of
 from .plan import TensorPlan, build_tree, open_checked, warn_unexpected
 from .safetensors import Checkpoint
 from .spec import OWN_EMBED, OWN_HEAD
@@ -53,7 +54,8 @@ def load_drafter(
     mesh: jax.sharding.Mesh | None = None,
     dtype: jnp.dtype = jnp.bfloat16,
     progress: bool | None = None,
-    weights: str = "dequantized",
+    weights: str = "auto",
+    batch: int | None = None,
     embeddings: Literal["own", "target"] = "own",
     **hub: Unpack[HubOptions],
 ) -> Drafter:
@@ -61,10 +63,14 @@ def load_drafter(
     `revision`, `cache_dir`, `local_files_only`, `token` as transformers spells them, `dflash_jax.hub`; only
     what a load reads is downloaded).
 
-    Every floating leaf is cast to `dtype` (NVFP4 tensors are dequantized to it on the device); `d2t`
-    stays integer (int32). `weights="packed"` keeps NVFP4 and FP8 linear weights as stored instead, as
-    `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype` (docs/nvfp4.md "Packed weights and FP8 drafters"); a
-    checkpoint without quantized weights then loads as it is, said in one info line. With `mesh`, each leaf is
+    Every floating leaf is cast to `dtype`; `d2t` stays integer (int32). NVFP4 and FP8 linear weights are placed
+    in the form `weights` names (docs/nvfp4.md "Weight forms"): "dequantized" (to `dtype`, on the device),
+    "packed" (as stored: `nvfp4.Packed` / `fp8.Fp8` leaves computed in `dtype`), "fp8" (NVFP4 codes one E4M3
+    byte each beside their scales, `nvfp4.Fp8Codes`; FP8 weights as `fp8.Fp8`), or "auto" (the default): the
+    form the device's tuning entry measured fastest for `batch` sequences a step (default 1; `placement.auto_rules`:
+    "dequantized" off a measured GPU or for a dtype other than bfloat16). The form placed is stated in the load's
+    log line and in the drafter's repr (`Drafter.weights`). A checkpoint without quantized weights loads as it is
+    (with "packed" or "fp8", said in one info line). With `mesh`, each leaf is
     replicated over it (`NamedSharding(mesh, P())`); without, it lands on the default device. Under a
     multi-process runtime each process reads and places only its own devices' copies. `progress`: a progress
     bar (None: only on a terminal). `embeddings`: a checkpoint that ships its own `embed_tokens` / `lm_head`
@@ -73,13 +79,21 @@ def load_drafter(
     docs/loading.md "Which embedding").
 
     Raises `ValueError` naming the argument for a `dtype` that is not bfloat16, float16 or float32 (float64
-    with x64 enabled), a `weights` that is not "dequantized" or "packed", or a `mesh` that is not a non-empty
-    `Mesh`, and `CheckpointError` / `ConfigError` for bad files, including a checkpoint larger than a device's
-    free memory; then nothing has been placed.
+    with x64 enabled), a `weights` that is not one of the above, a `batch` that is not a positive int or is given
+    with a form other than "auto", or a `mesh` that is not a non-empty `Mesh`, and `CheckpointError` /
+    `ConfigError` for bad files, including a checkpoint larger than a device's free memory; then nothing has been
+    placed.
     """
     dtype = check_load_arguments("load_drafter", dtype, mesh)
     if weights not in WEIGHTS:
         raise ValueError(f"load_drafter: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
+    if batch is not None and (weights != "auto" or isinstance(batch, bool) or not isinstance(batch, int)
+                              or batch < 1):
+        raise ValueError(f"load_drafter: batch={batch!r}; expected a positive int, the batch that "
+                         f"weights='auto' chooses a form for" + ("" if weights == "auto" else
+                                                                 f" (weights={weights!r} chooses none)"))
+    platform = platform_of(target_sharding(mesh))
+    form = auto_weights(platform, dtype, batch or 1) if weights == "auto" else weights
     if embeddings not in EMBEDDINGS:
         raise ValueError(f"load_drafter: embeddings={embeddings!r}; expected one of "
                          f"{', '.join(map(repr, EMBEDDINGS))}")
@@ -93,14 +107,16 @@ def load_drafter(
         shipped = [t.name for t in plan if t.path[0] in SHIPPED_HEADS] if embeddings == "target" else []
         plan = [t for t in plan if t.name not in shipped]
         packed = packed - frozenset(shipped)
-        if weights == "packed" and not packed:
-            log.info("%s: weights='packed' but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path)
+        if weights in ("packed", "fp8") and not packed:
+            log.info("%s: weights=%r but the checkpoint has no NVFP4 or FP8 weights; loaded as stored", path, weights)
         leaves = check_and_place(path, plan, checkpoint, packed, vocab_size=config.vocab_size, mesh=mesh, dtype=dtype,
-                                 progress=progress, weights=weights,
+                                 progress=progress, weights=form,
                                  ignored=tuple(name.removesuffix("weight") for name in shipped))
     params = build_tree(plan, leaves)
-    log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=weights))
-    return Drafter(params=params, config=config)
+    chosen = None if not packed else f"{form} (auto, batch {batch or 1})" if weights == "auto" else form
+    why = f"weights='auto' for batch {batch or 1}: {auto_rules(platform, dtype)[1]}" if weights == "auto" else None
+    log.info("%s", summary(config, params, packed, checkpoint_path=path, weights=form, why=why))
+    return Drafter(params=params, config=config, weights=chosen)
 
 
 def check_and_place(
@@ -129,8 +145,9 @@ def check_and_place(
 
 
 def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str], *, checkpoint_path: str,
-            weights: str = "dequantized") -> str:
-    """The one-line load summary: layers, hidden, vocab, block size, target layers, family, heads."""
+            weights: str = "dequantized", why: str | None = None) -> str:
+    """The one-line load summary: layers, hidden, vocab, block size, target layers, family, heads, and the form
+    the quantized tensors were placed in (`weights`; `why`: what chose it)."""
     heads: list[str] = [
         h for h in ("candidate_selector", "markov_head", "confidence_head", "embed_tokens", "lm_head", "d2t")
         if h in params]
@@ -141,6 +158,6 @@ def summary(config: DflashConfig, params: dict[str, Any], packed: frozenset[str]
         f"hidden={config.hidden_size}, vocab={config.vocab_size}, block={config.effective_block_size} "
         f"({config.num_draft_tokens} drafts/step), target_layers={list(config.checked_target_layer_ids)}, "
         f"heads=[{', '.join(heads) or 'none'}]"
-        + (f", {len(packed)} quantized tensors {'kept packed' if weights == 'packed' else 'dequantized'} "
-           "(input_scale ignored)" if packed else "")
+        + (f", {len(packed)} quantized tensors placed {weights}{f' ({why})' if why else ''}, input_scale ignored"
+           if packed else "")
     )

@@ -5,8 +5,9 @@ local device holding it, converted there once they have arrived (cast to the loa
 executables from `_executables`; FP8-dequantized), then copied device-to-device to the other local devices, and
 the per-device copies are assembled with `jax.make_array_from_single_device_arrays`. With `weights="packed"`
 quantized weights are not converted: each of their arrays is assembled likewise, and the arrays are wrapped in
-an `nvfp4.Packed` or `fp8.Fp8` leaf. Under a multi-process runtime each process does this for its own devices
-only, so no process ever holds or sends another's data.
+an `nvfp4.Packed` or `fp8.Fp8` leaf; with `weights="fp8"` NVFP4 codes are widened to FP8 bytes on the device
+first (`nvfp4.Fp8Codes`). Which form `weights="auto"` places: `auto_weights`. Under a multi-process runtime each
+process does this for its own devices only, so no process ever holds or sends another's data.
 
 Host memory stays bounded: copies are asynchronous, at most `inflight_bytes` of them are outstanding, and
 once a tensor's copy is done its pages are dropped from this process (MADV_DONTNEED: the data stays in
@@ -34,17 +35,48 @@ from .errors import CheckpointError
 from .fp8 import Fp8
 from .fp8 import dequantize as fp8_dequantize
 from .fp8.checkpoint import fp8_companions
-from .nvfp4 import Packed, padded
+from .nvfp4 import Fp8Codes, Packed, padded
 from .nvfp4.checkpoint import nvfp4_companions
 from .plan import TensorPlan
-from .platform import platform_of
+from .platform import Platform, platform_of
 from .safetensors import Checkpoint
 from .spec import leaf_dtype
+from .tuning import TUNING
 
-__all__ = ["auto_mesh"]
+__all__ = ["auto_mesh", "auto_weights"]
 
 DEFAULT_INFLIGHT_BYTES = 64 * 1024 * 1024
-WEIGHTS = ("dequantized", "packed")  # how quantized linear weights are placed (`load_drafter(weights=...)`)
+# How quantized linear weights are placed (`load_drafter(weights=...)`): FORMS, or "auto" (`auto_weights`)
+FORMS = ("dequantized", "packed", "fp8")
+WEIGHTS = ("auto", *FORMS)
+EVERY_BATCH = ((float("inf"), "dequantized"),)
+
+
+def auto_rules(platform: Platform, dtype: Any) -> tuple[tuple[tuple[float, str], ...], str]:
+    """`weights="auto"`'s forms on `platform` for a load in `dtype`, as (up to this batch, form) rules
+    (`tuning.Tuning.auto_weights`), and whose rules they are, in words. The device kind's entry where the kind was
+    measured (`tuning.TUNING`) and the load is bfloat16 (the dtype its rows were measured in); "dequantized" at
+    every batch elsewhere: on a CPU or a GPU never measured, kept weights would be dequantized by XLA at every
+    product (the packed GEMM's kernel runs on Hopper only), and other dtypes are not what the entries measured."""
+    if platform.kind not in TUNING:
+        return EVERY_BATCH, f"{platform.kind} has no measured entry"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return EVERY_BATCH, f"{jnp.dtype(dtype).name}: the {platform.kind} entry is measured in bfloat16"
+    return platform.tuning.auto_weights, f"the {platform.kind} entry"
+
+
+def auto_weights(platform: Platform, dtype: Any, batch: int) -> str:
+    """The form `weights="auto"` places quantized weights in for `batch` sequences a step (`auto_rules`)."""
+    rules, _ = auto_rules(platform, dtype)
+    return next(form for up_to, form in rules if batch <= up_to)
+
+
+def describe_rules(rules: tuple[tuple[float, str], ...]) -> str:
+    """`auto_rules`' rules in words: "packed up to batch 1, dequantized beyond"."""
+    if len(rules) == 1:
+        return f"{rules[0][1]} at every batch"
+    return ", ".join(f"{form} beyond" if math.isinf(up_to) else f"{form} up to batch {up_to:g}"
+                     for up_to, form in rules)
 
 
 def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
@@ -108,12 +140,12 @@ def place_all(
     the map once, only its own byte ranges, put on the first device holding it and copied to that part's
     other holders; no process reads or sends another's parts. Quantized (NVFP4, FP8) tensors are placed
     replicated only: dequantized to `dtype` (`weights="dequantized"`), or as `nvfp4.Packed` / `fp8.Fp8` leaves
-    computed in `dtype` (`weights="packed"`). Raises `CheckpointError` before the first copy when the leaves
-    cannot fit in a device's free memory.
+    computed in `dtype` (`weights="packed"`), or as `nvfp4.Fp8Codes` / `fp8.Fp8` leaves (`weights="fp8"`). Raises
+    `CheckpointError` before the first copy when the leaves cannot fit in a device's free memory.
     """
-    if weights not in WEIGHTS:
-        raise ValueError(f"place_all: weights={weights!r}; expected one of {', '.join(map(repr, WEIGHTS))}")
-    keep = weights == "packed"
+    if weights not in FORMS:
+        raise ValueError(f"place_all: weights={weights!r}; expected one of {', '.join(map(repr, FORMS))}")
+    keep = weights != "dequantized"
     if shardings is None:
         shardings = [target_sharding(mesh)] * len(plan)
     sources = [_sources(t, packed, checkpoint) for t in plan]
@@ -121,7 +153,7 @@ def place_all(
     devices = sorted({d for sh in distinct for d in sh.addressable_devices},
                      key=lambda d: d.id)  # type: ignore[attr-defined]  # jax.Device: unresolved in jax's stubs
     check_fits(plan, sources, checkpoint, devices, jnp.dtype(dtype),
-               [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)], packed=keep)
+               [sh.shard_shape(t.shape) for t, sh in zip(plan, shardings)], weights=weights)
     parts = [pieces(sh, t.shape) for t, sh in zip(plan, shardings)]
     for t, names, leaf_parts in zip(plan, sources, parts):
         if len(names) > 1 and leaf_parts[0].shape() != t.shape:
@@ -142,7 +174,9 @@ def place_all(
                 codes, scale, scale_2 = replicas
                 leaf: Any = Packed(codes, scale, scale_2, dtype=dtype)
                 platform = platform_of(sharding)
-                if platform.hopper:  # the K its kernel tiles (`nvfp4.padded`: products unchanged)
+                if weights == "fp8":  # widened where they are, from one transfer of the packed bytes
+                    leaf = Fp8Codes.from_packed(leaf)
+                elif platform.hopper:  # the K its kernel tiles (`nvfp4.padded`: products unchanged)
                     leaf = padded(leaf, platform.tuning.nvfp4_gemm.tile_k)
             else:
                 weight, weight_scale = replicas
@@ -191,21 +225,22 @@ def _read_bytes(checkpoint: Checkpoint, t: TensorPlan, names: list[str], leaf_pa
 
 
 def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Checkpoint, devices: list,
-               dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None, *, packed: bool = False) -> None:
-    """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole; `packed`: quantized
-    weights at their stored size), plus the inputs of its largest conversion, exceed a device's free memory
+               dtype: jnp.dtype, shards: list[tuple[int, ...]] | None = None, *, weights: str = "dequantized") -> None:
+    """Refuse a load whose leaves (`shards`: the per-device shape of each, else whole; quantized weights at the size
+    of `weights`' form), plus the inputs of its largest conversion, exceed a device's free memory
     (`bytes_limit - bytes_in_use` of `memory_stats()`), or, for devices that report none (CPUs, which share the
     host's memory), exceed the host's available memory once per such device (`_memory`); the host must also hold
     the int32 copy `_host_array` narrows an index table (d2t) to before it is put, beside its leaf: a clear error
     naming the largest tensor before anything is placed, instead of RESOURCE_EXHAUSTED (or a MemoryError, or the
     kernel's OOM killer) halfway through."""
+    packed = weights != "dequantized"
     shapes = shards if shards is not None else [t.shape for t in plan]
-    sizes = [sum(checkpoint[n].nbytes for n in names) if packed and len(names) > 1
+    sizes = [_kept_bytes(checkpoint, names, weights) if packed and len(names) > 1
              else math.prod(shape) * leaf_dtype(t.kind, dtype).itemsize  # int32 d2t, float32 routers
              for t, shape, names in zip(plan, shapes, sources)]
     converted = [sum(checkpoint[n].nbytes for n in names) for t, names in zip(plan, sources)
-                 if (len(names) > 1 and not packed) or (len(names) == 1 and t.kind != "int"
-                                                        and checkpoint[t.name].np_dtype != leaf_dtype(t.kind, dtype))]
+                 if (len(names) == 3 and weights == "fp8") or (len(names) > 1 and not packed)
+                 or (len(names) == 1 and t.kind != "int" and checkpoint[t.name].np_dtype != leaf_dtype(t.kind, dtype))]
     needed = sum(sizes) + max(converted, default=0)
     copy, copied = max(((size, t.name) for t, size in zip(plan, sizes) if t.kind == "int"), default=(0, ""))
     size, name = max(zip(sizes, (t.name for t in plan)), default=(0, ""))
@@ -234,6 +269,13 @@ def check_fits(plan: list[TensorPlan], sources: list[list[str]], checkpoint: Che
                 f"but {device} has {free / 2**20:,.0f} MiB free ({largest}); expected a device with more free memory "
                 "(or a narrower dtype)"
             )
+
+
+def _kept_bytes(checkpoint: Checkpoint, names: list[str], weights: str) -> int:
+    """A quantized weight's bytes on a device as `weights` ("packed" or "fp8") keeps it: as stored, but NVFP4 codes
+    (`names[0]` of three) one byte a value for "fp8", twice their packed bytes."""
+    stored = sum(checkpoint[n].nbytes for n in names)
+    return stored + checkpoint[names[0]].nbytes if weights == "fp8" and len(names) == 3 else stored
 
 
 def _host_array(checkpoint: Checkpoint, name: str, kind: str, index: tuple[slice, ...] | None) -> np.ndarray:

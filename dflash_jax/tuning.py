@@ -76,6 +76,11 @@ class Tuning:
     # The packed NVFP4 GEMM's tiles (no configuration measured more than 11% faster on every shape and M, so the
     # defaults: docs/benchmarks.md, "Packed NVFP4 GEMM").
     nvfp4_gemm: GemmTiling
+    # `load_drafter(weights="auto")` on this device (bfloat16 loads): the form quantized weights are placed in, by
+    # the batch the caller declares, as (up to this batch, form) in increasing order; a batch between two measured
+    # ones takes the next measured one's form. Each form's drafting steps: docs/benchmarks.md, "Drafting step with
+    # packed weights". The FP8-stored form ("fp8") joins once its rows there are measured.
+    auto_weights: tuple[tuple[float, Literal["packed", "fp8", "dequantized"]], ...]
     # The MoE block gathers each token's experts up to this many (token, expert) pairs (decode and verify
     # steps); more go through a grouped matmul in tiles of `moe_tile_rows` rows, one expert's a tile (`target.moe`).
     moe_gather_max_rows: int
@@ -106,6 +111,8 @@ H200 = Tuning(
     ring_spans_min_batch=8,
     nvfp4_tile=256,
     nvfp4_gemm=GemmTiling(),
+    # Qwen3-8B-DFlash-b16 shapes: packed 0.95x the bf16 step at batch 1, 1.27x at batch 8
+    auto_weights=((1, "packed"), (float("inf"), "dequantized")),
     moe_gather_max_rows=256,
     moe_tile_rows=128,
     moe_few_rows="reduce",
@@ -115,8 +122,13 @@ H200 = Tuning(
     delta_chunk=64,
 )
 # The H100's entry holds the H200's values until each is measured on an H100: the H100 runs of docs/benchmarks.md
-# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values.
-H100 = dataclasses.replace(H200)
+# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values; `auto_weights` is its own.
+H100 = dataclasses.replace(
+    H200,
+    # The Nemotron 3.5 Lightning drafters: packed 0.85x (DSpark) and 1.07x (DFlash) the bf16 step at batch 1,
+    # 0.90x and 1.08x at batch 8, 1.19x and 1.69x at batch 32 (Qwen3-8B-DFlash-b16 shapes: 0.87x at batch 1)
+    auto_weights=((1, "packed"), (float("inf"), "dequantized")),
+)
 # device kind -> entry, read-only; the kinds as `jax.Device.device_kind` spells them (an H100 SXM: "NVIDIA H100 80GB
 # HBM3")
 TUNING: Mapping[str, Tuning] = types.MappingProxyType({"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100})

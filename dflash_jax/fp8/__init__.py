@@ -138,7 +138,7 @@ class Fp8:
         return int(self.weight.nbytes) + int(self.scale.nbytes)
 
     def dequantize(self) -> jax.Array:
-        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
+        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter(weights="dequantized")` places."""
         return dequantize(self.weight, self.scale, dtype=self.dtype)
 
 

@@ -14,6 +14,8 @@ except that code 8 (-0) may come out as +0 or -0.
   check_scales(name, scale, scale_2, dtype)                  NaN, negative, zero or overflowing scales
   Packed(codes, scale, scale_2, dtype)                       a weight kept packed on the device (`packed`)
   padded(w, multiple)                                        its K padded with zero codes for the kernel's tiles
+  Fp8Codes(codes, scale, scale_2, dtype)                     a weight with its codes one E4M3 byte each
+                                                                (`fp8_codes`: XLA's product, `weights="fp8"`)
   matmul(x, packed, backend)                                 -> x @ W.T, the packed weight-only GEMM (XLA, or
                                                                 the Mosaic GPU kernel of `_mosaic_gemm`)
 
@@ -36,9 +38,10 @@ from .._kernel_choice import kernel_choice
 from ..platform import Platform, on_gpu, platform_of
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
+from .fp8_codes import Fp8Codes
 from .packed import Packed, matmul, padded
 
-__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Packed", "matmul", "padded"]
+__all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Packed", "matmul", "padded", "Fp8Codes"]
 
 Backend = Literal["auto", "pallas", "xla"]
 

@@ -30,9 +30,19 @@ def dequantize_xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array, dtyp
     """
     *lead, half_k = packed.shape
     codes = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., K/2, 2], [..., 0] = low nibble
-    values = codes.astype(jnp.float32).reshape(*lead, half_k // 8, BLOCK)  # [..., K/16, 16]
+    return scaled_blocks(codes.astype(jnp.float32).reshape(*lead, 2 * half_k), scale, scale_2, dtype)
+
+
+def scaled_blocks(values: jax.Array, scale: jax.Array, scale_2: jax.Array, dtype) -> jax.Array:
+    """values * (f32(scale) * scale_2) per block of 16 along K, in float32, rounded once to `dtype`: the E2M1 values
+    `[..., K]` (float32, exact) of any storage (packed nibbles, `fp8_codes.Fp8Codes`' E4M3 bytes) made weights.
+
+    The association is ModelOpt's and changes bits: scale * scale_2 rounds in float32, then the product with the
+    value rounds again (`(value * scale) * scale_2`, exact then one rounding, differs in some float32 weights)."""
+    *lead, k = values.shape
     block_scale = scale.astype(jnp.float32) * scale_2  # [..., K/16], ModelOpt's association
-    return (values * block_scale[..., None]).reshape(*lead, 2 * half_k).astype(dtype)
+    blocks = values.reshape(*lead, k // BLOCK, BLOCK)  # [..., K/16, 16]
+    return (blocks * block_scale[..., None]).reshape(*lead, k).astype(dtype)
 
 
 def quantize(w) -> tuple[np.ndarray, np.ndarray, np.float32]:

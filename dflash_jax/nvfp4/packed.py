@@ -30,7 +30,7 @@ __all__ = ["Packed", "matmul", "padded", "MatmulBackend"]
 MatmulBackend = Literal["auto", "xla", "pallas"]  # ("mosaic": "pallas" before 0.2, `_kernel_choice`)
 
 
-def _is_array_like(x: Any) -> bool:
+def is_array_like(x: Any) -> bool:
     """Arrays, tracers and `ShapeDtypeStruct`s (not the placeholders some tree operations unflatten with)."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -60,11 +60,11 @@ class Packed:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         if not jnp.issubdtype(self.dtype, jnp.floating):
             raise ValueError(f"nvfp4.Packed: dtype must be a float dtype to compute in, got {self.dtype.name}")
-        if all(map(_is_array_like, (self.codes, self.scale, self.scale_2))):
+        if all(map(is_array_like, (self.codes, self.scale, self.scale_2))):
             check_packed(self.codes, self.scale, self.scale_2)
 
     def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
-        return f"nvfp4.Packed({list(self.shape)}, {self.dtype.name})" if _is_array_like(self.codes) else (
+        return f"nvfp4.Packed({list(self.shape)}, {self.dtype.name})" if is_array_like(self.codes) else (
             f"nvfp4.Packed({self.codes!r}, {self.scale!r}, {self.scale_2!r}, {self.dtype.name})")
 
     @property
@@ -93,7 +93,7 @@ class Packed:
         return sum(int(a.nbytes) for a in (self.codes, self.scale, self.scale_2))
 
     def dequantize(self) -> jax.Array:
-        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter`'s default mode places."""
+        """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter(weights="dequantized")` places."""
         return dequantize_xla(self.codes, self.scale, self.scale_2, self.dtype)[:, :self.shape[1]]
 
     def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
