@@ -1,6 +1,7 @@
-"""Quantized drafters kept quantized (`load_drafter(weights="packed")`): the packed GEMMs against NumPy, packed and
-dequantized drafters compute the same, greedy speculative decoding, NNX / mesh / orbax keep the leaves packed,
-FP8 checkpoints in both modes, parameter bytes, and bad input.
+"""Quantized drafters kept quantized (`load_drafter(weights="packed")`, `weights="fp8"`): the packed GEMMs against
+NumPy, the FP8-stored NVFP4 form's product bit for bit the dequantized weight's, packed and dequantized drafters
+compute the same, greedy speculative decoding, NNX / mesh / orbax keep the leaves packed, FP8 checkpoints in both
+modes, parameter bytes, the form `weights="auto"` chooses, and bad input.
 
 The NumPy references decode the formats from their specifications (docs/nvfp4.md, ModelOpt's FP8
 export: E4M3 = sign, 4 exponent bits of bias 7, 3 mantissa bits, no Inf, S.1111.111 NaN), not from the package.
@@ -8,6 +9,7 @@ export: E4M3 = sign, 4 exponent bits of bias 7, 3 mantissa bits, no Inf, S.1111.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -25,15 +27,21 @@ from dflash_jax import (
     draft_hidden,
     fp8,
     greedy_generate,
+    init_cache,
     load_drafter,
     nvfp4,
+    propose,
     speculative_generate,
 )
+from dflash_jax._precision import weight_dot
 from dflash_jax._qwen3_testing import random_qwen3
 from dflash_jax.layers import QuantizedWeight, dot, is_quantized
 from dflash_jax.linen import DrafterModule
 from dflash_jax.nnx import DFlashDrafter
+from dflash_jax.placement import auto_weights, describe_rules
+from dflash_jax.platform import Platform
 from dflash_jax.testing import write_checkpoint
+from dflash_jax.tuning import TUNING
 
 from ._drafters import features
 from ._io import rewrite_tensors
@@ -80,12 +88,14 @@ def random_fp8(n: int, k: int, dtype=jnp.bfloat16) -> fp8.Fp8:
 
 
 def test_both_leaves_are_one_quantized_weight():
-    """`Packed` and `Fp8` satisfy every member of `layers.QuantizedWeight` (the protocol `dot` and the modules
-    dispatch on), with the same meaning: an array's shape, dtype, ndim, sharding and bytes, the GEMM, the weight."""
+    """`Packed`, `Fp8Codes` and `Fp8` satisfy every member of `layers.QuantizedWeight` (the protocol `dot` and the
+    modules dispatch on), with the same meaning: an array's shape, dtype, ndim, sharding and bytes, the GEMM, the
+    weight."""
     members = [n for n in dir(QuantizedWeight) if not n.startswith("_")]
     assert set(members) == {"shape", "dtype", "ndim", "nbytes", "apply", "dequantize"}
     x = jnp.asarray(RNG.standard_normal((3, 64)), jnp.float32)
-    for w in (random_packed(32, 64, jnp.float32), random_fp8(32, 64, jnp.float32)):
+    packed = random_packed(32, 64, jnp.float32)
+    for w in (packed, nvfp4.Fp8Codes.from_packed(packed), random_fp8(32, 64, jnp.float32)):
         assert isinstance(w, QuantizedWeight) and is_quantized(w)
         weight = w.dequantize()
         assert (w.shape, w.ndim, w.dtype, w.sharding) == (weight.shape, 2, weight.dtype, weight.sharding)
@@ -127,6 +137,47 @@ def test_packed_gemm_against_numpy(fmt, backend):
     assert worst < 0.1  # the margin: measured <= 0.015 (XLA:CPU sums in float32 blocks)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_codes_give_the_dequantized_weights_products_bit_for_bit(dtype):
+    """The FP8-stored form (`weights="fp8"`): its weight is the packed weight's dequantization bit for bit (every
+    code, random block scales, a full-mantissa global scale), so `x @ W.T` is too, under jit as in a forward
+    (`weight_dot` of the dequantized weight: the same dot precision), padded packed weights included; 1 byte a
+    code. The parts matter: block scales broadcast along the wrong axis, or ModelOpt's association changed to
+    `(code * scale) * scale_2`, give other bits on the same data."""
+    for n, k in ((64, 256), (32, 1280)):
+        w = random_packed(n, k, dtype)
+        form = nvfp4.Fp8Codes.from_packed(w)
+        assert form.codes.dtype == jnp.float8_e4m3fn and form.shape == w.shape == (n, k) and form.dtype == dtype
+        assert form.nbytes == n * k + n * k // 16 + 4
+        dequantized = w.dequantize()
+        np.testing.assert_array_equal(np.asarray(form.dequantize()).view(np.uint8),
+                                      np.asarray(dequantized).view(np.uint8))
+        x = jnp.asarray(RNG.standard_normal((2, 16, k)), dtype)
+        got = jax.jit(lambda x, w: dot("...i,oi->...o", x, w, dtype))(x, form)  # as `layers.linear` calls it
+        want = jax.jit(weight_dot, static_argnums=2)(x, dequantized, dtype)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+        again = nvfp4.Fp8Codes.from_packed(nvfp4.padded(w, 512))  # a load on Hopper pads K for the kernel
+        assert again.shape == (n, k) and jnp.array_equal(again.codes.view(jnp.uint8), form.codes.view(jnp.uint8))
+    mirrored = nvfp4.Fp8Codes(form.codes, form.scale[:, ::-1], form.scale_2, dtype)  # block j's scale on block -j
+    assert not np.array_equal(np.asarray(mirrored.apply(x, dtype)), np.asarray(got))
+    codes, scale = form.codes.astype(jnp.float32), form.scale.astype(jnp.float32)
+    other_order = ((codes.reshape(n, k // 16, 16) * scale[..., None]) * form.scale_2).reshape(n, k).astype(dtype)
+    assert not np.array_equal(np.asarray(other_order), np.asarray(form.dequantize())) or dtype == jnp.bfloat16
+
+
+def test_bad_fp8_codes_leaves_are_refused():
+    codes, scale, scale_2 = jnp.zeros((4, 32), jnp.float8_e4m3fn), jnp.ones((4, 2), jnp.float8_e4m3fn), jnp.float32(1)
+    with pytest.raises(ValueError, match=r"codes must be float8_e4m3fn \[N, K\], K a multiple of 16, got uint8"):
+        nvfp4.Fp8Codes(codes.view(jnp.uint8), scale, scale_2)
+    with pytest.raises(ValueError, match=r"scale must be float8_e4m3fn \[4, 2\] for codes \[4, 32\]"):
+        nvfp4.Fp8Codes(codes, scale[:, :1], scale_2)
+    with pytest.raises(ValueError, match="scale_2 must be a float32 scalar"):
+        nvfp4.Fp8Codes(codes, scale, scale_2.reshape(1))
+    with pytest.raises(ValueError, match="x has 16 features, the weight"):
+        nvfp4.Fp8Codes(codes, scale, scale_2).apply(jnp.zeros((1, 16)), jnp.float32)
+    assert repr(nvfp4.Fp8Codes(codes, scale, scale_2)) == "nvfp4.Fp8Codes([4, 32], bfloat16)"
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """NVFP4 and FP8 twins of tiny drafters, written once."""
@@ -146,7 +197,7 @@ def test_packed_drafter_hidden_states_equal_the_dequantized_ones(checkpoints, fm
     float32 rounding. Every linear weight (fc, projections, DFlash2's kernel
     projections, DSpark's Markov factor and confidence head, its own LM head) is a packed leaf."""
     packed = load_drafter(checkpoints / fmt, dtype=jnp.float32, weights="packed")
-    plain = load_drafter(checkpoints / fmt, dtype=jnp.float32)
+    plain = load_drafter(checkpoints / fmt, dtype=jnp.float32, weights="dequantized")
     leaves = jax.tree_util.tree_flatten_with_path(packed.params, is_leaf=is_quantized)[0]
     quantized = [(path, w) for path, w in leaves if is_quantized(w)]
     assert len(quantized) > 1 + 7 * packed.config.num_hidden_layers  # fc, 7 per layer, and the heads'
@@ -168,6 +219,24 @@ def test_packed_drafter_hidden_states_equal_the_dequantized_ones(checkpoints, fm
         np.testing.assert_array_equal(got, want)
     else:  # FP8's scaled product never rounds `weight * scale`, the dequantized weight does: 7.4e-6 measured
         np.testing.assert_allclose(got, want, rtol=0, atol=3e-5)  # (|values| <= 4.7: float32 rounding)
+
+
+def test_fp8_stored_drafter_drafts_as_the_dequantized_one(checkpoints):
+    """bf16, the loader's own placement: the DSpark NVFP4 drafter (own LM head, Markov head, confidence head) loaded
+    with `weights="fp8"` proposes the dequantized drafter's tokens, with the same confidences and probabilities."""
+    fp8_stored = load_drafter(checkpoints / "nvfp4", weights="fp8")
+    plain = load_drafter(checkpoints / "nvfp4", weights="dequantized")
+    kept = [w for w in jax.tree.leaves(fp8_stored.params, is_leaf=is_quantized) if is_quantized(w)]
+    assert len(kept) > 1 + 7 * plain.config.num_hidden_layers and {type(w) for w in kept} == {nvfp4.Fp8Codes}
+    assert fp8_stored.weights == "fp8" and "weights fp8, " in repr(fp8_stored)
+    new = jnp.asarray(features(plain, 3, 6), jnp.bfloat16)
+    num_new = jnp.asarray([6, 2, 4], jnp.int32)
+    anchors = jnp.asarray(np.random.default_rng(2).integers(0, 127, 3), jnp.int32)
+    run = jax.jit(lambda d, cache: propose(d, cache, new, num_new, anchors)[0])
+    got, want = (run(d, init_cache(d, 3, 16)) for d in (fp8_stored, plain))
+    assert len(set(np.asarray(want.tokens).ravel().tolist())) > 3  # drafts that could differ
+    for a, b in ((got.tokens, want.tokens), (got.confidence, want.confidence), (got.draft_prob, want.draft_prob)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def _at(params, path):
@@ -274,6 +343,47 @@ def test_parameter_bytes(checkpoints):
     assert plain.param_bytes == 2 * (linear + others)
     assert packed.param_bytes == linear // 2 + linear // 16 + 4 * len(shapes) + 2 * others
     assert packed.param_bytes < 0.3 * plain.param_bytes
+    fp8_stored = load_drafter(checkpoints / "dflash", weights="fp8")  # one byte a code
+    assert fp8_stored.param_bytes == linear + linear // 16 + 4 * len(shapes) + 2 * others
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _platform(kind: str, **tuning) -> Platform:
+    """A Hopper platform of device kind `kind` (its tuning entry, with `tuning` replaced), no CUDA in this process."""
+    entry = dataclasses.replace(TUNING.get(kind, TUNING[H100]), **tuning)
+    return Platform(kind=kind, compute_capability=9.0, sm_count=132, cuda=False, tuning=entry)
+
+
+def test_auto_weights_follow_the_device_entry():
+    """`weights="auto"` reads the measured kind's `Tuning.auto_weights` for bfloat16 loads: the first rule whose batch
+    reaches the declared one (a batch between two rules takes the next rule's form); a kind never measured (a CPU)
+    or another dtype: dequantized at every batch."""
+    h100 = _platform(H100)
+    assert [auto_weights(h100, jnp.bfloat16, b) for b in (1, 2, 8, 32)] == ["packed"] + ["dequantized"] * 3
+    assert auto_weights(h100, jnp.float32, 1) == auto_weights(_platform("cpu"), jnp.bfloat16, 1) == "dequantized"
+    rules = ((1, "fp8"), (8, "packed"), (float("inf"), "dequantized"))
+    tuned = _platform(H100, auto_weights=rules)
+    assert [auto_weights(tuned, jnp.bfloat16, b) for b in (1, 2, 8, 9)] == ["fp8", "packed", "packed", "dequantized"]
+    assert describe_rules(rules) == "fp8 up to batch 1, packed up to batch 8, dequantized beyond"
+
+
+def test_auto_is_the_default_and_says_what_it_placed(checkpoints, caplog, monkeypatch):
+    """The default load of a quantized checkpoint is `weights="auto"` for batch 1: on this CPU dequantized; on an
+    H100 (its entry, the placement as on this CPU) packed at batch 1 and dequantized at batch 8. The form and why
+    are stated in the log line and the drafter's repr; a BF16 checkpoint states none."""
+    caplog.set_level(logging.INFO, logger="dflash_jax")
+    here = load_drafter(checkpoints / "dflash")
+    assert here.weights == "dequantized (auto, batch 1)" and not any(map(is_quantized, jax.tree.leaves(here.params)))
+    assert "15 quantized tensors placed dequantized (weights='auto' for batch 1: cpu has no measured entry)" in (
+        caplog.records[-1].getMessage())
+    assert load_drafter(checkpoints / "bf16").weights is None
+    monkeypatch.setattr(dflash_jax.loader, "platform_of", lambda *where: _platform(H100))
+    one, eight = load_drafter(checkpoints / "dflash"), load_drafter(checkpoints / "dflash", batch=8)
+    assert isinstance(one.params["fc"]["weight"], nvfp4.Packed) and "weights packed (auto, batch 1), " in repr(one)
+    assert not is_quantized(eight.params["fc"]["weight"]) and eight.weights == "dequantized (auto, batch 8)"
+    assert f"(weights='auto' for batch 8: the {H100} entry)" in caplog.records[-1].getMessage()
 
 
 # --- bad input ------------------------------------------------------------------------------------------------
@@ -437,10 +547,17 @@ def test_packed_nvfp4_with_bad_companions_is_refused(tmp_path, placements):
 
 
 def test_weights_argument(checkpoints, caplog, placements):
-    """An unknown value is a ValueError naming the argument, before anything is read; "packed" for a BF16
-    checkpoint loads it as it is, said in one info line."""
-    with pytest.raises(ValueError, match="load_drafter: weights='bf16'; expected one of 'dequantized', 'packed'"):
+    """An unknown value, or a `batch` that is no positive int or comes with a form that chooses nothing, is a
+    ValueError naming the argument, before anything is read; "packed" for a BF16 checkpoint loads it as it is, said
+    in one info line."""
+    with pytest.raises(ValueError, match="load_drafter: weights='bf16'; expected one of 'auto', 'dequantized', "
+                       "'packed', 'fp8'"):
         load_drafter(checkpoints / "bf16", weights="bf16")
+    for batch in (0, True, 2.0):
+        with pytest.raises(ValueError, match=f"load_drafter: batch={batch!r}; expected a positive int"):
+            load_drafter(checkpoints / "dflash", batch=batch)
+    with pytest.raises(ValueError, match="batch=8; .* \\(weights='packed' chooses none\\)"):
+        load_drafter(checkpoints / "dflash", weights="packed", batch=8)
     assert not placements
     with caplog.at_level(logging.INFO, logger="dflash_jax"):
         drafter = load_drafter(checkpoints / "bf16", weights="packed")
