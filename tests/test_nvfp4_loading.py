@@ -32,7 +32,7 @@ def numpy_dequant(packed, scale, scale_2):
 def test_nvfp4_checkpoints_load_to_expected_values(tmp_path, preset):
     write_checkpoint(tmp_path, preset, nvfp4=True, prefix="model.")
     tensors = load_file(tmp_path / "model.safetensors")
-    drafter = load_drafter(tmp_path)
+    drafter = load_drafter(tmp_path, weights="dequantized")  # the values placed, whatever "auto" picks here
     packed = [n for n, v in tensors.items() if v.dtype == np.uint8]
     assert "model.fc.weight" in packed and len(packed) >= 1 + 7 * drafter.config.num_hidden_layers
     for name in packed:
@@ -55,7 +55,7 @@ def test_mixed_checkpoint_and_bf16_scale_2(tmp_path):
     q["layers.0.mlp.up_proj.weight"] = bf16["layers.0.mlp.up_proj.weight"]
     q["fc.weight_scale_2"] = q["fc.weight_scale_2"].reshape(1).astype(ml_dtypes.bfloat16)
     save_file(q, tmp_path / "q/model.safetensors")
-    drafter = load_drafter(tmp_path / "q")
+    drafter = load_drafter(tmp_path / "q", weights="dequantized")
     up = np.asarray(drafter.params["layers"][0]["mlp"]["up_proj"]["weight"])
     np.testing.assert_array_equal(up.view(np.uint16), bf16["layers.0.mlp.up_proj.weight"].view(np.uint16))
 
