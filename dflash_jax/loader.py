@@ -28,8 +28,8 @@ from .drafter import Drafter
 from .errors import ConfigError
 from .hub import HubOptions, resolve
 from .placement import WEIGHTS, auto_rules, auto_weights, place_all, target_sharding
-from .platform import platform_of
 from .plan import TensorPlan, build_tree, open_checked, warn_unexpected
+from .platform import platform_of
 from .safetensors import Checkpoint
 from .spec import OWN_EMBED, OWN_HEAD
 from .validate import check_d2t_present, check_tensor_values
