@@ -9,18 +9,20 @@ drives it (`crop` back after the block). Random bf16 weights; the same values in
 Each step is timed alone, host-synchronised (what a decoding loop waits for), median over `--iters`.
 Before timing, an uncached forward of both on identical weights and inputs checks they compute the same thing.
 
-`--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s leaves, made
-on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-xla`, `fp8` (`weight_forms.py`). Each
+`--weights` adds rows with the linear weights kept quantized (`load_drafter(weights="packed")`'s and
+`weights="fp8"`'s leaves, made on the device by `weight_forms.quantized`: timing only): `nvfp4`, `nvfp4-xla`,
+`nvfp4-fp8` (the NVFP4 codes as FP8 bytes, `nvfp4.Fp8Codes`), `fp8` (`weight_forms.py`). Each
 row states the drafter's own weight bytes and a floor: the bytes a step must read (the drafter's weights, the
 LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
 `--contexts` sets the cached context rows (2048; the issue's long-context row is 131072). `--head nvfp4` puts the
-drafts through a packed NVFP4 target head in the NVFP4 rows (the Nemotron 3.5 targets'); the floor counts of the
+drafts through the target's NVFP4 head in the NVFP4 rows, in the row's form (the Nemotron 3.5 targets'); the floor
+counts of the
 token-indexed tables (an own `embed_tokens`, `markov_w1`) only the rows a step looks up.
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
     python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-xla fp8 --batch 1 8 32 --contexts 2048 131072
     python benchmarks/draft_step.py --preset nvidia-nemotron-3.5-lightning-dspark-nvfp4 --head nvfp4 \
-        --weights bf16 nvfp4 nvfp4-xla --batch 1 8 32 --contexts 2048 32768
+        --weights bf16 nvfp4 nvfp4-fp8 --batch 1 8 32 --contexts 2048 32768
     python benchmarks/draft_step.py --small       # tiny shapes, a CPU check of the script (tests run it)
 
 The reference file is z-lab's `dflash/model.py` (not part of this repository). Needs a CUDA GPU for the
@@ -265,7 +267,7 @@ def main() -> None:
     parser.add_argument("--read-gib", type=float, default=4.0, help="GiB the read rate's jnp.sum reads")
     parser.add_argument("--profile", action="store_true", help="the kernels of a step (torch.profiler: CUPTI)")
     parser.add_argument("--head", choices=("bf16", "nvfp4"), default="bf16",
-                        help="the target LM head the drafts go through: bf16, or packed NVFP4 with the nvfp4 "
+                        help="the target LM head the drafts go through: bf16, or NVFP4 in the form of the nvfp4 "
                              "weight forms (NVIDIA's Nemotron 3.5 targets ship theirs NVFP4)")
     parser.add_argument("--small", action="store_true", help="a tiny preset (tiny-dflash unless --preset names "
                         "another), batch 1, one timed step, a 64 MiB read rate (a CPU check of the script)")

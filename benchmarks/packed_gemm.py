@@ -2,7 +2,9 @@
 dequantize-then-dot on the packed NVFP4 weight, the same product written for XLA to fuse ("xla f4": float4 codes
 times block scales, then the dot), the Pallas Mosaic GPU kernel (`nvfp4.matmul(backend="pallas")`), and the FP8
 weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product (the E4M3
-conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla").
+conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla"), and the same NVFP4
+weight with its codes stored one E4M3 byte each beside its block scales ("nvfp4 fp8": `nvfp4.Fp8Codes`, the form
+of `load_drafter(weights="fp8")`; XLA's dot of the weight it dequantizes, the same products as "xla packed").
 
 Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc) and one of the Qwen3.6-35B-A3B drafter's
 (gate/up), at M = 16, 32, 64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
@@ -11,12 +13,14 @@ Each variant's time is that of one GEMM inside a compiled program that runs it o
 row (256 MB of packed weights a program, 5x the H200's L2, so that no weight is read from L2 left by the previous
 GEMM; at most 64 copies),
 median of `--iters` programs. Beside it, its floor: max(bytes / read rate, FLOPs / matmul rate), where bytes are
-what the variant must read and write (the weight as it stores it: 2 B a weight for bf16, 0.5625 for packed; x;
-the output), the read rate that of a `jnp.sum` over 4 GiB and the matmul rate that of an 8192^3 bf16 GEMM, both
-measured in the same run. `of read rate` is bytes / time / read rate (the issue's goal: >= 80% for the kernel at
-M <= 64). The kernel's output (not the FP8 ones: another quantization) is compared with the XLA packed
-path's: the share of bit-identical bf16 elements and the largest difference relative to the largest output (the
-XLA path rounds the weight to bf16 first; the kernel does not, so they differ by rounding). With `--trace`, each
+what the variant must read and write (the weight as it stores it: 2 B a weight for bf16, 0.5625 for packed,
+1.0625 for the FP8-stored codes; x; the output), the read rate that of a `jnp.sum` over 4 GiB and the matmul rate
+that of an 8192^3 bf16 GEMM, both measured in the same run. `of read rate` is bytes / time / read rate (the issue's
+goal: >= 80% for the kernel at M <= 64). Every output but the per-tensor FP8 ones (another quantization) is
+compared with the XLA packed path's: the share of bit-identical bf16 elements and the largest difference relative
+to the largest output (the XLA path rounds the weight to bf16 first; the kernel does not, so they differ by
+rounding; "nvfp4 fp8" multiplies the same bf16 weight, so it should be 100% identical, on the GPU too, unless
+XLA's GEMM sums in another order once it fuses the weight's producer). With `--trace`, each
 program also runs once under `jax.profiler` (`gpu_trace.traced`): the busiest kernel's time and the GPU's busy
 time a product, which leave out the program call's own cost (on an H100 about 240 us a call of 8 Mosaic products)
 that the wall time spreads over the products.
@@ -90,13 +94,14 @@ def to_fp8(w: jax.Array) -> fp8.Fp8:
 
 
 def variants(sweep: bool) -> dict:
-    """name -> (weight form, x @ W.T): "bf16" weights for XLA's GEMM, "fp8" for `fp8.matmul`, "packed" for the
-    others."""
+    """name -> (weight form, x @ W.T): "bf16" weights for XLA's GEMM, "fp8" for `fp8.matmul`, "fp8 codes" for
+    `nvfp4.Fp8Codes`, "packed" for the others."""
     out = {  # "xla packed" first: the others are compared with it
         "xla packed": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="xla")),
         "xla bf16": ("bf16", lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.bfloat16)),
         "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="pallas")),
         "xla f4": ("packed", f4_product),
+        "nvfp4 fp8": ("fp8 codes", lambda x, w: w.apply(x, jnp.bfloat16)),
         "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
         "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),
     }
@@ -156,6 +161,7 @@ def main() -> None:
         weights = [random_packed(jax.random.fold_in(key, i), n, k) for i in range(copies)]
         forms = {"packed": weights, "bf16": [w.dequantize() for w in weights]}
         forms["fp8"] = [to_fp8(w) for w in forms["bf16"]]
+        forms["fp8 codes"] = [nvfp4.Fp8Codes.from_packed(w) for w in weights]
         for m in ms:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
             reference = None
@@ -171,7 +177,8 @@ def main() -> None:
                     rows.append(dict(shape=name, n=n, k=k, m=m, variant=variant, error=f"{type(e).__name__}: {e}"))
                     continue
                 reference = out if variant == "xla packed" else reference
-                weight_bytes = {"bf16": n * k * 2, "fp8": n * k, "packed": packed_bytes}[form]
+                weight_bytes = {"bf16": n * k * 2, "fp8": n * k, "fp8 codes": n * k + n * k // 16,
+                                "packed": packed_bytes}[form]
                 moved = weight_bytes + m * k * 2 + m * n * 2
                 floor = max(moved / rate, 2 * m * n * k / flops)
                 seconds = statistics.median(call_seconds(lambda: program(x, ws), args.iters, warmup=2)) / copies  # noqa: B023

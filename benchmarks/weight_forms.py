@@ -5,7 +5,9 @@ Forms: "bf16" (as drawn), "nvfp4" (packed NVFP4: random codes, unit block scales
 weight's rms; products by `nvfp4.matmul`'s "auto": the Pallas Mosaic GPU kernel on Hopper), "nvfp4-xla" (the same
 with XLA's dequantize-then-dot: `nvfp4.packed.AUTO_MOSAIC` cleared while its programs are traced, `packed_backend`),
 "nvfp4-kernel" (packed only where the Mosaic kernel takes the weight's shape, `KERNEL_N` / `KERNEL_K`; the others
-bf16, as a dequantized load places them), "fp8" (the bf16 weight in ModelOpt's per-tensor FP8). Heads that steer the
+bf16, as a dequantized load places them), "nvfp4-fp8" (the same NVFP4 weight with its codes one E4M3 byte each,
+`nvfp4.Fp8Codes`, as `load_drafter(weights="fp8")` places it: XLA's product, bit for bit the dequantized weight's),
+"fp8" (the bf16 weight in ModelOpt's per-tensor FP8, another quantization). Heads that steer the
 drafts (a DSpark Markov head, a confidence head) stay bf16, so a drafter built to walk a map
 (`testing.successor_drafter`) still walks it.
 """
@@ -27,7 +29,7 @@ from dflash_jax.nvfp4.checkpoint import exclusion_matcher
 from dflash_jax.plan import build_tree
 from dflash_jax.spec import CONFIDENCE, LINEAR, MARKOV
 
-WEIGHTS = ("bf16", "nvfp4", "nvfp4-xla", "nvfp4-kernel", "fp8")
+WEIGHTS = ("bf16", "nvfp4", "nvfp4-xla", "nvfp4-kernel", "nvfp4-fp8", "fp8")
 KERNEL_N, KERNEL_K = 64, 256  # the shapes the Mosaic GEMM tiles (`nvfp4._mosaic_gemm.check_shapes`)
 E2M1_RMS = float(np.sqrt(np.mean(np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6]) ** 2)))  # of uniformly random codes
 KEPT_HEADS = (MARKOV, CONFIDENCE)  # top-level params names left in bf16
@@ -59,6 +61,8 @@ def quantized_weight(leaf: jax.Array, weights: str, seed: int):
         codes = jax.random.bits(jax.random.key(seed), (n, k // 2), jnp.uint8)
         spread = jnp.sqrt(jnp.mean(jnp.square(leaf.astype(jnp.float32))))  # the bf16 weight's rms
         packed = nvfp4.Packed(codes, jnp.ones((n, k // 16), jnp.float8_e4m3fn), spread / E2M1_RMS)
+        if weights == "nvfp4-fp8":
+            return nvfp4.Fp8Codes.from_packed(packed)
         return packed if weights == "nvfp4-xla" else nvfp4.padded(packed, KERNEL_K)  # as a load on Hopper pads
     scale = jnp.max(jnp.abs(leaf.astype(jnp.float32))) / fp8.FP8_MAX
     return fp8.Fp8((leaf.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale)

@@ -117,7 +117,9 @@ def test_packed_gemm_small(monkeypatch, tmp_path):
     run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--trace", "--json", str(out))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert all(r["kernel_us"] is None for r in rows.values())  # a CPU's trace holds no device events
-    assert set(rows) == {"xla packed", "xla bf16", "mosaic", "xla f4", "fp8 scaled", "fp8 xla"}
+    assert set(rows) == {"xla packed", "xla bf16", "mosaic", "xla f4", "nvfp4 fp8", "fp8 scaled", "fp8 xla"}
+    assert rows["nvfp4 fp8"]["identical_to_xla_packed"] == 1.0  # the FP8-stored codes: the same weight, same dot
+    assert rows["xla packed"]["bytes"] < rows["nvfp4 fp8"]["bytes"] < rows["xla bf16"]["bytes"]
     assert rows["xla f4"]["max_diff"] < 2.0**-6  # it rounds the weight nowhere, the XLA packed path once
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["bytes"] > 0 for r in rows.values())
     assert rows["xla bf16"]["identical_to_xla_packed"] == 1.0
@@ -158,15 +160,18 @@ def test_draft_step_small(monkeypatch, tmp_path):
 
 
 def test_draft_step_small_nemotron(monkeypatch, tmp_path):
-    """The Nemotron DSpark layout with its NVFP4 forms: the quantized rows pack the target's head and `markov_w2`
-    too, and the floor reads the embedding's block rows only (a step reads less than the drafter holds)."""
+    """The Nemotron DSpark layout with its NVFP4 forms (packed, and the codes as FP8 bytes): the quantized rows pack
+    the target's head and `markov_w2` too, and the floor reads the embedding's block rows only (a step reads less
+    than the drafter holds)."""
     out = tmp_path / "out.json"
     run_script(monkeypatch, "draft_step", "--small", "--preset", "tiny-nemotron-dspark", "--weights", "bf16",
-               "nvfp4", "--head", "nvfp4", "--json", str(out))
+               "nvfp4", "nvfp4-fp8", "--head", "nvfp4", "--json", str(out))
     results = json.loads(out.read_text())
-    bf16, packed = results["rows"]
-    assert results["head"] == "nvfp4" and packed["drafter_weight_bytes"] < bf16["drafter_weight_bytes"]
-    assert packed["bytes_read"] < bf16["bytes_read"]
+    bf16, packed, fp8_stored = results["rows"]
+    assert results["head"] == "nvfp4" and fp8_stored["weights"] == "nvfp4-fp8"
+    for quantized in (packed, fp8_stored):  # (the packed codes padded to the kernel's K: 4x at these tiny widths)
+        assert quantized["drafter_weight_bytes"] < bf16["drafter_weight_bytes"]
+        assert quantized["bytes_read"] < bf16["bytes_read"]
     monkeypatch.setattr(sys, "path", [BENCHMARKS, *sys.path])
     from draft_step import weight_bytes_read  # benchmarks/
 
