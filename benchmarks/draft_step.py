@@ -16,8 +16,7 @@ row states the drafter's own weight bytes and a floor: the bytes a step must rea
 LM head, the cached context's keys and values) at the read rate of a `jnp.sum` over 4 GiB measured in the run.
 `--contexts` sets the cached context rows (2048; the issue's long-context row is 131072). `--head nvfp4` puts the
 drafts through the target's NVFP4 head in the NVFP4 rows, in the row's form (the Nemotron 3.5 targets'); the floor
-counts of the
-token-indexed tables (an own `embed_tokens`, `markov_w1`) only the rows a step looks up.
+counts of the token-indexed tables (an own `embed_tokens`, `markov_w1`) only the rows a step looks up.
 
     python benchmarks/draft_step.py --reference .ref/dflash_model.py --batch 1 32 --json out.json
     python benchmarks/draft_step.py --weights bf16 nvfp4 nvfp4-xla fp8 --batch 1 8 32 --contexts 2048 131072
