@@ -4,7 +4,8 @@ times block scales, then the dot), the Pallas Mosaic GPU kernel (`nvfp4.matmul(b
 weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s "scaled" product (the E4M3
 conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla"), and the same NVFP4
 weight with its codes stored one E4M3 byte each beside its block scales ("nvfp4 fp8": `nvfp4.Fp8Codes`, the form
-of `load_drafter(weights="fp8")`; XLA's dot of the weight it dequantizes, the same products as "xla packed").
+of `load_drafter(weights="fp8")`; XLA's dot of the weight it dequantizes, the same products as "xla packed"; "nvfp4
+fp8 repeat": the same with the scales repeated along K rather than the codes split into blocks).
 
 Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc) and one of the Qwen3.6-35B-A3B drafter's
 (gate/up), at M = 16, 32, 64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
@@ -53,6 +54,7 @@ import gpu_trace  # noqa: E402
 from timing import call_seconds, matmul_rate, read_rate  # noqa: E402
 
 from dflash_jax import fp8, nvfp4  # noqa: E402
+from dflash_jax._precision import weight_dot  # noqa: E402
 from dflash_jax.nvfp4 import _mosaic_gemm  # noqa: E402
 from dflash_jax.platform import Platform  # noqa: E402
 from dflash_jax.tuning import GemmTiling as Tiling  # noqa: E402
@@ -87,6 +89,14 @@ def f4_product(x: jax.Array, w: nvfp4.Packed) -> jax.Array:
     return (product * w.scale_2).astype(x.dtype)
 
 
+def repeated_scales_product(x: jax.Array, w: nvfp4.Fp8Codes) -> jax.Array:
+    """`Fp8Codes.apply` with the block scales repeated along K (`[N, K/16] -> [N, K]`) instead of the codes split
+    into blocks (`[N, K] -> [N, K/16, 16]`): the same elementwise products, so the same bits, in the other shape
+    a GEMM fusion may take (a candidate beside "nvfp4 fp8")."""
+    block_scale = jnp.repeat(w.scale.astype(jnp.float32) * w.scale_2, 16, axis=1)  # [N, K]
+    return weight_dot(x, (w.codes.astype(jnp.float32) * block_scale).astype(w.dtype), x.dtype)
+
+
 def to_fp8(w: jax.Array) -> fp8.Fp8:
     """A bf16 weight as ModelOpt FP8 per tensor (scale amax / 448), made on the device."""
     scale = jnp.max(jnp.abs(w.astype(jnp.float32))) / fp8.FP8_MAX
@@ -102,6 +112,7 @@ def variants(sweep: bool) -> dict:
         "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="pallas")),
         "xla f4": ("packed", f4_product),
         "nvfp4 fp8": ("fp8 codes", lambda x, w: w.apply(x, jnp.bfloat16)),
+        "nvfp4 fp8 repeat": ("fp8 codes", repeated_scales_product),
         "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
         "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),
     }
