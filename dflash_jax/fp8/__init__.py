@@ -27,6 +27,7 @@ import numpy as np
 
 from .._kernel_choice import kernel_choice
 from .._precision import weight_dot
+from .._weight_leaf import WeightLeaf
 from ..errors import CheckpointError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -85,35 +86,26 @@ def check_scale(name: str, scale: Any, dtype: Any = None) -> None:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Fp8:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Fp8(WeightLeaf):
     """One FP8 per-tensor linear weight `[N, K]`: `weight` float8_e4m3fn [N, K], `scale` float32 [], and
     (static) `dtype`, what it dequantizes to and is multiplied in. A registered dataclass that answers
-    `.shape`, `.dtype`, `.ndim`, `.sharding`, `.nbytes` as an array would (see `nvfp4.Packed`). Constructed
-    from arrays, the dtypes and shapes are checked (ValueError)."""
+    `.shape`, `.dtype`, `.ndim`, `.sharding`, `.nbytes` (1 per weight plus 4) as an array would (`WeightLeaf`).
+    Constructed from arrays, the dtypes and shapes are checked (ValueError)."""
+
+    LABEL = "fp8.Fp8"
 
     weight: jax.Array
     scale: jax.Array
     dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise ValueError(f"fp8.Fp8: dtype must be a float dtype to compute in, got {self.dtype.name}")
-        w, s = self.weight, self.scale
-        if not all(hasattr(x, "shape") and hasattr(x, "dtype") for x in (w, s)):
-            return  # a placeholder some tree operations unflatten with, not arrays
+    def check_arrays(self, w: Any, s: Any) -> None:
         if w.dtype != jnp.float8_e4m3fn or len(w.shape) != 2:
             raise ValueError(f"fp8.Fp8: weight must be float8_e4m3fn [N, K], got {jnp.dtype(w.dtype).name}"
                              f"{list(w.shape)}")
         if s.dtype != jnp.float32 or tuple(s.shape) != ():
             raise ValueError(f"fp8.Fp8: scale must be a float32 scalar [], got {jnp.dtype(s.dtype).name}"
                              f"{list(s.shape)}")
-
-    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
-        if hasattr(self.weight, "shape"):
-            return f"fp8.Fp8({list(self.shape)}, {self.dtype.name})"
-        return f"fp8.Fp8({self.weight!r}, {self.scale!r}, {self.dtype.name})"
 
     def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
         """`x [..., K] @ W.T` in `out_dtype` (`matmul`): what `layers.dot` calls for a `layers.QuantizedWeight`."""
@@ -123,19 +115,6 @@ class Fp8:
     def shape(self) -> tuple[int, int]:
         n, k = self.weight.shape
         return n, k
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
-    def sharding(self) -> jax.sharding.Sharding:
-        return self.weight.sharding
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of both arrays: 1 per weight plus 4."""
-        return int(self.weight.nbytes) + int(self.scale.nbytes)
 
     def dequantize(self) -> jax.Array:
         """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter(weights="dequantized")` places."""

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._precision import weight_dot
+from .._weight_leaf import WeightLeaf
 from ._reference import BLOCK, scaled_blocks
-from .packed import Packed, is_array_like
+from .packed import Packed
 
 __all__ = ["Fp8Codes", "widen_codes"]
 
@@ -38,8 +39,8 @@ def widen_codes(packed: jax.Array) -> jax.Array:
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Fp8Codes:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Fp8Codes(WeightLeaf):
     """One NVFP4 linear weight `[N, K]` with its codes widened to one byte each (module docstring).
 
     codes   float8_e4m3fn [N, K]      the E2M1 values, exact
@@ -47,21 +48,29 @@ class Fp8Codes:
     scale_2 float32 []                the global scale
     dtype   (static) the dtype it is computed in: `dequantize()` gives it, `apply` multiplies in it
 
-    A registered dataclass that answers `.shape`, `.dtype`, `.ndim`, `.sharding`, `.nbytes` as an array would (see
-    `nvfp4.Packed`). Constructed from arrays, the dtypes and shapes are checked (ValueError).
+    A registered dataclass that answers `.shape`, `.dtype`, `.ndim`, `.sharding`, `.nbytes` (1.0625 per weight plus
+    4) as an array would (`WeightLeaf`). Constructed from arrays, the dtypes and shapes are checked (ValueError).
     """
+
+    LABEL = "nvfp4.Fp8Codes"
 
     codes: jax.Array
     scale: jax.Array
     scale_2: jax.Array
     dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise ValueError(f"nvfp4.Fp8Codes: dtype must be a float dtype to compute in, got {self.dtype.name}")
-        if all(map(is_array_like, (self.codes, self.scale, self.scale_2))):
-            _check(self.codes, self.scale, self.scale_2)
+    def check_arrays(self, codes: Any, scale: Any, scale_2: Any) -> None:
+        """Raise ValueError for three arrays that do not make an `Fp8Codes` (its docstring has the layout)."""
+        if codes.dtype != jnp.float8_e4m3fn or len(codes.shape) != 2 or codes.shape[1] % BLOCK:
+            raise ValueError(f"nvfp4.Fp8Codes: codes must be float8_e4m3fn [N, K], K a multiple of {BLOCK}, got "
+                             f"{jnp.dtype(codes.dtype).name}{list(codes.shape)}")
+        n, k = codes.shape
+        if scale.dtype != jnp.float8_e4m3fn or tuple(scale.shape) != (n, k // BLOCK):
+            raise ValueError(f"nvfp4.Fp8Codes: scale must be float8_e4m3fn [{n}, {k // BLOCK}] for codes {[n, k]} "
+                             f"(one scale per {BLOCK} values), got {jnp.dtype(scale.dtype).name}{list(scale.shape)}")
+        if scale_2.dtype != jnp.float32 or tuple(scale_2.shape) != ():
+            raise ValueError(f"nvfp4.Fp8Codes: scale_2 must be a float32 scalar [], got "
+                             f"{jnp.dtype(scale_2.dtype).name}{list(scale_2.shape)}")
 
     @classmethod
     def from_packed(cls, w: Packed) -> Fp8Codes:
@@ -70,28 +79,10 @@ class Fp8Codes:
         n, k = w.shape
         return cls(widen_codes(w.codes)[:, :k], w.scale[:, :k // BLOCK], w.scale_2, dtype=w.dtype)
 
-    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
-        return f"nvfp4.Fp8Codes({list(self.shape)}, {self.dtype.name})" if is_array_like(self.codes) else (
-            f"nvfp4.Fp8Codes({self.codes!r}, {self.scale!r}, {self.scale_2!r}, {self.dtype.name})")
-
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.codes.shape
         return n, k
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
-    def sharding(self) -> jax.sharding.Sharding:
-        """Where the codes live (the loader places the scales there too, replicated)."""
-        return self.codes.sharding
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the three arrays: 1.0625 per weight plus 4."""
-        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.scale_2))
 
     def dequantize(self) -> jax.Array:
         """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter(weights="dequantized")` places."""
@@ -105,16 +96,3 @@ class Fp8Codes:
                              f"{self.shape[1]}")
         return weight_dot(x, self.dequantize(), out_dtype)
 
-
-def _check(codes: Any, scale: Any, scale_2: Any) -> None:
-    """Raise ValueError for three arrays that do not make an `Fp8Codes` (its docstring has the layout)."""
-    if codes.dtype != jnp.float8_e4m3fn or len(codes.shape) != 2 or codes.shape[1] % BLOCK:
-        raise ValueError(f"nvfp4.Fp8Codes: codes must be float8_e4m3fn [N, K], K a multiple of {BLOCK}, got "
-                         f"{jnp.dtype(codes.dtype).name}{list(codes.shape)}")
-    n, k = codes.shape
-    if scale.dtype != jnp.float8_e4m3fn or tuple(scale.shape) != (n, k // BLOCK):
-        raise ValueError(f"nvfp4.Fp8Codes: scale must be float8_e4m3fn [{n}, {k // BLOCK}] for codes {[n, k]} (one "
-                         f"scale per {BLOCK} values), got {jnp.dtype(scale.dtype).name}{list(scale.shape)}")
-    if scale_2.dtype != jnp.float32 or tuple(scale_2.shape) != ():
-        raise ValueError(f"nvfp4.Fp8Codes: scale_2 must be a float32 scalar [], got "
-                         f"{jnp.dtype(scale_2.dtype).name}{list(scale_2.shape)}")

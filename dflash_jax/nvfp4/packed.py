@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from .._kernel_choice import kernel_choice
 from .._precision import weight_dot
+from .._weight_leaf import WeightLeaf
 from ..platform import Platform, on_gpu, platform_of
 from ._mosaic_gemm import check_shapes, mosaic_matmul
 from ._reference import BLOCK, dequantize_xla
@@ -30,14 +31,9 @@ __all__ = ["Packed", "matmul", "padded", "MatmulBackend"]
 MatmulBackend = Literal["auto", "xla", "pallas"]  # ("mosaic": "pallas" before 0.2, `_kernel_choice`)
 
 
-def is_array_like(x: Any) -> bool:
-    """Arrays, tracers and `ShapeDtypeStruct`s (not the placeholders some tree operations unflatten with)."""
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Packed:
+@dataclasses.dataclass(frozen=True, repr=False)
+class Packed(WeightLeaf):
     """One NVFP4 linear weight `[N, K]` as ModelOpt stores it (docs/nvfp4.md).
 
     codes   uint8 [N, K/2]            two E2M1 codes per byte, element 2j in the low nibble
@@ -47,8 +43,10 @@ class Packed:
     columns (static) K when the codes hold more columns, zeros past it (`padded`); None: all of them
 
     Constructed from arrays, the shapes and dtypes are checked (ValueError); K must be a multiple of 32, as
-    the loader requires of NVFP4 weights.
+    the loader requires of NVFP4 weights. `.nbytes`: 0.5625 per weight plus 4 (`WeightLeaf`).
     """
+
+    LABEL = "nvfp4.Packed"
 
     codes: jax.Array
     scale: jax.Array
@@ -56,16 +54,8 @@ class Packed:
     dtype: Any = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
     columns: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise ValueError(f"nvfp4.Packed: dtype must be a float dtype to compute in, got {self.dtype.name}")
-        if all(map(is_array_like, (self.codes, self.scale, self.scale_2))):
-            check_packed(self.codes, self.scale, self.scale_2)
-
-    def __repr__(self) -> str:  # the arrays' values would bury a drafter's repr
-        return f"nvfp4.Packed({list(self.shape)}, {self.dtype.name})" if is_array_like(self.codes) else (
-            f"nvfp4.Packed({self.codes!r}, {self.scale!r}, {self.scale_2!r}, {self.dtype.name})")
+    def check_arrays(self, codes: Any, scale: Any, scale_2: Any) -> None:
+        check_packed(codes, scale, scale_2)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -77,20 +67,6 @@ class Packed:
     def stored_columns(self) -> int:
         """The columns the codes hold: K, or K padded (`padded`)."""
         return 2 * self.codes.shape[1]
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
-    @property
-    def sharding(self) -> jax.sharding.Sharding:
-        """Where the codes live (the scales live there too: the loader places all three replicated)."""
-        return self.codes.sharding
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the three arrays: 0.5625 per weight plus 4."""
-        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.scale_2))
 
     def dequantize(self) -> jax.Array:
         """The weight `[N, K]` in `self.dtype`, bit for bit what `load_drafter(weights="dequantized")` places."""
