@@ -6,7 +6,8 @@
 The workload is a checkpoint with the Qwen3.6-35B-A3B-DFlash shapes (preset
 `zlab-qwen3.6-35b-a3b-dflash-v2`: 91 BF16 tensors, 948 MB) and its NVFP4 twin, written once by
 `dflash_jax.testing.write_checkpoint`. Methods (each run in its own process, page cache warm):
-- `ours`: `load_drafter(path, mesh=<first N local devices>)`, bf16, replicated; its cache of compiled
+- `ours`: `load_drafter(path, mesh=<first N local devices>, weights="dequantized")`, bf16, replicated (the NVFP4
+  twin dequantized on the device, whatever `weights="auto"` would place); its cache of compiled
   conversions (`DFLASH_JAX_CACHE_DIR`) is an empty directory: a first load on a machine;
 - `ours+cache`: `ours` with that cache written by an earlier process: every later load;
 - `ours-again`: `ours`, timed at the second load of the same checkpoint in one process (nothing to compile);
@@ -56,7 +57,7 @@ def measure(method: str, path: str, devices: int) -> dict:
     from dflash_jax import load_drafter  # importing the package is not part of a load
 
     if method == "ours-again":  # a second load in the same process: everything compiled, nothing else differs
-        jax.block_until_ready(load_drafter(path, mesh=mesh, progress=False).params)
+        jax.block_until_ready(load_drafter(path, mesh=mesh, progress=False, weights="dequantized").params)
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     nbytes = sum(os.path.getsize(f) for f in files)
     try:
@@ -71,7 +72,7 @@ def measure(method: str, path: str, devices: int) -> dict:
     elif method.startswith("compile-"):  # the NVFP4 dequantizers of this checkpoint, compiled as the loader does
         out = compile_dequantizers(path, local[0], backend=method.removeprefix("compile-"))
     elif method.startswith("ours"):
-        out = load_drafter(path, mesh=mesh, dtype=jnp.bfloat16, progress=False).params
+        out = load_drafter(path, mesh=mesh, dtype=jnp.bfloat16, progress=False, weights="dequantized").params
     elif method == "naive":
         from safetensors.flax import load_file
 

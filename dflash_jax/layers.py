@@ -2,9 +2,9 @@
 the Qwen3 / Llama attention projections and the pre-norm decoder layer.
 
 Pure functions over Hugging Face-layout parameter dicts (`{"weight": [out, in]}`, applied as `x @ W.T`). A weight
-kept quantized (`load_drafter(weights="packed")`: `nvfp4.Packed`, `fp8.Fp8`) is a `QuantizedWeight`: it brings its
-own product (`apply`), so this module names no kernel. Numerics (`_precision`): products accumulate in float32,
-full precision when an operand is float32; norms in float32.
+kept quantized (`load_drafter(weights="packed"|"fp8")`: `nvfp4.Packed`, `nvfp4.Fp8Codes`, `fp8.Fp8`) is a
+`QuantizedWeight`: it brings its own product (`apply`), so this module names no kernel. Numerics (`_precision`):
+products accumulate in float32, full precision when an operand is float32; norms in float32.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ Around = Callable[[Params, str, jax.Array, Callable[[jax.Array], tuple[jax.Array
 
 @runtime_checkable
 class QuantizedWeight(Protocol):
-    """A linear weight `[out, in]` kept quantized (`nvfp4.Packed`, `fp8.Fp8`; a registered pytree node): it answers
-    `shape`, `dtype` (what it computes in), `ndim` and `nbytes` as an array would (and `sharding`, outside a trace:
-    not a member, since `isinstance` reads every member and a tracer has none), so that code reading a weight's
-    shape or dtype needs no special case; `apply(x, out_dtype)` is `x @ W.T` by its own GEMM and `dequantize()`
-    the weight in `dtype`. Code dispatches on this protocol (`dot`, `is_quantized`), never on the formats."""
+    """A linear weight `[out, in]` kept quantized (`nvfp4.Packed`, `nvfp4.Fp8Codes`, `fp8.Fp8`; a registered pytree
+    node, `_weight_leaf.WeightLeaf`): it answers `shape`, `dtype` (what it computes in), `ndim` and `nbytes` as an
+    array would (and `sharding`, outside a trace: not a member, since `isinstance` reads every member and a tracer
+    has none), so that code reading a weight's shape or dtype needs no special case; `apply(x, out_dtype)` is
+    `x @ W.T` by its own GEMM and `dequantize()` the weight in `dtype`. Code dispatches on this protocol (`dot`,
+    `is_quantized`), never on the formats."""
 
     @property
     def shape(self) -> tuple[int, int]: ...
@@ -58,9 +59,10 @@ def dot(spec: str, a: jax.Array, b: Any, out_dtype: jnp.dtype = jnp.float32) -> 
     A bf16 x bf16 product written as bf16 still accumulates in float32 (XLA's GEMMs use a float32 compute type)
     and rounds once, in the GEMM's epilogue, instead of writing float32 and converting in another kernel.
 
-    `b` may be a weight kept quantized (`load_drafter(weights="packed")`: `nvfp4.Packed`, `fp8.Fp8`): this is
-    the one place a linear weight meets its GEMM, so each goes to its own weight-only GEMM (`QuantizedWeight.apply`:
-    `nvfp4.matmul`, `fp8.matmul`). Every product with a weight is `x @ W.T` (`spec` "...i,oi->...o").
+    `b` may be a weight kept quantized (`load_drafter(weights="packed"|"fp8")`: `nvfp4.Packed`, `nvfp4.Fp8Codes`,
+    `fp8.Fp8`): this is the one place a linear weight meets its GEMM, so each goes to its own weight-only GEMM
+    (`QuantizedWeight.apply`: `nvfp4.matmul`, XLA's dot of the dequantized weight, `fp8.matmul`). Every product
+    with a weight is `x @ W.T` (`spec` "...i,oi->...o").
     """
     if isinstance(b, QuantizedWeight):
         _check_weight_spec(spec)

@@ -8,7 +8,7 @@ and  value[n, k] = f32(weight[n, k]) * weight_scale, in float32, rounded once to
 
   dequantize(weight, scale, *, dtype)   -> jax.Array [N, K]
   quantize(w)                           -> (weight, scale), NumPy: amax / 448, round to nearest E4M3
-  Fp8(weight, scale, dtype)             a weight kept in FP8 on the device (`load_drafter(weights="packed")`)
+  Fp8(weight, scale, dtype)             a weight kept in FP8 on the device (`load_drafter(weights="packed" or "fp8")`)
   matmul(x, fp8)                        -> x @ W.T, its weight-only GEMM: (x @ f(weight).T) * scale
   check_scale(name, scale, dtype)       zero, negative, NaN, Inf, subnormal or overflowing scales
 """
