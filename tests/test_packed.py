@@ -273,6 +273,10 @@ def test_modules_mesh_and_jit_keep_packed_leaves_packed(checkpoints, cpu_mesh):
     for array in jax.tree.leaves(drafter.params):
         assert array.sharding.is_fully_replicated and len(array.addressable_shards) == len(jax.devices())
     assert fc.sharding == fc.codes.sharding
+    fp8_stored = load_drafter(checkpoints / "dflash", weights="fp8", mesh=cpu_mesh)  # widened where they landed
+    assert isinstance(fp8_stored.params["fc"]["weight"], nvfp4.Fp8Codes)
+    assert all(a.sharding.is_fully_replicated and len(a.addressable_shards) == len(jax.devices())
+               for a in jax.tree.leaves(fp8_stored.params))
     again = jax.jit(lambda d: d)(drafter)
     assert isinstance(again.params["fc"]["weight"], nvfp4.Packed)
     module = DFlashDrafter.from_drafter(drafter)

@@ -76,8 +76,10 @@ class Fp8Codes(WeightLeaf):
     def from_packed(cls, w: Packed) -> Fp8Codes:
         """`w`'s codes widened on its devices (`widen_codes`), its scales as they are; a padded `w`
         (`nvfp4.padded`) loses its padding."""
-        n, k = w.shape
-        return cls(widen_codes(w.codes)[:, :k], w.scale[:, :k // BLOCK], w.scale_2, dtype=w.dtype)
+        codes, scale, k = widen_codes(w.codes), w.scale, w.shape[1]
+        if w.stored_columns != k:  # padded: the columns past K are zero codes
+            codes, scale = codes[:, :k], scale[:, :k // BLOCK]
+        return cls(codes, scale, w.scale_2, dtype=w.dtype)
 
     @property
     def shape(self) -> tuple[int, int]:
