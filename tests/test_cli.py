@@ -82,7 +82,10 @@ def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
     assert report["total_bytes"] == sum(t["bytes"] for t in report["tensors"])
     write_checkpoint(tmp_path / "q", "tiny-dspark", nvfp4=True)
     assert main(["inspect", str(tmp_path / "q")]) == 0
-    assert "dspark drafter, NVFP4: 17 packed linear weights" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dspark drafter, NVFP4: 17 packed linear weights" in out
+    # what load_drafter's default places here, at every batch (a CPU: no measured entry)
+    assert "  weights_auto           dequantized at every batch (cpu has no measured entry)\n" in out
 
 
 def test_names_the_terminal_cannot_print_are_escaped(tmp_path, capsys):

@@ -576,4 +576,8 @@ def test_cli_load_packed_reports_parameter_bytes(checkpoints, capsys):
 
     assert main(["load", str(checkpoints / "dflash"), "--weights", "packed", "--devices", "2"]) == 0
     expected = load_drafter(checkpoints / "dflash", weights="packed").param_bytes
-    assert f"{expected / 1e6:.1f} MB of parameters per device" in capsys.readouterr().out
+    assert f"{expected / 1e6:.1f} MB of parameters per device, weights packed\n" in capsys.readouterr().out
+    assert main(["load", str(checkpoints / "dflash"), "--batch", "8"]) == 0  # the default: auto
+    assert capsys.readouterr().out.endswith(", weights dequantized (auto, batch 8)\n")
+    assert main(["load", str(checkpoints / "dflash"), "--weights", "fp8", "--batch", "8"]) == 2
+    assert "batch=8" in capsys.readouterr().err
