@@ -92,11 +92,11 @@ def load_drafter(
         raise ValueError(f"load_drafter: batch={batch!r}; expected a positive int, the batch that "
                          f"weights='auto' chooses a form for" + ("" if weights == "auto" else
                                                                  f" (weights={weights!r} chooses none)"))
-    platform = platform_of(target_sharding(mesh))
-    form = auto_weights(platform, dtype, batch or 1) if weights == "auto" else weights
     if embeddings not in EMBEDDINGS:
         raise ValueError(f"load_drafter: embeddings={embeddings!r}; expected one of "
                          f"{', '.join(map(repr, EMBEDDINGS))}")
+    platform = platform_of(target_sharding(mesh))  # where the leaves go: its tuning entry chooses for "auto"
+    form = auto_weights(platform, dtype, batch or 1) if weights == "auto" else weights
     path = resolve(path, **hub)
     if os.path.isfile(path):  # a config.json (or another file) would be opened as a safetensors file
         raise ConfigError(f"{path}: a file, not a directory; load_drafter expected the checkpoint directory "
