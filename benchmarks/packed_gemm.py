@@ -7,8 +7,9 @@ weight with its codes stored one E4M3 byte each beside its block scales ("nvfp4 
 of `load_drafter(weights="fp8")`; XLA's dot of the weight it dequantizes, the same products as "xla packed"; "nvfp4
 fp8 repeat": the same with the scales repeated along K rather than the codes split into blocks).
 
-Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc) and one of the Qwen3.6-35B-A3B drafter's
-(gate/up), at M = 16, 32, 64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
+Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc), one of the Qwen3.6-35B-A3B drafter's
+(gate/up) and the Nemotron 3.5 Lightning drafters' NVFP4 ones (gate/up, down, fc; `--shapes` picks), at M = 16, 32,
+64, 128, 256, 512 (batch x block rows). Random codes and E4M3 block scales (finite).
 
 Each variant's time is that of one GEMM inside a compiled program that runs it on `copies` distinct weights in a
 row (256 MB of packed weights a program, 5x the H200's L2, so that no weight is read from L2 left by the previous
@@ -29,6 +30,7 @@ that the wall time spreads over the products.
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --json $OUT/packed_gemm.json
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --sweep --m 16 64 128   # also other tilings of the kernel
     PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --m 16 64 --trace   # also the GPU's own times (a trace)
+    PYTHONUNBUFFERED=1 python benchmarks/packed_gemm.py --shapes "Nemotron fc" --m 16 --variants "nvfp4 fp8"
     python benchmarks/packed_gemm.py --small     # tiny shapes, a CPU check of the script (the kernel interpreted)
 """
 
@@ -62,6 +64,8 @@ from dflash_jax.tuning import GemmTiling as Tiling  # noqa: E402
 SHAPES = {  # name: (N, K)
     "8B q/o": (4096, 4096), "8B k/v": (1024, 4096), "8B gate/up": (12288, 4096), "8B down": (4096, 12288),
     "8B fc": (4096, 20480), "35B-A3B gate/up": (6144, 2048),
+    # NVIDIA's Nemotron 3.5 Lightning drafters (K = 2688 padded to the kernel's 256 for "mosaic", as a load pads it)
+    "Nemotron gate/up": (6144, 2688), "Nemotron down": (2688, 6144), "Nemotron fc": (2688, 16128),
 }
 SMALL_SHAPES = {"small": (64, 256)}
 MS = (16, 32, 64, 128, 256, 512)
@@ -105,11 +109,12 @@ def to_fp8(w: jax.Array) -> fp8.Fp8:
 
 def variants(sweep: bool) -> dict:
     """name -> (weight form, x @ W.T): "bf16" weights for XLA's GEMM, "fp8" for `fp8.matmul`, "fp8 codes" for
-    `nvfp4.Fp8Codes`, "packed" for the others."""
+    `nvfp4.Fp8Codes`, "padded" (K padded to the kernel's tile, `nvfp4.padded`) for the kernel, "packed" for the
+    others."""
     out = {  # "xla packed" first: the others are compared with it
         "xla packed": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="xla")),
         "xla bf16": ("bf16", lambda x, w: jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.bfloat16)),
-        "mosaic": ("packed", lambda x, w: nvfp4.matmul(x, w, backend="pallas")),
+        "mosaic": ("padded", lambda x, w: nvfp4.matmul(x, w, backend="pallas")),
         "xla f4": ("packed", f4_product),
         "nvfp4 fp8": ("fp8 codes", lambda x, w: w.apply(x, jnp.bfloat16)),
         "nvfp4 fp8 repeat": ("fp8 codes", repeated_scales_product),
@@ -152,10 +157,12 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU check of the script)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--variants", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--shapes", nargs="+", default=None, choices=SHAPES, help="shapes to run (default: all)")
     parser.add_argument("--trace", action="store_true",
                         help="also the busiest kernel's and the GPU busy time a product, from a profiler trace")
     args = parser.parse_args()
-    shapes, ms = (SMALL_SHAPES, [8]) if args.small else (SHAPES, args.m)
+    shapes, ms = (SMALL_SHAPES, [8]) if args.small else (
+        {name: SHAPES[name] for name in args.shapes or SHAPES}, args.m)
     rate = read_rate(0.01 if args.small else 4.0)
     flops = matmul_rate(256 if args.small else 8192)
     device = jax.devices()[0]
@@ -173,6 +180,7 @@ def main() -> None:
         forms = {"packed": weights, "bf16": [w.dequantize() for w in weights]}
         forms["fp8"] = [to_fp8(w) for w in forms["bf16"]]
         forms["fp8 codes"] = [nvfp4.Fp8Codes.from_packed(w) for w in weights]
+        forms["padded"] = [nvfp4.padded(w, Platform.of(device).tuning.nvfp4_gemm.tile_k) for w in weights]
         for m in ms:
             x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), jnp.float32).astype(jnp.bfloat16)
             reference = None
@@ -189,7 +197,7 @@ def main() -> None:
                     continue
                 reference = out if variant == "xla packed" else reference
                 weight_bytes = {"bf16": n * k * 2, "fp8": n * k, "fp8 codes": n * k + n * k // 16,
-                                "packed": packed_bytes}[form]
+                                "packed": packed_bytes, "padded": packed_bytes}[form]
                 moved = weight_bytes + m * k * 2 + m * n * 2
                 floor = max(moved / rate, 2 * m * n * k / flops)
                 seconds = statistics.median(call_seconds(lambda: program(x, ws), args.iters, warmup=2)) / copies  # noqa: B023
