@@ -143,7 +143,7 @@ def test_fp8_codes_give_the_dequantized_weights_products_bit_for_bit(dtype):
     code, random block scales, a full-mantissa global scale), so `x @ W.T` is too, under jit as in a forward
     (`weight_dot` of the dequantized weight: the same dot precision), padded packed weights included; 1 byte a
     code. The parts matter: block scales broadcast along the wrong axis, or ModelOpt's association changed to
-    `(code * scale) * scale_2`, give other bits on the same data."""
+    `(code * scale) * scale_2`, give other bits."""
     for n, k in ((64, 256), (32, 1280)):
         w = random_packed(n, k, dtype)
         form = nvfp4.Fp8Codes.from_packed(w)
@@ -160,9 +160,13 @@ def test_fp8_codes_give_the_dequantized_weights_products_bit_for_bit(dtype):
         assert again.shape == (n, k) and jnp.array_equal(again.codes.view(jnp.uint8), form.codes.view(jnp.uint8))
     mirrored = nvfp4.Fp8Codes(form.codes, form.scale[:, ::-1], form.scale_2, dtype)  # block j's scale on block -j
     assert not np.array_equal(np.asarray(mirrored.apply(x, dtype)), np.asarray(got))
-    codes, scale = form.codes.astype(jnp.float32), form.scale.astype(jnp.float32)
-    other_order = ((codes.reshape(n, k // 16, 16) * scale[..., None]) * form.scale_2).reshape(n, k).astype(dtype)
-    assert not np.array_equal(np.asarray(other_order), np.asarray(form.dequantize())) or dtype == jnp.bfloat16
+    # a global scale where the association shows (float32, found here): code 1.5, block scale 1.125
+    code, block = np.float32(1.5), np.float32(1.125)
+    scale_2 = next(g for g in np.float32(1e-3) + np.arange(1000, dtype=np.float32) * np.float32(2.0**-33)
+                   if code * (block * g) != (code * block) * g)
+    one = nvfp4.Fp8Codes(jnp.full((1, 16), code, jnp.float8_e4m3fn), jnp.full((1, 1), block, jnp.float8_e4m3fn),
+                         jnp.float32(scale_2), jnp.float32)
+    assert float(one.dequantize()[0, 0]) == code * (block * scale_2) != (code * block) * scale_2
 
 
 def test_bad_fp8_codes_leaves_are_refused():
