@@ -2,6 +2,7 @@
 cache, and bad input reported as `error: ...` with status 2, never a traceback (convert-nvfp4 is tested with
 the NVFP4 loading; generate in test_generate_cli.py)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +17,9 @@ import dflash_jax
 from dflash_jax import load_drafter
 from dflash_jax._qwen3_5_testing import write_qwen3_5_checkpoint
 from dflash_jax.cli import main, shown
+from dflash_jax.platform import process_platform
 from dflash_jax.testing import write_checkpoint
+from dflash_jax.tuning import TUNING
 
 from ._io import rewrite_tensors
 
@@ -62,7 +65,7 @@ def test_inspect_describes_a_target_checkpoint(tmp_path, capsys):
     assert report["resolved"]["hidden_size"] == 64 and report["architectures"] == ["Qwen3_5MoeForCausalLM"]
 
 
-def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
+def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys, monkeypatch):
     write_checkpoint(tmp_path, "tiny-dflash", nvfp4=True)
 
     def damage(tensors):
@@ -81,11 +84,16 @@ def test_inspect_json_is_what_a_script_consumes(tmp_path, capsys):
     assert fc == {"name": "fc.weight", "dtype": "U8", "shape": [64, 64], "bytes": 4096, "file": "model.safetensors"}
     assert report["total_bytes"] == sum(t["bytes"] for t in report["tensors"])
     write_checkpoint(tmp_path / "q", "tiny-dspark", nvfp4=True)
+    # what load_drafter's default places on this process's devices, by batch: here (whatever runs this) an H100's
+    h100 = "NVIDIA H100 80GB HBM3"
+    pretend = dataclasses.replace(process_platform(), kind=h100, tuning=TUNING[h100])
+    monkeypatch.setattr(dflash_jax.platform, "process_platform", lambda: pretend)
     assert main(["inspect", str(tmp_path / "q")]) == 0
     out = capsys.readouterr().out
     assert "dspark drafter, NVFP4: 17 packed linear weights" in out
-    # what load_drafter's default places here, at every batch (a CPU: no measured entry)
-    assert "  weights_auto           dequantized at every batch (cpu has no measured entry)\n" in out
+    assert f"  weights_auto           packed up to batch 1, dequantized beyond (the {h100} entry)\n" in out
+    assert main(["inspect", "--json", str(tmp_path / "q")]) == 0
+    assert json.loads(capsys.readouterr().out)["resolved"]["weights_auto"].startswith("packed up to batch 1, ")
 
 
 def test_names_the_terminal_cannot_print_are_escaped(tmp_path, capsys):

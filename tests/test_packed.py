@@ -319,7 +319,8 @@ def test_fp8_checkpoints_load_in_both_modes(checkpoints):
     from ._io import load_file
 
     tensors = load_file(checkpoints / "fp8" / "model.safetensors")
-    plain, packed = load_drafter(checkpoints / "fp8"), load_drafter(checkpoints / "fp8", weights="packed")
+    plain = load_drafter(checkpoints / "fp8", weights="dequantized")
+    packed = load_drafter(checkpoints / "fp8", weights="packed")
     for name in ("fc.weight", "layers.1.mlp.down_proj.weight", "layers.0.mlp_conv.kernel_projection.weight",
                  "candidate_selector.hidden_projection.weight"):
         path = [int(k) if k.isdigit() else k for k in name.split(".")]
@@ -344,7 +345,7 @@ def _at_keys(params, keys):
 def test_parameter_bytes(checkpoints):
     """`Drafter.param_bytes`: NVFP4 linears at 0.5625 bytes per weight plus 4, everything else at the dtype."""
     packed = load_drafter(checkpoints / "dflash", weights="packed")
-    plain = load_drafter(checkpoints / "dflash")
+    plain = load_drafter(checkpoints / "dflash", weights="dequantized")
     shapes = [x.shape for x in jax.tree.leaves(packed.params, is_leaf=is_quantized) if is_quantized(x)]
     linear = sum(math.prod(s) for s in shapes)
     others = sum(x.size for x in jax.tree.leaves(plain.params)) - linear
@@ -378,10 +379,11 @@ def test_auto_weights_follow_the_device_entry():
 
 
 def test_auto_is_the_default_and_says_what_it_placed(checkpoints, caplog, monkeypatch):
-    """The default load of a quantized checkpoint is `weights="auto"` for batch 1: on this CPU dequantized; on an
+    """The default load of a quantized checkpoint is `weights="auto"` for batch 1: on a CPU dequantized; on an
     H100 (its entry, the placement as on this CPU) packed at batch 1 and dequantized at batch 8. The form and why
     are stated in the log line and the drafter's repr; a BF16 checkpoint states none."""
     caplog.set_level(logging.INFO, logger="dflash_jax")
+    monkeypatch.setattr(dflash_jax.loader, "platform_of", lambda *where: _platform("cpu"))  # whatever runs this
     here = load_drafter(checkpoints / "dflash")
     assert here.weights == "dequantized (auto, batch 1)" and not any(map(is_quantized, jax.tree.leaves(here.params)))
     assert "15 quantized tensors placed dequantized (weights='auto' for batch 1: cpu has no measured entry)" in (
