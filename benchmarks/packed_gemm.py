@@ -5,7 +5,8 @@ weight (the NVFP4 weight's values requantized per tensor) through `fp8.matmul`'s
 conversion inside XLA's GEMM, the scale after it) and its dequantize-then-dot reference ("xla"), and the same NVFP4
 weight with its codes stored one E4M3 byte each beside its block scales ("nvfp4 fp8": `nvfp4.Fp8Codes`, the form
 of `load_drafter(weights="fp8")`; XLA's dot of the weight it dequantizes, the same products as "xla packed"; "nvfp4
-fp8 repeat": the same with the scales repeated along K rather than the codes split into blocks).
+fp8 repeat": the same with the scales repeated along K rather than the codes split into blocks; "nvfp4 fp8 blocked":
+the weight left in blocks, the dot contracting them).
 
 Shapes: Qwen3-8B-DFlash-b16's projections (q, k/v, o, gate/up, down, fc), one of the Qwen3.6-35B-A3B drafter's
 (gate/up) and the Nemotron 3.5 Lightning drafters' NVFP4 ones (gate/up, down, fc; `--shapes` picks), at M = 16, 32,
@@ -101,6 +102,15 @@ def repeated_scales_product(x: jax.Array, w: nvfp4.Fp8Codes) -> jax.Array:
     return weight_dot(x, (w.codes.astype(jnp.float32) * block_scale).astype(w.dtype), x.dtype)
 
 
+def blocked_product(x: jax.Array, w: nvfp4.Fp8Codes) -> jax.Array:
+    """`Fp8Codes.apply` with nothing reshaped after the scales: the weight made as `[N, K/16, 16]` and x viewed so,
+    the dot contracting both (the same products; a third shape a GEMM fusion may take)."""
+    n, k = w.shape
+    blocks = w.codes.astype(jnp.float32).reshape(n, k // 16, 16)  # [N, K/16, 16]
+    weight = (blocks * (w.scale.astype(jnp.float32) * w.scale_2)[..., None]).astype(w.dtype)
+    return jnp.einsum("mbj,nbj->mn", x.reshape(-1, k // 16, 16), weight, preferred_element_type=x.dtype)
+
+
 def to_fp8(w: jax.Array) -> fp8.Fp8:
     """A bf16 weight as ModelOpt FP8 per tensor (scale amax / 448), made on the device."""
     scale = jnp.max(jnp.abs(w.astype(jnp.float32))) / fp8.FP8_MAX
@@ -118,6 +128,7 @@ def variants(sweep: bool) -> dict:
         "xla f4": ("packed", f4_product),
         "nvfp4 fp8": ("fp8 codes", lambda x, w: w.apply(x, jnp.bfloat16)),
         "nvfp4 fp8 repeat": ("fp8 codes", repeated_scales_product),
+        "nvfp4 fp8 blocked": ("fp8 codes", blocked_product),
         "fp8 scaled": ("fp8", lambda x, w: fp8.matmul(x, w, backend="scaled")),
         "fp8 xla": ("fp8", lambda x, w: fp8.matmul(x, w, backend="xla")),
     }

@@ -117,9 +117,9 @@ def test_packed_gemm_small(monkeypatch, tmp_path):
     run_script(monkeypatch, "packed_gemm", "--small", "--iters", "1", "--trace", "--json", str(out))
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert all(r["kernel_us"] is None for r in rows.values())  # a CPU's trace holds no device events
-    assert set(rows) == {"xla packed", "xla bf16", "mosaic", "xla f4", "nvfp4 fp8", "nvfp4 fp8 repeat", "fp8 scaled",
-                         "fp8 xla"}
-    for name in ("nvfp4 fp8", "nvfp4 fp8 repeat"):  # the FP8-stored codes: the same weight, the same dot
+    fp8_stored = ("nvfp4 fp8", "nvfp4 fp8 repeat", "nvfp4 fp8 blocked")
+    assert set(rows) == {"xla packed", "xla bf16", "mosaic", "xla f4", *fp8_stored, "fp8 scaled", "fp8 xla"}
+    for name in fp8_stored:  # the FP8-stored codes: the same weight, the same dot
         assert rows[name]["identical_to_xla_packed"] == 1.0
     assert rows["xla packed"]["bytes"] < rows["nvfp4 fp8"]["bytes"] < rows["xla bf16"]["bytes"]
     assert rows["xla f4"]["max_diff"] < 2.0**-6  # it rounds the weight nowhere, the XLA packed path once
