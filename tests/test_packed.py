@@ -45,6 +45,7 @@ from dflash_jax.tuning import TUNING
 
 from ._drafters import features
 from ._io import rewrite_tensors
+from ._pallas import needs_gpu
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float64)
 RNG = np.random.default_rng(24)
@@ -167,6 +168,23 @@ def test_fp8_codes_give_the_dequantized_weights_products_bit_for_bit(dtype):
     one = nvfp4.Fp8Codes(jnp.full((1, 16), code, jnp.float8_e4m3fn), jnp.full((1, 1), block, jnp.float8_e4m3fn),
                          jnp.float32(scale_2), jnp.float32)
     assert float(one.dequantize()[0, 0]) == code * (block * scale_2) != (code * block) * scale_2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp8_codes_products_on_the_gpu():
+    """On the GPU, where XLA may fuse the weight's dequantization into its GEMM (and sum in another order than the
+    dot of the dequantized weight): the products at a Nemotron drafter's fc shape, M = 16 and 128, float32 out,
+    within the float32 accumulation bound of the dequantized weight's, |error| <= K * 2^-24 * (|x| @ |W|.T)."""
+    w = random_packed(2688, 16128)
+    form, weight = nvfp4.Fp8Codes.from_packed(w), w.dequantize()
+    for m in (16, 128):
+        x = jnp.asarray(RNG.standard_normal((m, 16128)), jnp.bfloat16)
+        got = jax.jit(lambda x, w: w.apply(x, jnp.float32))(x, form)
+        want = jax.jit(weight_dot, static_argnums=2)(x, weight, jnp.float32)
+        x64, w64 = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+        bound = 16128 * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T)
+        assert np.all(np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64)) <= 2 * bound), m
 
 
 def test_bad_fp8_codes_leaves_are_refused():
