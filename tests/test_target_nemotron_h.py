@@ -209,19 +209,19 @@ def test_the_mixed_export_loads_as_its_numpy_dequantization_with_w8a8_inputs(mix
     3.3 (of logits up to 3.8, the writer's uncalibrated input_scale 0.05): the scales are applied, not dropped."""
     _, quantized, dequantized, tensors = mixed
     mamba = quantized.params["layers"][0]["mixer"]
-    assert mamba["in_proj"]["input_scale"].dtype == jnp.float32 and "input_scale" in mamba["out_proj"]
+    assert mamba["in_proj_x"]["input_scale"].dtype == jnp.float32 and "input_scale" in mamba["out_proj"]
     experts = quantized.params["layers"][1]["mixer"]["experts"]
     np.testing.assert_array_equal(np.asarray(experts["up_proj"]), np.stack(
         [_numpy_dequantized(tensors)[f"backbone.layers.1.mixer.experts.{e}.up_proj.weight"] for e in range(8)]))
     np.testing.assert_array_equal(np.asarray(quantized.lm_head), _numpy_dequantized(tensors)["lm_head.weight"])
 
-    scales = {i: {proj: float(tensors[f"backbone.layers.{i}.mixer.{proj}.input_scale"]) for proj in
-                  ("in_proj", "out_proj")} for i in quantized.config.blocks("linear_attention")}
     layers = list(dequantized.params["layers"])
-    for i, by_proj in scales.items():
+    for i in quantized.config.blocks("linear_attention"):
         mixer = dict(layers[i]["mixer"])
-        for proj, s in by_proj.items():
-            mixer[proj] = {**mixer[proj], "input_scale": jnp.float32(s)}
+        for proj in ("in_proj", "out_proj"):  # the sections of `in_proj` each read its input scale
+            s = jnp.float32(tensors[f"backbone.layers.{i}.mixer.{proj}.input_scale"])
+            for part in [p for p in mixer if p.startswith(proj)]:
+                mixer[part] = {**mixer[part], "input_scale": s}
         layers[i] = {**layers[i], "mixer": mixer}
     with_scales = dataclasses.replace(dequantized, params={**dequantized.params, "layers": tuple(layers)})
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 12)), jnp.int32)
