@@ -323,3 +323,44 @@ def test_a_quantized_tensor_with_scales_of_another_shape_is_named(mixed, tmp_pat
                                                           .repeat(2)}))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         load_target(tmp_path / "bad")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2+ CUDA GPUs")
+def test_mamba_split_over_every_gpu(tmp_path):
+    """Tensor-parallel over all the GPUs (2, 4 or 8: every one a divisor of the 8 groups, B and C split by group;
+    float32, so that greedy tokens are exact): prefill and a verify agree with one GPU, the verify program gathers
+    no Mamba projection (each GPU reads only its heads' and groups' rows), and speculative decoding on the mesh
+    returns the mesh's own greedy tokens."""
+    from dflash_jax.target.nemotron_h_config import parse_nemotron_h_config
+    from dflash_jax.target.nemotron_h_target import _forward, random_nemotron_h
+
+    with open(os.path.join(DATA, "moe", "config.json")) as f:  # 16 Mamba heads of 5, 8 groups of state 12
+        raw = json.load(f) | {"num_attention_heads": 8, "mamba_num_heads": 16, "mamba_head_dim": 5, "n_groups": 8,
+                              "ssm_state_size": 12}
+    single = random_nemotron_h(parse_nemotron_h_config(raw, source="gpu test"), seed=1, dtype=jnp.float32)
+    mesh = jax.make_mesh((1, jax.device_count()), ("data", "model"))
+    target = single.shard(mesh)
+    mixer = target.params["layers"][0]["mixer"]
+    assert mixer["in_proj_x"]["weight"].addressable_shards[0].data.shape[0] == 80 // jax.device_count()
+    assert mixer["in_proj_b"]["weight"].addressable_shards[0].data.shape[0] == 96 // jax.device_count()
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 40)), jnp.int32)
+    lengths = jnp.asarray([40, 23], jnp.int32)
+    outs = []
+    for t in (single, target):
+        out = t.prefill(prompts, t.init_cache(2, 64), lengths, chunk=16)
+        block = t(prompts[:, :5], out.cache, lengths)
+        outs.append([out.logits, block.logits])
+    for a, b in zip(*outs):  # sums in another order across devices (4e-6 on the CPU, the mesh test above)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-3, rtol=0)
+    cache = target.init_cache(2, 64)
+    hlo = _forward.lower(target, prompts[:, :5], (cache.k, cache.v), cache.mamba, lengths, ()).compile().as_text()
+    H = target.config.hidden_size
+    whole = (f"[80,{H}]", f"[96,{H}]", f"[16,{H}]", f"[{H},80]")  # x / z, B / C, dt, out_proj weights, gathered
+    gathered = [line for line in hlo.splitlines() if " all-gather" in line and any(w in line for w in whole)]
+    assert not gathered, gathered[:3]
+    write_checkpoint(tmp_path, "tiny-nemotron-dspark")
+    drafter = load_drafter(tmp_path, mesh=mesh, dtype=jnp.float32)
+    rows = [prompts[0].tolist(), prompts[1, :23].tolist()]
+    greedy = greedy_generate(target, rows, max_new_tokens=8).tokens
+    assert speculative_generate(target, drafter, rows, max_new_tokens=8).tokens == greedy

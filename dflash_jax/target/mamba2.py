@@ -198,7 +198,7 @@ def _conv_states(inputs: jax.Array, after: jax.Array, taps: int) -> jax.Array:
     return jax.vmap(lambda rows, i: rows[i])(inputs, index).swapaxes(-1, -2)
 
 
-def _project(x: jax.Array, p: Mapping[str, Any]) -> jax.Array:
+def _project(x: jax.Array, p: dict[str, Any]) -> jax.Array:
     """`x [..., H] @ p.weight.T` in x's dtype, the input rounded as an FP8 W8A8 kernel reads it where `p` has an
     `input_scale` (`layers.static_fp8_input`)."""
     return weight_dot(static_fp8_input(x, p), p["weight"], x.dtype)
