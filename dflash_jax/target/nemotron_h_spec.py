@@ -20,27 +20,29 @@ the tensor axis, EMBED and unnamed axes nowhere):
   expert's width split, every device a slice of every expert); the router's weight and correction bias
   replicated (the choice must be the same on every device);
 - embedding and LM head by the vocabulary; norms replicated;
-- the Mamba-2 mixer by head. Checkpoints store `in_proj`'s output rows as five sections, `[z (d_inner) | x
-  (d_inner) | B (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels (weight and bias) as three, `x | B | C`: a
-  contiguous split of the stored rows would hand a device a slice of z and x but none of B, C or dt. So the tree
-  holds the sections as tensors of their own (`IN_PROJ`, `CONV`, `CONV_BIAS`: `in_proj_{z,x,b,c,dt}`,
-  `conv1d_{x,b,c}`, read as row ranges of the stored tensor by `NemotronHTarget.views`, every device reading only
-  its rows; the mixer, `mamba2.mixer`, takes the parts). z, x, dt, the conv's x channels, `dt_bias`, `A_log`, `D`
-  and the gated norm's weight split by Mamba head (`HEADS`), B and C (projection rows and conv channels) by group
-  (`GROUPS`), `out_proj` by input (an all-reduce after it, as after attention's `o_proj`). Device d then holds heads
-  `[d nh / tp, (d + 1) nh / tp)`, whose groups (head h reads group `h // (nh / G)`) are its own B / C groups: no
-  device computes another's heads. The gated norm normalises each group's `d_inner / G` channels (transformers'
-  `MambaRMSNormGated`, `group_size = d_inner / n_groups`), which are its heads' channels, so it stays within a
-  device. Where the tensor axis has more devices than `n_groups` (a multiple of it), B and C are kept whole on
-  every device (`Layout.split_groups` false, as KV heads are), each device's heads reading their one group and a
-  norm group spanning `tp / G` devices (a sum across them). `NemotronHTarget.layout_for` needs the tensor axis to
-  divide `mamba_num_heads` and to divide or be a multiple of `n_groups` (`ConfigError` naming the field). The
-  cache state splits with its tensors: the conv state's x part by head and its B / C parts by group
-  (`MAMBA_CONV_AXES`), the SSM state by head (`MAMBA_SSM_AXES`), each by the batch too.
+- the Mamba-2 mixer by head. Checkpoints store `in_proj`'s output rows as five sections, `[z (d_inner) | x (d_inner) | B
+  (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels (weight and bias) as three, `x | B | C`: a contiguous split of
+  the stored rows would hand a device a slice of z and x but none of B, C or dt. So the tree holds the sections as
+  tensors of their own (`IN_PROJ`, `CONV`, `CONV_BIAS`: `in_proj_{z,x,b,c,dt}`, `conv1d_{x,b,c}`, read as row ranges of
+  the stored tensor by `NemotronHTarget.views`, every device reading only its rows; the mixer, `mamba2.mixer`, takes the
+  parts). z, x, dt, the conv's x channels, `dt_bias`, `A_log`, `D` and the gated norm's weight split by Mamba head
+  (`HEADS`), B and C (projection rows and conv channels) by group (`GROUPS`), `out_proj` by input (an all-reduce after
+  it, as after attention's `o_proj`). Device d then holds heads `[d nh / tp, (d + 1) nh / tp)`, whose groups (head h
+  reads group `h // (nh / G)`) are its own B / C groups: no device computes another's heads. The gated norm normalises
+  each group's `d_inner / G` channels (transformers' `MambaRMSNormGated`, `group_size = d_inner / n_groups`), which are
+  its heads' channels, so it stays within a device. Where the tensor axis has more devices than `n_groups` (a multiple
+  of it), B and C are kept whole on every device (`Layout.split_groups` false, as KV heads are), each device's heads
+  reading their one group and a norm group spanning `tp / G` devices (a sum across them; compiled on 8 CPU devices, tp 4
+  over 2 groups, the mixer also gathers the B / C conv states, G N channels by K - 1 taps, where tp 2 has out_proj's
+  all-reduce alone). `NemotronHTarget.layout_for` needs the tensor axis to divide `mamba_num_heads` and to divide or be
+  a multiple of `n_groups` (`ConfigError` naming the field). The cache state splits with its tensors: the conv state's x
+  part by head and its B / C parts by group (`MAMBA_CONV_AXES`), the SSM state by head (`MAMBA_SSM_AXES`), each by the
+  batch too.
 
 Kinds: the projections `spec.LINEAR` (stored float, or quantized as ModelOpt's `MIXED_PRECISION` export of the
 released NVFP4 target stores them: Mamba `in_proj` / `out_proj` FP8 W8A8, the routed and shared experts'
-`up_proj` / `down_proj` and `lm_head` W4A16 NVFP4; `NemotronHTarget.stored_plan` reads that layout), the router's
+`up_proj` / `down_proj` and `lm_head` W4A16 NVFP4; `NemotronHTarget.stored_plan` reads that layout; an FP8
+`in_proj`'s sections are FP8 tensors of its rows with its per-tensor scales, `views.TensorViews.split`), the router's
 weight and correction bias `spec.FLOAT32` (kept float32 in a bfloat16 load, as transformers'
 `DeepseekV3TopkRouter` computes in float32 with a float32 bias buffer, and vLLM: the bias steers the choice of
 experts in steps finer than bfloat16 resolves), every other tensor `spec.FLOAT`.
