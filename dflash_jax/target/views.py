@@ -139,7 +139,7 @@ class TensorViews(Checkpoint):
             if isinstance(how, _Rows):
                 form = f"which holds it as its [{how.start}:{how.start + shape[how.axis]}] along dim {how.axis}"
             elif isinstance(how, _Same):
-                form = "the scale of the fused tensor it is part of"
+                form = "the per-tensor scale of the fused tensor, which holds for each of its parts"
             else:
                 form = f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, stacks into it"
             self.refuse_twice(name, source.name, form)
