@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Adaptive", "StepCosts", "History", "Probing", "DEFAULT_LENGTHS", "choose_length", "expected_tokens",
-           "longest_gap"]
+           "probe_gaps", "first_length"]
 
 DEFAULT_LENGTHS = (0, 3, 7)  # and the drafter's K: verify rows 1, 4, 8, K + 1
 
@@ -175,10 +175,13 @@ class Calibration:
     `steps` steps and of twice as many, `repeats` times each, timed by `clock` (seconds); the difference of the
     fastest of each is the steps' own time, without what a call of the decode program costs on its own. Measured
     on an H200 (docs/benchmarks.md): 3 steps once gave K-draft steps cheaper than plain ones (one slow call early
-    in the run); 6 steps, fastest of 2, stay within 5% of the steps' times in the decode."""
+    in the run); 6 steps, fastest of 2, stay within 5% of the steps' times in the decode. When: only in a run whose
+    measurement would cost at most `share` of its time (`worth`); the others choose by the predicted costs
+    (`step_cost_model`) throughout."""
 
     steps: int = 6
     repeats: int = 2
+    share: float = 0.02
     clock: Callable[[], float] = time.perf_counter
     measured: dict[Hashable, StepCosts] = dataclasses.field(default_factory=dict)
     unfinished: dict[Hashable, Measurement] = dataclasses.field(default_factory=dict)
@@ -191,6 +194,19 @@ class Calibration:
                 raise ValueError(f"Calibration.{name} must be an int >= 1, got {value!r}")
         if not callable(self.clock):
             raise TypeError(f"Calibration.clock must be a function returning seconds, got {self.clock!r}")
+        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) \
+                or not (math.isfinite(self.share) and self.share > 0):
+            raise ValueError(f"Calibration.share must be a number > 0, got {self.share!r}")
+
+    def worth(self, predicted: StepCosts, tokens: int) -> bool:
+        """Whether a run of `tokens` new tokens measures: the steps it forces (at each length one untimed step,
+        then `repeats` calls of `steps` and of twice as many) cost, if no draft were accepted, at most `share` of
+        the run's time at plain steps (`predicted`: the costs the run chooses by otherwise). On an H100 with the
+        Qwen3-8B shapes (17-draft steps 1.4 plain ones, docs/benchmarks.md) a run of about 1800 tokens measures, at 3 and 7 drafts 1.25 and 1.3 plain steps."""
+        forced = 1 + 3 * self.steps * self.repeats
+        plain = predicted.seconds[0]
+        extra = sum(forced * (t / plain - 1) for n, t in zip(predicted.draft_lengths, predicted.seconds) if n > 0)
+        return extra <= self.share * tokens
 
     def reset(self) -> None:
         """Forget every measured cost and unfinished measurement: the next call measures anew (or reads `store`,
@@ -220,14 +236,16 @@ class Adaptive:
     """The adaptive draft-length policy of `speculative_generate(..., draft_length=Adaptive(...))` (module doc).
 
     draft_lengths: the static lengths to choose from (None: 0, 3, 7 and the drafter's K, those up to K); 0 is a
-    plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a setup and keep
-    them in `calibration` (a `Calibration` of this policy's own unless given: hold the policy, or the calibration,
-    to measure once for many calls; `"adaptive"` is a new `Adaptive()` each call, which measures in each). memory:
+    plain target step. costs: a `StepCosts` for them, or None to predict them (`step_cost_model`) and, in a run
+    long enough (`Calibration.worth`), measure them and keep them in `calibration` (a `Calibration` of this policy's
+    own unless given: hold the policy, or the calibration, to measure once for many calls; `"adaptive"` is a new
+    `Adaptive()` each call). memory:
     how much of a sequence's acceptance history a verify keeps (the rest is the new step's); prior: the acceptance
     rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps are taken only if they are
     that much faster than drafting, in proportion to the accepted drafts on record; probe_share: the share of the
-    plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them
-    (module doc, `longest_gap`); focus: how much the choice serves the sequences the batch will wait for, the
+    plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them;
+    early_probe_share: the share probes soon after a verify may cost, which sets the first gap and the budget's
+    rest a probe needs (module doc, `probe_gaps`); focus: how much the choice serves the sequences the batch will wait for, the
     exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large values serve
     only the slowest).
     """
@@ -238,6 +256,7 @@ class Adaptive:
     prior: float = 0.5
     margin: float = 0.1
     probe_share: float = 0.005
+    early_probe_share: float = 0.02
     focus: float = 8.0
     calibration: Calibration = dataclasses.field(default_factory=Calibration, compare=False, repr=False)
 
@@ -253,6 +272,7 @@ class Adaptive:
         _fraction("prior", self.prior, True)
         _fraction("margin", self.margin, False)
         _fraction("probe_share", self.probe_share, True)
+        _fraction("early_probe_share", self.early_probe_share, True)
         if isinstance(self.focus, bool) or not isinstance(self.focus, (int, float)) \
                 or not (math.isfinite(self.focus) and 0 <= self.focus <= 64):
             raise ValueError(f"Adaptive.focus must be a number in [0, 64], got {self.focus!r}")
@@ -316,16 +336,21 @@ class History:
         return History(mix(self.hits, hits), mix(self.tries, tries), mix(self.predicted, predicted),
                        mix(self.run_hits, hits, 1.0), mix(self.run_tries, tries, 1.0))
 
+    def right(self, live: jax.Array) -> jax.Array:
+        """`[]` float32: the accepted drafts on record of the `live` `[batch]` sequences, up to 1."""
+        return jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
+
     def margin(self, margin: float | jax.Array, live: jax.Array) -> jax.Array:
         """`[]` `Adaptive.margin` in proportion to the accepted drafts on record of the `live` `[batch]` sequences,
         in full from one on: no hysteresis for a drafter that has not been right (module doc)."""
-        return margin * jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
+        return margin * self.right(live)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Probing:
-    """When a batch on plain steps drafts again (module doc): after `gap` plain steps (each `[]` int32)."""
+    """When a batch on plain steps drafts again (module doc): after `gap` plain steps (each `[]` int32), if the
+    budget's rest can repay a probe."""
 
     gap: jax.Array  # plain steps from the last verify to the next probe
     idle: jax.Array  # plain steps since the last verify
@@ -334,28 +359,54 @@ class Probing:
     def start() -> Probing:
         return Probing(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
 
-    def due(self) -> jax.Array:
-        """`[]` bool: the next step drafts."""
-        return self.idle >= self.gap
+    def due(self, left: jax.Array, first: jax.Array) -> jax.Array:
+        """`[]` bool: the next step drafts: the gap is over and `left` (`[]`, the most tokens a running sequence
+        has left) is at least `first` (`probe_gaps`): a probe with fewer plain steps left to repay it is not taken."""
+        return (self.idle >= self.gap) & (left >= first)
 
     def after_plain(self) -> Probing:
         return Probing(self.gap, self.idle + 1)
 
-    def after_verify(self, plain_next: jax.Array, longest: jax.Array) -> Probing:
-        """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to `longest`, if the
-        verify was a probe (plain steps before it), and starts again at 1 if it ended a run of verifies."""
+    def after_verify(self, plain_next: jax.Array, gaps: tuple[jax.Array, jax.Array], right: jax.Array) -> Probing:
+        """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to the longest, if
+        the verify was a probe (plain steps before it), and starts again if it ended a run of verifies: at 1 if the
+        drafter has been `right` (`[]` bool: accepted drafts on record), else at the first gap (`gaps`: the first
+        and the longest, `probe_gaps`)."""
+        first, longest = gaps
         probe = self.idle > 0
         doubled = jnp.minimum(2 * self.gap, longest)
-        gap = jnp.where(plain_next, jnp.where(probe, doubled, 1), self.gap)
+        gap = jnp.where(plain_next, jnp.where(probe, doubled, jnp.where(right, 1, first)), self.gap)
         return Probing(gap.astype(jnp.int32), jnp.zeros_like(self.idle))
 
 
-def longest_gap(seconds: jax.Array, share: float | jax.Array) -> jax.Array:
-    """`[]` int32: the most plain steps between probes, `c / share` for a probe costing `c = seconds[1] / seconds[0]
-    - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0, l_1), so that a drafter that keeps
-    failing costs at most `share` of the plain steps' time in probes; at least 1, at most 2**20."""
+def probe_gaps(seconds: jax.Array, share: float | jax.Array, early_share: float | jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """`([], [])` int32: the first and the most plain steps between probes, `c / early_share` and `c / share` for a
+    probe costing `c = seconds[1] / seconds[0] - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting
+    0, l_1): probes soon after the drafter was verified cost at most `early_share` of the plain steps' time, and a
+    drafter that keeps failing at most `share`; each at least 1, the longest at most 2**20, the first at most the
+    longest."""
     extra = seconds[1] / seconds[0] - 1.0
-    return jnp.clip(jnp.ceil(extra / share), 1, 2**20).astype(jnp.int32)
+    longest = jnp.clip(jnp.ceil(extra / share), 1.0, 2.0**20)
+    first = jnp.clip(jnp.ceil(extra / early_share), 1.0, longest)
+    return first.astype(jnp.int32), longest.astype(jnp.int32)
+
+
+def first_length(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) -> jax.Array:
+    """`[]` int32: the index into `lengths` (nonzero; `lengths[-1]` the drafter's K) of the first step's verify,
+    with `left` (`[]`) tokens to make and nothing known of the drafter: the one whose worse case is best (module
+    doc, "The first step"). Never accepted, a step of l drafts costs `seconds(l)` for one token where greedy
+    decoding's costs `seconds(0)`: `left / (left - 1 + seconds(l) / seconds(0))` of greedy's speed. Always
+    accepted, it makes l + 1 tokens and K-draft steps the rest: the fixed length's time over this, at most 1."""
+    tokens = jnp.maximum(left, 1).astype(jnp.float32)
+    longest, K = seconds[-1], lengths[-1]
+    fixed = jnp.ceil(tokens / (K + 1)) * longest
+    rows = []
+    for i, n in enumerate(lengths):
+        never = tokens / (tokens - 1 + seconds[i] / seconds[0])
+        always = fixed / (seconds[i] + jnp.ceil(jnp.maximum(tokens - n - 1, 0) / (K + 1)) * longest)
+        rows.append(jnp.where(n > 0, jnp.minimum(never, jnp.minimum(always, 1.0)), -jnp.inf))
+    return jnp.argmax(jnp.stack(rows)).astype(jnp.int32)
 
 
 def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array) -> jax.Array:
