@@ -147,7 +147,7 @@ def main() -> None:
                         help="seconds (any unit) of a step verifying each of --lengths drafts")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--setups", nargs="+", default=None,
-                        help=f"measured setups' costs instead of --seconds and --batch: 'all' or names of {list(SETUPS)}")
+                        help=f"measured setups' costs instead of --seconds, --batch: 'all' or some of {list(SETUPS)}")
     parser.add_argument("--max-new", type=int, nargs="+", default=[384])
     parser.add_argument("--switch-every", type=int, default=128)
     parser.add_argument("--focus", type=float, nargs="+", default=[0.0, 2.0, 8.0, 64.0])

@@ -202,7 +202,8 @@ class Calibration:
         """Whether a run of `tokens` new tokens measures: the steps it forces (at each length one untimed step,
         then `repeats` calls of `steps` and of twice as many) cost, if no draft were accepted, at most `share` of
         the run's time at plain steps (`predicted`: the costs the run chooses by otherwise). On an H100 with the
-        Qwen3-8B shapes (17-draft steps 1.4 plain ones, docs/benchmarks.md) a run of about 1800 tokens measures, at 3 and 7 drafts 1.25 and 1.3 plain steps."""
+        Qwen3-8B shapes (17-draft steps 1.4 plain ones, docs/benchmarks.md; 3 and 7 drafts if 1.25 and 1.3) a run
+        of about 1800 tokens measures."""
         forced = 1 + 3 * self.steps * self.repeats
         plain = predicted.seconds[0]
         extra = sum(forced * (t / plain - 1) for n, t in zip(predicted.draft_lengths, predicted.seconds) if n > 0)
@@ -245,9 +246,9 @@ class Adaptive:
     that much faster than drafting, in proportion to the accepted drafts on record; probe_share: the share of the
     plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them;
     early_probe_share: the share probes soon after a verify may cost, which sets the first gap and the budget's
-    rest a probe needs (module doc, `probe_gaps`); focus: how much the choice serves the sequences the batch will wait for, the
-    exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large values serve
-    only the slowest).
+    rest a probe needs (module doc, `probe_gaps`); focus: how much the choice serves the sequences the batch will
+    wait for, the exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large
+    values serve only the slowest).
     """
 
     draft_lengths: tuple[int, ...] | None = None

@@ -429,7 +429,7 @@ def speculative_generate(
                                 until, settings, sampling=sampled, attention=attention, policy=policy,
                                 report=progress is not None)
 
-        if adaptive is not None and predicted is not None:  # the run measures only where the measurement costs little of its time
+        if adaptive is not None and predicted is not None:  # measured only where that costs little of the run
             if adaptive.calibration.worth(predicted, max_new_tokens):
                 state, costs = calibrate(run, state, policy, batch, device, adaptive.calibration, setup)
             costs = costs or predicted
