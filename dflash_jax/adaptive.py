@@ -46,7 +46,19 @@ the batch probes after `gap` plain steps, `gap` starting at 1 when a run of veri
 probe that finds drafting still not paying, up to `G = c / Adaptive.probe_share`, where probes cost that share
 (0.5%) of the plain steps' time. A drafter that is never right then costs about `log2(G) + N / G` probes in `N`
 plain steps, and one that becomes right again is measured within `G` plain steps. The evidence of failed probes
-accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps.
+accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps. Starting at
+1 is for a drafter that has been right (accepted drafts on record): one that has not has no moment when a change
+is likeliest, and its gaps start at `c / Adaptive.early_probe_share` (2%: a probe costing 2 plain steps waits 100,
+where gaps from 1 spent 7 probes, 14 plain steps' time, in a 128-token run). And a probe is taken only while a
+running sequence has at least that many tokens left: a probe that cannot repay its cost before the budget ends is
+not worth taking (`probe_gaps`, `Probing.due`).
+
+The first step (`first_length`): nothing is known of the drafter, and the verify length must serve both extremes
+in a short run: a never-accepted drafter loses `seconds(l) / seconds(0) - 1` plain steps on it, and an
+always-accepted one needs more steps than the fixed length's if it verifies fewer than K drafts (31 tokens are two
+17-token steps). The length taken is the one whose worse ratio (to greedy's speed if never accepted, to the fixed
+length's if always) is best: K where verifies are cheap (dense targets), shorter where a K-draft verify costs many
+plain steps (a MoE target at batch 8).
 
 Stopping drafting costs the policy its view of the drafter until the next probe, so a sequence that verified
 drafts at its last step turns to plain steps only when their rate beats drafting's by `Adaptive.margin` (10%),
@@ -60,9 +72,12 @@ few more target rows cost little, and a verify is what updates the history (a po
 nothing would learn nothing and draft again).
 
 Costs (`StepCosts`): seconds of a whole decode step at each length for this target, drafter, batch, cache and
-device, measured by `speculative_generate` on its first run of a kind (a few real decode steps at each length,
-timed; their tokens are part of the output) and kept by the policy's `Calibration`, by what determines them, or
-given by the user.
+device: given by the user; else measured earlier and kept by the policy's `Calibration` (or its `CostStore`);
+else predicted before the first step from what a step reads and computes at the device's rates
+(`step_cost_model`: only their ratios matter to the choice), and measured on the run (a few real decode steps at
+each length, timed; their tokens are part of the output) where the measurement's forced steps cost at most
+`Calibration.share` (2%) of the run (`Calibration.worth`): runs of a few hundred tokens choose by the prediction
+throughout, from the first step.
 """
 
 from __future__ import annotations
@@ -110,9 +125,9 @@ class StepCosts:
 
     `seconds[i]`: a step verifying `draft_lengths[i]` drafts and drafting the next proposal; for a length 0, a
     plain target step (one token, no drafting). `device`: the device kind the times were taken on
-    (`jax.devices()[0].device_kind`). Measured by `speculative_generate` on its first run of a setup
-    (`Adaptive(costs=None)`), or given by hand for a known setup. Times taken at one context length stand for the
-    whole run.
+    (`jax.devices()[0].device_kind`). Predicted by `speculative_generate` from the models and the device
+    (`step_cost_model`), measured on a run long enough (`Adaptive(costs=None)`, `Calibration.worth`), or given by
+    hand for a known setup. Times taken at one context length stand for the whole run.
     """
 
     draft_lengths: tuple[int, ...]

@@ -20,7 +20,8 @@ The acceptance rule (greedy, and the standard speculative-sampling rule at T > 0
 How many drafts a step verifies (`dflash_jax.draft_policy`): `draft_length="fixed"`, all K; an int n, n;
 `"adaptive"` (the default at temperature 0, `DRAFT_LENGTH`) or an `Adaptive`, one of a few static lengths (0: a
 plain target step, no drafting) chosen per step for the most progress per second of the sequences the batch will
-wait for (for one sequence: the most expected tokens per second) from measured step costs, the drafter's confidences
+wait for (for one sequence: the most expected tokens per second) from step costs (predicted from the models and the
+device from the first step, measured in a long run: `dflash_jax.step_cost_model`), the drafter's confidences
 and each sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as
 past a confidence cut. A plain step's context row waits in a buffer (`_State.pending`) until the next drafting step
 or until the buffer is full, and then enters the drafter's cache with the other waiting rows in one `append_context`
@@ -377,8 +378,9 @@ def speculative_generate(
     `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused (ValueError) unless
     `beyond_max_positions`. `draft_length` (`dflash_jax.draft_policy`): "adaptive" (a new `Adaptive()`: per step,
     as many drafts as make the most progress per second for the sequences the batch waits for, none included, from
-    step costs it measures in this call; `dflash_jax.adaptive`), an `Adaptive` (other settings, given costs, or
-    costs it measured in an earlier call of the same setup and keeps in its `calibration`), "fixed" (every step
+    step costs predicted from the models and the device, and measured in this call if it is long enough;
+    `dflash_jax.adaptive`), an `Adaptive` (other settings, given costs, or costs it measured in an earlier call of
+    the same setup and keeps in its `calibration`), "fixed" (every step
     verifies all of the drafter's drafts) or an int n in [1, K] (every step verifies n); None: `DRAFT_LENGTH`
     ("adaptive") at temperature 0, "fixed" above it. Sampled, the tokens a key draws depend on the lengths chosen
     (their distribution does not), and the adaptive lengths on step times measured in the run: by default a key
