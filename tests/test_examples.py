@@ -34,5 +34,6 @@ def test_speculative_decoding_example(monkeypatch, capsys):
     assert acceptance["successor target, DSpark drafter walking it"] > 4
     # the adaptive run chooses by the predicted costs from its first step (16 tokens a prompt are too few to measure
     # them in), and the random drafter's rejected drafts turn it to plain steps
-    plain = [re.fullmatch(r"    (\d+) of \d+ tokens from plain target steps; step costs predicted", line) for line in lines]
+    line = r"    (\d+) of \d+ tokens from plain target steps; step costs predicted"
+    plain = [re.fullmatch(line, printed) for printed in lines]
     assert any(m and int(m.group(1)) > 0 for m in plain), lines
