@@ -110,7 +110,7 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
             n_out = np.where(live, n_out + 1, n_out)
             total += seconds[0]
             probing = probing.after_plain()
-            draft = bool(probing.due(jnp.asarray(np.where(n_out < budget, budget - n_out, 0).max()), gaps[0]))
+            draft = bool(probing.due(jnp.asarray(np.where(n_out < budget, budget - n_out, 0).max())))
             step += 1
             continue
         if policy is None:

@@ -50,8 +50,9 @@ accumulates (it is not faded on plain steps), so one failed probe is enough to r
 1 is for a drafter that has been right (accepted drafts on record): one that has not has no moment when a change
 is likeliest, and its gaps start at `c / Adaptive.early_probe_share` (2%: a probe costing 2 plain steps waits 100,
 where gaps from 1 spent 7 probes, 14 plain steps' time, in a 128-token run). And a probe is taken only while a
-running sequence has at least that many tokens left: a probe that cannot repay its cost before the budget ends is
-not worth taking (`probe_gaps`, `Probing.due`).
+running sequence has at least as many tokens left as the gap: a probe then costs no more of the plain steps' time
+after it than before it, and one that cannot repay its cost before the budget ends is not worth taking
+(`probe_gaps`, `Probing.due`).
 
 The first step (`first_length`): nothing is known of the drafter, and the verify length must serve both extremes
 in a short run: a never-accepted drafter loses `seconds(l) / seconds(0) - 1` plain steps on it, and an
@@ -375,10 +376,11 @@ class Probing:
     def start() -> Probing:
         return Probing(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
 
-    def due(self, left: jax.Array, first: jax.Array) -> jax.Array:
+    def due(self, left: jax.Array) -> jax.Array:
         """`[]` bool: the next step drafts: the gap is over and `left` (`[]`, the most tokens a running sequence
-        has left) is at least `first` (`probe_gaps`): a probe with fewer plain steps left to repay it is not taken."""
-        return (self.idle >= self.gap) & (left >= first)
+        has left) is at least the gap: a probe costs at most what it may of the plain steps' time after it as
+        before it, and one with fewer plain steps left to repay it is not taken."""
+        return (self.idle >= self.gap) & (left >= self.gap)
 
     def after_plain(self) -> Probing:
         return Probing(self.gap, self.idle + 1)

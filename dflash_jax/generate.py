@@ -303,7 +303,7 @@ class _Loop:
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         batch = nxt.shape[0]
         probing = s.probing.after_plain()
-        draft = probing.due(jnp.where(done, 0, s.budget - n_out).max(), self.probe_gaps()[0])
+        draft = probing.due(jnp.where(done, 0, s.budget - n_out).max())
         return self.reported(dataclasses.replace(
             s, step=s.step + 1, target_cache=self.target.commit(o.cache, advance), lengths=s.lengths + advance,
             pending=s.pending.at[jnp.arange(batch), s.num_pending].set(o.features[:, 0]),
