@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.adaptive import Adaptive, History, Probing, first_length, probe_gaps
+from dflash_jax.adaptive import Adaptive, History, Probing, first_length, probe_gaps, probe_payback
 from dflash_jax.draft_policy import Policy, Settings, resolve_draft_length
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])  # benchmarks/: adaptive.py's workload rates
@@ -110,7 +110,8 @@ def decode_seconds(agree: np.ndarray, budget: int, seconds: np.ndarray, policy: 
             n_out = np.where(live, n_out + 1, n_out)
             total += seconds[0]
             probing = probing.after_plain()
-            draft = bool(probing.due(jnp.asarray(np.where(n_out < budget, budget - n_out, 0).max())))
+            left = jnp.asarray(np.where(n_out < budget, budget - n_out, 0).max())
+            draft = bool(probing.due(probe_payback(secs, lengths, left)))
             step += 1
             continue
         if policy is None:

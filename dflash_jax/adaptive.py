@@ -46,13 +46,14 @@ the batch probes after `gap` plain steps, `gap` starting at 1 when a run of veri
 probe that finds drafting still not paying, up to `G = c / Adaptive.probe_share`, where probes cost that share
 (0.5%) of the plain steps' time. A drafter that is never right then costs about `log2(G) + N / G` probes in `N`
 plain steps, and one that becomes right again is measured within `G` plain steps. The evidence of failed probes
-accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps. Starting at
-1 is for a drafter that has been right (accepted drafts on record): one that has not has no moment when a change
-is likeliest, and its gaps start at `c / Adaptive.early_probe_share` (2%: a probe costing 2 plain steps waits 100,
-where gaps from 1 spent 7 probes, 14 plain steps' time, in a 128-token run). And a probe is taken only while a
-running sequence has at least as many tokens left as the gap: a probe then costs no more of the plain steps' time
-after it than before it, and one that cannot repay its cost before the budget ends is not worth taking
-(`probe_gaps`, `Probing.due`).
+accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps. A short
+first gap is for a drafter that has been right (accepted drafts on record): `c` plain steps (1 where probes cost
+less than a plain step), so that a probe costs at most the plain steps before it. One that has not been right has
+no moment when a change is likeliest, and its gaps start at `c / Adaptive.early_probe_share` (2%: a probe costing
+2 plain steps waits 100, where gaps from 1 spent 7 probes, 14 plain steps' time, in a 128-token run). And a probe
+is taken only where the most it could win back, the tokens left at the best saving of a drafter always right
+(`probe_payback`: nothing where even full acceptance would not beat plain steps), is at least the gap: a probe that
+cannot repay its cost before the budget ends is not worth taking (`probe_gaps`, `Probing.due`).
 
 The first step (`first_length`): nothing is known of the drafter, and the verify length must serve both extremes
 in a short run: a never-accepted drafter loses `seconds(l) / seconds(0) - 1` plain steps on it, and an
@@ -93,7 +94,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Adaptive", "StepCosts", "History", "Probing", "DEFAULT_LENGTHS", "choose_length", "expected_tokens",
-           "probe_gaps", "first_length"]
+           "probe_gaps", "probe_payback", "first_length"]
 
 DEFAULT_LENGTHS = (0, 3, 7)  # and the drafter's K: verify rows 1, 4, 8, K + 1
 
@@ -376,38 +377,51 @@ class Probing:
     def start() -> Probing:
         return Probing(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
 
-    def due(self, left: jax.Array) -> jax.Array:
-        """`[]` bool: the next step drafts: the gap is over and `left` (`[]`, the most tokens a running sequence
-        has left) is at least the gap: a probe costs at most what it may of the plain steps' time after it as
-        before it, and one with fewer plain steps left to repay it is not taken."""
-        return (self.idle >= self.gap) & (left >= self.gap)
+    def due(self, payback: jax.Array) -> jax.Array:
+        """`[]` bool: the next step drafts: the gap is over and `payback` (`[]`: the most plain steps' time a probe
+        that finds the drafter right could still save, `probe_payback`) is at least the gap: a probe costs no more
+        of the time it can save than of the plain steps' time before it."""
+        return (self.idle >= self.gap) & (payback >= self.gap.astype(jnp.float32))
 
     def after_plain(self) -> Probing:
         return Probing(self.gap, self.idle + 1)
 
-    def after_verify(self, plain_next: jax.Array, gaps: tuple[jax.Array, jax.Array], right: jax.Array) -> Probing:
+    def after_verify(self, plain_next: jax.Array, gaps: tuple[jax.Array, jax.Array, jax.Array], right: jax.Array
+                     ) -> Probing:
         """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to the longest, if
-        the verify was a probe (plain steps before it), and starts again if it ended a run of verifies: at 1 if the
-        drafter has been `right` (`[]` bool: accepted drafts on record), else at the first gap (`gaps`: the first
-        and the longest, `probe_gaps`)."""
-        first, longest = gaps
+        the verify was a probe (plain steps before it), and starts again if it ended a run of verifies: at the
+        first gap of a drafter that has been `right` (`[]` bool: accepted drafts on record) or of one that has not
+        (`gaps`: those two and the longest, `probe_gaps`)."""
+        soon, first, longest = gaps
         probe = self.idle > 0
         doubled = jnp.minimum(2 * self.gap, longest)
-        gap = jnp.where(plain_next, jnp.where(probe, doubled, jnp.where(right, 1, first)), self.gap)
+        gap = jnp.where(plain_next, jnp.where(probe, doubled, jnp.where(right, soon, first)), self.gap)
         return Probing(gap.astype(jnp.int32), jnp.zeros_like(self.idle))
 
 
 def probe_gaps(seconds: jax.Array, share: float | jax.Array, early_share: float | jax.Array
-               ) -> tuple[jax.Array, jax.Array]:
-    """`([], [])` int32: the first and the most plain steps between probes, `c / early_share` and `c / share` for a
-    probe costing `c = seconds[1] / seconds[0] - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting
-    0, l_1): probes soon after the drafter was verified cost at most `early_share` of the plain steps' time, and a
-    drafter that keeps failing at most `share`; each at least 1, the longest at most 2**20, the first at most the
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`([], [], [])` int32: the plain steps before the first probe after a drafter that has been right, before the
+    first after one that has not, and the most between probes: `c`, `c / early_share` and `c / share` for a probe
+    costing `c = seconds[1] / seconds[0] - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0,
+    l_1). A probe soon after the drafter was right costs at most the plain steps before it (1 where probes cost
+    less than a plain step); one of a drafter never right at most `early_share` of their time, and one of a drafter
+    that keeps failing at most `share`. Each at least 1, the longest at most 2**20, the others at most the
     longest."""
     extra = seconds[1] / seconds[0] - 1.0
     longest = jnp.clip(jnp.ceil(extra / share), 1.0, 2.0**20)
-    first = jnp.clip(jnp.ceil(extra / early_share), 1.0, longest)
-    return first.astype(jnp.int32), longest.astype(jnp.int32)
+    soon, first = (jnp.clip(jnp.ceil(extra / s), 1.0, longest) for s in (1.0, early_share))
+    return soon.astype(jnp.int32), first.astype(jnp.int32), longest.astype(jnp.int32)
+
+
+def probe_payback(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) -> jax.Array:
+    """`[]` float32: the most plain steps' time drafting could save on `left` (`[]`) tokens, at full acceptance
+    at the best length: `left (1 - min_l seconds(l) / ((l + 1) seconds(0)))`, at least 0 (`seconds`:
+    `StepCosts.seconds` of `lengths`, starting at 0). What a probe that finds the drafter right can win back at
+    most: nothing where even a drafter always right would not beat plain steps (a MoE verify of 8 sequences)."""
+    rows = jnp.asarray([n + 1 for n in lengths], jnp.float32)
+    ratio = jnp.where(jnp.asarray(lengths) > 0, seconds / (rows * seconds[0]), jnp.inf).min()
+    return left.astype(jnp.float32) * jnp.maximum(1.0 - ratio, 0.0)
 
 
 def first_length(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) -> jax.Array:

@@ -59,7 +59,7 @@ from ._arguments import check_cache_fits, check_generate
 from ._progress import CALLBACKS
 from ._shapes import round_up
 from .acceptance import accept, in_vocabulary
-from .adaptive import History, Probing, first_length, probe_gaps
+from .adaptive import History, Probing, first_length, probe_gaps, probe_payback
 from .bookkeeping import (
     BUDGET_BUCKET,
     CACHE_BUCKET,
@@ -276,8 +276,8 @@ class _Loop:
             s = dataclasses.replace(s, draft=draft, probing=probing)
         return self.reported(s)
 
-    def probe_gaps(self) -> tuple[jax.Array, jax.Array]:
-        """The first and the longest gap between probes (`adaptive.probe_gaps`)."""
+    def probe_gaps(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The first gaps between probes (a drafter right, never right) and the longest (`adaptive.probe_gaps`)."""
         return probe_gaps(self.seconds, self.settings.probe_share, self.settings.early_probe_share)
 
     def verify_index(self, s: _State, proposal: Proposal) -> jax.Array:
@@ -303,7 +303,8 @@ class _Loop:
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         batch = nxt.shape[0]
         probing = s.probing.after_plain()
-        draft = probing.due(jnp.where(done, 0, s.budget - n_out).max())
+        left = jnp.where(done, 0, s.budget - n_out).max()
+        draft = probing.due(probe_payback(self.seconds, self.policy.lengths, left))
         return self.reported(dataclasses.replace(
             s, step=s.step + 1, target_cache=self.target.commit(o.cache, advance), lengths=s.lengths + advance,
             pending=s.pending.at[jnp.arange(batch), s.num_pending].set(o.features[:, 0]),

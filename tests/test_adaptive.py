@@ -16,7 +16,16 @@ import pytest
 
 from dflash_jax import Adaptive, Calibration, CostStore, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
-from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, first_length, probe_gaps, weights
+from dflash_jax.adaptive import (
+    History,
+    Probing,
+    choose_length,
+    expected_tokens,
+    first_length,
+    probe_gaps,
+    probe_payback,
+    weights,
+)
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
 
 LENGTHS = (0, 3, 7, 16)
@@ -142,15 +151,17 @@ def test_the_margin_counts_the_accepted_drafts_on_record():
 
 
 def test_probes_space_out_geometrically():
-    """After a run of verifies the first probe comes after 1 plain step if the drafter has been right (accepted
-    drafts on record), else after the first gap (`probe_gaps`: a probe's extra cost over the early share it may
-    take); each probe that finds drafting still not paying doubles the gap, up to the longest (the extra cost over
-    the share); a probe that finds the drafter right keeps the gap, and the end of the run of verifies it starts
-    resets it. A probe with fewer tokens left than its gap is not taken."""
+    """After a run of verifies the first probe comes after `c` plain steps (at least 1) if the drafter has been
+    right (accepted drafts on record), else after `c / early_share` (`probe_gaps`, c: a probe's extra cost); each
+    probe that finds drafting still not paying doubles the gap, up to the longest (`c / share`); a probe that finds
+    the drafter right keeps the gap, and the end of the run of verifies it starts resets it. A probe is not taken
+    where less is left to win back than its gap (`probe_payback`: the tokens left at the best saving of full
+    acceptance)."""
     gaps = probe_gaps(jnp.asarray([1.0, 1.25, 1.5]), 0.005, 0.02)  # a probe costs 0.25 plain steps
-    assert tuple(map(int, gaps)) == (13, 50)
-    assert tuple(map(int, probe_gaps(jnp.asarray([1.0, 0.9]), 0.005, 0.02))) == (1, 1)  # cheaper than plain steps
-    left = jnp.int32(1000)
+    assert tuple(map(int, gaps)) == (1, 13, 50)
+    assert tuple(map(int, probe_gaps(jnp.asarray([1.0, 3.5]), 0.005, 0.02))) == (3, 125, 500)
+    assert tuple(map(int, probe_gaps(jnp.asarray([1.0, 0.9]), 0.005, 0.02))) == (1, 1, 1)  # cheaper than plain steps
+    left = jnp.float32(1000)
     for right, want in [(True, [1, 2, 4, 8, 16, 32, 50, 50]), (False, [13, 26, 50, 50, 50, 50, 50, 50])]:
         p = Probing.start().after_verify(jnp.bool_(True), gaps, jnp.bool_(right))  # a run of verifies ends
         spaced = []
@@ -166,7 +177,11 @@ def test_probes_space_out_geometrically():
     assert int(p.gap) == 50 and int(p.idle) == 0
     assert int(p.after_verify(jnp.bool_(True), gaps, jnp.bool_(True)).gap) == 1  # until a verify ends the run
     due = Probing(jnp.int32(13), jnp.int32(13))
-    assert bool(due.due(jnp.int32(13))) and not bool(due.due(jnp.int32(12)))
+    assert bool(due.due(jnp.float32(13))) and not bool(due.due(jnp.float32(12.5)))
+    # at best (full acceptance) 7 drafts make 8 tokens in 1.5 plain steps' time (3: 4 in 1.25): 13/16 of each saved
+    seconds = jnp.asarray([1.0, 1.25, 1.5])
+    assert float(probe_payback(seconds, (0, 3, 7), jnp.int32(16))) == pytest.approx(16 * (1 - 1.5 / 8))
+    assert float(probe_payback(jnp.asarray([1.0, 9.0]), (0, 7), jnp.int32(100))) == 0.0  # never pays: no probe
 
 
 @pytest.mark.parametrize("seconds,left,want", [
