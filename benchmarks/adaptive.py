@@ -10,22 +10,28 @@ accepted where the token before it is in the set. Workloads (each row: one promp
 - `mixed`: along each sequence's stretch, f switches between 0.9 and 0.3 every `--switch-every` tokens;
 - `mixed batch` (batch > 1): each sequence has its own f (0, 0.3, 0.6, 0.9, 1, ...).
 
-Each row runs greedy (once per prompt length and batch), `draft_length="fixed"` and `"adaptive"` (step costs
-measured on the first adaptive run of the shape, then kept) in the same process; the first run of each program
-compiles, then `--repeats` timed runs each, interleaved (greedy, fixed, adaptive, greedy, ...). Figures: the median
+Each row runs greedy (once per prompt length, batch and budget), `draft_length="fixed"` and `"adaptive"` in the
+same process; the first run of each program compiles, then `--repeats` timed runs each, interleaved (greedy, fixed,
+adaptive, greedy, ...). The adaptive runs share one `Adaptive` (step costs predicted, measured by a run long
+enough to and then kept), or with `--fresh` each run has a new `Adaptive()`, no costs held and no store: what a
+fresh process's first call does (its compile run is a throwaway call of the same shapes). Figures: the median
 decode tokens/s (`decode_tokens_per_second`) of each, the range of adaptive / fixed over the repeats, the fixed run's
 measured acceptance per draft position (accepted drafts / positions tried), both runs' mean tokens per verify,
 the adaptive run's plain tokens, and whether both outputs equal greedy's; after the table, the step costs the
-policy measured for each shape (`GenerationResult.step_costs`).
+policy chose by for each shape (`GenerationResult.step_costs`: predicted, or measured).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -W ignore benchmarks/adaptive.py --budget-s 330 --json adaptive.json
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -W ignore benchmarks/adaptive.py --fresh --prompts 2048 \
+        --max-new 32 128 --workloads "acceptance 0" "acceptance 1" mixed "mixed batch" --json fresh.json  # short runs
     python3 benchmarks/adaptive.py --prompts 2048 --batch 1 --lengths 16    # the policy's bookkeeping, no switch
     python benchmarks/adaptive.py --small      # tiny shapes, for a CPU check of the script
+    python benchmarks/adaptive.py --small --fresh --prompts 16 --batch 2 --max-new 96 --workloads "acceptance 0"
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -94,7 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[2048, 32768])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-new", type=int, default=384)
+    parser.add_argument("--max-new", type=int, nargs="+", default=[384], help="new tokens a sequence (each a row)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="a new Adaptive() for each adaptive run: no step costs held from an earlier run")
     parser.add_argument("--switch-every", type=int, default=128, help="the mixed workload's phase, in tokens")
     parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decoding, interleaved")
@@ -117,79 +125,84 @@ def main() -> None:
                "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
-    # one policy for the script: it measures the step costs on the first run of each setup and keeps them
-    adaptive_length = Adaptive(draft_lengths=None if args.lengths is None else tuple(args.lengths))
-    span = args.max_new + 2 * K + 2
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens; weights made "
-          f"in {time.perf_counter() - start:.1f} s", flush=True)
-    print("| prompt | batch | workload | acceptance (fixed) | greedy tok/s | fixed tok/s | adaptive tok/s | "
-          "adaptive / fixed (range) | adaptive / greedy | tokens per verify fixed, adaptive | plain tokens | same |",
-          flush=True)
-    print("|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|---|", flush=True)
+    lengths = None if args.lengths is None else tuple(args.lengths)
+    held = Adaptive(draft_lengths=lengths)  # one policy for the script: it keeps the costs a long run measures
+
+    def adaptive_length() -> Adaptive:
+        return Adaptive(draft_lengths=lengths) if args.fresh else held
+
+    span = max(args.max_new) + 2 * K + 2
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; K = {K}, {args.max_new} new tokens"
+          f"{', a fresh Adaptive() each run' if args.fresh else ''}; weights made in "
+          f"{time.perf_counter() - start:.1f} s", flush=True)
+    print("| prompt | batch | new tokens | workload | acceptance (fixed) | greedy tok/s | fixed tok/s | "
+          "adaptive tok/s | adaptive / fixed (range) | adaptive / greedy | tokens per verify fixed, adaptive | "
+          "plain tokens | same |", flush=True)
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|---|", flush=True)
 
     rows, measured = [], []
-    for prompt_len in args.prompts:
-        for batch in args.batch:
-            starts = np.arange(batch) * (V // max(batch, 1) // 2)  # each sequence on its own stretch of the cycle
-            prompts = rng.integers(0, V, (batch, prompt_len))
-            prompts[:, -1] = order[starts]  # the continuation walks the cycle from here
-            prompts = prompts.tolist()
-            maps = workloads(successor, order, starts, span, args.switch_every, rng)
-            names = [n for n in maps if args.workloads is None or n in args.workloads]
+    for prompt_len, batch, max_new in itertools.product(args.prompts, args.batch, args.max_new):
+        starts = np.arange(batch) * (V // max(batch, 1) // 2)  # each sequence on its own stretch of the cycle
+        prompts = rng.integers(0, V, (batch, prompt_len))
+        prompts[:, -1] = order[starts]  # the continuation walks the cycle from here
+        prompts = prompts.tolist()
+        maps = workloads(successor, order, starts, span, args.switch_every, rng)
+        names = [n for n in maps if args.workloads is None or n in args.workloads]
+        label = f"| {prompt_len} | {batch} | {max_new} |"
 
-            def run(drafter=None, draft_length="fixed", prompts=prompts):
-                if drafter is None:
-                    return greedy_generate(target, prompts, max_new_tokens=args.max_new, stop_token_ids=())
-                return speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,
-                                            draft_length=draft_length, stop_token_ids=())  # the walk passes eos
+        def run(drafter=None, draft_length="fixed", prompts=prompts, max_new=max_new):
+            if drafter is None:
+                return greedy_generate(target, prompts, max_new_tokens=max_new, stop_token_ids=())
+            return speculative_generate(target, drafter, prompts, max_new_tokens=max_new,
+                                        draft_length=draft_length, stop_token_ids=())  # the walk passes eos
 
-            if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                print(f"| {prompt_len} | {batch} | skipped: over the time budget | | | | | | | | | |", flush=True)
-                continue
-            run()  # compiles
-            drafters = {name: successor_drafter(base, maps[name]) for name in names}
-            for name in names[:1]:
-                run(drafters[name], "fixed")  # compiles
-                costs = run(drafters[name], adaptive_length).step_costs  # compiles, measures the step costs
-                step_ms = dict(zip(costs.draft_lengths, [t * 1e3 for t in costs.seconds])) if costs else None
-                measured.append((prompt_len, batch, step_ms))
-            timed: dict[str, list] = {"greedy": []}
-            for _ in range(args.repeats):
-                timed["greedy"].append(run())
-                for name in names:
-                    if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                        continue
-                    for mode, draft_length in (("fixed", "fixed"), ("adaptive", adaptive_length)):
-                        timed.setdefault((name, mode), []).append(run(drafters[name], draft_length))
-            greedy = timed["greedy"]
-            g = float(np.median([r.decode_tokens_per_second for r in greedy]))
+        if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
+            print(f"{label} skipped: over the time budget | | | | | | | | | |", flush=True)
+            continue
+        run()  # compiles
+        drafters = {name: successor_drafter(base, maps[name]) for name in names}
+        for name in names[:1]:
+            run(drafters[name], "fixed")  # compiles
+            costs = run(drafters[name], adaptive_length()).step_costs  # compiles (and may measure the step costs)
+            step_ms = dict(zip(costs.draft_lengths, [t * 1e3 for t in costs.seconds])) if costs else None
+            measured.append((prompt_len, batch, max_new, step_ms))
+        timed: dict[str, list] = {"greedy": []}
+        for _ in range(args.repeats):
+            timed["greedy"].append(run())
             for name in names:
-                fixed, adaptive = timed.get((name, "fixed"), []), timed.get((name, "adaptive"), [])
-                if len(adaptive) < args.repeats:
-                    print(f"| {prompt_len} | {batch} | {name}: skipped, over the time budget | | | | | | | | | |",
-                          flush=True)
+                if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                     continue
-                f_runs = [r.decode_tokens_per_second for r in fixed]
-                a_runs = [r.decode_tokens_per_second for r in adaptive]
-                ratios = [a / f for a, f in zip(a_runs, f_runs)]
-                f, a = float(np.median(f_runs)), float(np.median(a_runs))
-                same = all(r.tokens == greedy[0].tokens for r in greedy + fixed + adaptive)
-                row = dict(prompt=prompt_len, batch=batch, workload=name, acceptance=draft_acceptance(fixed[0], K),
-                           greedy_tps=g, fixed_tps=f, adaptive_tps=a, greedy_tps_runs=[r.decode_tokens_per_second
-                           for r in greedy], fixed_tps_runs=f_runs, adaptive_tps_runs=a_runs,
-                           fixed_tokens_per_verify=fixed[0].mean_acceptance_length,
-                           adaptive_tokens_per_verify=adaptive[0].mean_acceptance_length,
-                           adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same,
-                           step_costs_ms=step_ms)
-                rows.append(row)
-                print(f"| {prompt_len} | {batch} | {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
-                      f"{a / f:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {a / g:.2f} | "
-                      f"{fixed[0].mean_acceptance_length:.2f}, {adaptive[0].mean_acceptance_length:.2f} | "
-                      f"{row['adaptive_plain_tokens']} | {'yes' if same else 'NO'} |", flush=True)
-    for prompt_len, batch, step_ms in measured:  # what the policy chose by (adaptive_model.py --seconds takes them)
-        times = ", ".join(f"{n}: {t:.2f}" for n, t in step_ms.items()) if step_ms else \
-            "not measured (the fixed length ran)"
-        print(f"step costs at prompt {prompt_len}, batch {batch} (drafts: ms): {times}", flush=True)
+                timed.setdefault((name, "fixed"), []).append(run(drafters[name], "fixed"))
+                timed.setdefault((name, "adaptive"), []).append(run(drafters[name], adaptive_length()))
+        greedy = timed["greedy"]
+        g = float(np.median([r.decode_tokens_per_second for r in greedy]))
+        for name in names:
+            fixed, adaptive = timed.get((name, "fixed"), []), timed.get((name, "adaptive"), [])
+            if len(adaptive) < args.repeats:
+                print(f"{label} {name}: skipped, over the time budget | | | | | | | | | |", flush=True)
+                continue
+            f_runs = [r.decode_tokens_per_second for r in fixed]
+            a_runs = [r.decode_tokens_per_second for r in adaptive]
+            ratios = [a / f for a, f in zip(a_runs, f_runs)]
+            f, a = float(np.median(f_runs)), float(np.median(a_runs))
+            same = all(r.tokens == greedy[0].tokens for r in greedy + fixed + adaptive)
+            row = dict(prompt=prompt_len, batch=batch, max_new=max_new, workload=name,
+                       acceptance=draft_acceptance(fixed[0], K),
+                       greedy_tps=g, fixed_tps=f, adaptive_tps=a, greedy_tps_runs=[r.decode_tokens_per_second
+                       for r in greedy], fixed_tps_runs=f_runs, adaptive_tps_runs=a_runs,
+                       fixed_tokens_per_verify=fixed[0].mean_acceptance_length,
+                       adaptive_tokens_per_verify=adaptive[0].mean_acceptance_length,
+                       adaptive_plain_tokens=int(np.sum(adaptive[0].plain_tokens)), same_as_greedy=same,
+                       step_costs_ms=step_ms)
+            rows.append(row)
+            print(f"{label} {name} | {row['acceptance']:.2f} | {g:.1f} | {f:.1f} | {a:.1f} | "
+                  f"{a / f:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | {a / g:.2f} | "
+                  f"{fixed[0].mean_acceptance_length:.2f}, {adaptive[0].mean_acceptance_length:.2f} | "
+                  f"{row['adaptive_plain_tokens']} | {'yes' if same else 'NO'} |", flush=True)
+    for prompt_len, batch, max_new, step_ms in measured:  # what the policy chose by (adaptive_model.py --seconds)
+        times = ", ".join(f"{n}: {t:.2f}" for n, t in step_ms.items()) if step_ms else "none"
+        print(f"step costs at prompt {prompt_len}, batch {batch}, {max_new} new tokens (drafts: ms): {times}",
+              flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
     write_rows(args.json, args, rows)
 

@@ -277,7 +277,7 @@ def decode_rows(name: str, target, runs: dict, rng, rate: float, args, start: fl
                 print(f"| {name} | {P} | {batch} | skipped: past the time budget | | | | | | | |", flush=True)
                 continue
             prompts = rng.integers(0, target.vocab_size, (batch, P)).tolist()
-            greedy, policy = None, Adaptive()  # measures the step costs on its first run, keeps them for the next
+            greedy, policy = None, Adaptive()  # predicted costs (a run long enough measures them, kept for the next)
             for run in ["greedy", *args.runs]:
                 def go(run=run, prompts=prompts, policy=policy):
                     if run == "greedy":

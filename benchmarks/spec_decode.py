@@ -119,7 +119,7 @@ def main() -> None:
             if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
                 print(f"| {batch} | {name} | skipped: over the time budget | | | |", flush=True)
                 continue
-            policy = Adaptive()  # measures the step costs on the first (compiling) run, keeps them for the repeats
+            policy = Adaptive()  # predicts the step costs (a long compiling run measures them, kept for the repeats)
             speed, result = timed(
                 lambda: speculative_generate(target, drafter, prompts, max_new_tokens=args.max_new,  # noqa: B023
                                              stop_token_ids=(), draft_length=policy),  # noqa: B023

@@ -46,7 +46,21 @@ the batch probes after `gap` plain steps, `gap` starting at 1 when a run of veri
 probe that finds drafting still not paying, up to `G = c / Adaptive.probe_share`, where probes cost that share
 (0.5%) of the plain steps' time. A drafter that is never right then costs about `log2(G) + N / G` probes in `N`
 plain steps, and one that becomes right again is measured within `G` plain steps. The evidence of failed probes
-accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps.
+accumulates (it is not faded on plain steps), so one failed probe is enough to return to plain steps. A short
+first gap is for a drafter that has been right (accepted drafts on record): `c` plain steps (1 where probes cost
+less than a plain step), so that a probe costs at most the plain steps before it. One that has not been right has
+no moment when a change is likeliest, and its gaps start at `c / Adaptive.early_probe_share` (2%: a probe costing
+2 plain steps waits 100, where gaps from 1 spent 7 probes, 14 plain steps' time, in a 128-token run). And a probe
+is taken only where the most it could win back, the tokens left at the best saving of a drafter always right
+(`probe_payback`: nothing where even full acceptance would not beat plain steps), is at least the gap: a probe that
+cannot repay its cost before the budget ends is not worth taking (`probe_gaps`, `Probing.due`).
+
+The first step (`first_length`): nothing is known of the drafter, and the verify length must serve both extremes
+in a short run: a never-accepted drafter loses `seconds(l) / seconds(0) - 1` plain steps on it, and an
+always-accepted one needs more steps than the fixed length's if it verifies fewer than K drafts (31 tokens are two
+17-token steps). The length taken is the one whose worse ratio (to greedy's speed if never accepted, to the fixed
+length's if always) is best: K where verifies are cheap (dense targets), shorter where a K-draft verify costs many
+plain steps (a MoE target at batch 8).
 
 Stopping drafting costs the policy its view of the drafter until the next probe, so a sequence that verified
 drafts at its last step turns to plain steps only when their rate beats drafting's by `Adaptive.margin` (10%),
@@ -60,9 +74,12 @@ few more target rows cost little, and a verify is what updates the history (a po
 nothing would learn nothing and draft again).
 
 Costs (`StepCosts`): seconds of a whole decode step at each length for this target, drafter, batch, cache and
-device, measured by `speculative_generate` on its first run of a kind (a few real decode steps at each length,
-timed; their tokens are part of the output) and kept by the policy's `Calibration`, by what determines them, or
-given by the user.
+device: given by the user; else measured earlier and kept by the policy's `Calibration` (or its `CostStore`);
+else predicted before the first step from what a step reads and computes at the device's rates
+(`step_cost_model`: only their ratios matter to the choice), and measured on the run (a few real decode steps at
+each length, timed; their tokens are part of the output) where the measurement's forced steps cost at most
+`Calibration.share` (2%) of the run (`Calibration.worth`): runs of a few hundred tokens choose by the prediction
+throughout, from the first step.
 """
 
 from __future__ import annotations
@@ -77,7 +94,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["Adaptive", "StepCosts", "History", "Probing", "DEFAULT_LENGTHS", "choose_length", "expected_tokens",
-           "longest_gap"]
+           "probe_gaps", "probe_payback", "first_length"]
 
 DEFAULT_LENGTHS = (0, 3, 7)  # and the drafter's K: verify rows 1, 4, 8, K + 1
 
@@ -110,9 +127,9 @@ class StepCosts:
 
     `seconds[i]`: a step verifying `draft_lengths[i]` drafts and drafting the next proposal; for a length 0, a
     plain target step (one token, no drafting). `device`: the device kind the times were taken on
-    (`jax.devices()[0].device_kind`). Measured by `speculative_generate` on its first run of a setup
-    (`Adaptive(costs=None)`), or given by hand for a known setup. Times taken at one context length stand for the
-    whole run.
+    (`jax.devices()[0].device_kind`). Predicted by `speculative_generate` from the models and the device
+    (`step_cost_model`), measured on a run long enough (`Adaptive(costs=None)`, `Calibration.worth`), or given by
+    hand for a known setup. Times taken at one context length stand for the whole run.
     """
 
     draft_lengths: tuple[int, ...]
@@ -175,10 +192,13 @@ class Calibration:
     `steps` steps and of twice as many, `repeats` times each, timed by `clock` (seconds); the difference of the
     fastest of each is the steps' own time, without what a call of the decode program costs on its own. Measured
     on an H200 (docs/benchmarks.md): 3 steps once gave K-draft steps cheaper than plain ones (one slow call early
-    in the run); 6 steps, fastest of 2, stay within 5% of the steps' times in the decode."""
+    in the run); 6 steps, fastest of 2, stay within 5% of the steps' times in the decode. When: only in a run whose
+    measurement would cost at most `share` of its time (`worth`); the others choose by the predicted costs
+    (`step_cost_model`) throughout."""
 
     steps: int = 6
     repeats: int = 2
+    share: float = 0.02
     clock: Callable[[], float] = time.perf_counter
     measured: dict[Hashable, StepCosts] = dataclasses.field(default_factory=dict)
     unfinished: dict[Hashable, Measurement] = dataclasses.field(default_factory=dict)
@@ -191,6 +211,20 @@ class Calibration:
                 raise ValueError(f"Calibration.{name} must be an int >= 1, got {value!r}")
         if not callable(self.clock):
             raise TypeError(f"Calibration.clock must be a function returning seconds, got {self.clock!r}")
+        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)) \
+                or not (math.isfinite(self.share) and self.share > 0):
+            raise ValueError(f"Calibration.share must be a number > 0, got {self.share!r}")
+
+    def worth(self, predicted: StepCosts, tokens: int) -> bool:
+        """Whether a run of `tokens` new tokens measures: the steps it forces (at each length one untimed step,
+        then `repeats` calls of `steps` and of twice as many) cost, if no draft were accepted, at most `share` of
+        the run's time at plain steps (`predicted`: the costs the run chooses by otherwise). On an H100 with the
+        Qwen3-8B shapes (17-draft steps 1.4 plain ones, docs/benchmarks.md; 3 and 7 drafts if 1.25 and 1.3) a run
+        of about 1800 tokens measures."""
+        forced = 1 + 3 * self.steps * self.repeats
+        plain = predicted.seconds[0]
+        extra = sum(forced * (t / plain - 1) for n, t in zip(predicted.draft_lengths, predicted.seconds) if n > 0)
+        return extra <= self.share * tokens
 
     def reset(self) -> None:
         """Forget every measured cost and unfinished measurement: the next call measures anew (or reads `store`,
@@ -220,16 +254,18 @@ class Adaptive:
     """The adaptive draft-length policy of `speculative_generate(..., draft_length=Adaptive(...))` (module doc).
 
     draft_lengths: the static lengths to choose from (None: 0, 3, 7 and the drafter's K, those up to K); 0 is a
-    plain target step. costs: a `StepCosts` for them, or None to measure them on the first run of a setup and keep
-    them in `calibration` (a `Calibration` of this policy's own unless given: hold the policy, or the calibration,
-    to measure once for many calls; `"adaptive"` is a new `Adaptive()` each call, which measures in each). memory:
+    plain target step. costs: a `StepCosts` for them, or None to predict them (`step_cost_model`) and, in a run
+    long enough (`Calibration.worth`), measure them and keep them in `calibration` (a `Calibration` of this policy's
+    own unless given: hold the policy, or the calibration, to measure once for many calls; `"adaptive"` is a new
+    `Adaptive()` each call). memory:
     how much of a sequence's acceptance history a verify keeps (the rest is the new step's); prior: the acceptance
     rate assumed without evidence (one pseudo-trial); margin: after a verify, plain steps are taken only if they are
     that much faster than drafting, in proportion to the accepted drafts on record; probe_share: the share of the
-    plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them
-    (module doc, `longest_gap`); focus: how much the choice serves the sequences the batch will wait for, the
-    exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large values serve
-    only the slowest).
+    plain steps' time that probes of a drafter that keeps failing may cost, which sets the longest gap between them;
+    early_probe_share: the share probes soon after a verify may cost, which sets the first gap and the budget's
+    rest a probe needs (module doc, `probe_gaps`); focus: how much the choice serves the sequences the batch will
+    wait for, the exponent of their weights (module doc: 0 counts every sequence's tokens alike, 8 by default, large
+    values serve only the slowest).
     """
 
     draft_lengths: tuple[int, ...] | None = None
@@ -238,6 +274,7 @@ class Adaptive:
     prior: float = 0.5
     margin: float = 0.1
     probe_share: float = 0.005
+    early_probe_share: float = 0.02
     focus: float = 8.0
     calibration: Calibration = dataclasses.field(default_factory=Calibration, compare=False, repr=False)
 
@@ -253,6 +290,7 @@ class Adaptive:
         _fraction("prior", self.prior, True)
         _fraction("margin", self.margin, False)
         _fraction("probe_share", self.probe_share, True)
+        _fraction("early_probe_share", self.early_probe_share, True)
         if isinstance(self.focus, bool) or not isinstance(self.focus, (int, float)) \
                 or not (math.isfinite(self.focus) and 0 <= self.focus <= 64):
             raise ValueError(f"Adaptive.focus must be a number in [0, 64], got {self.focus!r}")
@@ -316,16 +354,21 @@ class History:
         return History(mix(self.hits, hits), mix(self.tries, tries), mix(self.predicted, predicted),
                        mix(self.run_hits, hits, 1.0), mix(self.run_tries, tries, 1.0))
 
+    def right(self, live: jax.Array) -> jax.Array:
+        """`[]` float32: the accepted drafts on record of the `live` `[batch]` sequences, up to 1."""
+        return jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
+
     def margin(self, margin: float | jax.Array, live: jax.Array) -> jax.Array:
         """`[]` `Adaptive.margin` in proportion to the accepted drafts on record of the `live` `[batch]` sequences,
         in full from one on: no hysteresis for a drafter that has not been right (module doc)."""
-        return margin * jnp.minimum(jnp.where(live, self.hits, 0.0).sum(), 1.0)
+        return margin * self.right(live)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Probing:
-    """When a batch on plain steps drafts again (module doc): after `gap` plain steps (each `[]` int32)."""
+    """When a batch on plain steps drafts again (module doc): after `gap` plain steps (each `[]` int32), if the
+    budget's rest can repay a probe."""
 
     gap: jax.Array  # plain steps from the last verify to the next probe
     idle: jax.Array  # plain steps since the last verify
@@ -334,28 +377,68 @@ class Probing:
     def start() -> Probing:
         return Probing(jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32))
 
-    def due(self) -> jax.Array:
-        """`[]` bool: the next step drafts."""
-        return self.idle >= self.gap
+    def due(self, payback: jax.Array) -> jax.Array:
+        """`[]` bool: the next step drafts: the gap is over and `payback` (`[]`: the most plain steps' time a probe
+        that finds the drafter right could still save, `probe_payback`) is at least the gap: a probe costs no more
+        of the time it can save than of the plain steps' time before it."""
+        return (self.idle >= self.gap) & (payback >= self.gap.astype(jnp.float32))
 
     def after_plain(self) -> Probing:
         return Probing(self.gap, self.idle + 1)
 
-    def after_verify(self, plain_next: jax.Array, longest: jax.Array) -> Probing:
-        """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to `longest`, if the
-        verify was a probe (plain steps before it), and starts again at 1 if it ended a run of verifies."""
+    def after_verify(self, plain_next: jax.Array, gaps: tuple[jax.Array, jax.Array, jax.Array], right: jax.Array
+                     ) -> Probing:
+        """After a verify followed by plain steps (`plain_next`, `[]` bool) the gap doubles, up to the longest, if
+        the verify was a probe (plain steps before it), and starts again if it ended a run of verifies: at the
+        first gap of a drafter that has been `right` (`[]` bool: accepted drafts on record) or of one that has not
+        (`gaps`: those two and the longest, `probe_gaps`)."""
+        soon, first, longest = gaps
         probe = self.idle > 0
         doubled = jnp.minimum(2 * self.gap, longest)
-        gap = jnp.where(plain_next, jnp.where(probe, doubled, 1), self.gap)
+        gap = jnp.where(plain_next, jnp.where(probe, doubled, jnp.where(right, soon, first)), self.gap)
         return Probing(gap.astype(jnp.int32), jnp.zeros_like(self.idle))
 
 
-def longest_gap(seconds: jax.Array, share: float | jax.Array) -> jax.Array:
-    """`[]` int32: the most plain steps between probes, `c / share` for a probe costing `c = seconds[1] / seconds[0]
-    - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0, l_1), so that a drafter that keeps
-    failing costs at most `share` of the plain steps' time in probes; at least 1, at most 2**20."""
+def probe_gaps(seconds: jax.Array, share: float | jax.Array, early_share: float | jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`([], [], [])` int32: the plain steps before the first probe after a drafter that has been right, before the
+    first after one that has not, and the most between probes: `c`, `c / early_share` and `c / share` for a probe
+    costing `c = seconds[1] / seconds[0] - 1` plain steps (`seconds`: `StepCosts.seconds` of lengths starting 0,
+    l_1). A probe soon after the drafter was right costs at most the plain steps before it (1 where probes cost
+    less than a plain step); one of a drafter never right at most `early_share` of their time, and one of a drafter
+    that keeps failing at most `share`. Each at least 1, the longest at most 2**20, the others at most the
+    longest."""
     extra = seconds[1] / seconds[0] - 1.0
-    return jnp.clip(jnp.ceil(extra / share), 1, 2**20).astype(jnp.int32)
+    longest = jnp.clip(jnp.ceil(extra / share), 1.0, 2.0**20)
+    soon, first = (jnp.clip(jnp.ceil(extra / s), 1.0, longest) for s in (1.0, early_share))
+    return soon.astype(jnp.int32), first.astype(jnp.int32), longest.astype(jnp.int32)
+
+
+def probe_payback(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) -> jax.Array:
+    """`[]` float32: the most plain steps' time drafting could save on `left` (`[]`) tokens, at full acceptance
+    at the best length: `left (1 - min_l seconds(l) / ((l + 1) seconds(0)))`, at least 0 (`seconds`:
+    `StepCosts.seconds` of `lengths`, starting at 0). What a probe that finds the drafter right can win back at
+    most: nothing where even a drafter always right would not beat plain steps (a MoE verify of 8 sequences)."""
+    rows = jnp.asarray([n + 1 for n in lengths], jnp.float32)
+    ratio = jnp.where(jnp.asarray(lengths) > 0, seconds / (rows * seconds[0]), jnp.inf).min()
+    return left.astype(jnp.float32) * jnp.maximum(1.0 - ratio, 0.0)
+
+
+def first_length(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) -> jax.Array:
+    """`[]` int32: the index into `lengths` (nonzero; `lengths[-1]` the drafter's K) of the first step's verify,
+    with `left` (`[]`) tokens to make and nothing known of the drafter: the one whose worse case is best (module
+    doc, "The first step"). Never accepted, a step of l drafts costs `seconds(l)` for one token where greedy
+    decoding's costs `seconds(0)`: `left / (left - 1 + seconds(l) / seconds(0))` of greedy's speed. Always
+    accepted, it makes l + 1 tokens and K-draft steps the rest: the fixed length's time over this, at most 1."""
+    tokens = jnp.maximum(left, 1).astype(jnp.float32)
+    longest, K = seconds[-1], lengths[-1]
+    fixed = jnp.ceil(tokens / (K + 1)) * longest
+    rows = []
+    for i, n in enumerate(lengths):
+        never = tokens / (tokens - 1 + seconds[i] / seconds[0])
+        always = fixed / (seconds[i] + jnp.ceil(jnp.maximum(tokens - n - 1, 0) / (K + 1)) * longest)
+        rows.append(jnp.where(n > 0, jnp.minimum(never, jnp.minimum(always, 1.0)), -jnp.inf))
+    return jnp.argmax(jnp.stack(rows)).astype(jnp.int32)
 
 
 def expected_tokens(p: jax.Array, lengths: tuple[int, ...], remaining: jax.Array) -> jax.Array:

@@ -1,10 +1,10 @@
 """Step costs kept for the next process: `CostStore`, what an adaptive policy measured, on disk.
 
-The adaptive draft length (`adaptive.Adaptive`) measures its step costs on the first run of a setup, in every
-new process: a process that decodes a few dozen tokens a request never finishes the measurement and decodes at
-the fixed length. `Calibration(store=CostStore())` keeps what it measures in one small JSON file per setup (what a
-step's cost depends on: the device kind, both models' configs and dtypes, batch, cache capacity, draft lengths,
-sampling, attention options, and this package's version) and reads it back before measuring.
+The adaptive draft length (`adaptive.Adaptive`) predicts its step costs (`step_cost_model`) and measures them in
+runs long enough, in every new process: a process that decodes a few hundred tokens a request chooses by the
+prediction throughout. `Calibration(store=CostStore())` keeps what it measures in one small JSON file per setup
+(what a step's cost depends on: the device kind, both models' configs and dtypes, batch, cache capacity, draft
+lengths, sampling, attention options, and this package's version) and reads it back before predicting.
 
 The files steer only the choice of draft length, never a token (speculative decoding returns the target's tokens
 whatever the lengths), but a planted file could still make every step slow: the directory follows the compile

@@ -5,11 +5,12 @@
     resolve_draft_length(draft_length, K)  -> (Policy, Settings, the Adaptive or None)
     Policy.choose(...)                     the index of a step's length, inside the loop
     setup_key(target, drafter, ...)        what a step's cost depends on: the key of `Calibration.measured`
+    predicted_costs(target, drafter, ...)  the costs predicted from the models and the device (`step_cost_model`)
     calibrate(run, state, ...)             the costs measured on the decode itself, or None while unfinished
 
 `draft_length`: "fixed" (every step verifies all K drafts), an int n (every step verifies n drafts, 1 <= n <= K),
-"adaptive" (a new `Adaptive()`, which measures the costs in this call) or an `Adaptive` (which keeps what it
-measures in its `Calibration` for the calls it is passed to next).
+"adaptive" (a new `Adaptive()`, which predicts the costs, and measures them in a run long enough) or an
+`Adaptive` (which keeps what it measures in its `Calibration` for the calls it is passed to next).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from .adaptive import Adaptive, Calibration, History, Measurement, StepCosts, ch
 from .drafter import Drafter
 from .drafting import Proposal
 from .model import AttentionOptions
+from .platform import platform_of
+from .step_cost_model import model_reads, predict_costs
 from .target import Target
+from .tuning import CPU_RATES
 
 __all__ = ["resolve_draft_length", "calibrate", "Policy", "Settings"]
 
@@ -44,6 +48,7 @@ class Settings:
     prior: jax.Array
     margin: jax.Array
     probe_share: jax.Array
+    early_probe_share: jax.Array
     focus: jax.Array
 
     @classmethod
@@ -116,6 +121,22 @@ def setup_key(target: Target, drafter: Drafter, batch: int, capacity: int, polic
             repr(drafter.config), dtypes, batch, capacity, policy.lengths, sampling, attention)
 
 
+def predicted_costs(target: Target, drafter: Drafter, target_cache: Any, draft_cache: Any, batch: int,
+                    policy: Policy) -> StepCosts:
+    """The step costs of `policy.lengths` predicted from both models' weights and empty caches (`target_cache`,
+    `draft_cache`, as the run allocates them) at the rates of the target's device (`step_cost_model`)."""
+    platform = platform_of(target)
+    rates = platform.tuning.step_rates if platform.compute_capability else CPU_RATES
+    config = getattr(target, "config", None)
+    experts = int(getattr(config, "num_experts", 0) or 0)
+    target_reads = model_reads(target, target_cache, target.num_layers, experts,
+                               int(getattr(config, "num_experts_per_tok", 0) or 0))
+    drafter_reads = model_reads(drafter.params, draft_cache, drafter.config.num_hidden_layers,
+                                extra=(drafter.lm_head,))  # the target's LM head, if attached
+    return predict_costs(target_reads, drafter_reads, policy.lengths, drafter.config.num_draft_tokens, batch,
+                         device_kind(target)[0], rates)
+
+
 class DecodeState(Protocol):
     """What `calibrate` reads of the loop's carry (`generate._State`)."""
 
@@ -150,10 +171,10 @@ def calibrate(run: Callable[[S, jax.Array, jax.Array, jax.Array], S], state: S, 
     to length index `force`, until step `until`.
 
     A timed call starts only where the decode surely lasts its steps even if every draft is accepted
-    (`sure_steps`): a run too short for the next one forces no step to another length and keeps its progress, so
-    short runs decode at the fixed length at its own speed and longer ones finish the measurement. Returns the state
-    and the costs (also kept in `calibration.measured`), or None (the caller runs the fixed length) while the
-    measurement is unfinished or its times are not usable (with a warning)."""
+    (`sure_steps`): a run too short for the next one forces no step to another length from there, and
+    a run that ends first keeps its progress for the next run of the setup. Returns the state and the costs (also
+    kept in `calibration.measured`), or None (the caller chooses by the predicted costs) while the measurement is
+    unfinished or its times are not usable (with a warning)."""
     progress = calibration.unfinished.setdefault(setup, Measurement())
     placeholder = jnp.ones(len(policy.lengths), jnp.float32)
     n, clock = calibration.steps, calibration.clock
@@ -185,8 +206,8 @@ def calibrate(run: Callable[[S, jax.Array, jax.Array, jax.Array], S], state: S, 
     try:
         costs = StepCosts(policy.lengths, tuple(measured), batch, device)
     except ValueError as e:  # a clock that did not move: no costs to trust, so the longest length from here on
-        warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); verifying "
-                      f"{policy.lengths[-1]} drafts every step instead", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"speculative_generate: the step costs could not be measured ({e}); choosing by the "
+                      "predicted costs instead", RuntimeWarning, stacklevel=3)
         return state, None
     calibration.keep(setup, costs)
     return state, costs

@@ -20,7 +20,8 @@ The acceptance rule (greedy, and the standard speculative-sampling rule at T > 0
 How many drafts a step verifies (`dflash_jax.draft_policy`): `draft_length="fixed"`, all K; an int n, n;
 `"adaptive"` (the default at temperature 0, `DRAFT_LENGTH`) or an `Adaptive`, one of a few static lengths (0: a
 plain target step, no drafting) chosen per step for the most progress per second of the sequences the batch will
-wait for (for one sequence: the most expected tokens per second) from measured step costs, the drafter's confidences
+wait for (for one sequence: the most expected tokens per second) from step costs (predicted from the models and the
+device from the first step, measured in a long run: `dflash_jax.step_cost_model`), the drafter's confidences
 and each sequence's acceptance history (`dflash_jax.adaptive`). Drafts past the chosen length are not proposed, as
 past a confidence cut. A plain step's context row waits in a buffer (`_State.pending`) until the next drafting step
 or until the buffer is full, and then enters the drafter's cache with the other waiting rows in one `append_context`
@@ -58,7 +59,7 @@ from ._arguments import check_cache_fits, check_generate
 from ._progress import CALLBACKS
 from ._shapes import round_up
 from .acceptance import accept, in_vocabulary
-from .adaptive import History, Probing, longest_gap
+from .adaptive import History, Probing, first_length, probe_gaps, probe_payback
 from .bookkeeping import (
     BUDGET_BUCKET,
     CACHE_BUCKET,
@@ -78,6 +79,7 @@ from .draft_policy import (
     Settings,
     calibrate,
     device_kind,
+    predicted_costs,
     resolve_draft_length,
     setup_key,
 )
@@ -270,19 +272,25 @@ class _Loop:
             plan = policy.choose(self.settings, None, s.history, self.seconds, s.budget - n_out, running,
                                  self.sampling, plain_margin=s.history.margin(self.settings.margin, running))
             draft = jnp.asarray(policy.lengths)[plan] > 0
-            longest = longest_gap(self.seconds, self.settings.probe_share)
-            s = dataclasses.replace(s, draft=draft, probing=s.probing.after_verify(~draft, longest))
+            probing = s.probing.after_verify(~draft, self.probe_gaps(), s.history.right(running) >= 1)
+            s = dataclasses.replace(s, draft=draft, probing=probing)
         return self.reported(s)
+
+    def probe_gaps(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The first gaps between probes (a drafter right, never right) and the longest (`adaptive.probe_gaps`)."""
+        return probe_gaps(self.seconds, self.settings.probe_share, self.settings.early_probe_share)
 
     def verify_index(self, s: _State, proposal: Proposal) -> jax.Array:
         """`[]` int32: the index into `policy.lengths` of the drafting step's verify: the forced one while the costs
-        are measured, the longest at the first step (nothing is known yet), else the policy's choice."""
+        are measured; at the first step, where nothing is known of the drafter, the length whose worse case of
+        never and always accepted is best (`adaptive.first_length`); else the policy's choice."""
         policy = self.policy
         if not policy.adaptive:
             return jnp.zeros((), jnp.int32)
-        chosen = policy.choose(self.settings, proposal, s.history, self.seconds, s.budget - s.n_out, ~s.done,
-                               self.sampling)
-        return jnp.where(self.force >= 0, self.force, jnp.where(s.step == 0, len(policy.lengths) - 1, chosen))
+        left = s.budget - s.n_out
+        chosen = policy.choose(self.settings, proposal, s.history, self.seconds, left, ~s.done, self.sampling)
+        first = first_length(self.seconds, policy.lengths, jnp.where(s.done, 0, left).max())
+        return jnp.where(self.force >= 0, self.force, jnp.where(s.step == 0, first, chosen))
 
     def plain_step(self, s: _State) -> _State:
         """The target on each sequence's anchor alone: one token; its context row waits in `pending` (`flush`)."""
@@ -295,11 +303,13 @@ class _Loop:
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         batch = nxt.shape[0]
         probing = s.probing.after_plain()
+        left = jnp.where(done, 0, s.budget - n_out).max()
+        draft = probing.due(probe_payback(self.seconds, self.policy.lengths, left))
         return self.reported(dataclasses.replace(
             s, step=s.step + 1, target_cache=self.target.commit(o.cache, advance), lengths=s.lengths + advance,
             pending=s.pending.at[jnp.arange(batch), s.num_pending].set(o.features[:, 0]),
             num_pending=s.num_pending + advance, anchor=jnp.where(live, nxt, s.anchor), out=out, n_out=n_out,
-            plain=s.plain + advance, done=done, key=key, draft=probing.due(), probing=probing))
+            plain=s.plain + advance, done=done, key=key, draft=draft, probing=probing))
 
     def flush(self, s: _State) -> _State:
         """The pending context rows into the drafter's cache, all in one `append_context`."""
@@ -369,8 +379,9 @@ def speculative_generate(
     `max_new_tokens` beyond the target's or the drafter's `max_position_embeddings` is refused (ValueError) unless
     `beyond_max_positions`. `draft_length` (`dflash_jax.draft_policy`): "adaptive" (a new `Adaptive()`: per step,
     as many drafts as make the most progress per second for the sequences the batch waits for, none included, from
-    step costs it measures in this call; `dflash_jax.adaptive`), an `Adaptive` (other settings, given costs, or
-    costs it measured in an earlier call of the same setup and keeps in its `calibration`), "fixed" (every step
+    step costs predicted from the models and the device, and measured in this call if it is long enough;
+    `dflash_jax.adaptive`), an `Adaptive` (other settings, given costs, or costs it measured in an earlier call of
+    the same setup and keeps in its `calibration`), "fixed" (every step
     verifies all of the drafter's drafts) or an int n in [1, K] (every step verifies n); None: `DRAFT_LENGTH`
     ("adaptive") at temperature 0, "fixed" above it. Sampled, the tokens a key draws depend on the lengths chosen
     (their distribution does not), and the adaptive lengths on step times measured in the run: by default a key
@@ -404,10 +415,11 @@ def speculative_generate(
         costs.check_fits("speculative_generate", policy.lengths, batch, device)
     elif adaptive is not None:
         costs = adaptive.calibration.known(setup, policy.lengths, batch, device)
-    seconds = jnp.asarray(costs.seconds if costs is not None else [1.0] * len(policy.lengths), jnp.float32)
 
     start = time.perf_counter()
     caches = target.init_cache(batch, capacity), init_cache(drafter, batch, capacity, attention=attention)
+    predicted = None if adaptive is None or costs is not None else predicted_costs(target, drafter, *caches, batch,
+                                                                                   policy)
     state = _spec_prefill(target, drafter, *caches, tokens, lengths, stop, warp, key, jnp.int32(max_new_tokens),
                           capacity=round_up(max_new_tokens, BUDGET_BUCKET), sampling=sampled, attention=attention,
                           prefill_chunk=prefill_chunk)
@@ -420,14 +432,12 @@ def speculative_generate(
                                 until, settings, sampling=sampled, attention=attention, policy=policy,
                                 report=progress is not None)
 
-        force = jnp.int32(-1)
-        if adaptive is not None and costs is None:
-            state, costs = calibrate(run, state, policy, batch, device, adaptive.calibration, setup)
-            if costs is None:
-                force = jnp.int32(len(policy.lengths) - 1)  # the fixed length: never wrong output, only slower
-            else:
-                seconds = jnp.asarray(costs.seconds, jnp.float32)
-        state = run(state, seconds, force, jnp.int32(_NO_LIMIT))
+        if adaptive is not None and predicted is not None:  # measured only where that costs little of the run
+            if adaptive.calibration.worth(predicted, max_new_tokens):
+                state, costs = calibrate(run, state, policy, batch, device, adaptive.calibration, setup)
+            costs = costs or predicted
+        seconds = jnp.asarray(costs.seconds if costs is not None else [1.0] * len(policy.lengths), jnp.float32)
+        state = run(state, seconds, jnp.int32(-1), jnp.int32(_NO_LIMIT))
         out, n_out, accepted, plain = jax.device_get((state.out, state.n_out, state.accept, state.plain))
     decode = time.perf_counter() - start
     state.context.check()  # sized above to hold every sequence: an overflow would be a bug, never silent

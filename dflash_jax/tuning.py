@@ -5,7 +5,8 @@ Each entry holds every tile, chunk and threshold the package's programs take fro
 kernel's splits and tiles and the XLA span loop's block (`attention`, `_span_attention_mgpu`), when the drafter
 reads its rings with that kernel (`drafting`), the NVFP4 dequantizer's tile and the packed GEMM's tiling (`nvfp4`),
 how the MoE block runs its experts and the tiles of its kernels (`target.moe`, `target._expert_gemm`), the dense
-target's fused prefill rows and the hybrid's delta-rule chunk (`target`). The measurements, their commands and the
+target's fused prefill rows and the hybrid's delta-rule chunk (`target`), and the rates a decode step's cost is
+predicted at (`step_cost_model`; `CPU_RATES` off a GPU). The measurements, their commands and the
 devices they ran on are in docs/benchmarks.md; the code keeps only the values. A device kind without an entry
 runs the fallback (the H200's figures); to tune another, run the benchmarks that docs/benchmarks.md names on it and
 add its entry.
@@ -22,7 +23,7 @@ import types
 from collections.abc import Mapping
 from typing import Literal
 
-__all__ = ["Tuning", "GemmTiling", "RaggedDotTiling", "TUNING", "FALLBACK", "tuning_for"]
+__all__ = ["Tuning", "GemmTiling", "RaggedDotTiling", "StepRates", "TUNING", "FALLBACK", "CPU_RATES", "tuning_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,17 @@ class RaggedDotTiling:
     block_k: int = 64
     max_concurrent_steps: int = 4
     grid_block_n: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRates:
+    """What a decode step's predicted cost is made of (`step_cost_model`): bytes read per second, bf16 FLOPs per
+    second, and fixed seconds per layer of a forward and per step (kernel launches and the loop's small ops)."""
+
+    read_bytes_per_s: float
+    flops_per_s: float
+    layer_seconds: float
+    step_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +112,10 @@ class Tuning:
     # Rows of the hybrid target's chunked gated delta rule (`target.qwen3_5`: transformers' and flash-linear-
     # attention's default).
     delta_chunk: int
+    # The rates a decode step's cost is predicted at (`step_cost_model`): `jnp.sum`'s read rate and one 8192^3 bf16
+    # GEMM's rate as docs/benchmarks.md measured them; the fixed costs from greedy steps over their read floor
+    # (a Qwen3-8B step on an H100: 6.6 ms against 6.0 ms of weights at 2.74 TB/s, ~17 us a layer).
+    step_rates: StepRates
 
 
 H200 = Tuning(
@@ -120,18 +136,23 @@ H200 = Tuning(
     ragged_dot=RaggedDotTiling(),
     fused_prefill_rows=32768,
     delta_chunk=64,
+    step_rates=StepRates(read_bytes_per_s=3.8e12, flops_per_s=7.3e14, layer_seconds=20e-6, step_seconds=100e-6),
 )
 # The H100's entry holds the H200's values until each is measured on an H100: the H100 runs of docs/benchmarks.md
-# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values; `auto_weights` is its own.
+# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values. Its own: `auto_weights`, and
+# the step rates (the read rate of the Nemotron-H run, 2.74 TB/s; the GEMM rate an estimate, not measured here).
 H100 = dataclasses.replace(
     H200,
     # The Nemotron 3.5 Lightning drafters: packed 0.85x (DSpark) and 1.07x (DFlash) the bf16 step at batch 1,
     # 0.90x and 1.08x at batch 8, 1.19x and 1.69x at batch 32 (Qwen3-8B-DFlash-b16 shapes: 0.87x at batch 1)
     auto_weights=((1, "packed"), (float("inf"), "dequantized")),
+    step_rates=StepRates(read_bytes_per_s=2.74e12, flops_per_s=6.0e14, layer_seconds=20e-6, step_seconds=100e-6),
 )
 # device kind -> entry, read-only; the kinds as `jax.Device.device_kind` spells them (an H100 SXM: "NVIDIA H100 80GB
 # HBM3")
 TUNING: Mapping[str, Tuning] = types.MappingProxyType({"NVIDIA H200": H200, "NVIDIA H100 80GB HBM3": H100})
+# A CPU: a few cores' memory and multiply rates; at the test models' sizes the fixed costs decide.
+CPU_RATES = StepRates(read_bytes_per_s=2e10, flops_per_s=5e10, layer_seconds=50e-6, step_seconds=300e-6)
 FALLBACK = H200  # a device kind never measured (and the CPU, where only the sizes of caches and loops matter)
 
 

@@ -5,11 +5,11 @@ loaded, and compares plain greedy decoding with speculative decoding:
 
 1. a random DFlash drafter: nearly every draft is rejected (acceptance length about 1), the output is still
    the target's own, and speculation at the fixed draft length costs more than it saves. The adaptive policy
-   (the default) first measures what a step of each draft length costs, on real decode steps of the first
-   runs of a setup (about 150 steps: docs/generate.md, "Cost model"); runs this short end while it is still
-   measuring, so its tokens/s here are not its speed (the example prints how many tokens came from plain target
-   steps and whether the costs were measured): over long runs `benchmarks/adaptive.py` measures it at about
-   greedy's speed with a never-accepted drafter (docs/benchmarks.md);
+   (the default) predicts what a step of each draft length costs from the models and the device (docs/generate.md,
+   "Cost model"; runs this short are too short to measure them in) and turns to plain target steps once the
+   drafts prove wrong (the example prints how many tokens came from them): about greedy's speed, which this
+   single timed run on a busy CPU shows only roughly (`benchmarks/adaptive.py --small --fresh` measures it, with
+   repeats: docs/benchmarks.md);
 2. a target rebuilt to follow a fixed successor map and a DSpark drafter whose Markov head walks that map:
    nearly whole blocks are accepted, which is where speculation pays.
 
@@ -69,12 +69,11 @@ def main() -> None:
     report("random target, greedy", greedy)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW, draft_length="fixed"))
     report("random target, random DFlash drafter", spec, greedy)
-    adaptive = dflash_jax.Adaptive()  # measures the step costs on its first run (the compiling one), keeps them
+    adaptive = dflash_jax.Adaptive()  # predicts the step costs (measures them in a run long enough, and keeps them)
     spec = timed(lambda: speculative_generate(target, dflash, PROMPTS, max_new_tokens=MAX_NEW,
                                               draft_length=adaptive))
     report("random target, random DFlash drafter, adaptive", spec, greedy)
-    measured = ("measured" if spec.step_costs is not None
-                else "still being measured (these tokens/s are not the policy's speed)")
+    measured = "measured" if adaptive.calibration.measured else "predicted"
     print(f"    {sum(spec.plain_tokens)} of {spec.num_tokens} tokens from plain target steps; step costs {measured}")
 
     successor = np.random.default_rng(0).permutation(target.config.vocab_size)

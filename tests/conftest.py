@@ -48,11 +48,11 @@ def cpu_mesh():
 @pytest.fixture
 def quick_calibration():
     """A calibration for the adaptive policy (`Adaptive(calibration=...)`) that measures its step costs in calls of
-    1 and 2 steps, once each, from nothing measured: so that a run of a few dozen tokens finishes the measurement and
-    then takes the policy's own lengths."""
+    1 and 2 steps, once each, from nothing measured, in any run (`share` 10: its forced steps may cost ten times the
+    run): so that a run of a few dozen tokens finishes the measurement and then takes the policy's own lengths."""
     from dflash_jax import Calibration
 
-    return Calibration(steps=1, repeats=1)
+    return Calibration(steps=1, repeats=1, share=10.0)
 
 
 # The modules that compile the most run first, longest first, so that parallel workers (pyproject's `-n 2 --dist

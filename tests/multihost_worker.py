@@ -127,12 +127,12 @@ sampled = speculative_generate(target, paired, prompts, max_new_tokens=max_new, 
                                top_k=int(sys.argv[8]), key=jax.random.key(int(sys.argv[9])), draft_length="fixed")
 print(f"process {process_id}: sampled {json.dumps(sampled.tokens)}")
 # Greedy under the adaptive policy, its step costs measured on the run in calls of 1 and 2 steps (so that 40 tokens
-# hold the measurement): each process times its own calls and process 0's times decide, so the processes must
-# report the same costs (and choose the same lengths: one program).
+# hold the measurement, which `share` lets so short a run take): each process times its own calls and process 0's
+# times decide, so the processes must report the same costs (and choose the same lengths: one program).
 from dflash_jax import Adaptive, Calibration  # noqa: E402
 
 adaptive = speculative_generate(target, paired, prompts, max_new_tokens=40,
-                                draft_length=Adaptive(calibration=Calibration(steps=1, repeats=1)))
+                                draft_length=Adaptive(calibration=Calibration(steps=1, repeats=1, share=10.0)))
 costs = adaptive.step_costs.seconds if adaptive.step_costs is not None else None
 print(f"process {process_id}: adaptive {json.dumps([adaptive.tokens, costs])}")
 jax.distributed.shutdown()

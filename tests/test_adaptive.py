@@ -16,7 +16,16 @@ import pytest
 
 from dflash_jax import Adaptive, Calibration, CostStore, StepCosts, greedy_generate, speculative_generate
 from dflash_jax import generate as generate_module
-from dflash_jax.adaptive import History, Probing, choose_length, expected_tokens, longest_gap, weights
+from dflash_jax.adaptive import (
+    History,
+    Probing,
+    choose_length,
+    expected_tokens,
+    first_length,
+    probe_gaps,
+    probe_payback,
+    weights,
+)
 from dflash_jax.testing import random_drafter, random_qwen3, successor_drafter, successor_target
 
 LENGTHS = (0, 3, 7, 16)
@@ -142,25 +151,50 @@ def test_the_margin_counts_the_accepted_drafts_on_record():
 
 
 def test_probes_space_out_geometrically():
-    """After a run of verifies the first probe comes after 1 plain step; each probe that finds drafting still not
-    paying doubles the gap, up to the longest (`longest_gap`: a probe's extra cost over the share it may take); a
-    probe that finds the drafter right keeps the gap, and the end of the run of verifies it starts resets it."""
-    longest = longest_gap(jnp.asarray([1.0, 1.25, 1.5]), 0.005)  # a probe costs 0.25 plain steps: 50 between them
-    assert int(longest) == 50
-    assert int(longest_gap(jnp.asarray([1.0, 0.9]), 0.005)) == 1  # probes cheaper than plain steps: every other step
-    p = Probing.start().after_verify(jnp.bool_(True), longest)  # a run of verifies ends
-    gaps = []
-    for _ in range(8):
-        plain = 0
-        while not bool(p.due()):
-            p, plain = p.after_plain(), plain + 1
-        gaps.append(plain)
-        p = p.after_verify(jnp.bool_(True), longest)  # the probe fails
-    assert gaps == [1, 2, 4, 8, 16, 32, 50, 50]
+    """After a run of verifies the first probe comes after `c` plain steps (at least 1) if the drafter has been
+    right (accepted drafts on record), else after `c / early_share` (`probe_gaps`, c: a probe's extra cost); each
+    probe that finds drafting still not paying doubles the gap, up to the longest (`c / share`); a probe that finds
+    the drafter right keeps the gap, and the end of the run of verifies it starts resets it. A probe is not taken
+    where less is left to win back than its gap (`probe_payback`: the tokens left at the best saving of full
+    acceptance)."""
+    gaps = probe_gaps(jnp.asarray([1.0, 1.25, 1.5]), 0.005, 0.02)  # a probe costs 0.25 plain steps
+    assert tuple(map(int, gaps)) == (1, 13, 50)
+    assert tuple(map(int, probe_gaps(jnp.asarray([1.0, 3.5]), 0.005, 0.02))) == (3, 125, 500)
+    assert tuple(map(int, probe_gaps(jnp.asarray([1.0, 0.9]), 0.005, 0.02))) == (1, 1, 1)  # cheaper than plain steps
+    left = jnp.float32(1000)
+    for right, want in [(True, [1, 2, 4, 8, 16, 32, 50, 50]), (False, [13, 26, 50, 50, 50, 50, 50, 50])]:
+        p = Probing.start().after_verify(jnp.bool_(True), gaps, jnp.bool_(right))  # a run of verifies ends
+        spaced = []
+        for _ in range(8):
+            plain = 0
+            while not bool(p.due(left)):
+                p, plain = p.after_plain(), plain + 1
+            spaced.append(plain)
+            p = p.after_verify(jnp.bool_(True), gaps, jnp.bool_(right))  # the probe fails
+        assert spaced == want, right
     p = p.after_plain()
-    p = p.after_verify(jnp.bool_(False), longest)  # a probe finds the drafter right: drafting goes on
+    p = p.after_verify(jnp.bool_(False), gaps, jnp.bool_(True))  # a probe finds the drafter right: drafting goes on
     assert int(p.gap) == 50 and int(p.idle) == 0
-    assert int(p.after_verify(jnp.bool_(True), longest).gap) == 1  # until a verify ends the run
+    assert int(p.after_verify(jnp.bool_(True), gaps, jnp.bool_(True)).gap) == 1  # until a verify ends the run
+    due = Probing(jnp.int32(13), jnp.int32(13))
+    assert bool(due.due(jnp.float32(13))) and not bool(due.due(jnp.float32(12.5)))
+    # at best (full acceptance) 7 drafts make 8 tokens in 1.5 plain steps' time (3: 4 in 1.25): 13/16 of each saved
+    seconds = jnp.asarray([1.0, 1.25, 1.5])
+    assert float(probe_payback(seconds, (0, 3, 7), jnp.int32(16))) == pytest.approx(16 * (1 - 1.5 / 8))
+    assert float(probe_payback(jnp.asarray([1.0, 9.0]), (0, 7), jnp.int32(100))) == 0.0  # never pays: no probe
+
+
+@pytest.mark.parametrize("seconds,left,want", [
+    ((1.0, 1.25, 1.3, 1.4), 31, 3),  # dense 8B (H100): 16 drafts cost 0.4 plain steps more, and end 31 in 2 steps
+    ((1.0, 1.25, 1.3, 1.4), 127, 2),  # 7 drafts then 16s end 127 in as many steps, and cost less if never right
+    ((1.0, 3.76, 4.29, 5.3), 31, 3),  # MoE hybrid, batch 1: 16 (never right: 0.88 of greedy; 3 drafts: 0.74 of fixed)
+    ((1.0, 4.0, 6.0, 9.8), 31, 1),  # MoE hybrid, batch 8: 16 never right costs 0.78 of greedy, 3 drafts 0.83 of fixed
+    ((1.0, 1.25, 1.3, 1.4), 1, 1),  # one token left: the cheapest verify
+])
+def test_the_first_verify_has_the_best_worse_case(seconds, left, want):
+    """The first step, knowing nothing of the drafter, verifies the length whose worse case of never accepted (over
+    greedy) and always accepted (over the fixed length) is best (`first_length`)."""
+    assert int(first_length(jnp.asarray(seconds), LENGTHS, jnp.int32(left))) == want
 
 
 @pytest.mark.parametrize("seconds", [(1.0, 1.25, 1.3, 1.45), (1.0, 1.4, 1.45, 1.55)])  # H200, 2k / 32k contexts
@@ -231,12 +265,13 @@ def test_costs_for_another_setup_are_refused(models):
             speculative_generate(target, drafter, [1, 2], max_new_tokens=8, draft_length=Adaptive(costs=costs))
 
 
-def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(models):
-    """The first run measures the step costs on its own steps (their tokens are the output's), keeps them in the
-    policy's calibration and reports them (`GenerationResult.step_costs`); a second run of the same policy and setup
-    reuses them (its clock never read), and so does a run given them (as another process would be), measuring
-    nothing; `reset()` forgets them. A clock that does not move gives no usable costs: a warning, and the fixed
-    length from there on, with the same tokens and no costs reported."""
+def test_costs_are_measured_once_per_setup_and_fall_back_to_the_predicted_costs(models):
+    """A first run long enough (here `share` lets any run measure) measures the step costs on its own steps (their
+    tokens are the output's), keeps them in the policy's calibration and reports them
+    (`GenerationResult.step_costs`); a second run of the same policy and setup reuses them (its clock never read),
+    and so does a run given them (as another process would be), measuring nothing; `reset()` forgets them. A clock
+    that does not move gives no usable costs: a warning, and the predicted costs from there on, with the same
+    tokens. A run whose measurement would cost more than `share` of it measures nothing: its clock is never read."""
     target, drafter = models
     prompts, steps = [[5, 17, 99], [4]], 2
     expected = greedy_generate(target, prompts, max_new_tokens=40).tokens
@@ -246,7 +281,7 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
         reads.append(1)
         return time.perf_counter()
 
-    calibration = Calibration(steps=steps, clock=clock)  # the mechanism, in few of the 40 tokens
+    calibration = Calibration(steps=steps, clock=clock, share=10.0)  # the mechanism, in few of the 40 tokens
     policy = Adaptive(draft_lengths=(0, 7), calibration=calibration)
     result = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=policy)
     assert result.tokens == expected
@@ -267,31 +302,37 @@ def test_costs_are_measured_once_per_setup_and_fall_back_to_the_fixed_length(mod
     calibration.reset()
     assert calibration.measured == {} and calibration.unfinished == {}
 
-    stuck_calibration = Calibration(steps=steps, clock=lambda: 0.0)
-    with pytest.warns(RuntimeWarning, match="step costs could not be measured.*verifying 7 drafts every step"):
+    stuck_calibration = Calibration(steps=steps, clock=lambda: 0.0, share=10.0)
+    with pytest.warns(RuntimeWarning, match="step costs could not be measured.*choosing by the predicted costs"):
         stuck = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
             draft_lengths=(0, 7), calibration=stuck_calibration))
-    assert stuck.tokens == expected and stuck_calibration.measured == {} and stuck.step_costs is None
-    repeats = stuck_calibration.repeats  # the plain steps of the measurement only: 1, then n and 2n
-    assert stuck.plain_tokens == [1 + 3 * steps * repeats] * 2
+    assert stuck.tokens == expected and stuck_calibration.measured == {}
+    assert stuck.step_costs is not None and stuck.step_costs.seconds[1] > stuck.step_costs.seconds[0]  # predicted
+    reads.clear()
+    unmeasured = Calibration(steps=steps, clock=clock)  # the default share: 40 tokens are too few to measure in
+    short = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
+        draft_lengths=(0, 7), calibration=unmeasured))
+    assert short.tokens == expected and reads == [] and unmeasured.unfinished == {}
+    assert short.step_costs == stuck.step_costs
 
 
 def test_a_calibration_times_only_calls_the_run_surely_lasts_and_goes_on_in_the_next_run(models):
     """A timed call of n steps starts only where the decode lasts n steps even if every draft is accepted (7 drafts: 8
-    tokens a step), so a run too short for the next one forces no step to another length: it decodes at the fixed
-    length and keeps its progress, and a longer run of the setup measures only the rest, then adapts. Here n = 2 and
+    tokens a step), so a run too short for the next one forces no more steps: it decodes the rest by the predicted
+    costs and keeps its progress, and a longer run of the setup measures only the rest, then adapts. Here n = 2 and
     2n = 4 steps, twice each; the drafter is never accepted (one token a step). A run of 20 tokens (19 after the
     prefill's) has 3 sure steps of 7 drafts: the untimed one and one call of 2; then 16 tokens are 2 sure steps, too few
     for 4, so it stops there, no plain step forced. A run of 40 tokens measures the other three calls at 7 drafts,
     then plain steps (1 untimed + 12). The kept time of the first run is set to -1 s before the second: it is that
     time, not a new measurement, that the costs are made of, and it makes 7 drafts look half a second dearer than a
-    plain step, so that the policy takes plain steps for certain once it has the costs."""
+    plain step, so that the policy takes plain steps for certain once it has the costs. Meanwhile (the first run's
+    rest) the policy chooses by the predicted costs."""
     target, drafter = models
-    calibration = Calibration(steps=2, repeats=2)
+    calibration = Calibration(steps=2, repeats=2, share=10.0)
     policy, prompts = Adaptive(draft_lengths=(0, 7), calibration=calibration), [[5, 17, 99], [4]]
     first = speculative_generate(target, drafter, prompts, max_new_tokens=20, draft_length=policy)
     assert first.tokens == greedy_generate(target, prompts, max_new_tokens=20).tokens
-    assert first.step_costs is None and first.plain_tokens == [0, 0] and calibration.measured == {}
+    assert calibration.measured == {} and first.step_costs is not None  # the predicted costs
     (progress,) = calibration.unfinished.values()
     assert progress.warmed == {1} and list(progress.seconds) == [(1, 2)] and len(progress.seconds[1, 2]) == 1
     progress.seconds[1, 2] = [-1.0]
@@ -324,17 +365,19 @@ def test_a_key_reproduces_its_sampled_tokens_by_default():
 def test_a_drafter_never_right_leaves_drafting_even_where_probes_are_cheap(models):
     """A random drafter that is never right (on these prompts: no draft accepted at the fixed length either) where
     a verify of 7 drafts costs 1.1 plain steps: the policy turns to plain steps once the prior's optimism is spent
-    (no margin: no draft was ever accepted), then probes at gaps of 1, 2, 4, 8 and 16 plain steps (the next after
-    21: a probe costs 0.1 plain steps and may take 0.5% of their time). 64 tokens: the prefill's, the first verify,
-    five more while the prior fades, five probes, 52 plain steps. (A policy whose margin held every verify never
-    left: 63 verifies.) The output is the target's."""
+    (no margin: no draft was ever accepted), then probes after 6 and 12 plain steps (a probe costs 0.1 plain steps,
+    1.1 / 1.0 - 1 in float32 a hair more; a drafter never right starts at the first gap, where probes may take 2%
+    of the plain steps' time: 6, and doubles up to 21, 0.5%), and no third: the 16 tokens left after 21 more plain
+    steps could not repay it. 64 tokens: the prefill's, the first verify, five more while the prior fades, two
+    probes, 55 plain steps. (A policy whose margin held every verify never left: 63 verifies.) The output is the
+    target's."""
     target, drafter = models
     prompts = [[5, 17, 99], [90, 91, 92]]
     cheap = Adaptive(draft_lengths=(0, 7), costs=StepCosts((0, 7), (1.0, 1.1), 2, "cpu"))
     result = speculative_generate(target, drafter, prompts, max_new_tokens=64, draft_length=cheap)
     assert result.tokens == greedy_generate(target, prompts, max_new_tokens=64).tokens
-    assert result.acceptance_lengths == [[1] * 11, [1] * 11]
-    assert result.plain_tokens == [52, 52]
+    assert result.acceptance_lengths == [[1] * 8, [1] * 8]
+    assert result.plain_tokens == [55, 55]
 
 
 def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
@@ -342,8 +385,7 @@ def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
     map that agrees with it along sequence 1's continuation and nowhere along sequence 0's. Sequence 0 will need a
     step per token whatever is verified, so once the first verify has shown it, the default focus takes plain steps
     for both (the cheapest), verifying only to probe; the summed tokens per second (focus 0) keeps verifying for
-    sequence 1 until it is done, and the batch takes as many steps, more of them verifies. Both outputs are the
-    target's greedy tokens."""
+    sequence 1 until it is done, and the batch takes as many steps. Both outputs are the target's greedy tokens."""
     V, span = 128, 48
     order = np.random.default_rng(0).permutation(V)
     successor = np.empty(V, np.int64)
@@ -370,9 +412,9 @@ def test_in_the_loop_a_never_accepted_sequence_holds_the_batch_to_plain_steps():
     weighted, summed = runs[8.0], runs[0.0]
     assert summed.plain_tokens[1] == 0 and set(summed.acceptance_lengths[1]) == {K + 1}  # never waits for 0
     assert weighted.plain_tokens[1] > 0  # held to plain steps with sequence 0
-    # sequence 0 sets the batch's end: one step per token either way, fewer of them (dearer) verifies
+    # sequence 0 sets the batch's end: one step per token either way
     steps = [len(r.acceptance_lengths[0]) + r.plain_tokens[0] for r in (weighted, summed)]
-    assert steps == [31, 31] and len(weighted.acceptance_lengths[0]) < len(summed.acceptance_lengths[0])
+    assert steps == [31, 31]
 
 
 def test_costs_kept_in_a_store_spare_the_next_process_its_measurement(models, tmp_path):
@@ -381,7 +423,7 @@ def test_costs_kept_in_a_store_spare_the_next_process_its_measurement(models, tm
     target, drafter = models
     prompts = [[5, 17, 99], [4]]
     first = speculative_generate(target, drafter, prompts, max_new_tokens=40, draft_length=Adaptive(
-        draft_lengths=(0, 7), calibration=Calibration(steps=1, repeats=1, store=CostStore(tmp_path))))
+        draft_lengths=(0, 7), calibration=Calibration(steps=1, repeats=1, share=10.0, store=CostStore(tmp_path))))
     assert first.step_costs is not None and len(list(tmp_path.glob("*.json"))) == 1
 
     def unread() -> float:

@@ -207,7 +207,7 @@ def test_adaptive_small(adaptive_json):
     rows = {r["workload"]: r for r in json.loads(adaptive_json.read_text())["rows"]}
     assert set(rows) == set(ADAPTIVE_WORKLOADS)
     assert all(r["same_as_greedy"] and r["greedy_tps"] > 0 and r["adaptive_tps"] > 0 for r in rows.values())
-    assert all("step_costs_ms" in r for r in rows.values())  # None here: 8 tokens are too few to time a call of steps
+    assert all(r["step_costs_ms"] for r in rows.values())  # predicted: 8 tokens are too few to measure them in
     assert rows["acceptance 0"]["acceptance"] == 0 and rows["acceptance 1"]["acceptance"] == 1
 
 

@@ -92,16 +92,17 @@ def test_greedy_baseline(target, greedy):
 
 
 @pytest.mark.parametrize("preset,draft_length", [("tiny-dflash", "fixed"), ("tiny-dflash2", PLAIN_OFTEN),
-                                                 ("tiny-dspark", "adaptive"), ("tiny-nemotron-dspark", "adaptive")])
+                                                 ("tiny-dspark", "measured"), ("tiny-nemotron-dspark", None)])
 def test_lossless_with_random_drafters(tmp_path_factory, target, greedy, preset, draft_length, quick_calibration):
     """Random drafters are nearly always wrong: every step is a rejection, and the output is still exactly the
     target's greedy continuation, for every prompt of the batch. (DSpark: the tests below, with a drafter that
     is right, wrong, or cut by its confidence head at varying points.) Every token is the prefill's, a verify's or
     a plain step's; under the adaptive policy some are plain steps (the policy's, with the costs given, dflash2;
     with DSpark the costs are measured in the run, in calls of 1 and 2 steps here so that 24 tokens hold them,
-    plain steps included, and the policy then takes its own)."""
+    plain steps included, and the policy then takes its own; the Nemotron drafter under the default, from the
+    first step by the predicted costs)."""
     drafter = _drafter(tmp_path_factory, preset, seed=2)
-    policy = Adaptive(calibration=quick_calibration) if draft_length == "adaptive" else draft_length
+    policy = Adaptive(calibration=quick_calibration) if draft_length == "measured" else draft_length
     result = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, draft_length=policy)
     assert result.tokens == greedy.tokens
     K = drafter.config.num_draft_tokens
@@ -121,14 +122,18 @@ def test_accept_path_with_a_drafter_that_copies_the_target(target, oracle):
     assert result.tokens == expected
     assert all(a == K + 1 for steps in result.acceptance_lengths for a in steps)
     assert result.mean_acceptance_length == K + 1
-    # Verifying 7 drafts costs 100 times as much as verifying 3 here: after the first step (every draft: nothing is
-    # known yet) the policy verifies 3 of them, all accepted, every step. (No plain steps among its lengths: a branch
-    # less to compile.)
+    # Verifying 7 drafts costs 100 times as much as verifying 3 here: from the first step on (where 7 drafts never
+    # accepted would cost 100 steps' time: `adaptive.first_length`) the policy verifies 3 of them, all accepted, every
+    # step. (No plain steps among its lengths: a branch less to compile.)
     three = Adaptive(draft_lengths=(3, 7), costs=StepCosts((3, 7), (1.0, 100.0), batch=len(PROMPTS), device="cpu"))
     result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=three)
     assert result.tokens == expected
-    assert {steps[0] for steps in result.acceptance_lengths} == {K + 1}
-    assert {a for steps in result.acceptance_lengths for a in steps[1:-1]} == {4}  # the last may end at the budget
+    assert {a for steps in result.acceptance_lengths for a in steps[:-1]} == {4}  # the last may end at the budget
+    # The default (a fresh process's: the predicted costs from the first step) verifies every draft of a drafter
+    # that is always right, and takes no plain step.
+    result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW)
+    assert result.tokens == expected and result.plain_tokens == [0] * len(PROMPTS)
+    assert {a for steps in result.acceptance_lengths for a in steps[:-1]} == {K + 1}
     # An int draft length verifies that many drafts every step, the first included, and takes no plain step.
     result = speculative_generate(exact, oracle, PROMPTS, max_new_tokens=MAX_NEW, draft_length=3)
     assert result.tokens == expected and result.plain_tokens == [0] * len(PROMPTS)
@@ -308,8 +313,7 @@ def test_long_prompts_are_lossless(tmp_path_factory, target, long_greedy, preset
     """Prompts several times the drafter's window and the prefill chunk (target prefill and the drafter's first
     append both in chunks of 32): exactly the target's greedy tokens, for every family; the DFlash run also
     bounds its full layers with the opt-in draft window, which changes drafts, never the greedy output. At the
-    fixed draft length: the steps the default adaptive policy takes too (12 tokens are too few to measure step costs,
-    so it decodes at the fixed length), in a decode program a third the size (one length's branch, not three)."""
+    fixed draft length: a decode program a third the size (one length's branch, not three)."""
     result = speculative_generate(target, _drafter(tmp_path_factory, preset), LONG_PROMPTS, max_new_tokens=12,
                                   prefill_chunk=32, attention=attention, draft_length="fixed")
     assert result.tokens == long_greedy.tokens

@@ -57,8 +57,8 @@ def test_generate_verb_at_a_tiny_temperature_prints_the_greedy_continuation(chec
 
 
 def test_progress_callback_sees_every_step(checkpoints):
-    """At the fixed draft length: the steps the default adaptive policy takes too (12 tokens are too few to measure
-    step costs), in a decode program of one length's branch, not three."""
+    """At the fixed draft length, in a decode program of one length's branch, not three (the adaptive policy's
+    loop: tests/test_adaptive.py)."""
     target_dir, drafter_dir = checkpoints
     target = Qwen3Target.from_pretrained(target_dir, dtype=jnp.float32)
     drafter = load_drafter(drafter_dir, dtype=jnp.float32)

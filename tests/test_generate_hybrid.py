@@ -47,8 +47,8 @@ def oracle(target):
 
 
 def test_greedy_with_an_oracle_commits_partial_blocks(target, greedy, oracle):
-    """At the fixed draft length (the default adaptive policy decodes at it too: 20 tokens are too few to measure
-    step costs), in a decode program of one length's branch, not three."""
+    """At the fixed draft length (the oracle is always accepted: the lengths the default adaptive policy takes too,
+    but for its first verify), in a decode program of one length's branch, not three."""
     result = speculative_generate(target, oracle, PROMPTS, max_new_tokens=MAX_NEW, prefill_chunk=CHUNK,
                                   draft_length="fixed")
     assert result.tokens == greedy

@@ -8,11 +8,12 @@ from the target's p, so both accepts and rejects happen often. DFlash2 draws fro
 (q is zero elsewhere), which exercises the residual norm(max(p - q, 0)) where q has holes; DSpark's q has full
 support (DFlash's softmax plus a Markov bias; the rule does not depend on the family, and each family's q is
 checked against the NumPy reference in tests/test_drafting.py), and its confidence cut ends proposals early.
-Every run has the adaptive draft-length policy on; its first step verifies every draft (nothing is known yet).
-With given step costs: DFlash2's make plain target steps cheap, so x3 comes from a plain step wherever the first
-verify made only x2 (a plain step samples from the target, and when to take one depends on earlier steps only);
-DFlash's make 3 drafts the best buy after it (drafts past the chosen length are not proposed, as past the DSpark
-cut); DSpark's measure nothing, so the run measures them on its first steps, at forced lengths.
+Every run but the Nemotron drafter's has the adaptive draft-length policy on; its first step verifies the length
+whose worse case of never and always accepted is best (`adaptive.first_length`; nothing is known yet). With given
+step costs: DFlash2's make plain target steps cheap, so x3 comes from a plain step wherever the first verify made
+only x2 (a plain step samples from the target, and when to take one depends on earlier steps only); DFlash's make 3
+drafts the best buy (drafts past the chosen length are not proposed, as past the DSpark cut); DSpark's are
+predicted from the models (three tokens are too few to measure them in).
 
 Each run has one of the sampling controls on (top-p, min-p, top-k; `dflash_jax.sampling`), with the drafts drawn
 under it too: the expected distribution is the target's after transformers' warpers, computed by the NumPy reference

@@ -100,9 +100,8 @@ def test_two_process_load(checkpoints, one_target, greedy_tokens):
 def test_generate_across_two_processes(checkpoints, greedy_tokens):
     """`dflash-jax generate --distributed` in two processes of two CPU devices each: the target split over all
     four, process 0 prints the target's greedy tokens, process 1 prints nothing (on stdout: Gloo's connection lines go
-    to stderr). `--draft-length fixed`: the steps the default adaptive policy would take too (6 tokens are too few to
-    time a call of steps), in a decode program of one length's branch, not three (the adaptive policy and its step
-    costs measured across processes: `test_two_process_load`). The prompt is PROMPTS[0], so that the target's own
+    to stderr). `--draft-length fixed`: a decode program of one length's branch, not three (the adaptive policy and its
+    step costs measured across processes: `test_two_process_load`). The prompt is PROMPTS[0], so that the target's own
     tokens are those of `greedy_tokens` (no greedy program of a batch of one to compile)."""
     drafter, target = checkpoints
     flags = ["--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", "6", "--dtype", "float32",

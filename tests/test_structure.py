@@ -15,7 +15,7 @@ PACKAGE = os.path.dirname(dflash_jax.__file__)
 FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "dflash_jax.generate",
            "dflash_jax.target", "dflash_jax.target.moe", "dflash_jax.target.delta_rule",
            "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax.acceptance", "dflash_jax.draft_policy",
-           "dflash_jax.bookkeeping", "dflash_jax.plain", "dflash_jax._progress")
+           "dflash_jax.bookkeeping", "dflash_jax.plain", "dflash_jax._progress", "dflash_jax.step_cost_model")
 # What drafters and targets share, and the targets' pure maths: they reach no I/O, no drafter config parsing (its
 # layouts, decoding and checks) and no kernel module; a quantized weight brings its own product
 # (`layers.QuantizedWeight`), so naming it needs no kernel either.
@@ -129,7 +129,8 @@ def test_target_families_stand_on_the_template_not_on_each_other():
 # The decode loop's modules: what a call learns is returned, or kept in a value its caller holds
 # (`adaptive.Calibration`), never in a module-level container.
 DECODE = ("dflash_jax.generate", "dflash_jax.plain", "dflash_jax.bookkeeping", "dflash_jax.draft_policy",
-          "dflash_jax.acceptance", "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax._progress")
+          "dflash_jax.acceptance", "dflash_jax.adaptive", "dflash_jax.sampling", "dflash_jax._progress",
+          "dflash_jax.step_cost_model")
 MUTABLE = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
 MUTABLE_CALLS = {"dict", "list", "set", "count", "defaultdict", "OrderedDict", "deque", "Counter"}
 
