@@ -100,10 +100,13 @@ def test_the_targets_forward_and_prefill_donate_the_cache(family):
 
 
 def test_kernel_tuning_is_one_table_by_device_kind_with_a_fallback():
-    """A measured kind gets its entry (the H100's holds the H200's values until measured), any other kind (and a
-    process without a GPU) the fallback; the table is read-only, and an override is a value passed in."""
+    """A measured kind gets its entry (the H100's holds the H200's values but those measured on it: the drafter
+    forms `weights="auto"` chooses, the step rates), any other kind (and a process without a GPU) the fallback; the
+    table is read-only, and an override is a value passed in."""
     assert tuning_for("NVIDIA H200") is TUNING["NVIDIA H200"]
-    assert tuning_for("NVIDIA H100 80GB HBM3") is TUNING["NVIDIA H100 80GB HBM3"] == TUNING["NVIDIA H200"]
+    h100 = tuning_for("NVIDIA H100 80GB HBM3")
+    assert h100 is TUNING["NVIDIA H100 80GB HBM3"] and h100.step_rates != TUNING["NVIDIA H200"].step_rates
+    assert dataclasses.replace(h100, auto_weights=FALLBACK.auto_weights, step_rates=FALLBACK.step_rates) == FALLBACK
     assert tuning_for("a GPU never measured") is tuning_for(None) is FALLBACK
     with pytest.raises(TypeError):
         TUNING["NVIDIA H200"] = FALLBACK  # type: ignore[index]
