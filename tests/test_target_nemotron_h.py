@@ -99,6 +99,17 @@ def test_missing_expert_or_mamba_tensor_named(tmp_path, name):
         load_target(tmp_path / "moe")
 
 
+def test_a_correction_bias_of_another_length_is_named(tmp_path):
+    """The router's `e_score_correction_bias` holds one value per routed expert: one short is refused, naming it and
+    the length the config declares, before anything is placed."""
+    name = "backbone.layers.1.mixer.gate.e_score_correction_bias"
+    shutil.copytree(os.path.join(DATA, "moe"), tmp_path / "moe")
+    rewrite_tensors(tmp_path / "moe", lambda t: t.update({name: t[name][:-1]}))
+    expected = f"tensor {name!r} has shape [7], expected [8] from the config"
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        load_target(tmp_path / "moe")
+
+
 def test_the_router_stays_float32_in_a_bfloat16_load(tmp_path):
     """The router's weight and correction bias load as float32 whatever the dtype, as transformers and vLLM keep
     them: a bias whose values differ below bfloat16's resolution (8 + k / 1024: 1/16 apart there) still orders
