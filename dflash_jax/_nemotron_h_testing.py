@@ -22,9 +22,8 @@ from . import fp8, nvfp4
 from ._qwen3_testing import successor_params
 from .safetensors import write_tensors
 from .target.nemotron_h_config import parse_nemotron_h_config
-from .target.nemotron_h_spec import FUSED, expert_tensors
+from .target.nemotron_h_spec import expert_tensors
 from .target.nemotron_h_target import STACKS, NemotronHTarget, random_nemotron_h
-from .target.views import fuse
 
 __all__ = ["random_nemotron_h", "successor_nemotron_h", "write_nemotron_h_checkpoint"]
 
@@ -48,12 +47,12 @@ def successor_nemotron_h(target: NemotronHTarget, successor: np.ndarray, *, marg
 
 def write_nemotron_h_checkpoint(directory: str | os.PathLike[str], raw: dict[str, Any], *, seed: int = 0,
                                 quantized: bool = False, input_scale: float = 0.05) -> dict[str, np.ndarray]:
-    """Write config.json (`raw`) and random float32 weights as transformers names them (one tensor per expert, each
-    Mamba block's `in_proj` and `conv1d` fused); with `quantized`, as ModelOpt's `MIXED_PRECISION` export stores the
-    released NVFP4 target: Mamba `in_proj` / `out_proj` FP8 W8A8 (`weight` E4M3, `weight_scale`, a static
-    `input_scale`), every routed and shared expert's `up_proj` / `down_proj` and `lm_head` W4A16 NVFP4 group 16
-    (`weight` U8, `weight_scale` E4M3, `weight_scale_2`), everything else as drawn, and `hf_quant_config.json`
-    naming each quantized layer. Returns the tensors written."""
+    """Write config.json (`raw`) and random float32 weights as transformers names them (one tensor per expert);
+    with `quantized`, as ModelOpt's `MIXED_PRECISION` export stores the released NVFP4 target: Mamba `in_proj` /
+    `out_proj` FP8 W8A8 (`weight` E4M3, `weight_scale`, a static `input_scale`), every routed and shared expert's
+    `up_proj` / `down_proj` and `lm_head` W4A16 NVFP4 group 16 (`weight` U8, `weight_scale` E4M3,
+    `weight_scale_2`), everything else as drawn, and `hf_quant_config.json` naming each quantized layer. Returns
+    the tensors written."""
     config = parse_nemotron_h_config(raw, source="write_nemotron_h_checkpoint")
     target = random_nemotron_h(config, seed=seed, dtype=jnp.float32)
     tensors: dict[str, np.ndarray] = {}
@@ -63,7 +62,6 @@ def write_nemotron_h_checkpoint(directory: str | os.PathLike[str], raw: dict[str
             value = value[key]
         names = expert_tensors(config, t.name) if t.name.endswith(STACKS) else [t.name]
         tensors |= {name: np.asarray(part) for name, part in zip(names, value if len(names) > 1 else [value])}
-    tensors = fuse(tensors, FUSED)  # the Mamba mixers' sections as the checkpoint stores them
     layers: dict[str, dict[str, Any]] = {}
     if quantized:
         for name in list(tensors):

@@ -30,9 +30,6 @@ VOCAB, EMBED, HEADS, KV_HEADS, MLP, BATCH = "vocab", "embed", "heads", "kv_heads
 # A mixture-of-experts layer's stacked expert weights `[E, ...]`: the expert index, and each expert's own SwiGLU
 # width (distinct from `MLP`, so that a layout may split either one over a mesh axis, never both onto one).
 EXPERTS, EXPERT_MLP = "experts", "expert_mlp"
-# A Mamba-2 mixer's B/C groups (`n_groups`), each read by a run of its heads: split with the heads, or kept whole on
-# every device where the tensor axis has more devices than groups (as KV heads are).
-GROUPS = "groups"
 
 # Kinds: how a tensor may be stored and is loaded.
 LINEAR = "linear"  # a matrix applied as `x @ w.T`: float, or NVFP4-packed (U8 + scales)

@@ -10,39 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.target.mamba2 import (
-    CONV_PARTS,
-    IN_PROJ_PARTS,
-    Mamba2Dims,
-    Mamba2State,
-    empty_state,
-    mixer,
-    select_state,
-)
+from dflash_jax.target.mamba2 import Mamba2Dims, Mamba2State, empty_state, mixer, select_state
 
 DIMS = Mamba2Dims(heads=4, head_dim=8, groups=2, state=16, conv_kernel=4, chunk=4, eps=1e-5)
 HIDDEN, BATCH = 32, 2
 TOL = 2e-6  # relative to the output's (state's) scale; float32 runs measure up to 4e-7 (per test below)
 
-jitted = jax.jit(mixer, static_argnames=("dims", "keep_states"))
-
-
-def _cut(a, sizes, axis):
-    return jnp.split(jnp.asarray(a), np.cumsum(sizes)[:-1], axis=axis)
-
-
-def run(p, dims, x, state, valid, *, keep_states=False):
-    """`mixer` on the parameters and state as checkpoints and transformers lay them out, what `reference` reads
-    (`in_proj`, `conv1d` and the conv state fused): cut into the mixer's sections going in, the conv state's
-    sections joined coming out (a state in sections, `empty_state`'s, goes in as it is)."""
-    parts = {k: v for k, v in p.items() if k not in ("in_proj", "conv1d")}
-    parts |= {f"in_proj_{part}": {"weight": w}
-              for part, w in zip(IN_PROJ_PARTS, _cut(p["in_proj"]["weight"], dims.in_proj_rows, 0))}
-    conv1d = (_cut(p["conv1d"][name], dims.conv_channels, 0) for name in ("weight", "bias"))
-    parts |= {f"conv1d_{part}": {"weight": w, "bias": b} for part, w, b in zip(CONV_PARTS, *conv1d)}
-    conv = state.conv if isinstance(state.conv, tuple) else tuple(_cut(state.conv, dims.conv_channels, -2))
-    y, new = jitted(parts, dims, x, Mamba2State(conv, state.ssm), valid, keep_states=keep_states)
-    return y, Mamba2State(jnp.concatenate(new.conv, axis=-2), new.ssm)
+run = jax.jit(mixer, static_argnames=("dims", "keep_states"))
 
 
 def silu(v):

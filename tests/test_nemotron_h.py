@@ -31,7 +31,7 @@ from dflash_jax.target.nemotron_h_config import (
     NemotronHConfig,
     parse_nemotron_h_config,
 )
-from dflash_jax.target.nemotron_h_spec import FUSED, ROOT, expert_tensors, parameter_spec
+from dflash_jax.target.nemotron_h_spec import ROOT, expert_tensors, parameter_spec
 
 from ._pallas import needs_mosaic_interpreter
 
@@ -51,23 +51,9 @@ commit = jax.jit(nh.commit)
 # --------------------------------------------------------------------------------------------------------------
 
 
-def sections(tensors: dict[str, np.ndarray], c: NemotronHConfig) -> dict[str, np.ndarray]:
-    """`tensors` with each Mamba block's fused `in_proj` / `conv1d` cut into the sections the tree holds
-    (`nemotron_h_spec.FUSED`, each section the rows its spec declares)."""
-    shapes = {s.name: s.shape for s in parameter_spec(c)}
-    out = dict(tensors)
-    for i in c.blocks(MAMBA):
-        prefix = f"{ROOT}layers.{i}.mixer."
-        for fused in FUSED:
-            ends = np.cumsum([shapes[prefix + part][0] for part in fused.parts])[:-1]
-            out |= dict(zip([prefix + part for part in fused.parts], np.split(out.pop(prefix + fused.stored), ends)))
-    return out
-
-
 def tree_from_checkpoint(tensors: dict[str, np.ndarray], c: NemotronHConfig) -> dict:
     """The parameter tree (`nemotron_h` docstring) from a checkpoint's tensors, as `parameter_spec` declares them
-    (the per-expert tensors stacked, the fused Mamba tensors in `sections`); every tensor of the checkpoint used."""
-    tensors = sections(tensors, c)
+    (the per-expert tensors stacked); every tensor of the checkpoint used."""
     tree: dict = {"layers": [{} for _ in range(c.num_hidden_layers)]}
     used = set()
     for spec in parameter_spec(c):
@@ -160,7 +146,7 @@ def test_bfloat16(model):
                                         nh.init_cache(model.config, 2, 32, jnp.bfloat16), jnp.zeros(2, jnp.int32),
                                         (3,))
     assert (logits.dtype, features.dtype, pending.k[0].dtype) == (jnp.float32, jnp.bfloat16, jnp.bfloat16)
-    assert [a.dtype for a in (*pending.mamba[0].conv, pending.mamba[0].ssm)] == [jnp.bfloat16] * 3 + [jnp.float32]
+    assert (pending.mamba[0].conv.dtype, pending.mamba[0].ssm.dtype) == (jnp.bfloat16, jnp.float32)
     chex.assert_trees_all_close(np.asarray(logits), model.io["logits"], rtol=0, atol=0.25)
 
 
@@ -174,8 +160,8 @@ def test_prefill_states_match_transformers(model):
     features = np.asarray(features).reshape(2, PROMPT, len(ALL), -1).transpose(2, 0, 1, 3)
     chex.assert_trees_all_close(features, io["hidden_states"][:, :, :PROMPT], rtol=0, atol=3e-5)
     for state, i in zip(cache.mamba, model.config.blocks(MAMBA)):
-        chex.assert_trees_all_close(np.concatenate(state.conv, axis=1), io[f"prefill9_conv_state_{i}"][..., 1:],
-                                    rtol=0, atol=1e-5)  # x, B, C: transformers' channels
+        chex.assert_trees_all_close(np.asarray(state.conv), io[f"prefill9_conv_state_{i}"][..., 1:], rtol=0,
+                                    atol=1e-5)
         chex.assert_trees_all_close(np.asarray(state.ssm), io[f"prefill9_ssm_state_{i}"], rtol=0, atol=1e-5)
 
 
@@ -539,21 +525,13 @@ def test_routing_fields_of_a_model_without_moe_blocks_are_not_read():
 
 @pytest.mark.parametrize("name", ["moe", "dense"])
 def test_the_spec_declares_every_tensor_of_the_checkpoint(name):
-    """`tree_from_checkpoint` consumes every tensor through the spec (above); here the counts and the axes: the
-    Mamba mixer split by head, B and C by group (module docstring)."""
+    """`tree_from_checkpoint` consumes every tensor through the spec (above); here the counts and the axes."""
     m = _load(name)
     specs = parameter_spec(m.config)
     stored = load_file(os.path.join(DATA, name, "model.safetensors"))
-    assert sum(len(expert_tensors(m.config, s.name)) if ".experts." in s.name else 1 for s in specs) == len(
-        sections(stored, m.config))
+    assert sum(len(expert_tensors(m.config, s.name)) if ".experts." in s.name else 1 for s in specs) == len(stored)
     axes = {s.name.removeprefix(ROOT): s.axes for s in specs}
-    mamba = {part: axes[f"layers.0.mixer.{part}"] for part in ("in_proj_z.weight", "in_proj_b.weight",
-                                                               "in_proj_dt.weight", "conv1d_x.bias", "conv1d_c.weight",
-                                                               "norm.weight", "out_proj.weight")}
-    assert mamba == {"in_proj_z.weight": ("heads", "embed"), "in_proj_b.weight": ("groups", "embed"),
-                     "in_proj_dt.weight": ("heads", "embed"), "conv1d_x.bias": ("heads",),
-                     "conv1d_c.weight": ("groups", None, None), "norm.weight": ("heads",),
-                     "out_proj.weight": ("embed", "heads")}
+    assert axes["layers.0.mixer.in_proj.weight"] == (None, "embed")  # replicated: five sections (module docstring)
     assert axes["layers.2.mixer.q_proj.weight"] == ("heads", "embed")
     assert axes["layers.2.mixer.o_proj.weight"] == ("embed", "heads")
     if name == "moe":

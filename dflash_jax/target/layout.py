@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import ConfigError
 from ..placement import auto_mesh
-from ..spec import BATCH, EXPERT_MLP, GROUPS, HEADS, KV_HEADS, MLP, VOCAB
+from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
 
 __all__ = ["Layout", "make_layout"]
 
@@ -23,16 +23,14 @@ class Layout:
     `tensor_axis` (None: replicated, no tensor parallelism) splits heads, the MLP width (each MoE expert's too:
     every device holds a slice of every expert, `target.moe`) and the vocabulary; KV heads
     only when it has at most `num_key_value_heads` devices (`split_kv`), else every device keeps all KV heads
-    and each query shard attends with its own group's; a Mamba-2 mixer's B/C groups (`spec.GROUPS`) likewise
-    (`split_groups`). The other mesh axes (`batch_axes`) split the batch where it divides (else it is
-    replicated). The mesh has Auto axis types (`placement.auto_mesh`).
+    and each query shard attends with its own group's. The other mesh axes (`batch_axes`) split the batch where
+    it divides (else it is replicated). The mesh has Auto axis types (`placement.auto_mesh`).
     """
 
     mesh: jax.sharding.Mesh
     tensor_axis: str | None
     batch_axes: tuple[str, ...]
     split_kv: bool
-    split_groups: bool = True
 
     @property
     def tensor_size(self) -> int:
@@ -51,8 +49,7 @@ class Layout:
         """The PartitionSpec of logical `axes` (`BATCH` needs `batch_size`: split only where it divides)."""
         rules: dict[str | None, str | tuple[str, ...] | None] = {
             VOCAB: self.tensor_axis, HEADS: self.tensor_axis, MLP: self.tensor_axis, EXPERT_MLP: self.tensor_axis,
-            KV_HEADS: self.tensor_axis if self.split_kv else None,
-            GROUPS: self.tensor_axis if self.split_groups else None}
+            KV_HEADS: self.tensor_axis if self.split_kv else None}
         rules[BATCH] = self.batch_axes if self.batch_axes and batch_size is not None \
             and batch_size % self.batch_devices == 0 else None
         return PartitionSpec(*(rules.get(a) for a in axes))

@@ -24,13 +24,6 @@ The recurrence in three forms, one per use:
 
 Rows past a sequence's valid prefix, and the rows that pad S to a multiple of the chunk, get a zero input and
 dt = 0: exp(0 A) = 1 and dt x B = 0, so the state passes through them unchanged.
-
-The parameters come in parts (`IN_PROJ_PARTS`, `CONV_PARTS`): checkpoints store `in_proj` as the rows `[z | x | B |
-C | dt]` and the conv's channels as `[x | B | C]`, and the mixer takes each part as a projection (or conv) of its
-own, `in_proj_z` .. `in_proj_dt`, `conv1d_x` / `_b` / `_c` (the same maths: every output row and channel is
-computed on its own). So a tensor-parallel layout can split each part by head (z, x, dt, the conv's x channels and
-the per-head tensors) or by group (B, C) without a device ever holding another's rows; the conv state is kept in
-the same three parts. Nothing here knows of a mesh: the split is the layout's (`target.nemotron_h_spec`).
 """
 
 from __future__ import annotations
@@ -47,11 +40,9 @@ from .._precision import dot, weight_dot
 from .._shapes import ceil_div
 from ..layers import static_fp8_input
 
-__all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state", "IN_PROJ_PARTS", "CONV_PARTS"]
+__all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state"]
 
 F32 = jnp.float32
-IN_PROJ_PARTS = ("z", "x", "b", "c", "dt")  # `in_proj`'s row sections, in the order checkpoints store them
-CONV_PARTS = ("x", "b", "c")  # the conv's channel sections (x, B, C), likewise
 
 
 class Mamba2Dims(NamedTuple):
@@ -80,33 +71,22 @@ class Mamba2Dims(NamedTuple):
         """The conv's channels: x, B and C."""
         return self.d_inner + 2 * self.groups * self.state
 
-    @property
-    def in_proj_rows(self) -> tuple[int, ...]:
-        """The rows of each of `IN_PROJ_PARTS`: z, x (d_inner each), B, C (G N each), dt (nh)."""
-        return (self.d_inner, *self.conv_channels, self.heads)
-
-    @property
-    def conv_channels(self) -> tuple[int, int, int]:
-        """The channels of each of `CONV_PARTS`: x (d_inner), B, C (G N each)."""
-        return self.d_inner, self.groups * self.state, self.groups * self.state
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mamba2State:
-    """A mixer's carried state: `conv` the last K-1 conv inputs (oldest first, activation dtype) of each of
-    `CONV_PARTS`, `[batch, channels, K-1]` (x: d_inner channels, B and C: G N each; concatenated they are
-    transformers' `[batch, conv_dim, K-1]`), `ssm [batch, nh, hd, N]` float32. From `mixer(.., keep_states=True)`
-    each array has an extra axis 1 of S+1: the state before row 0 and after each row."""
+    """A mixer's carried state: `conv [batch, conv_dim, K-1]` the last K-1 conv inputs (oldest first, activation
+    dtype), `ssm [batch, nh, hd, N]` float32. From `mixer(.., keep_states=True)` each has an extra axis 1 of
+    S+1: the state before row 0 and after each row."""
 
-    conv: tuple[jax.Array, jax.Array, jax.Array]
+    conv: jax.Array
     ssm: jax.Array
 
 
 def empty_state(dims: Mamba2Dims, batch: int, dtype: Any) -> Mamba2State:
     """The state before a sequence's first row: zeros."""
-    x, b, c = (jnp.zeros((batch, n, dims.conv_kernel - 1), dtype) for n in dims.conv_channels)
-    return Mamba2State(conv=(x, b, c), ssm=jnp.zeros((batch, dims.heads, dims.head_dim, dims.state), F32))
+    return Mamba2State(conv=jnp.zeros((batch, dims.conv_dim, dims.conv_kernel - 1), dtype),
+                       ssm=jnp.zeros((batch, dims.heads, dims.head_dim, dims.state), F32))
 
 
 def select_state(states: Mamba2State, kept: jax.Array) -> Mamba2State:
@@ -183,8 +163,8 @@ def _chunked(s0: jax.Array, x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Ar
 
 
 def _conv(p: Mapping[str, Any], state: jax.Array, xbc: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One part's depthwise causal conv and its SiLU: `(inputs [batch, K-1+S, C], out [batch, S, C])` from `state
-    [batch, C, K-1]`, `xbc [batch, S, C]` (C the part's channels); `inputs` the state's rows then the new ones."""
+    """The depthwise causal conv and its SiLU: `(inputs [batch, K-1+S, conv_dim], out [batch, S, conv_dim])` from
+    `state [batch, conv_dim, K-1]`, `xbc [batch, S, conv_dim]`; `inputs` the state's rows then the new ones."""
     rows, taps = xbc.shape[1], p["weight"].shape[-1]
     inputs = jnp.concatenate([state.swapaxes(1, 2), xbc], axis=1)  # [batch, K-1+S, conv_dim]
     w = p["weight"][:, 0].astype(F32)  # [conv_dim, K]
@@ -193,22 +173,15 @@ def _conv(p: Mapping[str, Any], state: jax.Array, xbc: jax.Array) -> tuple[jax.A
 
 
 def _conv_states(inputs: jax.Array, after: jax.Array, taps: int) -> jax.Array:
-    """One part's conv states after `after [batch, R]` rows: `[batch, R, C, K-1]`, the K-1 inputs ending there."""
+    """The conv states after `after [batch, R]` rows: `[batch, R, conv_dim, K-1]`, the K-1 inputs ending there."""
     index = after[..., None] + jnp.arange(taps - 1)  # [batch, R, K-1]
     return jax.vmap(lambda rows, i: rows[i])(inputs, index).swapaxes(-1, -2)
-
-
-def _project(x: jax.Array, p: dict[str, Any]) -> jax.Array:
-    """`x [..., H] @ p.weight.T` in x's dtype, the input rounded as an FP8 W8A8 kernel reads it where `p` has an
-    `input_scale` (`layers.static_fp8_input`)."""
-    return weight_dot(static_fp8_input(x, p), p["weight"], x.dtype)
 
 
 def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2State, valid: jax.Array, *,
           keep_states: bool = False) -> tuple[jax.Array, Mamba2State]:
     """The mixer over S rows: `(y [batch, S, H] in x's dtype, state)` from `x [batch, S, H]` (the block's normed
-    input), `p` the block's `mixer.` weights (transformers' names, `in_proj` and `conv1d` in their parts:
-    `in_proj_{z,x,b,c,dt}`, `conv1d_{x,b,c}`), `valid [batch, S]` each sequence's valid prefix
+    input), `p` the block's `mixer.` weights (transformers' names), `valid [batch, S]` each sequence's valid prefix
     (right padding: the rows past it leave the state alone; their outputs are finite, and meaningless). The state
     is the one after the last valid row, or with `keep_states` every row's (`Mamba2State`, for `select_state`)."""
     batch, rows, _ = x.shape
@@ -216,10 +189,10 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)  # [batch]
     x = jnp.where(valid[..., None], x, 0)  # past the prefix: zeros, whatever was there
 
-    z, dt = (_project(x, p[f"in_proj_{part}"]) for part in ("z", "dt"))  # [batch, S, d_inner], [batch, S, nh]
-    conv_inputs, conv_outs = zip(*(_conv(p[f"conv1d_{part}"], s, _project(x, p[f"in_proj_{part}"]))
-                                   for part, s in zip(CONV_PARTS, state.conv)))  # per part [batch, K-1+S | S, C]
-    xs, b, c = (out.astype(F32) for out in conv_outs)  # [batch, S, d_inner], [batch, S, G N] x 2
+    proj = weight_dot(static_fp8_input(x, p["in_proj"]), p["in_proj"]["weight"], x.dtype)  # [batch, S, in_proj rows]
+    z, xbc, dt = jnp.split(proj, [dims.d_inner, dims.d_inner + dims.conv_dim], axis=-1)
+    conv_inputs, xbc = _conv(p["conv1d"], state.conv, xbc)  # [batch, K-1+S, conv_dim], [batch, S, conv_dim]
+    xs, b, c = jnp.split(xbc.astype(F32), [dims.d_inner, dims.d_inner + groups * n], axis=-1)
     xs = xs.reshape(batch, rows, groups, per_group, hd)  # head h = group h // P, P = per_group
     b, c = b.reshape(batch, rows, groups, n), c.reshape(batch, rows, groups, n)
     dt = jnp.clip(jax.nn.softplus(dt.astype(F32) + p["dt_bias"].astype(F32)), dims.time_step_min, dims.time_step_max)
@@ -236,14 +209,13 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
     else:
         y, ssm = _chunked(s0, xs, dt, a, b, c, min(dims.chunk, rows))  # one chunk of S rows when S < chunk
         after = lengths[:, None]
-    cx, cb, cc = (_conv_states(inputs, after, dims.conv_kernel) for inputs in conv_inputs)  # [batch, R, C, K-1]
+    conv = _conv_states(conv_inputs, after, dims.conv_kernel)  # [batch, R, conv_dim, K-1]
     ssm = ssm.reshape(*ssm.shape[:-4], dims.heads, hd, n)  # [batch, (S+1,) nh, hd, N]
-    new = Mamba2State(conv=(cx, cb, cc), ssm=ssm) if keep_states else Mamba2State(
-        conv=(cx[:, 0], cb[:, 0], cc[:, 0]), ssm=ssm)
+    new = Mamba2State(conv=conv, ssm=ssm) if keep_states else Mamba2State(conv=conv[:, 0], ssm=ssm)
 
     # D skip; gate then RMS norm per group (the norm's groups are the B/C groups' heads)
     y = y + p["D"].astype(F32).reshape(groups, per_group, 1) * xs  # [batch, S, G, P, hd]
     y = y.reshape(batch, rows, groups, per_group * hd) * jax.nn.silu(z.astype(F32)).reshape(batch, rows, groups, -1)
     y = y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + dims.eps)
     y = y.reshape(batch, rows, dims.d_inner) * p["norm"]["weight"].astype(F32)
-    return _project(y.astype(x.dtype), p["out_proj"]), new
+    return weight_dot(static_fp8_input(y.astype(x.dtype), p["out_proj"]), p["out_proj"]["weight"], x.dtype), new

@@ -20,11 +20,8 @@ Parameter tree (`params`; HF names with `backbone.` stripped):
 
     embeddings.weight [V, H];  norm_f.weight [H];  lm_head.weight [V, H] (absent when tied)
     layers[i].norm.weight [H]
-    layers[i].mixer.  M: in_proj_{z,x}.weight [d_inner, H], in_proj_{b,c}.weight [G N, H], in_proj_dt.weight
-                         [nh, H] (the checkpoint's `in_proj.weight [2 d_inner + 2 G N + nh, H]`, by row ranges),
-                         conv1d_x.weight [d_inner, 1, K], conv1d_{b,c}.weight [G N, 1, K] and their biases (its
-                         `conv1d.weight` / `.bias` likewise), dt_bias [nh], A_log [nh], D [nh], norm.weight
-                         [d_inner], out_proj.weight [H, d_inner]
+    layers[i].mixer.  M: in_proj.weight [2 d_inner + 2 G N + nh, H], conv1d.weight [d_inner + 2 G N, 1, K],
+                         conv1d.bias, dt_bias [nh], A_log [nh], D [nh], norm.weight [d_inner], out_proj.weight
                       *: q_proj.weight [n_h d_h, H], k_proj.weight / v_proj.weight [n_kv d_h, H], o_proj.weight
                       E: gate.weight [E, H], gate.e_score_correction_bias [E] (both used in float32),
                          experts.up_proj [E, I, H], experts.down_proj [E, H, I] (the checkpoint's per-expert
@@ -42,14 +39,14 @@ on the residual stream after each block. This module imports neither `target.moe
 reaches no checkpoint I/O, no drafter config and no expert kernel (the one kernel module it reaches is the span
 attention kernel of `attention.attend`, which picks it only where the program runs on a Hopper GPU).
 
-Cache (`NemotronHCache`): per attention block K/V `[batch, n_kv, T, d_h]` (slot t = position t; the caller's `lengths`
-say what is committed, as for the dense target), per Mamba block a `mamba2.Mamba2State` (the conv inputs of x, B and C,
-`[batch, d_inner | G N | G N, K - 1]` in the activation dtype, SSM state `[batch, nh, hd, N]` float32). A `forward` over
-S rows returns a `PendingCache`: K/V with all S rows written, and per Mamba block the state before the call and after
-each row (`[batch, S + 1, ...]`, `mixer(..., keep_states=True)`); `commit(pending, kept)` picks each sequence's state
-after `kept[b]` rows (`select_state`), exactly the state of running only those rows. Memory at Nemotron 3 Nano's sizes
-(23 Mamba blocks, 64 heads x 64 x state 128, float32): 2 MiB of SSM state per block and sequence, so a pending cache
-holds 46 MiB x (S + 1) per sequence (782 MiB for a 16-row verify) while it lives.
+Cache (`NemotronHCache`): per attention block K/V `[batch, n_kv, T, d_h]` (slot t = position t; the caller's
+`lengths` say what is committed, as for the dense target), per Mamba block a `mamba2.Mamba2State` (conv inputs
+`[batch, conv_dim, K - 1]` in the activation dtype, SSM state `[batch, nh, hd, N]` float32). A `forward` over S
+rows returns a `PendingCache`: K/V with all S rows written, and per Mamba block the state before the call and
+after each row (`[batch, S + 1, ...]`, `mixer(..., keep_states=True)`); `commit(pending, kept)` picks each
+sequence's state after `kept[b]` rows (`select_state`), exactly the state of running only those rows. Memory at
+Nemotron 3 Nano's sizes (23 Mamba blocks, 64 heads x 64 x state 128, float32): 2 MiB of SSM state per block and
+sequence, so a pending cache holds 46 MiB x (S + 1) per sequence (782 MiB for a 16-row verify) while it lives.
 
 Features (`target` package docstring): feature l = the output of block l, except that of the last block, taken
 after `norm_f`; -1 the embedding output; `[batch, S, Lf * H]` shallow to deep, in the embedding's dtype.

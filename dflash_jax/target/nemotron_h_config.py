@@ -162,7 +162,7 @@ class NemotronHConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     @property
     def in_proj_rows(self) -> int:
         """The rows of a Mamba block's `in_proj`: z (d_inner), x (d_inner), B and C (G N each), dt (heads)."""
-        return sum(self.mamba_dims.in_proj_rows)
+        return self.mamba_dims.d_inner + self.mamba_dims.conv_dim + self.mamba_num_heads
 
     # `target.moe.MoeConfig`'s names for the MoE sizes
     @property

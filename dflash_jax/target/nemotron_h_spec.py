@@ -4,15 +4,14 @@ kind, logical axes for a tensor-parallel layout, initialiser (`spec.ParamSpec`).
 Apart from the maths module because `dflash_jax.spec` imports the drafter config (`dflash_jax.config`), which the
 pure maths must not reach.
 
-Names are the checkpoint's (`backbone.` root, `lm_head.weight` beside it), except two: the checkpoint stores one
-tensor per routed expert (`mixer.experts.{e}.up_proj.weight [I, H]`, `down_proj.weight [H, I]`), the tree holds
-them stacked as `mixer.experts.up_proj [E, I, H]` / `down_proj [E, H, I]` (as `target.moe` stacks Qwen3.5's); and
-the Mamba mixer's fused `in_proj` and `conv1d` as their sections (`FUSED`, below). This spec declares the stacks and
-the sections. Every block's mixer lives under the same `mixer.` prefix whatever its kind, so the
+Names are the checkpoint's (`backbone.` root, `lm_head.weight` beside it), except the routed experts: the checkpoint
+stores one tensor per expert (`mixer.experts.{e}.up_proj.weight [I, H]`, `down_proj.weight [H, I]`), the tree holds
+them stacked as `mixer.experts.up_proj [E, I, H]` / `down_proj [E, H, I]` (as `target.moe` stacks Qwen3.5's), and
+this spec declares the stacks. Every block's mixer lives under the same `mixer.` prefix whatever its kind, so the
 spec is given expanded, block by block (`parameter_spec`), or per kind (`block_spec`, `{i}` the block).
 
-Logical axes (`spec`'s names; a `target.layout.Layout` maps HEADS, KV_HEADS, GROUPS, MLP, EXPERT_MLP and VOCAB onto
-the tensor axis, EMBED and unnamed axes nowhere):
+Logical axes (`spec`'s names; a `target.layout.Layout` maps HEADS, KV_HEADS, MLP, EXPERT_MLP and VOCAB onto the
+tensor axis, EMBED and unnamed axes nowhere):
 
 - attention as the dense target's: q by head, k / v by KV head (output rows), o by head (input columns);
 - MLP blocks and the MoE block's shared expert Megatron-style over MLP (up by output, down by input); the routed
@@ -20,29 +19,20 @@ the tensor axis, EMBED and unnamed axes nowhere):
   expert's width split, every device a slice of every expert); the router's weight and correction bias
   replicated (the choice must be the same on every device);
 - embedding and LM head by the vocabulary; norms replicated;
-- the Mamba-2 mixer by head. Checkpoints store `in_proj`'s output rows as five sections, `[z (d_inner) | x (d_inner) | B
-  (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels (weight and bias) as three, `x | B | C`: a contiguous split of
-  the stored rows would hand a device a slice of z and x but none of B, C or dt. So the tree holds the sections as
-  tensors of their own (`IN_PROJ`, `CONV`, `CONV_BIAS`: `in_proj_{z,x,b,c,dt}`, `conv1d_{x,b,c}`, read as row ranges of
-  the stored tensor by `NemotronHTarget.views`, every device reading only its rows; the mixer, `mamba2.mixer`, takes the
-  parts). z, x, dt, the conv's x channels, `dt_bias`, `A_log`, `D` and the gated norm's weight split by Mamba head
-  (`HEADS`), B and C (projection rows and conv channels) by group (`GROUPS`), `out_proj` by input (an all-reduce after
-  it, as after attention's `o_proj`). Device d then holds heads `[d nh / tp, (d + 1) nh / tp)`, whose groups (head h
-  reads group `h // (nh / G)`) are its own B / C groups: no device computes another's heads. The gated norm normalises
-  each group's `d_inner / G` channels (transformers' `MambaRMSNormGated`, `group_size = d_inner / n_groups`), which are
-  its heads' channels, so it stays within a device. Where the tensor axis has more devices than `n_groups` (a multiple
-  of it), B and C are kept whole on every device (`Layout.split_groups` false, as KV heads are), each device's heads
-  reading their one group and a norm group spanning `tp / G` devices (a sum across them; compiled on 8 CPU devices, tp 4
-  over 2 groups, the mixer also gathers the B / C conv states, G N channels by K - 1 taps, where tp 2 has out_proj's
-  all-reduce alone). `NemotronHTarget.layout_for` needs the tensor axis to divide `mamba_num_heads` and to divide or be
-  a multiple of `n_groups` (`ConfigError` naming the field). The cache state splits with its tensors: the conv state's x
-  part by head and its B / C parts by group (`MAMBA_CONV_AXES`), the SSM state by head (`MAMBA_SSM_AXES`), each by the
-  batch too.
+- the Mamba-2 mixer REPLICATED over the tensor axis, every tensor of it. `in_proj`'s output rows are five
+  sections, `[z (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels three (`x | B |
+  C`): a contiguous split of the rows would hand a device a slice of z and x but none of B, C or dt, so no axis
+  describes a split of the stored tensors by head. The mixer (`mamba2.mixer`) reads them fused, so it runs whole
+  on every device (and its per-head `dt_bias`, `A_log`, `D`, gated-norm weight and `out_proj` with it: splitting
+  those alone would only add gathers). Its cache state is then split by the batch only (`MAMBA_CONV_AXES`,
+  `MAMBA_SSM_AXES`). The way to split it by head, left for later: read `in_proj` as five row ranges and `conv1d` as
+  three (`target.views`, as Qwen3.5's delta net reads its fused q/k/v), split z, x and dt by Mamba head and B, C by
+  group, which needs a tensor axis dividing `n_groups` (8 in Nemotron 3 Nano: up to 8-way), the mixer taking the
+  parts, `out_proj` by input with an all-reduce after it.
 
 Kinds: the projections `spec.LINEAR` (stored float, or quantized as ModelOpt's `MIXED_PRECISION` export of the
 released NVFP4 target stores them: Mamba `in_proj` / `out_proj` FP8 W8A8, the routed and shared experts'
-`up_proj` / `down_proj` and `lm_head` W4A16 NVFP4; `NemotronHTarget.stored_plan` reads that layout; an FP8
-`in_proj`'s sections are FP8 tensors of its rows with its per-tensor scales, `views.TensorViews.split`), the router's
+`up_proj` / `down_proj` and `lm_head` W4A16 NVFP4; `NemotronHTarget.stored_plan` reads that layout), the router's
 weight and correction bias `spec.FLOAT32` (kept float32 in a bfloat16 load, as transformers'
 `DeepseekV3TopkRouter` computes in float32 with a float32 bias buffer, and vLLM: the bias steers the choice of
 experts in steps finer than bfloat16 resolves), every other tensor `spec.FLOAT`.
@@ -62,7 +52,6 @@ from ..spec import (
     EXPERT_MLP,
     EXPERTS,
     FLOAT32,
-    GROUPS,
     HEADS,
     KV_HEADS,
     LINEAR,
@@ -73,28 +62,15 @@ from ..spec import (
     ParamSpec,
 )
 from ..spec import MLP as MLP_AXIS
-from .mamba2 import CONV_PARTS, IN_PROJ_PARTS
 from .nemotron_h_config import ATTENTION, MAMBA, MLP, MOE, NemotronHConfig
-from .views import Fused
 
 __all__ = ["parameter_spec"]
 
 ROOT = "backbone."  # the checkpoint's root of every tensor but `lm_head.weight`; the tree strips it
 BLOCK = ROOT + "layers.{i}."
 KV_AXES = (BATCH, KV_HEADS, None, None)  # an attention block's K or V `[batch, n_kv, T, d_h]` (`layout.CACHE_AXES`)
-# The Mamba mixer's tensors stored fused, which the tree holds in parts (module docstring)
-IN_PROJ = Fused("in_proj.weight", tuple(f"in_proj_{part}.weight" for part in IN_PROJ_PARTS), 0,
-                "the Mamba mixer's fused z, x, B, C, dt projection")
-CONV = Fused("conv1d.weight", tuple(f"conv1d_{part}.weight" for part in CONV_PARTS), 0,
-             "the Mamba mixer's fused x, B, C conv")
-CONV_BIAS = Fused("conv1d.bias", tuple(f"conv1d_{part}.bias" for part in CONV_PARTS), 0,
-                  "the Mamba mixer's fused x, B, C conv bias")
-FUSED = (IN_PROJ, CONV, CONV_BIAS)
-# The split of each part (`IN_PROJ_PARTS`, `CONV_PARTS`): z, x and dt by head, B and C by group
-IN_PROJ_AXES = {"z": HEADS, "x": HEADS, "b": GROUPS, "c": GROUPS, "dt": HEADS}
-# `Mamba2State.conv`, its x, B and C parts `[batch, channels, K - 1]`; `.ssm [batch, nh, hd, N]`
-MAMBA_CONV_AXES = tuple((BATCH, IN_PROJ_AXES[part], None) for part in CONV_PARTS)
-MAMBA_SSM_AXES = (BATCH, HEADS, None, None)
+MAMBA_CONV_AXES = (BATCH, None, None)  # `Mamba2State.conv [batch, conv_dim, K - 1]`: split by the batch only
+MAMBA_SSM_AXES = (BATCH, None, None, None)  # `Mamba2State.ssm [batch, nh, hd, N]`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,18 +111,16 @@ def block_spec(c: NemotronHConfig, kind: str, prefix: str = BLOCK) -> list[Param
     specs = [ParamSpec(prefix + "norm.weight", (H,), NORM, (EMBED,), Gain())]
     if kind == MAMBA:
         dims = c.mamba_dims
-        nh, K = dims.heads, dims.conv_kernel
-        specs += [ParamSpec(mixer + name, (rows, H), LINEAR, (IN_PROJ_AXES[part], EMBED))
-                  for part, name, rows in zip(IN_PROJ_PARTS, IN_PROJ.parts, dims.in_proj_rows)]
-        for part, weight, bias, n in zip(CONV_PARTS, CONV.parts, CONV_BIAS.parts, dims.conv_channels):
-            specs += [ParamSpec(mixer + weight, (n, 1, K), axes=(IN_PROJ_AXES[part], None, None)),
-                      ParamSpec(mixer + bias, (n,), axes=(IN_PROJ_AXES[part],), init=Bias())]
+        nh = dims.heads
         specs += [
-            ParamSpec(mixer + "dt_bias", (nh,), axes=(HEADS,), init=TimeStepBias(c.time_step_min, c.time_step_max)),
-            ParamSpec(mixer + "A_log", (nh,), axes=(HEADS,), init=LogUniform()),
-            ParamSpec(mixer + "D", (nh,), axes=(HEADS,), init=Gain()),
-            ParamSpec(mixer + "norm.weight", (dims.d_inner,), NORM, (HEADS,), Gain()),
-            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), LINEAR, (EMBED, HEADS)),
+            ParamSpec(mixer + "in_proj.weight", (c.in_proj_rows, H), LINEAR, (None, EMBED)),
+            ParamSpec(mixer + "conv1d.weight", (dims.conv_dim, 1, dims.conv_kernel), axes=(None, None, None)),
+            ParamSpec(mixer + "conv1d.bias", (dims.conv_dim,), axes=(None,), init=Bias()),
+            ParamSpec(mixer + "dt_bias", (nh,), axes=(None,), init=TimeStepBias(c.time_step_min, c.time_step_max)),
+            ParamSpec(mixer + "A_log", (nh,), axes=(None,), init=LogUniform()),
+            ParamSpec(mixer + "D", (nh,), axes=(None,), init=Gain()),
+            ParamSpec(mixer + "norm.weight", (dims.d_inner,), NORM, (None,), Gain()),
+            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), LINEAR, (EMBED, None)),
         ]
     elif kind == ATTENTION:
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim

@@ -2,14 +2,14 @@
 template (`target.family.Family`), as the third family.
 
 What this module adds to the maths: the load (tensors under `backbone.` with `lm_head.weight` beside them, each MoE
-block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs, each Mamba
-block's fused `in_proj` / `conv1d` as their sections, `mtp.*` not read; ModelOpt's mixed NVFP4 / FP8 export read as
-`stored_plan` says, dequantized), the mesh layout (`nemotron_h_spec`'s logical axes: attention and the Mamba mixer by
-heads, B / C by group, experts by their width), the cache placed where the layout says, and the jitted `Target` methods,
-the cache donated. The verify's pending cache keeps each Mamba state after every row, and `commit` selects each
-sequence's (`nemotron_h.commit`): a rollback is a selection inside the compiled loop, no replay. The routed experts run
-on `target.moe`'s machinery (`OPS`): the maths' own gather would copy `[T, k, I, H]` of expert weights, 114 GiB for a
-2048-token prefill chunk at the Lightning shapes. """
+block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs,
+`mtp.*` not read; ModelOpt's mixed NVFP4 / FP8 export read as `stored_plan` says, dequantized), the mesh layout
+(`nemotron_h_spec`'s logical axes: attention by heads, experts by their width, the Mamba mixer replicated), the
+cache placed where the layout says, and the jitted `Target` methods, the cache donated. The verify's pending cache
+keeps each Mamba state after every row, and `commit` selects each sequence's (`nemotron_h.commit`): a rollback is a
+selection inside the compiled loop, no replay. The routed experts run on `target.moe`'s machinery (`OPS`): the
+maths' own gather would copy `[T, k, I, H]` of expert weights, 114 GiB for a 2048-token prefill chunk at the
+Lightning shapes. """
 
 from __future__ import annotations
 
@@ -21,28 +21,16 @@ import jax
 import jax.numpy as jnp
 
 from .._shapes import zeros
-from ..errors import ConfigError
 from ..plan import TensorPlan, init_leaves, planned
 from ..safetensors import Checkpoint
 from ..spec import FLOAT32, LINEAR
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
-from .layout import Layout, make_layout
-from .mamba2 import Mamba2State
+from .layout import Layout
 from .moe import weighted_experts
-from .nemotron_h_config import ARCHITECTURES, MAMBA, MOE, NemotronHConfig, parse_nemotron_h_config
-from .nemotron_h_spec import (
-    CONV,
-    CONV_BIAS,
-    IN_PROJ,
-    KV_AXES,
-    MAMBA_CONV_AXES,
-    MAMBA_SSM_AXES,
-    ROOT,
-    expert_tensors,
-    parameter_spec,
-)
+from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotron_h_config
+from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
 from .views import TensorViews
 
 __all__ = ["NemotronHTarget", "random_nemotron_h"]
@@ -76,40 +64,11 @@ class NemotronHTarget(Family):
         return [planned(s, s.name, root=ROOT) for s in parameter_spec(config)]
 
     @classmethod
-    def layout_for(cls, config: NemotronHConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
-                   source: str) -> Layout:
-        """`layout.make_layout`, plus what else splits over the tensor axis: the Mamba heads (which it must divide)
-        and groups (which it must divide, or be a multiple of: then B and C are kept whole on every device), the
-        MoE blocks' expert and shared-expert widths."""
-        layout = make_layout(config, mesh, tensor_axis, source)
-        tp, c = layout.tensor_size, config
-        fields = (("mamba_num_heads",) if c.blocks(MAMBA) else ()) + (
-            ("moe_intermediate_size", "moe_shared_expert_intermediate_size") if c.blocks(MOE) else ())
-        odd = [f"{field}={getattr(c, field)}" for field in fields if getattr(c, field) % tp]
-        if odd:
-            raise ConfigError(
-                f"{source}: tensor axis {tensor_axis!r} has {tp} devices, which does not divide {', '.join(odd)}; "
-                "expected a tensor-parallel size dividing the Mamba heads and the MoE widths too")
-        groups = c.n_groups
-        if c.blocks(MAMBA) and (groups % tp if tp <= groups else tp % groups):
-            raise ConfigError(
-                f"{source}: tensor axis {tensor_axis!r} has {tp} devices and n_groups={groups}: expected one to "
-                "divide the other (the Mamba B / C groups are split, or kept whole on every device when the axis "
-                "is larger)")
-        return dataclasses.replace(layout, split_groups=tp <= groups)
-
-    @classmethod
     def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str) -> TensorViews:
-        """Each Mamba block's fused `in_proj` and `conv1d` (weight, bias) as their sections (`nemotron_h_spec.FUSED`;
-        an FP8 `in_proj`'s sections FP8 with its scales), each MoE block's per-expert tensors as its stacks
-        (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`), float experts only: quantized ones are read one by one
-        (`stored_plan`) and stacked once dequantized."""
+        """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`),
+        float experts only: quantized ones are read one by one (`stored_plan`) and stacked once dequantized."""
         views = TensorViews(checkpoint)
         shapes = {t.name: t.shape for t in cls.plan(config, prefix)}
-        for i in config.blocks(MAMBA):
-            mixer = f"{prefix}layers.{i}.mixer."
-            for fused in (IN_PROJ, CONV, CONV_BIAS):
-                views.split(mixer, fused, [shapes[mixer + part] for part in fused.parts])
         for i in config.blocks(MOE):
             for stack in STACKS:
                 name = f"{prefix}layers.{i}.mixer.{stack}"
@@ -181,12 +140,10 @@ class NemotronHTarget(Family):
         def placed(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
             return zeros(x.shape, x.dtype, layout.sharding(axes, batch_size))
 
-        def mamba(state: Mamba2State) -> Mamba2State:
-            x, b, c = (placed(part, axes) for part, axes in zip(state.conv, MAMBA_CONV_AXES))
-            return Mamba2State(conv=(x, b, c), ssm=placed(state.ssm, MAMBA_SSM_AXES))
-
-        return model.NemotronHCache(tuple(placed(k, KV_AXES) for k in empty.k),
-                                    tuple(placed(v, KV_AXES) for v in empty.v), tuple(map(mamba, empty.mamba)))
+        return model.NemotronHCache(
+            tuple(placed(k, KV_AXES) for k in empty.k), tuple(placed(v, KV_AXES) for v in empty.v),
+            tuple(dataclasses.replace(s, conv=placed(s.conv, MAMBA_CONV_AXES), ssm=placed(s.ssm, MAMBA_SSM_AXES))
+                  for s in empty.mamba))
 
     def __call__(self, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array, *,
                  layer_ids: tuple[int, ...] = ()) -> TargetOutput:

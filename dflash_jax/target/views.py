@@ -11,11 +11,6 @@ nothing copied). Every source tensor's presence and shape is checked when a view
 naming it and what it is), the sources are hidden, other tensors pass through. A view whose name is stored too (an
 `in_proj_q` beside the `in_proj_qkv`, a stacked `experts.down_proj` beside the per-expert ones) is refused naming
 both: one copy would load and the other be ignored.
-
-A fused FP8 tensor (F8_E4M3 with ModelOpt's per-tensor `weight_scale`, and an `input_scale` where the export is
-W8A8) splits as a float one: each part is an FP8 tensor of its rows with the same scales, declared under the
-part's name (one number for the whole tensor holds for every row range), so the loader checks and dequantizes a
-part as any FP8 tensor.
 """
 
 from __future__ import annotations
@@ -26,13 +21,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from ..errors import CheckpointError
-from ..fp8.checkpoint import check_fp8
 from ..safetensors import WEIGHT_DTYPES, Checkpoint, TensorInfo
 
 __all__ = ["TensorViews", "Fused", "fuse"]
-
-FP8 = "F8_E4M3"
-FP8_SCALES = (".weight_scale", ".input_scale")  # an FP8 `<m>.weight`'s per-tensor scales, beside it as `<m>.*`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +47,6 @@ class _Rows:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Same:
-    """Another name for a whole source tensor: a fused FP8 tensor's scale, under a part's name."""
-
-    source: str
-
-
-@dataclasses.dataclass(frozen=True)
 class _Stack:
     """A stack of source tensors along a new dim 0."""
 
@@ -76,13 +60,12 @@ class TensorViews(Checkpoint):
     def __init__(self, checkpoint: Checkpoint):
         self.path, self.directory, self.metadata = checkpoint.path, checkpoint.directory, checkpoint.metadata
         self._base = checkpoint
-        self._virtual: dict[str, _Rows | _Same | _Stack] = {}
+        self._virtual: dict[str, _Rows | _Stack] = {}
         self._infos: dict[str, TensorInfo] = {}
         self._hidden: set[str] = set()
 
-    def source(self, name: str, shape: tuple[int, ...], what: str,
-               dtypes: tuple[str, ...] = WEIGHT_DTYPES) -> TensorInfo:
-        """The header of source tensor `name`, which must exist with `shape` and one of `dtypes` (`what` it is, for
+    def source(self, name: str, shape: tuple[int, ...], what: str) -> TensorInfo:
+        """The header of source tensor `name`, which must exist with `shape` and a weight dtype (`what` it is, for
         the error: checked here, the plan's checks would name the view, a tensor the file does not hold)."""
         if name not in self._base:
             raise CheckpointError(f"{self.path}: missing tensor {name!r} ({what}, expected shape {list(shape)})")
@@ -92,33 +75,23 @@ class TensorViews(Checkpoint):
                 f"{info.file}: tensor {name!r} ({what}) has shape {list(info.shape)}, expected {list(shape)} from "
                 "the config"
             )
-        if info.dtype not in dtypes:
+        if info.dtype not in WEIGHT_DTYPES:
             raise CheckpointError(f"{info.file}: tensor {name!r} ({what}) has dtype {info.dtype}, expected one of "
-                                  f"{', '.join(dtypes)}")
+                                  f"{', '.join(WEIGHT_DTYPES)}")
         return info
 
     def split(self, prefix: str, fused: Fused, shapes: Sequence[tuple[int, ...]]) -> None:
         """Declare `prefix + part` for each of `fused.parts` (of `shapes`) as its range of `prefix + fused.stored`,
-        whose shape is theirs concatenated along `fused.axis`; a stored FP8 `<m>.weight` with its per-tensor scales
-        (module docstring), each part `<part>.weight` with the same scales as `<part>.weight_scale` /
-        `.input_scale`."""
+        whose shape is theirs concatenated along `fused.axis`."""
         axis, name = fused.axis, prefix + fused.stored
         whole = list(shapes[0])
         whole[axis] = sum(s[axis] for s in shapes)
-        info = self.source(name, tuple(whole), fused.what, (*WEIGHT_DTYPES, FP8))
-        scales: list[tuple[str, str]] = []  # an FP8 tensor's: (suffix, stored scale)
-        if info.dtype == FP8:
-            check_fp8(self._base, name, tuple(whole))  # a per-tensor scale, nothing else
-            stem = name.removesuffix(".weight")
-            scales = [(suffix, stem + suffix) for suffix in FP8_SCALES if stem + suffix in self._base]
+        info = self.source(name, tuple(whole), fused.what)
         start = 0
         for part, shape in zip(fused.parts, shapes):
             self._declare(prefix + part, _Rows(name, axis, start), info, shape)
-            for suffix, scale in scales:
-                self._declare((prefix + part).removesuffix(".weight") + suffix, _Same(scale), self._base[scale],
-                              self._base[scale].shape)
             start += shape[axis]
-        self._hidden |= {name, *(scale for _, scale in scales)}
+        self._hidden.add(name)
 
     def stack(self, name: str, sources: Sequence[str], shape: tuple[int, ...], what: str) -> None:
         """Declare `name` `[len(sources), *shape]` as the `sources` (each of `shape`, one dtype) stacked."""
@@ -132,16 +105,13 @@ class TensorViews(Checkpoint):
         self._declare(name, _Stack(tuple(sources)), infos[0], (len(sources), *shape))
         self._hidden |= set(sources)
 
-    def _declare(self, name: str, how: _Rows | _Same | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
+    def _declare(self, name: str, how: _Rows | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
         """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own). A
         tensor stored under the view's name too is the same weights in another form: the view would shadow it."""
         if name in self._base:
-            if isinstance(how, _Rows):
-                form = f"which holds it as its [{how.start}:{how.start + shape[how.axis]}] along dim {how.axis}"
-            elif isinstance(how, _Same):
-                form = "the per-tensor scale of the fused tensor, which holds for each of its parts"
-            else:
-                form = f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, stacks into it"
+            form = (f"which holds it as its [{how.start}:{how.start + shape[how.axis]}] along dim {how.axis}"
+                    if isinstance(how, _Rows) else
+                    f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, stacks into it")
             self.refuse_twice(name, source.name, form)
         nbytes = int(np.prod(shape)) * source.np_dtype.itemsize
         self._virtual[name] = how
@@ -184,8 +154,6 @@ class TensorViews(Checkpoint):
         how = self._virtual.get(name)
         if how is None:
             return self._base.read(name, index)
-        if isinstance(how, _Same):
-            return self._base.read(how.source, index)
         shape = self._infos[name].shape
         bounds = [slice(*((0, n) if index is None else index[d].indices(n)[:2])) for d, n in enumerate(shape)]
         if isinstance(how, _Rows):
@@ -197,7 +165,7 @@ class TensorViews(Checkpoint):
 
     def release(self, name: str) -> None:
         how = self._virtual.get(name)
-        sources = [name] if how is None else list(how.sources) if isinstance(how, _Stack) else [how.source]
+        sources = [name] if how is None else [how.source] if isinstance(how, _Rows) else list(how.sources)
         for source in sources:
             self._base.release(source)
 
