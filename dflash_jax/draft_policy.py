@@ -129,8 +129,9 @@ def predicted_costs(target: Target, drafter: Drafter, target_cache: Any, draft_c
     rates = platform.tuning.step_rates if platform.compute_capability else CPU_RATES
     config = getattr(target, "config", None)
     experts = int(getattr(config, "num_experts", 0) or 0)
+    gathered = platform.tuning.moe_gather_max_rows if platform.tuning.moe_few_rows in ("gather", "reduce") else 0
     target_reads = model_reads(target, target_cache, target.num_layers, experts,
-                               int(getattr(config, "num_experts_per_tok", 0) or 0))
+                               int(getattr(config, "num_experts_per_tok", 0) or 0), pairs_read_up_to=gathered)
     drafter_reads = model_reads(drafter.params, draft_cache, drafter.config.num_hidden_layers,
                                 extra=(drafter.lm_head,))  # the target's LM head, if attached
     return predict_costs(target_reads, drafter_reads, policy.lengths, drafter.config.num_draft_tokens, batch,

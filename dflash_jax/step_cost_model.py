@@ -21,9 +21,10 @@ never does (issue 57). The prediction is a roofline per forward pass, summed ove
   and a fixed cost per layer of a forward and per step: kernel launches, the loop's small ops), from its tuning
   entry, `tuning.CPU_RATES` off a GPU.
 
-What it leaves out (the few-row MoE path reading each (token, expert) pair rather than each distinct expert,
-kernels below the read rate) makes a verify look cheaper than it is (a 17-row Nemotron-H verify: predicted about
-3x a plain step where 5.7x was measured); both err on the side of drafting, where a probe or a verify shows
+The MoE block's few-row path reads each (row, expert) pair's weights where the device's tuning has it gather them
+("gather", "reduce": 102 pairs for those 17 rows), and the prediction counts them so. What it leaves out (kernels
+below the read rate) makes a verify look cheaper than it is (a 17-row Nemotron-H verify was measured at 5.7x a
+plain step); that errs on the side of drafting, where a probe or a verify shows
 the drafter's worth. A `StepCosts` given, measured (`adaptive.Calibration`) or stored (`cost_store.CostStore`)
 is used instead where there is one.
 """
@@ -58,11 +59,18 @@ class ModelReads:
     experts_per_row: int = 0
     cache_bytes: float = 0.0
     layers: int = 1
+    pairs_read_up_to: int = 0  # (row, expert) pairs up to which each pair reads its expert (`target.moe`'s few rows)
 
     def expert_share(self, rows: int) -> float:
-        """The share of the experts a forward on `rows` rows reads: `1 - (1 - k / E) ** rows` (uniform routing)."""
+        """The share of the experts' bytes a forward on `rows` rows reads: each (row, expert) pair its expert's,
+        `rows k / E`, where the MoE block runs that few pairs by gathering each pair's weights (up to
+        `pairs_read_up_to` pairs: `tuning.Tuning.moe_few_rows` "gather" or "reduce"); else each distinct expert
+        once, `1 - (1 - k / E) ** rows` (uniform routing)."""
         if not self.experts:
             return 0.0
+        pairs = rows * self.experts_per_row
+        if pairs <= self.pairs_read_up_to:
+            return pairs / self.experts
         return 1.0 - (1.0 - self.experts_per_row / self.experts) ** rows
 
 
@@ -71,10 +79,10 @@ def _size(leaf: Any, field: str) -> float:
 
 
 def model_reads(params: Any, cache: Any, layers: int, experts: int = 0, experts_per_row: int = 0,
-                extra: tuple[Any, ...] = ()) -> ModelReads:
+                extra: tuple[Any, ...] = (), pairs_read_up_to: int = 0) -> ModelReads:
     """The reads of a model whose weights are `params` (a pytree; a routed expert's stacks under a key named
     "experts", as `target.moe` keeps them, counted apart when `experts` is given), with `cache` (a pytree of
-    arrays) and `extra` weights read besides (an attached LM head)."""
+    arrays) and `extra` weights read besides (an attached LM head); `pairs_read_up_to`: as `ModelReads`'."""
     weight_bytes = weight_count = expert_bytes = expert_count = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         routed = experts > 0 and any(getattr(key, "key", None) == "experts" for key in path)
@@ -86,7 +94,7 @@ def model_reads(params: Any, cache: Any, layers: int, experts: int = 0, experts_
         weight_bytes, weight_count = weight_bytes + _size(leaf, "nbytes"), weight_count + _size(leaf, "size")
     cache_bytes = sum(_size(leaf, "nbytes") for leaf in jax.tree.leaves(cache))
     return ModelReads(weight_bytes, weight_count, expert_bytes, expert_count, experts, experts_per_row, cache_bytes,
-                      max(int(layers), 1))
+                      max(int(layers), 1), pairs_read_up_to)
 
 
 def forward_seconds(model: ModelReads, rows: int, rates: StepRates) -> float:

@@ -24,6 +24,12 @@ def test_a_forward_reads_the_experts_its_rows_route_to():
     assert moe.expert_share(1) * 128 == pytest.approx(6)
     assert moe.expert_share(17) * 128 == pytest.approx(71.4, abs=0.1)
     assert ModelReads(1.0, 1.0).expert_share(17) == 0.0
+    # The few-row path that gathers each (row, expert) pair's weights reads 102 experts' bytes for those 17 rows, up
+    # to its pair limit; past it the tiles read each distinct expert once.
+    gathering = ModelReads(1.0, 1.0, expert_bytes=128.0, expert_count=128.0, experts=128, experts_per_row=6,
+                           pairs_read_up_to=102)
+    assert gathering.expert_share(17) * 128 == pytest.approx(102)
+    assert gathering.expert_share(18) == pytest.approx(moe.expert_share(18))
 
 
 def test_weights_caches_and_experts_are_counted_apart():
