@@ -429,7 +429,8 @@ def first_length(seconds: jax.Array, lengths: tuple[int, ...], left: jax.Array) 
     with `left` (`[]`) tokens to make and nothing known of the drafter: the one whose worse case is best (module
     doc, "The first step"). Never accepted, a step of l drafts costs `seconds(l)` for one token where greedy
     decoding's costs `seconds(0)`: `left / (left - 1 + seconds(l) / seconds(0))` of greedy's speed. Always
-    accepted, it makes l + 1 tokens and K-draft steps the rest: the fixed length's time over this, at most 1."""
+    accepted, it makes l + 1 tokens and K-draft steps the rest: the fixed length's time over this, at most 1.
+    (`seconds[0]`: the plain step's; for lengths without 0, the shortest verify's stands in for it.)"""
     tokens = jnp.maximum(left, 1).astype(jnp.float32)
     longest, K = seconds[-1], lengths[-1]
     fixed = jnp.ceil(tokens / (K + 1)) * longest

@@ -287,9 +287,9 @@ class _Loop:
         policy = self.policy
         if not policy.adaptive:
             return jnp.zeros((), jnp.int32)
-        left = s.budget - s.n_out
-        chosen = policy.choose(self.settings, proposal, s.history, self.seconds, left, ~s.done, self.sampling)
-        first = first_length(self.seconds, policy.lengths, jnp.where(s.done, 0, left).max())
+        chosen = policy.choose(self.settings, proposal, s.history, self.seconds, s.budget - s.n_out, ~s.done,
+                               self.sampling)
+        first = first_length(self.seconds, policy.lengths, _most_left(s.done, s.n_out, s.budget))
         return jnp.where(self.force >= 0, self.force, jnp.where(s.step == 0, first, chosen))
 
     def plain_step(self, s: _State) -> _State:
@@ -303,8 +303,7 @@ class _Loop:
         advance = live.astype(jnp.int32)  # [batch] 1 while running
         batch = nxt.shape[0]
         probing = s.probing.after_plain()
-        left = jnp.where(done, 0, s.budget - n_out).max()
-        draft = probing.due(probe_payback(self.seconds, self.policy.lengths, left))
+        draft = probing.due(probe_payback(self.seconds, self.policy.lengths, _most_left(done, n_out, s.budget)))
         return self.reported(dataclasses.replace(
             s, step=s.step + 1, target_cache=self.target.commit(o.cache, advance), lengths=s.lengths + advance,
             pending=s.pending.at[jnp.arange(batch), s.num_pending].set(o.features[:, 0]),
@@ -320,6 +319,11 @@ class _Loop:
         if self.report:
             jax.debug.callback(CALLBACKS.report, self.call, s.n_out)
         return s
+
+
+def _most_left(done: jax.Array, n_out: jax.Array, budget: jax.Array) -> jax.Array:
+    """`[]` the most tokens a running sequence still has to make (`done`, `n_out` `[batch]`; 0 when none runs)."""
+    return jnp.where(done, 0, budget - n_out).max()
 
 
 @functools.partial(

@@ -28,9 +28,15 @@ def dequantize_xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array, dtyp
 
     packed [..., K/2] u8 (element 2j in the low nibble), scale [..., K/16] float8_e4m3fn, scale_2 f32 [].
     """
+    return scaled_blocks(e2m1_values(packed), scale, scale_2, dtype)
+
+
+def e2m1_values(packed: jax.Array) -> jax.Array:
+    """The E2M1 values of packed codes u8 `[..., K/2]` (element 2j in the low nibble) as float32 `[..., K]`
+    (exact)."""
     *lead, half_k = packed.shape
     codes = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., K/2, 2], [..., 0] = low nibble
-    return scaled_blocks(codes.astype(jnp.float32).reshape(*lead, 2 * half_k), scale, scale_2, dtype)
+    return codes.astype(jnp.float32).reshape(*lead, 2 * half_k)
 
 
 def scaled_blocks(values: jax.Array, scale: jax.Array, scale_2: jax.Array, dtype) -> jax.Array:

@@ -3,9 +3,11 @@
 Every E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) is an E4M3 value, so an NVFP4 weight's codes
 widen to FP8 without losing a bit. Beside them stay the checkpoint's E4M3 block scales (one per 16 values along K)
 and its global scale: 1.0625 bytes a weight instead of packed NVFP4's 0.5625 (bf16: 2). What the byte buys: the
-weight is plain XLA, `f32(code) * (f32(scale) * scale_2)` rounded to the compute dtype, then the dot, a producer
-XLA's GPU GEMM fusion can take into the GEMM (as it takes `fp8.matmul`'s conversion), where the packed form needs
-its own kernel (`nvfp4._mosaic_gemm`) and, without it, writes the dequantized weight out every step.
+weight is plain XLA, `f32(code) * (f32(scale) * scale_2)` rounded to the compute dtype, then the dot, where the
+packed form needs its own kernel (`nvfp4._mosaic_gemm`). XLA does not fuse that producer into its GEMM as it fuses
+`fp8.matmul`'s conversion: on an H100 it writes the bf16 weight out first, and the product takes 1.9x bf16's time
+(docs/benchmarks.md, "Nemotron 3.5 Lightning drafters"), so `weights="auto"` never places this form; it is the
+storage a kernel widening E4M3 codes in registers would read.
 
 The product is the dequantized weight's bit for bit: `dequantize()` is `nvfp4.dequantize`'s formula on the same
 values (`_reference.scaled_blocks`, ModelOpt's association), and `apply` multiplies it with `_precision.weight_dot`
@@ -19,11 +21,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .._precision import weight_dot
 from .._weight_leaf import WeightLeaf
-from ._reference import BLOCK, scaled_blocks
+from ._reference import BLOCK, e2m1_values, scaled_blocks
 from .packed import Packed
 
 __all__ = ["Fp8Codes", "widen_codes"]
@@ -33,9 +34,7 @@ __all__ = ["Fp8Codes", "widen_codes"]
 def widen_codes(packed: jax.Array) -> jax.Array:
     """Packed E2M1 codes u8 `[..., K/2]` (element 2j in the low nibble) as float8_e4m3fn values `[..., K]` (exact;
     through float32, a conversion every backend lowers)."""
-    *lead, half_k = packed.shape
-    codes = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., K/2, 2], [..., 0] = low nibble
-    return codes.astype(jnp.float32).astype(jnp.float8_e4m3fn).reshape(*lead, 2 * half_k)
+    return e2m1_values(packed).astype(jnp.float8_e4m3fn)
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +91,7 @@ class Fp8Codes(WeightLeaf):
 
     def apply(self, x: jax.Array, out_dtype: Any) -> jax.Array:
         """`x [..., K] @ W.T` in `out_dtype`: the dequantized weight's product (what `layers.dot` calls for a
-        `layers.QuantizedWeight`); the weight is a producer of the dot, for XLA to fuse into its GEMM."""
+        `layers.QuantizedWeight`); the weight is a producer of the dot (XLA writes it out: module doc)."""
         if x.shape[-1] != self.shape[1]:
             raise ValueError(f"nvfp4.Fp8Codes: x has {x.shape[-1]} features, the weight {list(self.shape)} expects "
                              f"{self.shape[1]}")
