@@ -11,7 +11,8 @@ its pieces:
     plan(config, prefix) -> [TensorPlan]  its tensors, from its parameter spec
     tree(plan, leaves) -> params          the placed leaves nested as `params` (by default at their paths)
     layout_for(config, mesh, axis, src)   where its leaves and caches live on a mesh (`layout.Layout`)
-    views(checkpoint, config, prefix)     what the load reads the plan from (a fused or per-expert layout)
+    views(checkpoint, config, prefix,     what the load reads the plan from (a fused or per-expert layout; rows
+          layout)                         in the order the layout shards them)
     stored_plan(config, prefix, views)    the tensors of this checkpoint (by default `plan`: a family whose
                                           quantized exports store other tensors plans them here)
     describe()                            one line for the load's log
@@ -97,8 +98,9 @@ class Family(HFTarget):
         return next((p for p in cls.PREFIXES if p + "embed_tokens.weight" in checkpoint), cls.PREFIXES[-1])
 
     @classmethod
-    def views(cls, checkpoint: Checkpoint, config: Any, prefix: str) -> Any:
-        """What the plan is read from: the checkpoint itself, unless a family reads another layout as its own."""
+    def views(cls, checkpoint: Checkpoint, config: Any, prefix: str, layout: Layout | None = None) -> Any:
+        """What the plan is read from, to be placed as `layout` says (None: one device): the checkpoint itself,
+        unless a family reads another layout as its own."""
         return checkpoint
 
     @classmethod
@@ -182,7 +184,7 @@ class Family(HFTarget):
         layout = None if mesh is None else cls.layout_for(config, mesh, tensor_axis, path)
         with Checkpoint(path) as stored:
             prefix = cls.prefix(stored)
-            checkpoint = cls.views(stored, config, prefix)
+            checkpoint = cls.views(stored, config, prefix, layout)
             plan = cls.stored_plan(config, prefix, checkpoint)
             quantized = check_tensors(plan, checkpoint, path)
             shardings = None if layout is None else [layout.sharding(() if t.name in quantized else t.axes)

@@ -24,6 +24,16 @@ The recurrence in three forms, one per use:
 
 Rows past a sequence's valid prefix, and the rows that pad S to a multiple of the chunk, get a zero input and
 dt = 0: exp(0 A) = 1 and dt x B = 0, so the state passes through them unchanged.
+
+Split by head over `shards` devices (`Mamba2Dims.shards`, 1 on one device): checkpoints store `in_proj`'s rows as
+`[z | x | B | C | dt]` and the conv's channels as `[x | B | C]`, so a contiguous split of them would hand a device
+rows of z and x only. A sharded mixer's `in_proj` and conv (weight, bias, state) hold their rows permuted instead
+(`in_proj_order`, `conv_order`): shard d is `[z_d | x_d | B_d | C_d | dt_d]`, the d-th contiguous block of each
+section, so that each device runs ONE projection of its own rows and one conv, and splits the result by static
+section sizes (`_sections`). Within a device the sections are whole heads (z, x, dt) and the B/C groups they read
+where `shards` divides `groups`; where `groups` divides `shards`, a group's B/C rows are spread over the devices of
+its heads, and its B/C activations (`[batch, S, G N]`, no weight) are gathered within the step. With one shard the
+permutation is the identity: the checkpoint's tensors, one product, one conv.
 """
 
 from __future__ import annotations
@@ -35,14 +45,17 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._precision import dot, weight_dot
 from .._shapes import ceil_div
 from ..layers import static_fp8_input
 
-__all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state"]
+__all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state", "in_proj_order", "conv_order"]
 
 F32 = jnp.float32
+IN_PROJ_SECTIONS = ("z", "x", "b", "c", "dt")  # `in_proj`'s row sections, in the order checkpoints store them
+CONV_SECTIONS = ("x", "b", "c")  # the conv's channel sections, likewise
 
 
 class Mamba2Dims(NamedTuple):
@@ -50,7 +63,8 @@ class Mamba2Dims(NamedTuple):
     ssm_state_size, conv_kernel, chunk_size, layer_norm_epsilon). `time_step_min, time_step_max` are the config's
     `time_step_limit`, the clamp of dt, not its `time_step_min/max` (the range dt_bias was initialised from). The
     clamp applies to every row here; transformers 5.25 clamps in its multi-row path only, not in a cached
-    one-row step."""
+    one-row step. `shards`: the blocks `in_proj`'s rows and the conv's channels are in (module docstring; the
+    tensor axis' size on a mesh), which must divide every section."""
 
     heads: int
     head_dim: int
@@ -61,6 +75,7 @@ class Mamba2Dims(NamedTuple):
     eps: float
     time_step_min: float = 0.0
     time_step_max: float = math.inf
+    shards: int = 1
 
     @property
     def d_inner(self) -> int:
@@ -71,13 +86,47 @@ class Mamba2Dims(NamedTuple):
         """The conv's channels: x, B and C."""
         return self.d_inner + 2 * self.groups * self.state
 
+    def section_sizes(self, sections: tuple[str, ...]) -> tuple[int, ...]:
+        """The rows (or channels) of each of `sections` (`IN_PROJ_SECTIONS`' names) in the checkpoint."""
+        sizes = {"z": self.d_inner, "x": self.d_inner, "b": self.groups * self.state,
+                 "c": self.groups * self.state, "dt": self.heads}
+        return tuple(sizes[name] for name in sections)
+
+
+def _order(dims: Mamba2Dims, sections: tuple[str, ...]) -> np.ndarray:
+    """The checkpoint's row of each row of the sharded tensor of `sections`: shard d the d-th contiguous block of
+    each section, in the checkpoint's order of the sections (module docstring)."""
+    sizes = dims.section_sizes(sections)
+    starts = np.cumsum((0, *sizes[:-1]))
+    blocks = [start + np.arange(size).reshape(dims.shards, -1) for start, size in zip(starts, sizes)]
+    return np.concatenate(blocks, axis=1).reshape(-1)  # [rows]
+
+
+def in_proj_order(dims: Mamba2Dims) -> np.ndarray:
+    """`[in_proj rows]`: the checkpoint's row of each row of a sharded `in_proj` (the identity for one shard)."""
+    return _order(dims, IN_PROJ_SECTIONS)
+
+
+def conv_order(dims: Mamba2Dims) -> np.ndarray:
+    """`[conv_dim]`: the checkpoint's channel of each channel of a sharded conv (weight, bias, state)."""
+    return _order(dims, CONV_SECTIONS)
+
+
+def _sections(t: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
+    """`t [..., shards * sum(sizes)]`, each shard's block the sections of `sizes` in order, as one array per section
+    `[..., shards * size]`, shard after shard (a whole section of the checkpoint: in its order). A split within
+    each shard's own block, so on a mesh no device reads another's rows."""
+    lead = t.shape[:-1]
+    parts = jnp.split(t.reshape(*lead, shards, -1), np.cumsum(sizes[:-1]).tolist(), axis=-1)
+    return [part.reshape(*lead, -1) for part in parts]
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Mamba2State:
     """A mixer's carried state: `conv [batch, conv_dim, K-1]` the last K-1 conv inputs (oldest first, activation
-    dtype), `ssm [batch, nh, hd, N]` float32. From `mixer(.., keep_states=True)` each has an extra axis 1 of
-    S+1: the state before row 0 and after each row."""
+    dtype; its channels in `conv_order`), `ssm [batch, nh, hd, N]` float32. From `mixer(.., keep_states=True)`
+    each has an extra axis 1 of S+1: the state before row 0 and after each row."""
 
     conv: jax.Array
     ssm: jax.Array
@@ -181,18 +230,21 @@ def _conv_states(inputs: jax.Array, after: jax.Array, taps: int) -> jax.Array:
 def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2State, valid: jax.Array, *,
           keep_states: bool = False) -> tuple[jax.Array, Mamba2State]:
     """The mixer over S rows: `(y [batch, S, H] in x's dtype, state)` from `x [batch, S, H]` (the block's normed
-    input), `p` the block's `mixer.` weights (transformers' names), `valid [batch, S]` each sequence's valid prefix
+    input), `p` the block's `mixer.` weights (transformers' names; `in_proj` and the conv in `dims.shards` blocks,
+    module docstring), `valid [batch, S]` each sequence's valid prefix
     (right padding: the rows past it leave the state alone; their outputs are finite, and meaningless). The state
     is the one after the last valid row, or with `keep_states` every row's (`Mamba2State`, for `select_state`)."""
     batch, rows, _ = x.shape
     groups, per_group, hd, n = dims.groups, dims.heads // dims.groups, dims.head_dim, dims.state
+    shards = dims.shards
     lengths = jnp.sum(valid, axis=1, dtype=jnp.int32)  # [batch]
     x = jnp.where(valid[..., None], x, 0)  # past the prefix: zeros, whatever was there
 
     proj = weight_dot(static_fp8_input(x, p["in_proj"]), p["in_proj"]["weight"], x.dtype)  # [batch, S, in_proj rows]
-    z, xbc, dt = jnp.split(proj, [dims.d_inner, dims.d_inner + dims.conv_dim], axis=-1)
+    z, xbc, dt = _sections(proj, (dims.d_inner // shards, dims.conv_dim // shards, dims.heads // shards), shards)
     conv_inputs, xbc = _conv(p["conv1d"], state.conv, xbc)  # [batch, K-1+S, conv_dim], [batch, S, conv_dim]
-    xs, b, c = jnp.split(xbc.astype(F32), [dims.d_inner, dims.d_inner + groups * n], axis=-1)
+    xs, b, c = _sections(xbc.astype(F32), tuple(size // shards for size in dims.section_sizes(CONV_SECTIONS)),
+                         shards)  # [batch, S, d_inner], [batch, S, G N] x 2, in the checkpoint's order
     xs = xs.reshape(batch, rows, groups, per_group, hd)  # head h = group h // P, P = per_group
     b, c = b.reshape(batch, rows, groups, n), c.reshape(batch, rows, groups, n)
     dt = jnp.clip(jax.nn.softplus(dt.astype(F32) + p["dt_bias"].astype(F32)), dims.time_step_min, dims.time_step_max)

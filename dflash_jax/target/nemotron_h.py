@@ -22,6 +22,7 @@ Parameter tree (`params`; HF names with `backbone.` stripped):
     layers[i].norm.weight [H]
     layers[i].mixer.  M: in_proj.weight [2 d_inner + 2 G N + nh, H], conv1d.weight [d_inner + 2 G N, 1, K],
                          conv1d.bias, dt_bias [nh], A_log [nh], D [nh], norm.weight [d_inner], out_proj.weight
+                         (in_proj's rows and the conv's channels in `Ops.mamba_shards` blocks, `mamba2`)
                       *: q_proj.weight [n_h d_h, H], k_proj.weight / v_proj.weight [n_kv d_h, H], o_proj.weight
                       E: gate.weight [E, H], gate.e_score_correction_bias [E] (both used in float32),
                          experts.up_proj [E, I, H], experts.down_proj [E, H, I] (the checkpoint's per-expert
@@ -237,11 +238,14 @@ class Ops:
     `routed`: the routed experts' products (`gathered_experts`, or `target.moe`'s machinery); `attention`: an
     attention block's attention and cache write (`cached_attention`, or on a mesh `target.steps.cached_attention`
     under its `shard_map`); `constrain`: applied to the residual stream after each block (on a mesh: pinning it
-    replicated over the tensor axis after the row-parallel sums, `Layout.constrain(x, ROWS_AXES)`), or None."""
+    replicated over the tensor axis after the row-parallel sums, `Layout.constrain(x, ROWS_AXES)`), or None;
+    `mamba_shards`: the blocks each Mamba block's `in_proj` rows and conv channels are in (`mamba2.Mamba2Dims.shards`:
+    the tensor axis' size where the mixer is split over it, else 1)."""
 
     routed: RoutedExperts = gathered_experts
     attention: CachedAttention = cached_attention
     constrain: Callable[[jax.Array], jax.Array] | None = None
+    mamba_shards: int = 1
 
 
 ONE_DEVICE = Ops()  # the defaults: plain XLA on one device, importing no kernel module
@@ -265,7 +269,7 @@ def blocks(params: Params, c: NemotronHConfig, tokens: jax.Array, cache: Nemotro
     [batch, S, H] after norm_f, features [batch, S, Lf * H], k, v, mamba)`, the Mamba states after the last
     `valid [batch, S]` row (a right-padded prefix), or with `keep_states` after each row."""
     check_layer_ids(layer_ids, c.num_hidden_layers)
-    N, eps, dims = c.num_hidden_layers, c.layer_norm_epsilon, c.mamba_dims
+    N, eps, dims = c.num_hidden_layers, c.layer_norm_epsilon, c.mamba_dims._replace(shards=ops.mamba_shards)
     batch, S = tokens.shape
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [batch, S]
     embed = params["embeddings"]["weight"]

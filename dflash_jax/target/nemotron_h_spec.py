@@ -19,16 +19,24 @@ tensor axis, EMBED and unnamed axes nowhere):
   expert's width split, every device a slice of every expert); the router's weight and correction bias
   replicated (the choice must be the same on every device);
 - embedding and LM head by the vocabulary; norms replicated;
-- the Mamba-2 mixer REPLICATED over the tensor axis, every tensor of it. `in_proj`'s output rows are five
-  sections, `[z (d_inner) | x (d_inner) | B (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels three (`x | B |
-  C`): a contiguous split of the rows would hand a device a slice of z and x but none of B, C or dt, so no axis
-  describes a split of the stored tensors by head. The mixer (`mamba2.mixer`) reads them fused, so it runs whole
-  on every device (and its per-head `dt_bias`, `A_log`, `D`, gated-norm weight and `out_proj` with it: splitting
-  those alone would only add gathers). Its cache state is then split by the batch only (`MAMBA_CONV_AXES`,
-  `MAMBA_SSM_AXES`). The way to split it by head, left for later: read `in_proj` as five row ranges and `conv1d` as
-  three (`target.views`, as Qwen3.5's delta net reads its fused q/k/v), split z, x and dt by Mamba head and B, C by
-  group, which needs a tensor axis dividing `n_groups` (8 in Nemotron 3 Nano: up to 8-way), the mixer taking the
-  parts, `out_proj` by input with an all-reduce after it.
+- the Mamba-2 mixer by head. Checkpoints store `in_proj`'s output rows as five sections, `[z (d_inner) | x
+  (d_inner) | B (G N) | C (G N) | dt (nh)]`, and `conv1d`'s channels (weight and bias) as three, `x | B | C`: a
+  contiguous split of the stored rows would hand a device a slice of z and x but none of B, C or dt. The tree keeps
+  ONE `in_proj` and one conv per block, their rows split over the tensor axis (`HEADS`) but permuted where the load
+  reads them (`NemotronHTarget.views`, `mamba2.in_proj_order` / `conv_order`): device d's contiguous shard is
+  `[z_d | x_d | B_d | C_d | dt_d]` (conv: `[x_d | B_d | C_d]`), the d-th block of each section, so that a device
+  runs one product and one conv, as one device does (`mamba2.mixer` splits the result by static section sizes).
+  z, x, dt, `dt_bias`, `A_log`, `D` and the gated norm's weight split by Mamba head, `out_proj` by input (an
+  all-reduce after it, as after attention's `o_proj`). Where the tensor axis divides `n_groups`, device d's heads
+  read exactly its B / C groups (head h reads group `h // (nh / G)`), and the gated norm's groups (`d_inner / G`
+  channels each, transformers' `MambaRMSNormGated`) are its heads' channels: nothing crosses devices until
+  `out_proj`'s sum. Where the axis is a multiple of `n_groups`, each group's B / C rows are spread over the
+  `tp / G` devices of its heads: the B / C activations (`[batch, S, G N]`, no weight) are gathered within the
+  step, and a norm group spans those devices (a sum across them). `NemotronHTarget.layout_for` needs the tensor
+  axis to divide `mamba_num_heads` and to divide or be a multiple of `n_groups` (`ConfigError` naming the field).
+  The cache state splits with its tensors: the conv state (its channels in the conv's order) and the SSM state by
+  head (`MAMBA_CONV_AXES`, `MAMBA_SSM_AXES`), each by the batch too. With one device on the tensor axis the
+  permutation is the identity: the checkpoint's tensors as stored.
 
 Kinds: the projections `spec.LINEAR` (stored float, or quantized as ModelOpt's `MIXED_PRECISION` export of the
 released NVFP4 target stores them: Mamba `in_proj` / `out_proj` FP8 W8A8, the routed and shared experts'
@@ -69,8 +77,8 @@ __all__ = ["parameter_spec"]
 ROOT = "backbone."  # the checkpoint's root of every tensor but `lm_head.weight`; the tree strips it
 BLOCK = ROOT + "layers.{i}."
 KV_AXES = (BATCH, KV_HEADS, None, None)  # an attention block's K or V `[batch, n_kv, T, d_h]` (`layout.CACHE_AXES`)
-MAMBA_CONV_AXES = (BATCH, None, None)  # `Mamba2State.conv [batch, conv_dim, K - 1]`: split by the batch only
-MAMBA_SSM_AXES = (BATCH, None, None, None)  # `Mamba2State.ssm [batch, nh, hd, N]`
+MAMBA_CONV_AXES = (BATCH, HEADS, None)  # `Mamba2State.conv [batch, conv_dim, K - 1]`, its channels in `conv_order`
+MAMBA_SSM_AXES = (BATCH, HEADS, None, None)  # `Mamba2State.ssm [batch, nh, hd, N]`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +121,14 @@ def block_spec(c: NemotronHConfig, kind: str, prefix: str = BLOCK) -> list[Param
         dims = c.mamba_dims
         nh = dims.heads
         specs += [
-            ParamSpec(mixer + "in_proj.weight", (c.in_proj_rows, H), LINEAR, (None, EMBED)),
-            ParamSpec(mixer + "conv1d.weight", (dims.conv_dim, 1, dims.conv_kernel), axes=(None, None, None)),
-            ParamSpec(mixer + "conv1d.bias", (dims.conv_dim,), axes=(None,), init=Bias()),
-            ParamSpec(mixer + "dt_bias", (nh,), axes=(None,), init=TimeStepBias(c.time_step_min, c.time_step_max)),
-            ParamSpec(mixer + "A_log", (nh,), axes=(None,), init=LogUniform()),
-            ParamSpec(mixer + "D", (nh,), axes=(None,), init=Gain()),
-            ParamSpec(mixer + "norm.weight", (dims.d_inner,), NORM, (None,), Gain()),
-            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), LINEAR, (EMBED, None)),
+            ParamSpec(mixer + "in_proj.weight", (c.in_proj_rows, H), LINEAR, (HEADS, EMBED)),  # `in_proj_order`
+            ParamSpec(mixer + "conv1d.weight", (dims.conv_dim, 1, dims.conv_kernel), axes=(HEADS, None, None)),
+            ParamSpec(mixer + "conv1d.bias", (dims.conv_dim,), axes=(HEADS,), init=Bias()),  # both `conv_order`
+            ParamSpec(mixer + "dt_bias", (nh,), axes=(HEADS,), init=TimeStepBias(c.time_step_min, c.time_step_max)),
+            ParamSpec(mixer + "A_log", (nh,), axes=(HEADS,), init=LogUniform()),
+            ParamSpec(mixer + "D", (nh,), axes=(HEADS,), init=Gain()),
+            ParamSpec(mixer + "norm.weight", (dims.d_inner,), NORM, (HEADS,), Gain()),
+            ParamSpec(mixer + "out_proj.weight", (H, dims.d_inner), LINEAR, (EMBED, HEADS)),
         ]
     elif kind == ATTENTION:
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim

@@ -4,7 +4,8 @@ template (`target.family.Family`), as the third family.
 What this module adds to the maths: the load (tensors under `backbone.` with `lm_head.weight` beside them, each MoE
 block's per-expert `mixer.experts.{e}.up_proj.weight` / `down_proj.weight` read as the stacks the block runs,
 `mtp.*` not read; ModelOpt's mixed NVFP4 / FP8 export read as `stored_plan` says, dequantized), the mesh layout
-(`nemotron_h_spec`'s logical axes: attention by heads, experts by their width, the Mamba mixer replicated), the
+(`nemotron_h_spec`'s logical axes: attention and the Mamba mixer by heads, experts by their width; each Mamba block's
+`in_proj` and conv read with their rows permuted so that each device's shard holds its own sections, `views`), the
 cache placed where the layout says, and the jitted `Target` methods, the cache donated. The verify's pending cache
 keeps each Mamba state after every row, and `commit` selects each sequence's (`nemotron_h.commit`): a rollback is a
 selection inside the compiled loop, no replay. The routed experts run on `target.moe`'s machinery (`OPS`): the
@@ -19,17 +20,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._shapes import zeros
+from ..errors import ConfigError
 from ..plan import TensorPlan, init_leaves, planned
 from ..safetensors import Checkpoint
 from ..spec import FLOAT32, LINEAR
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
-from .layout import Layout
+from .layout import Layout, make_layout
+from .mamba2 import conv_order, in_proj_order
 from .moe import weighted_experts
-from .nemotron_h_config import ARCHITECTURES, MOE, NemotronHConfig, parse_nemotron_h_config
+from .nemotron_h_config import ARCHITECTURES, MAMBA, MOE, NemotronHConfig, parse_nemotron_h_config
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
 from .views import TensorViews
 
@@ -64,10 +68,38 @@ class NemotronHTarget(Family):
         return [planned(s, s.name, root=ROOT) for s in parameter_spec(config)]
 
     @classmethod
-    def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str) -> TensorViews:
+    def layout_for(cls, config: NemotronHConfig, mesh: jax.sharding.Mesh, tensor_axis: str | None,
+                   source: str) -> Layout:
+        """`layout.make_layout`, plus what else splits over the tensor axis: the Mamba heads (which it must divide)
+        and B / C groups (which it must divide, or be a multiple of, dividing their rows), the MoE blocks' expert
+        and shared-expert widths."""
+        layout = make_layout(config, mesh, tensor_axis, source)
+        tp, c = layout.tensor_size, config
+        fields = (("mamba_num_heads",) if c.blocks(MAMBA) else ()) + (
+            ("moe_intermediate_size", "moe_shared_expert_intermediate_size") if c.blocks(MOE) else ())
+        odd = [f"{field}={getattr(c, field)}" for field in fields if getattr(c, field) % tp]
+        if odd:
+            raise ConfigError(
+                f"{source}: tensor axis {tensor_axis!r} has {tp} devices, which does not divide {', '.join(odd)}; "
+                "expected a tensor-parallel size dividing the Mamba heads and the MoE widths too")
+        groups, rows = c.n_groups, c.n_groups * c.ssm_state_size
+        if c.blocks(MAMBA) and (groups % tp if tp <= groups else tp % groups or rows % tp):
+            raise ConfigError(
+                f"{source}: tensor axis {tensor_axis!r} has {tp} devices and n_groups={groups} (ssm_state_size="
+                f"{c.ssm_state_size}): expected one to divide the other, and the axis to divide the B / C rows "
+                f"n_groups * ssm_state_size={rows} (each device holds its heads' groups' rows, or its share of them)")
+        return layout
+
+    @classmethod
+    def views(cls, checkpoint: Checkpoint, config: NemotronHConfig, prefix: str,
+              layout: Layout | None = None) -> TensorViews:
         """Each MoE block's per-expert tensors as its stacks (`experts.up_proj [E, I, H]`, `down_proj [E, H, I]`),
-        float experts only: quantized ones are read one by one (`stored_plan`) and stacked once dequantized."""
+        float experts only: quantized ones are read one by one (`stored_plan`) and stacked once dequantized; with a
+        tensor axis of several devices in `layout`, each Mamba block's `in_proj` and conv with their rows in the
+        sharded order (`mamba_orders`)."""
         views = TensorViews(checkpoint)
+        for name, order in mamba_orders(config, prefix, _shards(layout)).items():
+            views.reorder(name, order)
         shapes = {t.name: t.shape for t in cls.plan(config, prefix)}
         for i in config.blocks(MOE):
             for stack in STACKS:
@@ -129,6 +161,28 @@ class NemotronHTarget(Family):
     def num_layers(self) -> int:
         return len(self.config.pattern)
 
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> NemotronHTarget:
+        """`Family.shard`, each Mamba block's `in_proj` and conv rows then moved from this target's sharded order
+        into the new layout's (`mamba2.in_proj_order`)."""
+        sharded = super().shard(mesh, tensor_axis=tensor_axis)
+        old, new = _shards(self.layout), _shards(sharded.layout)
+        if old == new:
+            return sharded
+        dims = self.config.mamba_dims
+        in_proj, conv = ((np.argsort(order(dims._replace(shards=old)))[order(dims._replace(shards=new))])
+                         for order in (in_proj_order, conv_order))  # the new order's rows, as the old holds them
+
+        def moved(x: jax.Array, rows: np.ndarray) -> jax.Array:
+            return jax.device_put(jnp.take(x, jnp.asarray(rows), axis=0), x.sharding)
+
+        layers = list(sharded.params["layers"])
+        for i in self.config.blocks(MAMBA):
+            mixer = layers[i]["mixer"]
+            mixer = {**mixer, "in_proj": {**mixer["in_proj"], "weight": moved(mixer["in_proj"]["weight"], in_proj)},
+                     "conv1d": {key: moved(x, conv) for key, x in mixer["conv1d"].items()}}
+            layers[i] = {**layers[i], "mixer": mixer}
+        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
+
     def init_cache(self, batch_size: int, max_length: int) -> model.NemotronHCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions (`nemotron_h.init_cache`),
         placed as the layout says."""
@@ -171,8 +225,13 @@ def _forward(target: NemotronHTarget, tokens: jax.Array, kv: tuple[tuple[jax.Arr
     other shapes: no buffer to reuse). The layer ids are checked by `nemotron_h.blocks`."""
     cache = model.NemotronHCache(*kv, mamba)
     logits, features, pending = model.forward(target.params, target.config, tokens, cache, lengths, layer_ids,
-                                              ops=OPS)
+                                              ops=_ops(target.layout))
     return TargetOutput(logits, features, pending)
+
+
+def _ops(layout: Layout | None) -> model.Ops:
+    """`OPS`, the Mamba mixers' rows in the layout's blocks (`mamba_orders`)."""
+    return dataclasses.replace(OPS, mamba_shards=_shards(layout))
 
 
 def _commit(pending: model.PendingCache, kept: jax.Array) -> model.NemotronHCache:
@@ -190,8 +249,24 @@ def _select(states: tuple, kept: jax.Array) -> tuple:
 def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHCache, lengths: jax.Array,
              project: FeatureMap | None, layer_ids: tuple[int, ...], chunk: int) -> TargetOutput:
     logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
-                                            project=project, ops=OPS)
+                                            project=project, ops=_ops(target.layout))
     return TargetOutput(logits, features, cache)
+
+
+def _shards(layout: Layout | None) -> int:
+    """The blocks a Mamba block's `in_proj` rows and conv channels are in under `layout`: its tensor axis' size."""
+    return 1 if layout is None else layout.tensor_size
+
+
+def mamba_orders(config: NemotronHConfig, prefix: str, shards: int) -> dict[str, np.ndarray]:
+    """By checkpoint name, the rows each Mamba block's `in_proj` (its weight, and an NVFP4 weight's block scales)
+    and conv (weight, bias) are read in, split in `shards` (`mamba2.in_proj_order`, `conv_order`); none for one."""
+    if shards == 1:
+        return {}
+    dims = config.mamba_dims._replace(shards=shards)
+    rows = {"in_proj.weight": in_proj_order(dims), "in_proj.weight_scale": in_proj_order(dims),
+            "conv1d.weight": conv_order(dims), "conv1d.bias": conv_order(dims)}
+    return {f"{prefix}layers.{i}.mixer.{name}": order for i in config.blocks(MAMBA) for name, order in rows.items()}
 
 
 def _stacked(arrays: list[jax.Array]) -> jax.Array:

@@ -270,8 +270,10 @@ class Qwen3_5Target(Family):
         return plan_qwen3_5(config, prefix)
 
     @classmethod
-    def views(cls, checkpoint: Checkpoint, config: Qwen3_5Config, prefix: str) -> TensorViews:
-        """MoE experts read fused (as released) or per expert, delta-net inputs split or fused (`stored_views`)."""
+    def views(cls, checkpoint: Checkpoint, config: Qwen3_5Config, prefix: str,
+              layout: Layout | None = None) -> TensorViews:
+        """MoE experts read fused (as released) or per expert, delta-net inputs split or fused (`stored_views`),
+        whatever the layout."""
         return stored_views(checkpoint, config, prefix)
 
     @classmethod

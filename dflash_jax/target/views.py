@@ -11,6 +11,11 @@ nothing copied). Every source tensor's presence and shape is checked when a view
 naming it and what it is), the sources are hidden, other tensors pass through. A view whose name is stored too (an
 `in_proj_q` beside the `in_proj_qkv`, a stacked `experts.down_proj` beside the per-expert ones) is refused naming
 both: one copy would load and the other be ignored.
+
+A stored tensor may also be read with its rows permuted under its own name (`reorder`: a Nemotron-H Mamba block's
+`in_proj` and conv, each device's shard its own sections, `target.mamba2`). A shard reads its rows as the runs of
+consecutive stored rows they are (five for a shard of `in_proj`), so again only its own bytes; a quantized tensor
+(read whole, dequantized, then moved onto its shards) reads them all, in the permuted order.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ class _Rows:
     start: int
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Reordered:
+    """A stored tensor's rows (dim 0) in `order`, a permutation: row i is the source's row `order[i]`."""
+
+    source: str
+    order: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class _Stack:
     """A stack of source tensors along a new dim 0."""
@@ -60,7 +73,7 @@ class TensorViews(Checkpoint):
     def __init__(self, checkpoint: Checkpoint):
         self.path, self.directory, self.metadata = checkpoint.path, checkpoint.directory, checkpoint.metadata
         self._base = checkpoint
-        self._virtual: dict[str, _Rows | _Stack] = {}
+        self._virtual: dict[str, _Rows | _Reordered | _Stack] = {}
         self._infos: dict[str, TensorInfo] = {}
         self._hidden: set[str] = set()
 
@@ -104,6 +117,15 @@ class TensorViews(Checkpoint):
             )
         self._declare(name, _Stack(tuple(sources)), infos[0], (len(sources), *shape))
         self._hidden |= set(sources)
+
+    def reorder(self, name: str, order: np.ndarray) -> None:
+        """Read stored tensor `name` with its rows in `order` (a permutation of its dim 0: row i is the stored row
+        `order[i]`), under its own name. A tensor the file lacks, or of another length, is left as it is: the plan's
+        checks name it."""
+        info = self._base[name] if name in self._base else None
+        if info is not None and info.shape[:1] == order.shape:
+            self._virtual[name] = _Reordered(name, order)
+            self._infos[name] = info
 
     def _declare(self, name: str, how: _Rows | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
         """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own). A
@@ -150,12 +172,17 @@ class TensorViews(Checkpoint):
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A tensor's part `index` (None: all of it). A fused tensor's part is a view of the map; a stack's is a
-        new array of that part only, read source by source."""
+        new array of that part only, read source by source; a reordered tensor's, its rows read run by run."""
         how = self._virtual.get(name)
         if how is None:
             return self._base.read(name, index)
         shape = self._infos[name].shape
         bounds = [slice(*((0, n) if index is None else index[d].indices(n)[:2])) for d, n in enumerate(shape)]
+        if isinstance(how, _Reordered):
+            rows = how.order[bounds[0]]  # the stored rows, in order
+            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)  # each consecutive in the file
+            return np.concatenate([self._base.read(how.source, (slice(run[0], run[-1] + 1), *bounds[1:]))
+                                   for run in runs])
         if isinstance(how, _Rows):
             moved = bounds[how.axis]
             bounds[how.axis] = slice(how.start + moved.start, how.start + moved.stop)
@@ -165,7 +192,7 @@ class TensorViews(Checkpoint):
 
     def release(self, name: str) -> None:
         how = self._virtual.get(name)
-        sources = [name] if how is None else [how.source] if isinstance(how, _Rows) else list(how.sources)
+        sources = list(how.sources) if isinstance(how, _Stack) else [name if how is None else how.source]
         for source in sources:
             self._base.release(source)
 
