@@ -10,18 +10,23 @@ import os
 import re
 import shutil
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+import msgspec
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import dflash_jax
-from dflash_jax import CheckpointError, greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax import CheckpointError, ConfigError, greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax.layers import static_fp8_input
 from dflash_jax.target import nemotron_h
-from dflash_jax.target.nemotron_h_target import NemotronHTarget
+from dflash_jax.target.mamba2 import in_proj_order
+from dflash_jax.target.nemotron_h_target import NemotronHTarget, _forward
 from dflash_jax.testing import successor_nemotron_h, write_checkpoint, write_nemotron_h_checkpoint
 
 from ._io import load_file, rewrite_tensors
@@ -86,11 +91,14 @@ def test_rollback_with_a_drafter_that_is_sometimes_right(moe):
         row[int(lengths[b]) - 5] for b, row in enumerate(reference)]
 
 
-def test_missing_expert_tensor_named(tmp_path):
+@pytest.mark.parametrize("name", ["backbone.layers.1.mixer.experts.5.down_proj.weight",
+                                  "backbone.layers.3.mixer.in_proj.weight", "backbone.layers.5.mixer.conv1d.bias"])
+def test_missing_expert_or_mamba_tensor_named(tmp_path, name):
+    """Loaded onto a tensor axis of 2, where the Mamba `in_proj` and conv are read in the sharded row order."""
     shutil.copytree(os.path.join(DATA, "moe"), tmp_path / "moe")
-    rewrite_tensors(tmp_path / "moe", lambda t: t.pop("backbone.layers.1.mixer.experts.5.down_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"backbone\.layers\.1\.mixer\.experts\.5\.down_proj\.weight"):
-        load_target(tmp_path / "moe")
+    rewrite_tensors(tmp_path / "moe", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=re.escape(f"missing tensor {name!r}")):
+        load_target(tmp_path / "moe", mesh=jax.make_mesh((4, 2), ("data", "model")))
 
 
 def test_a_correction_bias_of_another_length_is_named(tmp_path):
@@ -122,16 +130,137 @@ def test_the_router_stays_float32_in_a_bfloat16_load(tmp_path):
     assert not np.array_equal(chosen, nemotron_h.route({"gate": rounded}, target.config, x)[1])
 
 
-def test_sharded_equals_unsharded(moe, cpu_mesh):
-    """On a 2 x 4 mesh (the batch over 2, the heads and expert widths over 4): the same greedy tokens."""
-    target, io = moe
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
-    sharded = target.shard(mesh)
-    prompts = [[int(t) for t in row[:5]] for row in io["input_ids"]]
-    assert greedy_generate(sharded, prompts, max_new_tokens=6).tokens == greedy_generate(
-        target, prompts, max_new_tokens=6).tokens
+def _shard_rows(sections: tuple[int, ...], tp: int, d: int) -> list[int]:
+    """The stored rows device d of `tp` holds of a tensor of consecutive `sections`: the d-th block of each."""
+    starts = np.cumsum((0, *sections[:-1]))
+    return [r for start, size in zip(starts, sections) for r in range(start + d * size // tp,
+                                                                       start + (d + 1) * size // tp)]
 
 
+def _mamba_sections(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stored sections of `in_proj`'s rows (z, x, B, C, dt) and of the conv's channels (x, B, C)."""
+    d_inner, bc = config.mamba_num_heads * config.mamba_head_dim, config.n_groups * config.ssm_state_size
+    return (d_inner, d_inner, bc, bc, config.mamba_num_heads), (d_inner, bc, bc)
+
+
+@pytest.fixture(scope="module")
+def split(request):
+    """The moe checkpoint loaded onto a tensor axis of `request.param` devices, the batch over the rest."""
+    tp = request.param
+    mesh = jax.make_mesh((8 // tp, tp), ("data", "model"))
+    return load_target(os.path.join(DATA, "moe"), dtype=jnp.float32, mesh=mesh), mesh
+
+
+@pytest.mark.parametrize("split", [2, 4], indirect=True, ids=["tp2", "tp4"])
+def test_sharded_equals_transformers(moe, split, tmp_path):
+    """On a tensor axis of 2 (B and C split by group: n_groups = 2) and of 4 (more devices than groups: a group's
+    B / C rows over its 2 devices): each Mamba block's ONE `in_proj` and conv live split over "model", device d's
+    shard the stored rows of its sections `[z_d | x_d | B_d | C_d | dt_d]` (conv `[x_d | B_d | C_d]`, asserted
+    against the one-device arrays), the per-head tensors and `out_proj`'s input by head; `shard` places the same
+    rows as the load. A 9-token prefill and a 4-row verify give transformers' logits and Mamba states as one device
+    does (measured at most 3.7e-6 on the logits, up to 3.6, and 3.5e-6 on the states; one device 3.3e-6 and
+    3.7e-6), the conv state in the sharded order; the committed states keep their split. On tp2, speculative
+    decoding with a drafter replicated beside the target gives transformers' greedy tokens."""
+    single, io = moe
+    sharded, mesh = split
+    tp = sharded.layout.tensor_size
+    rows, channels = _mamba_sections(sharded.config)
+    moved = single.shard(mesh)
+    for i, layer in enumerate(sharded.params["layers"]):
+        if sharded.config.layers_block_type[i] != "linear_attention":
+            continue
+        mixer, one = layer["mixer"], single.params["layers"][i]["mixer"]
+        for name, leaf in [("in_proj", mixer["in_proj"]["weight"]), ("conv1d", mixer["conv1d"]["weight"]),
+                           ("conv1d", mixer["conv1d"]["bias"])]:
+            assert leaf.sharding.spec[0] == "model", (i, name)
+            whole = np.asarray(one[name]["weight" if leaf.ndim > 1 else "bias"])
+            for shard in leaf.addressable_shards:
+                d = shard.index[0].start // shard.data.shape[0]
+                assert shard.data.shape[0] == whole.shape[0] // tp
+                np.testing.assert_array_equal(shard.data, whole[_shard_rows(rows if name == "in_proj" else channels,
+                                                                              tp, d)])
+        chex.assert_trees_all_equal(moved.params["layers"][i]["mixer"], mixer)
+        for name in ("dt_bias", "A_log", "D"):
+            assert mixer[name].sharding.spec == P("model"), name
+        assert mixer["norm"]["weight"].sharding.spec == P("model")
+        assert mixer["out_proj"]["weight"].sharding.spec == P(None, "model")  # by input, an all-reduce after it
+
+    tokens = jnp.asarray(io["input_ids"], jnp.int32)
+    nine = jnp.full(2, 9, jnp.int32)
+    out = sharded.prefill(tokens[:, :9], sharded.init_cache(2, 16), nine, chunk=8)
+    chex.assert_trees_all_close(np.asarray(out.logits), io["logits"][:, 8], rtol=0, atol=1e-5)
+    order = np.concatenate([_shard_rows(channels, tp, d) for d in range(tp)])
+    for state, i in zip(out.cache.mamba, sharded.config.blocks("linear_attention")):
+        chex.assert_trees_all_close(np.asarray(state.conv), io[f"prefill9_conv_state_{i}"][:, order, 1:], rtol=0,
+                                    atol=1e-5)
+        chex.assert_trees_all_close(np.asarray(state.ssm), io[f"prefill9_ssm_state_{i}"], rtol=0, atol=1e-5)
+    block = sharded(tokens[:, 9:], out.cache, nine)
+    chex.assert_trees_all_close(np.asarray(block.logits), io["logits"][:, 9:], rtol=0, atol=1e-5)
+    committed = sharded.commit(block.cache, jnp.asarray([1, 3], jnp.int32)).mamba[0]
+    batch = "data" if sharded.layout.splits_batch(2) else None
+    assert committed.conv.sharding.is_equivalent_to(NamedSharding(mesh, P(batch, "model")), 3)
+    assert committed.ssm.sharding.is_equivalent_to(NamedSharding(mesh, P(batch, "model")), 4)
+
+    if tp == 2:
+        write_checkpoint(tmp_path, "tiny-nemotron-dspark")
+        drafter = load_drafter(tmp_path, dtype=jnp.float32, mesh=mesh)
+        prompts = [[int(t) for t in row[:5]] for row in io["input_ids"]]
+        assert speculative_generate(sharded, drafter, prompts, max_new_tokens=8, draft_length="fixed").tokens == [
+            [int(t) for t in row] for row in io["greedy_tokens"][:, :8]]
+
+
+@pytest.mark.parametrize("split", [2], indirect=True, ids=["tp2"])
+def test_without_the_row_order_the_split_mixer_is_wrong(moe, split):
+    """The sharded order matters, for each of the two tensors: the tp2 target's 9-token prefill with every Mamba
+    block's `in_proj` rows, or its conv's channels (weight and bias), placed in the stored order (same sharding)
+    is far from transformers' logits (measured 3.9 and 3.4, of logits up to 3.6; the order kept: 3.7e-6)."""
+    single, io = moe
+    sharded, _ = split
+
+    def stored_order(module: str) -> NemotronHTarget:
+        layers = list(sharded.params["layers"])
+        for i in sharded.config.blocks("linear_attention"):
+            mixer = layers[i]["mixer"]
+            stored = {key: jax.device_put(single.params["layers"][i]["mixer"][module][key], leaf.sharding)
+                      for key, leaf in mixer[module].items()}
+            layers[i] = {**layers[i], "mixer": {**mixer, module: stored}}
+        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
+
+    tokens = jnp.asarray(io["input_ids"][:, :9], jnp.int32)
+    nine = jnp.full(2, 9, jnp.int32)
+    for module in ("in_proj", "conv1d"):
+        target = stored_order(module)
+        logits = np.asarray(target.prefill(tokens, target.init_cache(2, 16), nine, chunk=8).logits)
+        assert np.abs(logits - io["logits"][:, 8]).max() > 0.1, module
+
+
+def _decode_hlo(target: NemotronHTarget) -> str:
+    """The compiled decode step (`_forward` over one row of a batch of 2): its optimised HLO."""
+    cache = target.init_cache(2, 16)
+    return _forward.lower(target, jnp.ones((2, 1), jnp.int32), (cache.k, cache.v), cache.mamba,
+                          jnp.full(2, 5, jnp.int32), ()).compile().as_text()
+
+
+@pytest.mark.parametrize("split", [2], indirect=True, ids=["tp2"])
+def test_one_in_proj_product_per_mamba_block_and_device(moe, split):
+    """The decode step compiled on one device and on a tensor axis of 2: each Mamba block runs ONE `in_proj`
+    product (an output of all its rows, 200 on one device, the shard's 100 on each of 2), none of a section alone;
+    no convolution op (the conv is multiply-adds); as many dot ops in both programs, 36 (as at 072cb3b, where the
+    one-device program was this one, op for op), and no all-gather of anything `in_proj`'s size (its weight or its
+    product): the split adds no product and gathers no Mamba row."""
+    single, _ = moe
+    sharded, _ = split
+    c = single.config
+    rows = sum(_mamba_sections(c)[0])
+    mamba = len(c.blocks("linear_attention"))
+    for target, tp in ((single, 1), (sharded, 2)):
+        hlo = _decode_hlo(target)
+        dots = re.findall(r"= f32\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)
+        assert len(dots) == 36, tp
+        assert sum(shape.split(",")[-1] == str(rows // tp) for shape in dots) == mamba, (tp, dots)
+        assert " convolution(" not in hlo
+        gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+        assert not [g for g in gathered if {str(rows), str(rows // tp)} & set(g.split(","))], gathered
 def test_is_exported():
     assert dflash_jax.load_target is load_target
 
@@ -253,21 +382,46 @@ def test_static_fp8_input_rounds_as_e4m3():
 
 
 def test_the_mixed_export_on_a_mesh_gives_the_same_tokens(mixed, cpu_mesh):
-    """Quantized tensors placed replicated, dequantized, then moved onto their shards: the greedy tokens of one
-    device on a 2 x 4 mesh."""
+    """Quantized tensors placed replicated, dequantized, then moved onto their shards (the FP8 Mamba `in_proj` read
+    in the sharded row order: its per-tensor scales hold for any order of its rows, the loaded rows are the
+    one-device load's permuted, bit for bit): the greedy tokens of one device on a 2 x 4 mesh."""
     directory, quantized, _, _ = mixed
     sharded = load_target(directory, dtype=jnp.float32, mesh=jax.make_mesh((2, 4), ("data", "model")))
     experts = sharded.params["layers"][1]["mixer"]["experts"]["up_proj"]
-    assert experts.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert experts.sharding.spec == P(None, "model", None)
+    mamba, one = sharded.params["layers"][0]["mixer"], quantized.params["layers"][0]["mixer"]
+    assert mamba["in_proj"]["weight"].sharding.spec == P("model", None) and "input_scale" in mamba["in_proj"]
+    assert mamba["out_proj"]["weight"].sharding.spec == P(None, "model")
+    order = in_proj_order(sharded.config.mamba_dims._replace(shards=4))
+    np.testing.assert_array_equal(np.asarray(mamba["in_proj"]["weight"]), np.asarray(one["in_proj"]["weight"])[order])
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38]]
     assert greedy_generate(sharded, prompts, max_new_tokens=6).tokens == greedy_generate(
         quantized, prompts, max_new_tokens=6).tokens
 
 
-def test_a_quantized_expert_with_scales_of_another_shape_is_named(mixed, tmp_path):
+@pytest.mark.parametrize("changes, field", [
+    ({"mamba_num_heads": 6}, r"does not divide mamba_num_heads=6"),
+    ({"mamba_num_heads": 12, "n_groups": 3}, r"and n_groups=3 .*: expected one to divide the other"),
+    ({"ssm_state_size": 3}, r"to divide the B / C rows n_groups \* ssm_state_size=6"),
+    ({"moe_shared_expert_intermediate_size": 50}, r"does not divide moe_shared_expert_intermediate_size=50"),
+])
+def test_a_tensor_axis_that_does_not_split_the_mamba_heads_groups_or_experts_is_named(moe, changes, field):
+    """A tensor axis of 4 with Mamba heads, groups (or their B / C rows) or MoE widths it does not split: a
+    `ConfigError` naming the field before anything is placed."""
+    target, _ = moe
+    odd = dataclasses.replace(target, config=msgspec.structs.replace(target.config, **changes))
+    with pytest.raises(ConfigError, match=rf"^NemotronHTarget.shard: tensor axis .model. has 4 devices.*{field}"):
+        odd.shard(jax.make_mesh((2, 4), ("data", "model")))
+
+
+@pytest.mark.parametrize("name", ["backbone.layers.4.mixer.experts.6.down_proj.weight_scale",
+                                  "backbone.layers.3.mixer.in_proj.weight_scale"])
+def test_a_quantized_tensor_with_scales_of_another_shape_is_named(mixed, tmp_path, name):
+    """An expert's NVFP4 block scales, or the FP8 scale of a Mamba `in_proj` read in the sharded row order (a
+    tensor axis of 2), of the wrong shape."""
     directory, *_ = mixed
     shutil.copytree(directory, tmp_path / "bad")
-    name = "backbone.layers.4.mixer.experts.6.down_proj.weight_scale"
-    rewrite_tensors(tmp_path / "bad", lambda t: t.update({name: t[name][:, :1]}))
+    rewrite_tensors(tmp_path / "bad", lambda t: t.update({name: t[name][:, :1] if t[name].ndim else t[name][None]
+                                                          .repeat(2)}))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
-        load_target(tmp_path / "bad")
+        load_target(tmp_path / "bad", mesh=jax.make_mesh((4, 2), ("data", "model")))
