@@ -115,10 +115,13 @@ def conv_order(dims: Mamba2Dims) -> np.ndarray:
 def _sections(t: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
     """`t [..., shards * sum(sizes)]`, each shard's block the sections of `sizes` in order, as one array per section
     `[..., shards * size]`, shard after shard (a whole section of the checkpoint: in its order). A split within
-    each shard's own block, so on a mesh no device reads another's rows."""
+    each shard's own block, so on a mesh no device reads another's rows. One shard: a plain split (through a unit
+    axis, XLA fuses the slices otherwise: one device's program stays the unsharded one)."""
+    cuts = np.cumsum(sizes[:-1]).tolist()
+    if shards == 1:
+        return jnp.split(t, cuts, axis=-1)
     lead = t.shape[:-1]
-    parts = jnp.split(t.reshape(*lead, shards, -1), np.cumsum(sizes[:-1]).tolist(), axis=-1)
-    return [part.reshape(*lead, -1) for part in parts]
+    return [part.reshape(*lead, -1) for part in jnp.split(t.reshape(*lead, shards, -1), cuts, axis=-1)]
 
 
 @jax.tree_util.register_dataclass
