@@ -531,7 +531,11 @@ def test_the_spec_declares_every_tensor_of_the_checkpoint(name):
     stored = load_file(os.path.join(DATA, name, "model.safetensors"))
     assert sum(len(expert_tensors(m.config, s.name)) if ".experts." in s.name else 1 for s in specs) == len(stored)
     axes = {s.name.removeprefix(ROOT): s.axes for s in specs}
-    assert axes["layers.0.mixer.in_proj.weight"] == (None, "embed")  # replicated: five sections (module docstring)
+    # the Mamba mixer by head: in_proj and the conv by their rows, in the sharded order (module docstring)
+    assert axes["layers.0.mixer.in_proj.weight"] == ("heads", "embed")
+    assert axes["layers.0.mixer.conv1d.weight"] == ("heads", None, None)
+    assert axes["layers.0.mixer.A_log"] == axes["layers.0.mixer.norm.weight"] == ("heads",)
+    assert axes["layers.0.mixer.out_proj.weight"] == ("embed", "heads")
     assert axes["layers.2.mixer.q_proj.weight"] == ("heads", "embed")
     assert axes["layers.2.mixer.o_proj.weight"] == ("embed", "heads")
     if name == "moe":

@@ -24,8 +24,10 @@ from safetensors.numpy import save_file
 import dflash_jax
 from dflash_jax import CheckpointError, ConfigError, greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax.layers import static_fp8_input
+from dflash_jax.safetensors import Checkpoint
 from dflash_jax.target import nemotron_h
 from dflash_jax.target.mamba2 import in_proj_order
+from dflash_jax.target.nemotron_h_spec import ROOT
 from dflash_jax.target.nemotron_h_target import NemotronHTarget, _forward
 from dflash_jax.testing import successor_nemotron_h, write_checkpoint, write_nemotron_h_checkpoint
 
@@ -234,6 +236,30 @@ def test_without_the_row_order_the_split_mixer_is_wrong(moe, split):
         assert np.abs(logits - io["logits"][:, 8]).max() > 0.1, module
 
 
+def test_a_shard_of_the_reordered_in_proj_reads_only_its_rows(moe, monkeypatch):
+    """On a tensor axis of 2, device 1's shard of a Mamba `in_proj` (rows 100..199 of the sharded order) is read as
+    its five runs of stored rows (its halves of z, x, B, C and dt), 100 rows in all: no byte of device 0's."""
+    single, _ = moe
+    layout = NemotronHTarget.layout_for(single.config, jax.make_mesh((4, 2), ("data", "model")), "model", "test")
+    name = "backbone.layers.0.mixer.in_proj.weight"
+    rows = _mamba_sections(single.config)[0]
+    with Checkpoint(os.path.join(DATA, "moe")) as stored:
+        reads: list[slice] = []  # the rows of each read of the stored in_proj
+        read = stored.read
+
+        def spy(tensor: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+            if tensor == name:
+                reads.append(index[0])
+            return read(tensor, index)
+
+        monkeypatch.setattr(stored, "read", spy)
+        views = NemotronHTarget.views(stored, single.config, ROOT, layout)
+        shard = views.read(name, (slice(100, 200), slice(0, 64)))
+        want = _shard_rows(rows, 2, 1)
+        np.testing.assert_array_equal(shard, read(name)[want])
+    assert [(r.start, r.stop) for r in reads] == [(32, 64), (96, 128), (144, 160), (176, 192), (196, 200)]
+
+
 def _decode_hlo(target: NemotronHTarget) -> str:
     """The compiled decode step (`_forward` over one row of a batch of 2): its optimised HLO."""
     cache = target.init_cache(2, 16)
@@ -425,3 +451,47 @@ def test_a_quantized_tensor_with_scales_of_another_shape_is_named(mixed, tmp_pat
                                                           .repeat(2)}))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
         load_target(tmp_path / "bad", mesh=jax.make_mesh((4, 2), ("data", "model")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2+ CUDA GPUs")
+def test_mamba_split_over_every_gpu(tmp_path):
+    """Tensor-parallel over all the GPUs (2, 4 or 8: every one a divisor of the 8 groups, B and C split by group;
+    float32, so that greedy tokens are exact): each GPU holds 1/n of every Mamba block's one `in_proj`, prefill and
+    a verify agree with one GPU, the verify program gathers no Mamba weight nor `in_proj`'s product (each GPU
+    reads only its own rows, in one product), and speculative decoding on the mesh returns the mesh's own greedy
+    tokens."""
+    from dflash_jax.target.nemotron_h_config import parse_nemotron_h_config
+    from dflash_jax.target.nemotron_h_target import random_nemotron_h
+
+    with open(os.path.join(DATA, "moe", "config.json")) as f:  # 16 Mamba heads of 5, 8 groups of state 12
+        raw = json.load(f) | {"num_attention_heads": 8, "mamba_num_heads": 16, "mamba_head_dim": 5, "n_groups": 8,
+                              "ssm_state_size": 12}
+    single = random_nemotron_h(parse_nemotron_h_config(raw, source="gpu test"), seed=1, dtype=jnp.float32)
+    n = jax.device_count()
+    mesh = jax.make_mesh((1, n), ("data", "model"))
+    target = single.shard(mesh)
+    rows = sum(_mamba_sections(single.config)[0])  # 2 * 80 + 2 * 96 + 16 = 368
+    mixer = target.params["layers"][0]["mixer"]
+    assert mixer["in_proj"]["weight"].addressable_shards[0].data.shape[0] == rows // n
+    assert mixer["conv1d"]["weight"].addressable_shards[0].data.shape[0] == (80 + 2 * 96) // n
+    prompts = jnp.asarray(np.random.default_rng(0).integers(0, 128, (2, 40)), jnp.int32)
+    lengths = jnp.asarray([40, 23], jnp.int32)
+    outs = []
+    for t in (single, target):
+        out = t.prefill(prompts, t.init_cache(2, 64), lengths, chunk=16)
+        block = t(prompts[:, :5], out.cache, lengths)
+        outs.append([out.logits, block.logits])
+    for a, b in zip(*outs):  # sums in another order across devices (4e-6 on the CPU, the mesh test above)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-3, rtol=0)
+    cache = target.init_cache(2, 64)
+    hlo = _forward.lower(target, prompts[:, :5], (cache.k, cache.v), cache.mamba, lengths, ()).compile().as_text()
+    H = target.config.hidden_size
+    whole = (f"[{rows},{H}]", f"[{H},80]", f",{rows}]")  # in_proj's and out_proj's weights, in_proj's product
+    gathered = [line for line in hlo.splitlines() if " all-gather" in line and any(w in line for w in whole)]
+    assert not gathered, gathered[:3]
+    write_checkpoint(tmp_path, "tiny-nemotron-dspark")
+    drafter = load_drafter(tmp_path, mesh=mesh, dtype=jnp.float32)
+    sequences = [prompts[0].tolist(), prompts[1, :23].tolist()]
+    greedy = greedy_generate(target, sequences, max_new_tokens=8).tokens
+    assert speculative_generate(target, drafter, sequences, max_new_tokens=8).tokens == greedy
