@@ -22,7 +22,15 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import dflash_jax
-from dflash_jax import CheckpointError, ConfigError, greedy_generate, load_drafter, load_target, speculative_generate
+from dflash_jax import (
+    CheckpointError,
+    ConfigError,
+    greedy_generate,
+    load_drafter,
+    load_target,
+    nvfp4,
+    speculative_generate,
+)
 from dflash_jax.layers import static_fp8_input
 from dflash_jax.safetensors import Checkpoint
 from dflash_jax.target import nemotron_h
@@ -423,6 +431,27 @@ def test_the_mixed_export_on_a_mesh_gives_the_same_tokens(mixed, cpu_mesh):
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38]]
     assert greedy_generate(sharded, prompts, max_new_tokens=6).tokens == greedy_generate(
         quantized, prompts, max_new_tokens=6).tokens
+
+
+def test_an_nvfp4_in_proj_loads_in_the_sharded_row_order(moe, tmp_path):
+    """A Mamba `in_proj` stored NVFP4 (packed codes and block scales by row, a per-tensor second scale) is read with
+    its codes' and block scales' rows in the same sharded order: on a tensor axis of 2 it is the one-device load's
+    rows permuted, bit for bit (and not the stored order)."""
+    shutil.copytree(os.path.join(DATA, "moe"), tmp_path / "moe")
+    stem = "backbone.layers.3.mixer.in_proj"
+
+    def quantized(tensors: dict) -> None:
+        packed, block_scale, scale_2 = nvfp4.quantize(tensors[stem + ".weight"])
+        tensors |= {stem + ".weight": packed, stem + ".weight_scale": block_scale,
+                    stem + ".weight_scale_2": np.asarray(scale_2, np.float32)}
+
+    rewrite_tensors(tmp_path / "moe", quantized)
+    single = load_target(tmp_path / "moe", dtype=jnp.float32)
+    sharded = load_target(tmp_path / "moe", dtype=jnp.float32, mesh=jax.make_mesh((4, 2), ("data", "model")))
+    one, split = (np.asarray(t.params["layers"][3]["mixer"]["in_proj"]["weight"]) for t in (single, sharded))
+    rows = _mamba_sections(single.config)[0]
+    np.testing.assert_array_equal(split, one[_shard_rows(rows, 2, 0) + _shard_rows(rows, 2, 1)])
+    assert not np.array_equal(split, one)
 
 
 @pytest.mark.parametrize("changes, field", [

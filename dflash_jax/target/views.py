@@ -120,8 +120,8 @@ class TensorViews(Checkpoint):
 
     def reorder(self, name: str, order: np.ndarray) -> None:
         """Read stored tensor `name` with its rows in `order` (a permutation of its dim 0: row i is the stored row
-        `order[i]`), under its own name. A tensor the file lacks, or of another length, is left as it is: the plan's
-        checks name it."""
+        `order[i]`), under its own name. A tensor the file lacks, or of another length (a per-tensor scale, or a
+        malformed tensor, which the plan's checks then name), is left as it is."""
         info = self._base[name] if name in self._base else None
         if info is not None and info.shape[:1] == order.shape:
             self._virtual[name] = _Reordered(name, order)
