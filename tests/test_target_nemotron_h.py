@@ -275,26 +275,34 @@ def _decode_hlo(target: NemotronHTarget) -> str:
                           jnp.full(2, 5, jnp.int32), ()).compile().as_text()
 
 
-@pytest.mark.parametrize("split", [2], indirect=True, ids=["tp2"])
+@pytest.mark.parametrize("split", [2, 4], indirect=True, ids=["tp2", "tp4"])
 def test_one_in_proj_product_per_mamba_block_and_device(moe, split):
-    """The decode step compiled on one device and on a tensor axis of 2: each Mamba block runs ONE `in_proj`
-    product (an output of all its rows, 200 on one device, the shard's 100 on each of 2), none of a section alone;
-    no convolution op (the conv is multiply-adds); as many dot ops in both programs, 36 (as at 072cb3b, where the
-    one-device program was this one, op for op), and no all-gather of anything `in_proj`'s size (its weight or its
-    product): the split adds no product and gathers no Mamba row."""
+    """The decode step compiled on one device and on a tensor axis of 2 or 4: each Mamba block runs ONE `in_proj`
+    product (an output of all its rows: 200 on one device, the shard's 100 or 50 on each device), no convolution op
+    (the conv is multiply-adds), and nothing of `in_proj`'s size (its weight or its product) is all-gathered. On
+    one device and on 2 the programs hold as many dot ops, 36 (the one-device program is 072cb3b's, op for op;
+    five products a block would make it 48). On 4 (more devices than the 2 groups) the only Mamba values gathered
+    are each block's B and C activations, `[batch, 1, 1, N]` each (a group's rows spread over its 2 devices)."""
     single, _ = moe
     sharded, _ = split
     c = single.config
     rows = sum(_mamba_sections(c)[0])
     mamba = len(c.blocks("linear_attention"))
-    for target, tp in ((single, 1), (sharded, 2)):
+    tp = sharded.layout.tensor_size
+    for target, devices in ((single, 1), (sharded, tp)):
         hlo = _decode_hlo(target)
         dots = re.findall(r"= f32\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)
-        assert len(dots) == 36, tp
-        assert sum(shape.split(",")[-1] == str(rows // tp) for shape in dots) == mamba, (tp, dots)
+        assert sum(shape.split(",")[-1] == str(rows // devices) for shape in dots) == mamba, (devices, dots)
         assert " convolution(" not in hlo
         gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
-        assert not [g for g in gathered if {str(rows), str(rows // tp)} & set(g.split(","))], gathered
+        assert not [g for g in gathered if {str(rows), str(rows // devices)} & set(g.split(","))], gathered
+        if devices <= 2:
+            assert len(dots) == 36, devices
+        else:
+            batch = 2 // sharded.layout.batch_devices  # each device's rows of the batch of 2
+            assert gathered.count(f"{batch},1,1,{c.ssm_state_size}") == 2 * mamba, gathered
+
+
 def test_is_exported():
     assert dflash_jax.load_target is load_target
 
