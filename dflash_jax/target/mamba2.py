@@ -234,9 +234,9 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
           keep_states: bool = False) -> tuple[jax.Array, Mamba2State]:
     """The mixer over S rows: `(y [batch, S, H] in x's dtype, state)` from `x [batch, S, H]` (the block's normed
     input), `p` the block's `mixer.` weights (transformers' names; `in_proj` and the conv in `dims.shards` blocks,
-    module docstring), `valid [batch, S]` each sequence's valid prefix
-    (right padding: the rows past it leave the state alone; their outputs are finite, and meaningless). The state
-    is the one after the last valid row, or with `keep_states` every row's (`Mamba2State`, for `select_state`)."""
+    module docstring), `valid [batch, S]` each sequence's valid prefix (right padding: the rows past it leave the
+    state alone; their outputs are finite, and meaningless). The state is the one after the last valid row, or
+    with `keep_states` every row's (`Mamba2State`, for `select_state`)."""
     batch, rows, _ = x.shape
     groups, per_group, hd, n = dims.groups, dims.heads // dims.groups, dims.head_dim, dims.state
     shards = dims.shards

@@ -33,10 +33,11 @@ tensor axis, EMBED and unnamed axes nowhere):
   `out_proj`'s sum. Where the axis is a multiple of `n_groups`, each group's B / C rows are spread over the
   `tp / G` devices of its heads: the B / C activations (`[batch, S, G N]`, no weight) are gathered within the
   step, and a norm group spans those devices (a sum across them). `NemotronHTarget.layout_for` needs the tensor
-  axis to divide `mamba_num_heads` and to divide or be a multiple of `n_groups` (`ConfigError` naming the field).
-  The cache state splits with its tensors: the conv state (its channels in the conv's order) and the SSM state by
-  head (`MAMBA_CONV_AXES`, `MAMBA_SSM_AXES`), each by the batch too. With one device on the tensor axis the
-  permutation is the identity: the checkpoint's tensors as stored.
+  axis to divide `mamba_num_heads` and to divide `n_groups` or be a multiple of it dividing `n_groups *
+  ssm_state_size` (`ConfigError` naming the field). The cache state splits with its tensors: the conv state (its
+  channels in the conv's order) and the SSM state by head (`MAMBA_CONV_AXES`, `MAMBA_SSM_AXES`), each by the
+  batch too. With one device on the tensor axis the permutation is the identity: the checkpoint's tensors as
+  stored.
 
 Kinds: the projections `spec.LINEAR` (stored float, or quantized as ModelOpt's `MIXED_PRECISION` export of the
 released NVFP4 target stores them: Mamba `in_proj` / `out_proj` FP8 W8A8, the routed and shared experts'
