@@ -136,9 +136,8 @@ def _compile(kind: str, specs: tuple[jax.ShapeDtypeStruct, ...], dtype: jnp.dtyp
              ) -> jax.stages.Compiled:
     if kind == "nvfp4":
         from .nvfp4 import dequantize
-        from .platform import Platform
 
-        fn = functools.partial(dequantize, dtype=dtype, platform=Platform.of(device))  # chosen for where it runs
+        fn = functools.partial(dequantize, dtype=dtype)
     else:
         fn = functools.partial(jnp.asarray, dtype=dtype)
     return jax.jit(fn).lower(*specs).compile()

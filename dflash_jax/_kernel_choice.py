@@ -1,5 +1,5 @@
 """The one vocabulary of kernel choices, for every argument that picks how a product or an attention runs:
-`propose(impl=)`, `attention.attend(impl=)`, a target's `prefill(impl=)`, `nvfp4.dequantize(backend=)`,
+`propose(impl=)`, `attention.attend(impl=)`, a target's `prefill(impl=)`,
 `nvfp4.matmul(backend=)`, `fp8.matmul(backend=)`. Each takes the values that apply to it (docs/nvfp4.md):
 
     "auto"    picked by where the program runs and the operands

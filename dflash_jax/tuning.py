@@ -82,9 +82,6 @@ class Tuning:
     # Batches from this size on read the drafter's ring layers with the span kernel; smaller ones score a whole
     # ring densely (two kernel launches per ring cost more than one dense pass at small batches).
     ring_spans_min_batch: int
-    # The NVFP4 dequantizer's 16-value blocks per CTA (`nvfp4._mosaic_gpu`: a multiple of 128, at most 1024; 256 and
-    # 512 measured alike, 1024 slower: docs/benchmarks.md).
-    nvfp4_tile: int
     # The packed NVFP4 GEMM's tiles (no configuration measured more than 11% faster on every shape and M, so the
     # defaults: docs/benchmarks.md, "Packed NVFP4 GEMM").
     nvfp4_gemm: GemmTiling
@@ -126,7 +123,6 @@ H200 = Tuning(
     span_stages=2,
     span_block=512,
     ring_spans_min_batch=8,
-    nvfp4_tile=256,
     nvfp4_gemm=GemmTiling(),
     # Qwen3-8B-DFlash-b16 shapes: packed 0.95x the bf16 step at batch 1, 1.27x at batch 8
     auto_weights=((1, "packed"), (float("inf"), "dequantized")),

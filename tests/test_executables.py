@@ -62,7 +62,7 @@ def test_a_later_process_loads_the_stored_executable_instead_of_compiling(cache,
     forget_process_cache(monkeypatch)
     second = run()
     assert calls == ["nvfp4"]  # not compiled again
-    expected = dequantize(*nvfp4_arguments(), backend="xla")
+    expected = dequantize(*nvfp4_arguments())
     np.testing.assert_array_equal(np.asarray(second).view(np.uint16), np.asarray(expected).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(first).view(np.uint16), np.asarray(second).view(np.uint16))
 
@@ -92,7 +92,7 @@ def test_a_damaged_entry_is_recompiled_and_replaced(cache, monkeypatch, damage):
     good = path.read_bytes()
     path.write_bytes({"garbage": b"\x80\x04not a pickle", "empty": b"", "truncated": good[: len(good) // 2]}[damage])
     forget_process_cache(monkeypatch)
-    expected = dequantize(*nvfp4_arguments(), backend="xla")
+    expected = dequantize(*nvfp4_arguments())
     np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))
     assert calls == ["nvfp4", "nvfp4"] and len(path.read_bytes()) == len(good)
 
@@ -197,7 +197,7 @@ def test_a_flipped_byte_is_recompiled_never_deserialised(cache, monkeypatch, whe
     forget_process_cache(monkeypatch)
     deserialised = []
     monkeypatch.setattr(_executables, "_signature_problem", lambda *a: deserialised.append(a) or None)
-    expected = dequantize(*nvfp4_arguments(), backend="xla")
+    expected = dequantize(*nvfp4_arguments())
     np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))
     assert calls == ["nvfp4", "nvfp4"] and len(deserialised) == 1  # only the fresh compile was checked
 
@@ -306,7 +306,7 @@ def test_a_directory_at_an_entry_path_warns_and_loads(cache, monkeypatch):
         forget_process_cache(monkeypatch)
         monkeypatch.setattr(_private, "_WARNED", set())
         with pytest.warns(RuntimeWarning, match="cannot write compiled conversions"):
-            expected = dequantize(*nvfp4_arguments(), backend="xla")
+            expected = dequantize(*nvfp4_arguments())
             np.testing.assert_array_equal(np.asarray(run()).view(np.uint16), np.asarray(expected).view(np.uint16))
     assert calls == ["nvfp4"] * 3 and path.is_dir()
 

@@ -38,9 +38,9 @@ def test_a_kernel_choice_outside_the_vocabulary_is_refused(call, says):
 
 
 def test_one_vocabulary_names_the_pallas_kernels():
-    """`nvfp4.matmul` called its Pallas kernel "mosaic" where `attend`, `propose` and `nvfp4.dequantize` say
-    "pallas": the old spelling still runs for one release, with a warning naming the new one; every kernel-choice
-    argument refuses a value outside its choices in the same words."""
+    """`nvfp4.matmul` called its Pallas kernel "mosaic" where `attend` and `propose` say "pallas": the old spelling
+    still runs for one release, with a warning naming the new one; every kernel-choice argument refuses a value
+    outside its choices in the same words."""
     w = nvfp4.Packed(jnp.zeros((64, 128), jnp.uint8), jnp.ones((64, 16), jnp.float8_e4m3fn), jnp.float32(1),
                      jnp.float32)
     x = jnp.zeros((2, 256), jnp.float32)
@@ -49,8 +49,7 @@ def test_one_vocabulary_names_the_pallas_kernels():
         nvfp4.matmul(x, w, backend="mosaic")  # the kernel itself, as 'pallas', refuses a float32 weight
     for call, where in ((lambda b: nvfp4.matmul(x, w, backend=b), "nvfp4.matmul: backend"),
                         (lambda b: fp8.matmul(x[:, :64], fp8.Fp8(jnp.zeros((8, 64), jnp.float8_e4m3fn),
-                                                                  jnp.float32(1)), backend=b), "fp8.matmul: backend"),
-                        (lambda b: nvfp4.dequantize(w.codes, w.scale, w.scale_2, backend=b), "dequantize: backend")):
+                                                                  jnp.float32(1)), backend=b), "fp8.matmul: backend")):
         with pytest.raises(ValueError, match=rf"{where}='triton' \(not a kernel choice\); expected one of 'auto'"):
             call("triton")
 
@@ -157,16 +156,6 @@ def test_span_splits_shorten_where_few_programs_read_the_cache():
     assert attention.use_pallas(verify, span, HOPPER)
     assert not attention.use_pallas(jnp.zeros((1, 2, 8, 33, 64), jnp.bfloat16), span, HOPPER)
     assert not attention.use_pallas(verify, span, process_platform())  # no GPU here
-
-
-def test_the_nvfp4_kernel_is_chosen_by_where_the_program_runs():
-    """As the span kernel: `nvfp4.dequantize(backend="auto")` lowers the Pallas kernel for a CUDA GPU and XLA's
-    dequantization for the CPU, in one process (a Hopper's)."""
-    packed, scale = jnp.zeros((32, 8), jnp.uint8), jnp.zeros((32, 1), jnp.uint8)
-    traced = jax.jit(lambda p, s: nvfp4.dequantize(p, s, jnp.ones((1,)), dtype=jnp.bfloat16, platform=HOPPER)
-                     ).trace(packed, scale)
-    assert "mosaic_gpu" not in traced.lower().as_text()
-    assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_the_packed_gemm_kernel_is_chosen_by_where_the_program_runs():

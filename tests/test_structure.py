@@ -21,7 +21,7 @@ FORWARD = ("dflash_jax.model", "dflash_jax.drafting", "dflash_jax.attention", "d
 # (`layers.QuantizedWeight`), so naming it needs no kernel either.
 SHARED_MATH = ("dflash_jax.layers", "dflash_jax.rope", "dflash_jax.target.delta_rule", "dflash_jax.target.mamba2")
 DRAFTER_CONFIG = ("dflash_jax.config", "dflash_jax.layouts")
-KERNELS = ("dflash_jax._span_attention_mgpu", "dflash_jax.nvfp4._mosaic_gemm", "dflash_jax.nvfp4._mosaic_gpu",
+KERNELS = ("dflash_jax._span_attention_mgpu", "dflash_jax.nvfp4._mosaic_gemm",
            "dflash_jax.target._expert_gemm", "dflash_jax.nvfp4", "dflash_jax.fp8")
 FAMILIES = ("dflash_jax.target.dense", "dflash_jax.target.qwen3_5",  # the target families (`target.family`)
             "dflash_jax.target.nemotron_h_target")

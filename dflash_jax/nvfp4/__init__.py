@@ -1,14 +1,13 @@
-"""NVFP4 (NVIDIA ModelOpt) weights: dequantization on the GPU, quantization on the host, shape checks.
+"""NVFP4 (NVIDIA ModelOpt) weights: dequantization, quantization on the host, shape checks, packed leaves.
 
 An NVFP4 Linear of a ModelOpt export stores three tensors:
   `<m>.weight`         u8 [N, K/2]             two E2M1 codes per byte along K, element 2j in the low nibble
   `<m>.weight_scale`   float8_e4m3fn [N, K/16] one scale per 16 consecutive values of a row, row-major
   `<m>.weight_scale_2` f32 [] (or [1], bf16/f16 in some exports)
 and  value[n, k] = e2m1(code[n, k]) * (f32(scale[n, k // 16]) * scale_2), in float32 and in that association
-(ModelOpt's), rounded once to the target dtype. Every backend below gives the same bits for the same input,
-except that code 8 (-0) may come out as +0 or -0.
+(ModelOpt's), rounded once to the target dtype (code 8 is -0).
 
-  dequantize(packed, scale, scale_2, *, dtype, backend)  -> jax.Array [..., K]
+  dequantize(packed, scale, scale_2, *, dtype)           -> jax.Array [..., K], XLA's elementwise program
   quantize(w)                                            -> (packed, scale, scale_2), NumPy, ModelOpt's algorithm
   check_nvfp4_shapes(name, packed_shape, scale_shape, scale_2_shape, expected_nk)  -> (N, K)
   check_scales(name, scale, scale_2, dtype)                  NaN, negative, zero or overflowing scales
@@ -22,20 +21,16 @@ except that code 8 (-0) may come out as +0 or -0.
 Notes. `quantize` needs K % 16 == 0 (ModelOpt zero-pads K instead; a padded tensor would no longer have the
 shape the config declares) and maps an all-zero weight to zero codes, unit block scales and scale_2 = 1
 (ModelOpt would divide 0 by 0). Products below the f32 normal range (scale_2 < ~1e-30, never seen in real
-weights) follow the platform: XLA:CPU flushes them to zero; on an H200 the Pallas and XLA paths agree.
-The Pallas kernel (Mosaic GPU lowering) and why it writes u32 pairs: see `_mosaic_gpu`.
+weights) follow the platform: XLA:CPU flushes them to zero. Dequantization is XLA's on every platform: a Pallas
+Mosaic GPU kernel saved at most 20 us a tensor on an H100, under a millisecond a drafter load (docs/nvfp4.md).
 """
 
 from __future__ import annotations
-
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._kernel_choice import kernel_choice
-from ..platform import Platform, on_gpu, platform_of
 from ._checks import check_nvfp4_shapes, check_scales
 from ._reference import BLOCK, dequantize_xla, quantize
 from .fp8_codes import Fp8Codes
@@ -43,21 +38,14 @@ from .packed import Packed, matmul, padded
 
 __all__ = ["dequantize", "quantize", "check_nvfp4_shapes", "check_scales", "Packed", "matmul", "padded", "Fp8Codes"]
 
-Backend = Literal["auto", "pallas", "xla"]
 
-
-def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend = "auto",
-               platform: Platform | None = None) -> jax.Array:
+def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16) -> jax.Array:
     """Dequantizes NVFP4 `packed` [..., K/2] u8 with `scale` [..., K/16] and `scale_2` to [..., K] `dtype`.
 
     `scale` is float8_e4m3fn or its raw uint8 bits; `scale_2` any float dtype, shape [] or [1] (cast to f32;
-    pass it as an array, so that a jitted caller does not recompile per tensor). Backends: "pallas" (the Pallas
-    Mosaic GPU kernel, bfloat16/float16 output, Hopper GPUs or newer), "xla" (plain jnp), "auto" (pallas where
-    the program is lowered for a GPU of this process that is a Hopper or newer, for bfloat16/float16; xla
-    otherwise). `platform`: the device facts and tuning that choose (default: those of the devices holding
-    `packed`, `platform.platform_of`). Jit-compatible. Raises ValueError on inconsistent shapes or dtypes.
+    pass it as an array, so that a jitted caller does not recompile per tensor). Jit-compatible. Raises ValueError
+    on inconsistent shapes or dtypes.
     """
-    platform = platform or platform_of(packed)
     packed, scale = jnp.asarray(packed), jnp.asarray(scale)
     scale_2 = jnp.asarray(scale_2)
     if packed.dtype != jnp.uint8:
@@ -70,25 +58,6 @@ def dequantize(packed, scale, scale_2, *, dtype=jnp.bfloat16, backend: Backend =
         raise ValueError(f"dequantize: scale must be float8_e4m3fn or uint8 bits, got {scale.dtype}")
     if scale_2.size != 1 or not jnp.issubdtype(scale_2.dtype, jnp.floating):
         raise ValueError(f"dequantize: scale_2 must be one float, got {scale_2.dtype}{list(scale_2.shape)}")
-    scale_2 = scale_2.astype(jnp.float32).reshape(())
-    backend = kernel_choice("dequantize", "backend", backend, ("auto", "pallas", "xla"))  # type: ignore[assignment]
-
-    def xla(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
-        if scale.dtype == jnp.uint8:
-            scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
-        return dequantize_xla(packed, scale, scale_2, dtype)
-
-    def pallas(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
-        if scale.dtype == jnp.float8_e4m3fn:
-            scale = lax.bitcast_convert_type(scale, jnp.uint8)
-        from ._mosaic_gpu import dequantize_mosaic_gpu  # here: importing Pallas costs ~50 ms a load may not need
-
-        return dequantize_mosaic_gpu(packed, scale, scale_2, dtype=dtype, tile=platform.tuning.nvfp4_tile)
-
-    if backend == "pallas":
-        if not platform.hopper_or_newer:
-            raise ValueError("dequantize: backend='pallas' needs a Hopper or newer GPU (use 'xla' or 'auto' elsewhere)")
-        return pallas(packed, scale, scale_2)
-    if backend == "auto" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and platform.hopper_or_newer:
-        return on_gpu(platform, pallas, xla, packed, scale, scale_2)  # the kernel where lowered for a GPU
-    return xla(packed, scale, scale_2)
+    if scale.dtype == jnp.uint8:
+        scale = lax.bitcast_convert_type(scale, jnp.float8_e4m3fn)
+    return dequantize_xla(packed, scale, scale_2.astype(jnp.float32).reshape(()), dtype)
