@@ -11,7 +11,8 @@
   as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`). "tiny-qwen3_5-tp" and
   "tiny-qwen3_5-moe-tp" (4 layers) split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
   8 value heads).
-  Every checkpoint stores the delta net's `in_proj_qkv` and `conv1d` fused, as released.
+  Every checkpoint stores the delta net's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` and `conv1d`, as
+  released.
 - `random_qwen3_5(config)`: random weights drawn on the device, each as its spec's initialiser draws it.
 """
 
@@ -99,7 +100,7 @@ def write_qwen3_5_checkpoint(
     out_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[dtype]
     plan = plan_qwen3_5(parsed, MULTIMODAL_PREFIX if multimodal else "model.")
     # the stored layout: delta-net q/k/v projections and convs fused, experts' gate and up fused (as released)
-    arrays = fuse_stored({t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan})
+    arrays = fuse_stored({t.name: t.init.host(rng, t.shape).astype(out_dtype) for t in plan}, parsed)
     if multimodal:
         arrays |= {name: rng.standard_normal(shape).astype(out_dtype) for name, shape in _OTHER_TENSORS.items()}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))

@@ -18,7 +18,7 @@ import pytest
 
 from dflash_jax import CheckpointError, ConfigError, load_target
 from dflash_jax.safetensors import Checkpoint, write_tensors
-from dflash_jax.target.delta_net import part_dims
+from dflash_jax.target.delta_net import STORED
 from dflash_jax.target.qwen3_5 import HybridCache, Qwen3_5Target
 from dflash_jax.target.qwen3_5_config import parse_qwen3_5_config
 from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5, write_checkpoint, write_qwen3_5_checkpoint
@@ -214,10 +214,10 @@ def test_random_bf16_target_verifies_and_commits():
     block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(1, 3))
     assert block.logits.shape == (2, 3, 128) and block.features.shape == (2, 3, 128)
     assert block.cache.state[0].shape == (2, 4, 4, 16, 16)
-    assert [w.shape for w in block.cache.conv[0]] == [(2, 6, 32), (2, 6, 32), (2, 6, 64)]  # q, k, v channels
+    assert block.cache.conv[0].shape == (2, 6, 128)  # the q, k, v channels, one array
     committed = target.commit(block.cache, jnp.array([3, 1]))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), committed) == jax.tree.map(lambda a: (a.shape, a.dtype), empty)
-    assert committed.state[0].dtype == jnp.float32 and committed.conv[0][2].dtype == jnp.bfloat16
+    assert committed.state[0].dtype == jnp.float32 and committed.conv[0].dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(block.logits)).all()
 
 
@@ -250,11 +250,13 @@ def test_a_missing_text_config_is_refused():
      r"missing tensor 'model.layers.1.linear_attn.in_proj_qkv.weight' \(the delta net's fused q, k, v projection, "
      r"expected shape \[128, 64\]\)"),
     ("model.layers.0.linear_attn.conv1d.weight", lambda a: a[:-16],  # the v channels of one head short
-     r"'model.layers.0.linear_attn.conv1d.weight' \(the delta net's fused q, k, v conv\) has shape \[112, 1, 4\], "
-     r"expected \[128, 1, 4\]"),
+     r"'model.layers.0.linear_attn.conv1d.weight' has shape \[112, 1, 4\], expected \[128, 1, 4\]"),
+    ("model.layers.3.linear_attn.in_proj_z.weight", None,
+     r"missing tensor 'model.layers.3.linear_attn.in_proj_z.weight' \(the delta net's z \(gate\) projection, "
+     r"expected shape \[64, 64\]\)"),
 ])
 def test_a_missing_or_misshapen_delta_net_tensor_is_refused_by_name(tmp_path, name, change, message):
-    """Also the fused tensors the tree reads in parts (`delta_net.QKV`, `CONV`): named as stored."""
+    """Also the four stored tensors the tree reads as one (`delta_net.STORED`): named as stored."""
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", dtype="float32")
     with Checkpoint(tmp_path) as c:
         arrays = {n: np.array(c.array(n)) for n in c}
@@ -268,19 +270,17 @@ def test_a_missing_or_misshapen_delta_net_tensor_is_refused_by_name(tmp_path, na
         Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
 
 
-def test_delta_net_parts_beside_the_fused_tensor_are_refused(tmp_path):
-    """`in_proj_q/k/v` stored beside the fused `in_proj_qkv` (with other values): refused naming both, where the
-    fused tensor's rows loaded and the parts were never mentioned."""
+def test_a_delta_net_in_proj_beside_its_stored_parts_is_refused(tmp_path):
+    """An `in_proj` (the tree's one input projection) stored beside the `in_proj_qkv` / z / b / a it concatenates
+    (with other values): refused naming both, where one of them would load and the other be ignored."""
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", dtype="float32")
     with Checkpoint(tmp_path) as c:
         arrays = {n: np.array(c.array(n)) for n in c}
     layer = "model.layers.0.linear_attn."
-    q, k, _ = np.cumsum(part_dims(parse_qwen3_5_config(QWEN3_5_TINY_CONFIGS["tiny-qwen3_5"])))
-    parts = np.split(-arrays[layer + "in_proj_qkv.weight"], [q, k])
-    arrays |= {f"{layer}in_proj_{x}.weight": part for x, part in zip("qkv", parts)}
+    arrays[layer + "in_proj.weight"] = -np.concatenate([arrays[layer + name] for name in STORED])
     (tmp_path / "model.safetensors").unlink()
     write_tensors(tmp_path, arrays)
-    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{layer}in_proj_q.weight' is stored "
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor '{layer}in_proj.weight' is stored "
                                               rf"beside '{layer}in_proj_qkv.weight'.*expected one of them"):
         Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.float32)
 

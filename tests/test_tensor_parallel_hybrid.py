@@ -3,8 +3,9 @@
 On meshes (4, 2) and (2, 4) of ("data", "model") (a tensor axis of 2, which also splits the 2 KV heads, and of 4,
 which replicates them; the batch split over "data"), a tiny random checkpoint loaded with `load_target` (the dense
 target on both meshes, the MoE one on (4, 2) here and (2, 4) in the speculative test; suite time):
-- every leaf has its planned sharding, and the delta-net (q/k/v parts of the fused projection and conv, z, a, b,
-  out), attention and expert leaves are split over "model" as written here by hand (each device holding 1/tp);
+- every leaf has its planned sharding, and the delta-net (its one input projection and conv, out), attention and
+  expert leaves are split over "model" as written here by hand (each device holding 1/tp); each device's block of
+  the delta net's `in_proj` and conv holds its heads' rows, as `shard` of the one-device target places them;
 - prefill, a verify block, commit (a different kept count per sequence) and the decode step after it give the
   unsharded logits, features and committed states, and the committed cache keeps its planned sharding;
 - greedy speculative decoding (a DFlash drafter replicated beside the target) returns the unsharded target's greedy
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import Adaptive, greedy_generate, load_drafter, load_target, speculative_generate
-from dflash_jax.target.delta_net import CONV_AXES
+from dflash_jax.target.delta_net import CONV_AXES, conv_sizes, in_proj_sizes
 from dflash_jax.target.qwen3_5 import Qwen3_5Target, plan_qwen3_5
+from dflash_jax.target.sections import section_order
 from dflash_jax.testing import preset_dict, write_checkpoint, write_qwen3_5_checkpoint
 
 from . import _io
@@ -47,7 +50,7 @@ def _run(target: Qwen3_5Target) -> tuple[list[jax.Array], object]:
         after = LENGTHS + KEPT
         step = target(jnp.asarray(BLOCK[:, :1] + 1), committed, jnp.asarray(after), layer_ids=LAYER_IDS)
     return [out.logits, out.features, block.logits, block.features, step.logits, step.features,
-            *jax.tree.leaves((committed.conv, committed.state))], committed
+            *committed.state], committed
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +64,10 @@ def model(request, tmp_path_factory):
 
 def _planned(moe: bool) -> dict[str, P]:
     """Shardings by hand (layer 0 delta net, layer 3 gated attention), from the Megatron recipe: output-split
-    projections (every delta-net part, its convs and per-head vectors), input-split out / o / down."""
+    projections (the delta net's one input projection, its conv and per-head vectors), input-split out / o / down."""
     delta, attn, mlp = "layers.0.linear_attn.", "layers.3.self_attn.", "layers.0.mlp."
-    split = {delta + f"{name}.weight": P("model", None) for name in
-             ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")}
-    split |= {delta + f"conv1d_{x}.weight": P("model", None, None) for x in "qkv"}
-    split |= {delta + "A_log": P("model"), delta + "dt_bias": P("model"), delta + "out_proj.weight": P(None, "model"),
+    split = {delta + "in_proj.weight": P("model", None), delta + "conv1d.weight": P("model", None, None),
+             delta + "A_log": P("model"), delta + "dt_bias": P("model"), delta + "out_proj.weight": P(None, "model"),
               attn + "q_proj.weight": P("model", None), attn + "o_proj.weight": P(None, "model"),
               "embed_tokens.weight": P("model", None), "lm_head.weight": P("model", None)}
     if moe:  # each expert's width split; the shared expert as a dense MLP
@@ -103,11 +104,18 @@ def test_sharded_equals_unsharded(model, shape):
         splits = sum(axis == "model" for axis in leaf.sharding.spec)
         assert math.prod(leaf.addressable_shards[0].data.shape) == math.prod(t.shape) // tp**splits, name
     assert seen == set(by_hand)
+    c = target.config
+    rows, channels = section_order(in_proj_sizes(c), tp), section_order(conv_sizes(c), tp)
+    for name, order in (("in_proj", rows), ("conv1d", channels)):  # each device's block: its heads' sections
+        whole = np.asarray(unsharded.params["layers"][0]["linear_attn"][name]["weight"])[order]
+        for shard in target.params["layers"][0]["linear_attn"][name]["weight"].addressable_shards:
+            np.testing.assert_array_equal(shard.data, whole[shard.index[0]])
+    chex.assert_trees_all_equal(unsharded.shard(mesh).params, target.params)
 
-    expected, _ = _run(unsharded)
-    results, committed = _run(target)
-    for conv in committed.conv:  # the conv state in three, by head; the recurrent state by value head
-        assert all(w.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "model")), 3) for w in conv)
+    (expected, one), (results, committed) = _run(unsharded), _run(target)
+    for conv, whole in zip(committed.conv, one.conv):  # by head, in the conv weight's order
+        assert conv.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "model")), 3)
+        np.testing.assert_allclose(np.asarray(conv), np.asarray(whole)[..., channels], atol=3e-4, rtol=0)
     assert target.layout.spec(CONV_AXES, 4) == P(("data",), None, "model")
     for state in committed.state:
         assert state.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 4)
@@ -144,7 +152,7 @@ def test_speculative_tokens_equal_unsharded_greedy(model, shape):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_hybrid_split_over_every_gpu(tmp_path, moe):
     """Tensor-parallel over all the GPUs (2, 4 or 8; float32, so that greedy tokens are exact): prefill and a verify
-    block agree with one GPU, the verify program gathers no delta-net q/k/v weight (each GPU reads only its heads), and
+    block agree with one GPU, the verify program gathers no delta-net input weight (each GPU reads only its heads), and
     speculative decoding on the mesh returns the mesh's own greedy tokens."""
     from dflash_jax.target.qwen3_5 import _forward
     from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5
@@ -166,7 +174,7 @@ def test_hybrid_split_over_every_gpu(tmp_path, moe):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-3, rtol=0)
     hlo = _forward.lower(target, prompts[:, :5], target.init_cache(2, 64), lengths, (1, 3)).compile().as_text()
     c = target.config
-    whole = (f"[{c.key_dim},{c.hidden_size}]", f"[{c.value_dim},{c.hidden_size}]")  # a q/k or v weight, gathered
+    whole = (f"[{sum(in_proj_sizes(c))},{c.hidden_size}]",)  # the delta net's input weight, gathered
     gathered = [line for line in hlo.splitlines() if " all-gather" in line and any(w in line for w in whole)]
     assert not gathered, gathered[:3]
     write_checkpoint(tmp_path, {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)

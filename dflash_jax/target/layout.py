@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from ..placement import auto_mesh
 from ..spec import BATCH, EXPERT_MLP, HEADS, KV_HEADS, MLP, VOCAB
 
-__all__ = ["Layout", "make_layout"]
+__all__ = ["Layout", "make_layout", "tensor_shards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,12 @@ class Layout:
     def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         """`x` pinned to the layout of `axes` (dim 0 the batch when `BATCH` is among them)."""
         return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape[0]))
+
+
+def tensor_shards(layout: Layout | None) -> int:
+    """The devices `layout`'s tensor axis splits a tensor over (1 without a layout): the blocks a mixer's input
+    projection is in (`target.sections`)."""
+    return 1 if layout is None else layout.tensor_size
 
 
 class Splits(Protocol):

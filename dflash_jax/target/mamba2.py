@@ -30,8 +30,8 @@ Split by head over `shards` devices (`Mamba2Dims.shards`, 1 on one device): chec
 rows of z and x only. A sharded mixer's `in_proj` and conv (weight, bias, state) hold their rows permuted instead
 (`in_proj_order`, `conv_order`): shard d is `[z_d | x_d | B_d | C_d | dt_d]`, the d-th contiguous block of each
 section, so that each device runs ONE projection of its own rows and one conv, and splits the result by static
-section sizes (`_sections`). Within a device the sections are whole heads (z, x, dt) and the B/C groups they read
-where `shards` divides `groups`; where `groups` divides `shards`, a group's B/C rows are spread over the devices of
+section sizes (`target.sections`). Within a device the sections are whole heads (z, x, dt) and the B/C groups they
+read where `shards` divides `groups`; where `groups` divides `shards`, a group's B/C rows are spread over the devices of
 its heads, and its B/C activations (`[batch, S, G N]`, no weight) are gathered within the step. With one shard the
 permutation is the identity: the checkpoint's tensors, one product, one conv.
 """
@@ -50,6 +50,7 @@ import numpy as np
 from .._precision import dot, weight_dot
 from .._shapes import ceil_div
 from ..layers import static_fp8_input
+from .sections import section_order, split_sections
 
 __all__ = ["Mamba2Dims", "Mamba2State", "mixer", "empty_state", "in_proj_order", "conv_order"]
 
@@ -93,35 +94,14 @@ class Mamba2Dims(NamedTuple):
         return tuple(sizes[name] for name in sections)
 
 
-def _order(dims: Mamba2Dims, sections: tuple[str, ...]) -> np.ndarray:
-    """The checkpoint's row of each row of the sharded tensor of `sections`: shard d the d-th contiguous block of
-    each section, in the checkpoint's order of the sections (module docstring)."""
-    sizes = dims.section_sizes(sections)
-    starts = np.cumsum((0, *sizes[:-1]))
-    blocks = [start + np.arange(size).reshape(dims.shards, -1) for start, size in zip(starts, sizes)]
-    return np.concatenate(blocks, axis=1).reshape(-1)  # [rows]
-
-
 def in_proj_order(dims: Mamba2Dims) -> np.ndarray:
     """`[in_proj rows]`: the checkpoint's row of each row of a sharded `in_proj` (the identity for one shard)."""
-    return _order(dims, IN_PROJ_SECTIONS)
+    return section_order(dims.section_sizes(IN_PROJ_SECTIONS), dims.shards)
 
 
 def conv_order(dims: Mamba2Dims) -> np.ndarray:
     """`[conv_dim]`: the checkpoint's channel of each channel of a sharded conv (weight, bias, state)."""
-    return _order(dims, CONV_SECTIONS)
-
-
-def _sections(t: jax.Array, sizes: tuple[int, ...], shards: int) -> list[jax.Array]:
-    """`t [..., shards * sum(sizes)]`, each shard's block the sections of `sizes` in order, as one array per section
-    `[..., shards * size]`, shard after shard (a whole section of the checkpoint: in its order). A split within
-    each shard's own block, so on a mesh no device reads another's rows. One shard: a plain split (through a unit
-    axis, XLA fuses the slices otherwise: one device's program stays the unsharded one)."""
-    cuts = np.cumsum(sizes[:-1]).tolist()
-    if shards == 1:
-        return jnp.split(t, cuts, axis=-1)
-    lead = t.shape[:-1]
-    return [part.reshape(*lead, -1) for part in jnp.split(t.reshape(*lead, shards, -1), cuts, axis=-1)]
+    return section_order(dims.section_sizes(CONV_SECTIONS), dims.shards)
 
 
 @jax.tree_util.register_dataclass
@@ -244,10 +224,10 @@ def mixer(p: Mapping[str, Any], dims: Mamba2Dims, x: jax.Array, state: Mamba2Sta
     x = jnp.where(valid[..., None], x, 0)  # past the prefix: zeros, whatever was there
 
     proj = weight_dot(static_fp8_input(x, p["in_proj"]), p["in_proj"]["weight"], x.dtype)  # [batch, S, in_proj rows]
-    z, xbc, dt = _sections(proj, (dims.d_inner // shards, dims.conv_dim // shards, dims.heads // shards), shards)
+    z, xbc, dt = split_sections(proj, (dims.d_inner // shards, dims.conv_dim // shards, dims.heads // shards), shards)
     conv_inputs, xbc = _conv(p["conv1d"], state.conv, xbc)  # [batch, K-1+S, conv_dim], [batch, S, conv_dim]
-    xs, b, c = _sections(xbc.astype(F32), tuple(size // shards for size in dims.section_sizes(CONV_SECTIONS)),
-                         shards)  # [batch, S, d_inner], [batch, S, G N] x 2, in the checkpoint's order
+    xs, b, c = split_sections(xbc.astype(F32), tuple(size // shards for size in dims.section_sizes(CONV_SECTIONS)),
+                              shards)  # [batch, S, d_inner], [batch, S, G N] x 2, in the checkpoint's order
     xs = xs.reshape(batch, rows, groups, per_group, hd)  # head h = group h // P, P = per_group
     b, c = b.reshape(batch, rows, groups, n), c.reshape(batch, rows, groups, n)
     dt = jnp.clip(jax.nn.softplus(dt.astype(F32) + p["dt_bias"].astype(F32)), dims.time_step_min, dims.time_step_max)

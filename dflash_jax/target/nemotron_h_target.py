@@ -30,11 +30,12 @@ from ..spec import FLOAT32, LINEAR
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput
 from . import nemotron_h as model
 from .family import Family
-from .layout import Layout, make_layout
-from .mamba2 import conv_order, in_proj_order
+from .layout import Layout, make_layout, tensor_shards
+from .mamba2 import CONV_SECTIONS, IN_PROJ_SECTIONS, conv_order, in_proj_order
 from .moe import weighted_experts
 from .nemotron_h_config import ARCHITECTURES, MAMBA, MOE, NemotronHConfig, parse_nemotron_h_config
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
+from .sections import moved_rows, take_rows
 from .views import TensorViews
 
 __all__ = ["NemotronHTarget", "random_nemotron_h"]
@@ -98,7 +99,7 @@ class NemotronHTarget(Family):
         tensor axis of several devices in `layout`, each Mamba block's `in_proj` and conv with their rows in the
         sharded order (`mamba_orders`)."""
         views = TensorViews(checkpoint)
-        for name, order in mamba_orders(config, prefix, _shards(layout)).items():
+        for name, order in mamba_orders(config, prefix, tensor_shards(layout)).items():
             views.reorder(name, order)
         shapes = {t.name: t.shape for t in cls.plan(config, prefix)}
         for i in config.blocks(MOE):
@@ -165,21 +166,17 @@ class NemotronHTarget(Family):
         """`Family.shard`, each Mamba block's `in_proj` and conv rows then moved from this target's sharded order
         into the new layout's (`mamba2.in_proj_order`)."""
         sharded = super().shard(mesh, tensor_axis=tensor_axis)
-        old, new = _shards(self.layout), _shards(sharded.layout)
+        old, new = tensor_shards(self.layout), tensor_shards(sharded.layout)
         if old == new:
             return sharded
         dims = self.config.mamba_dims
-        in_proj, conv = ((np.argsort(order(dims._replace(shards=old)))[order(dims._replace(shards=new))])
-                         for order in (in_proj_order, conv_order))  # the new order's rows, as the old holds them
-
-        def moved(x: jax.Array, rows: np.ndarray) -> jax.Array:
-            return jax.device_put(jnp.take(x, jnp.asarray(rows), axis=0), x.sharding)
-
+        in_proj, conv = (moved_rows(dims.section_sizes(sections), old, new) for sections in (IN_PROJ_SECTIONS,
+                                                                                             CONV_SECTIONS))
         layers = list(sharded.params["layers"])
         for i in self.config.blocks(MAMBA):
             mixer = layers[i]["mixer"]
-            mixer = {**mixer, "in_proj": {**mixer["in_proj"], "weight": moved(mixer["in_proj"]["weight"], in_proj)},
-                     "conv1d": {key: moved(x, conv) for key, x in mixer["conv1d"].items()}}
+            mixer = {**mixer, "in_proj": {**mixer["in_proj"], "weight": take_rows(mixer["in_proj"]["weight"], in_proj)},
+                     "conv1d": {key: take_rows(x, conv) for key, x in mixer["conv1d"].items()}}
             layers[i] = {**layers[i], "mixer": mixer}
         return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
 
@@ -231,7 +228,7 @@ def _forward(target: NemotronHTarget, tokens: jax.Array, kv: tuple[tuple[jax.Arr
 
 def _ops(layout: Layout | None) -> model.Ops:
     """`OPS`, the Mamba mixers' rows in the layout's blocks (`mamba_orders`)."""
-    return dataclasses.replace(OPS, mamba_shards=_shards(layout))
+    return dataclasses.replace(OPS, mamba_shards=tensor_shards(layout))
 
 
 def _commit(pending: model.PendingCache, kept: jax.Array) -> model.NemotronHCache:
@@ -251,11 +248,6 @@ def _prefill(target: NemotronHTarget, tokens: jax.Array, cache: model.NemotronHC
     logits, features, cache = model.prefill(target.params, target.config, tokens, cache, lengths, layer_ids, chunk,
                                             project=project, ops=_ops(target.layout))
     return TargetOutput(logits, features, cache)
-
-
-def _shards(layout: Layout | None) -> int:
-    """The blocks a Mamba block's `in_proj` rows and conv channels are in under `layout`: its tensor axis' size."""
-    return 1 if layout is None else layout.tensor_size
 
 
 def mamba_orders(config: NemotronHConfig, prefix: str, shards: int) -> dict[str, np.ndarray]:

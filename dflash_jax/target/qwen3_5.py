@@ -20,7 +20,7 @@ position and so must be committed explicitly: `__call__` returns a `PendingCache
 state after the first `kept[b]` new tokens.
 
 Pending cache (the choice): per delta-net layer the recurrent state before the block and after each of its S rows,
-`[batch, S + 1, n_v, d_k, d_v]` float32, and the conv windows `[batch, K - 1 + S, C]` (C: the q, k or v channels);
+`[batch, S + 1, n_v, d_k, d_v]` float32, and the conv window `[batch, K - 1 + S, C]` (C: the q, k and v channels);
 commit picks row `kept` of each (a gather, no recompute). Memory: (S + 1) x the state. At Qwen3.5-27B's shapes (48
 delta-net layers; 48 value heads, d_k = d_v = 128) a state is 3 MiB per layer and sequence, 144 MiB per sequence in
 all, so a 16-token verify holds 2.4 GiB per sequence while it lives (one verify step). Alternatives, both keeping
@@ -34,8 +34,9 @@ when batch x S makes them too large.
 Tensor parallelism (`Layout`, the other mesh axes splitting the batch): attention q (with its gate) / k / v by
 head, o by input, the KV cache by KV head, as the dense target; the dense MLP and the MoE block's shared expert
 Megatron-style over `MLP`; each routed expert's width over the tensor axis (`moe.moe_parameter_spec`: every device a
-slice of every expert); the vocabulary (embedding, LM head); the delta-net layers by head, their fused q/k/v
-projection and conv read as three row ranges each (`target.delta_net`). The tensor axis must divide
+slice of every expert); the vocabulary (embedding, LM head); the delta-net layers by head, ONE input product per
+device (`in_proj`: its rows, and the conv's, read permuted so that each device's block is its heads' q, k, v, z, b, a;
+`target.delta_net`). The tensor axis must divide
 `num_attention_heads`, `linear_num_key_heads`, `linear_num_value_heads`, `vocab_size`, the MLP widths
 (`intermediate_size`, or `moe_intermediate_size` and `shared_expert_intermediate_size`), and divide or be a
 multiple of `num_key_value_heads` (`ConfigError` naming the field, before anything is read).
@@ -64,23 +65,23 @@ from ..safetensors import Checkpoint
 from ..spec import EMBED, HEADS, KV_HEADS, MLP, NORM, VOCAB, Bias, ParamSpec
 from . import PREFILL_CHUNK, FeatureMap, TargetOutput, check_layer_ids
 from .delta_net import (
-    CONV,
     CONV_AXES,
-    QKV,
+    IN_PROJ,
     STATE_AXES,
-    Conv,
     add_delta_net_views,
+    conv_sizes,
     conv_state,
     delta_net,
     delta_net_spec,
-    map_parts,
-    part_dims,
+    in_proj_sizes,
+    stored_in_proj,
 )
 from .experts import GATE_UP, add_expert_stacks
 from .family import Family
-from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout
+from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout, tensor_shards
 from .moe import moe_block, moe_parameter_spec
 from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qwen3_5Config, parse_qwen3_5_config
+from .sections import moved_rows, take_rows
 from .steps import cached_attention, prefill_chunks
 from .views import Fused, TensorViews, fuse
 
@@ -91,7 +92,7 @@ log = logging.getLogger("dflash_jax")
 Params = dict[str, Any]
 MULTIMODAL_PREFIX = "model.language_model."  # the text model's tensors in a Qwen3_5ForConditionalGeneration
 NOT_TEXT = ("model.visual.", "mtp.")  # a multimodal checkpoint's vision tower and multi-token-prediction head
-FUSED: tuple[Fused, ...] = (QKV, CONV, GATE_UP)  # tensors stored fused that the tree holds in parts
+FUSED: tuple[Fused, ...] = (GATE_UP,)  # tensors stored fused that the tree holds in parts
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -115,10 +116,10 @@ def parameter_spec(c: Qwen3_5Config) -> list[ParamSpec]:
     ones exist on full-attention layers only, `linear_attn.` ones on delta-net layers only, `plan_qwen3_5`).
 
     Axes as the dense target's: q (with its gate) / k / v and gate / up split by output, o and down by input,
-    embedding and LM head by the vocabulary, the norms replicated; the delta-net's by head, its fused q/k/v
-    projection and conv as three tensors each (`delta_net.delta_net_spec`). An MoE config's `mlp.` tensors are
+    embedding and LM head by the vocabulary, the norms replicated; the delta-net's by head, its input projections
+    as one tensor (`delta_net.delta_net_spec`). An MoE config's `mlp.` tensors are
     the MoE block's (`moe.moe_parameter_spec`: the experts as `[E, ...]` stacks). The tree's parts of a tensor
-    stored fused (`FUSED`) are read from it by `stored_views`.
+    stored fused (`FUSED`), and the delta net's `in_proj` stored as four, are read by `stored_views`.
     """
     H, I, d_h = c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_attention_heads * d_h, c.num_key_value_heads * d_h
@@ -172,22 +173,28 @@ def _stored(name: str, prefix: str) -> str:
     return prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
-def stored_views(stored: Checkpoint, c: Qwen3_5Config, prefix: str) -> TensorViews:
-    """`stored` (its layers under `prefix`) as `plan_qwen3_5` plans it: each delta-net layer's fused q/k/v
-    projection and conv as their parts, each MoE block's experts as stacks (`experts.add_expert_stacks`)."""
+def stored_views(stored: Checkpoint, c: Qwen3_5Config, prefix: str, shards: int = 1) -> TensorViews:
+    """`stored` (its layers under `prefix`) as `plan_qwen3_5` plans it, split over `shards` devices: each delta-net
+    layer's input projections as one (its rows, and the conv's, in `shards` blocks: `delta_net.add_delta_net_views`),
+    each MoE block's experts as stacks (`experts.add_expert_stacks`)."""
     views = TensorViews(stored)
     for i, kind in enumerate(c.layer_types):
         if kind != FULL_ATTENTION:
-            add_delta_net_views(views, f"{prefix}layers.{i}.linear_attn.", c)
+            add_delta_net_views(views, f"{prefix}layers.{i}.linear_attn.", c, shards)
         if c.is_moe:
             add_expert_stacks(views, f"{prefix}layers.{i}.mlp.", c)
     return views
 
 
-def fuse_stored(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Tree-layout tensors (by checkpoint name) as a checkpoint stores them (`FUSED`): for writing test
-    checkpoints; `stored_views` reads them back)."""
-    return fuse(arrays, FUSED)
+def fuse_stored(arrays: dict[str, np.ndarray], c: Qwen3_5Config) -> dict[str, np.ndarray]:
+    """One-device tree-layout tensors of `c` (by checkpoint name) as a checkpoint stores them (`FUSED`, each
+    delta-net `in_proj` as its four tensors, `delta_net.stored_in_proj`): for writing test checkpoints;
+    `stored_views` reads them back."""
+    out = fuse(arrays, FUSED)
+    for name in [n for n in arrays if n.endswith(".linear_attn." + IN_PROJ)]:
+        prefix = name.removesuffix(IN_PROJ)
+        out |= {prefix + part: rows for part, rows in stored_in_proj(c, out.pop(name)).items()}
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -199,14 +206,14 @@ def fuse_stored(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 @dataclasses.dataclass(frozen=True)
 class HybridCache:
     """The committed cache: per full-attention layer `k`, `v` `[batch, n_kv, T, d_h]` (slot t = position t); per
-    delta-net layer `conv`, the conv's last K - 1 inputs as its q, k and v parts `[batch, K - 1, C]` (C: each
-    part's channels; params dtype), and `state` `[batch, n_v, d_k, d_v]` float32. Layers in model order within
-    each tuple; on a mesh every array but the batch split by head (`CACHE_AXES`, `delta_net.CONV_AXES`,
-    `STATE_AXES`)."""
+    delta-net layer `conv`, the conv's last K - 1 inputs `[batch, K - 1, C]` (C: the q, k and v channels, in the
+    conv weight's order, `target.delta_net`; params dtype), and `state` `[batch, n_v, d_k, d_v]` float32. Layers
+    in model order within each tuple; on a mesh every array but the batch split by head (`CACHE_AXES`,
+    `delta_net.CONV_AXES`, `STATE_AXES`)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    conv: tuple[Conv, ...]
+    conv: tuple[jax.Array, ...]
     state: tuple[jax.Array, ...]
 
 
@@ -214,13 +221,13 @@ class HybridCache:
 @dataclasses.dataclass(frozen=True)
 class PendingCache:
     """A cache after `__call__` over S new tokens, before `commit`: `k`, `v` with all S rows written; per
-    delta-net layer `conv`, per part `[batch, K - 1 + S, C]` (the committed conv state, then the S rows'
+    delta-net layer `conv` `[batch, K - 1 + S, C]` (the committed conv state, then the S rows'
     inputs), and `state` `[batch, S + 1, n_v, d_k, d_v]` (the committed state, then the state after each new
     row)."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
-    conv: tuple[Conv, ...]
+    conv: tuple[jax.Array, ...]
     state: tuple[jax.Array, ...]
 
 
@@ -231,8 +238,7 @@ def commit(pending: PendingCache, kept: jax.Array) -> HybridCache:
     the K/V are passed through (the loop's lengths trim them). Shapes do not depend on S."""
     kept = kept.astype(jnp.int32)
     taps = lambda window, states: window.shape[1] - states.shape[1] + 2  # noqa: E731  (K - 1 + S) - (S + 1) + 2
-    conv = tuple(map_parts(lambda w, s=s: conv_state(w, kept, taps(w, s)), windows)  # type: ignore[misc]
-                 for windows, s in zip(pending.conv, pending.state))
+    conv = tuple(conv_state(window, kept, taps(window, s)) for window, s in zip(pending.conv, pending.state))
     state = tuple(jnp.take_along_axis(s, kept[:, None, None, None, None], axis=1)[:, 0] for s in pending.state)
     return HybridCache(pending.k, pending.v, conv, state)
 
@@ -272,9 +278,9 @@ class Qwen3_5Target(Family):
     @classmethod
     def views(cls, checkpoint: Checkpoint, config: Qwen3_5Config, prefix: str,
               layout: Layout | None = None) -> TensorViews:
-        """MoE experts read fused (as released) or per expert, delta-net inputs split or fused (`stored_views`),
-        whatever the layout."""
-        return stored_views(checkpoint, config, prefix)
+        """MoE experts read fused (as released) or per expert, each delta-net layer's input projections as one, its
+        rows and the conv's in the layout's blocks (`stored_views`)."""
+        return stored_views(checkpoint, config, prefix, tensor_shards(layout))
 
     @classmethod
     def layout_for(cls, config: Qwen3_5Config, mesh: jax.sharding.Mesh, tensor_axis: str | None,
@@ -292,6 +298,24 @@ class Qwen3_5Target(Family):
                 "the MoE widths too"
             )
         return layout
+
+    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> Qwen3_5Target:
+        """`Family.shard`, each delta-net layer's `in_proj` and conv rows then moved from this target's blocks into
+        the new layout's (`sections.section_order`): the tree a load onto that layout gives."""
+        sharded = super().shard(mesh, tensor_axis=tensor_axis)
+        old, new = tensor_shards(self.layout), tensor_shards(sharded.layout)
+        if old == new:
+            return sharded
+        c = self.config
+        in_proj, conv = moved_rows(in_proj_sizes(c), old, new), moved_rows(conv_sizes(c), old, new)
+        layers = list(sharded.params["layers"])
+        for i, layer in enumerate(layers):
+            if "linear_attn" in layer:
+                p = layer["linear_attn"]
+                p = {**p, "in_proj": {"weight": take_rows(p["in_proj"]["weight"], in_proj)},
+                     "conv1d": {"weight": take_rows(p["conv1d"]["weight"], conv)}}
+                layers[i] = {**layer, "linear_attn": p}
+        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
 
     def describe(self) -> str:
         c = self.config
@@ -311,12 +335,11 @@ class Qwen3_5Target(Family):
             return zeros(shape, dtype, None if self.layout is None else self.layout.sharding(axes, batch_size))
 
         kv = (batch_size, c.num_key_value_heads, span_capacity(max_length, platform_of(self.embed).tuning), c.head_dim)
-        dims = part_dims(c)
         state = (batch_size, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         return HybridCache(
             tuple(zeros_at(kv, dtype, CACHE_AXES) for _ in range(n_full)),
             tuple(zeros_at(kv, dtype, CACHE_AXES) for _ in range(n_full)),
-            tuple(map_parts(lambda n: zeros_at((batch_size, c.linear_conv_kernel_dim - 1, n), dtype, CONV_AXES), dims)
+            tuple(zeros_at((batch_size, c.linear_conv_kernel_dim - 1, sum(conv_sizes(c))), dtype, CONV_AXES)
                   for _ in range(n_delta)),
             tuple(zeros_at(state, jnp.float32, STATE_AXES) for _ in range(n_delta)))
 

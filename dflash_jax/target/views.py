@@ -53,9 +53,11 @@ class _Rows:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Reordered:
-    """A stored tensor's rows (dim 0) in `order`, a permutation: row i is the source's row `order[i]`."""
+    """Stored tensors' rows (dim 0), `sources` one after the other, in `order`, a permutation: row i is their row
+    `order[i]`; `starts`: each source's first row among them."""
 
-    source: str
+    sources: tuple[str, ...]
+    starts: np.ndarray
     order: np.ndarray
 
 
@@ -124,16 +126,32 @@ class TensorViews(Checkpoint):
         malformed tensor, which the plan's checks then name), is left as it is."""
         info = self._base[name] if name in self._base else None
         if info is not None and info.shape[:1] == order.shape:
-            self._virtual[name] = _Reordered(name, order)
+            self._virtual[name] = _Reordered((name,), np.zeros(1, int), order)
             self._infos[name] = info
 
-    def _declare(self, name: str, how: _Rows | _Stack, source: TensorInfo, shape: tuple[int, ...]) -> None:
+    def merge(self, name: str, sources: Sequence[tuple[str, tuple[int, ...], str]], order: np.ndarray) -> None:
+        """Declare `name` as the stored `sources` (`(name, shape, what it is)`: one dtype, one shape but for dim 0)
+        concatenated along dim 0, its rows in `order` (row i is their row `order[i]`; a permutation)."""
+        infos = [self.source(s, shape, what) for s, shape, what in sources]
+        odd = next((i for i in infos if i.dtype != infos[0].dtype), None)
+        if odd is not None:
+            raise CheckpointError(
+                f"{odd.file}: tensor {odd.name!r} has dtype {odd.dtype} but {infos[0].name!r} has "
+                f"{infos[0].dtype}; expected one dtype for all the tensors {name!r} concatenates")
+        lengths = [i.shape[0] for i in infos]
+        how = _Reordered(tuple(i.name for i in infos), np.cumsum([0, *lengths[:-1]]), order)
+        self._declare(name, how, infos[0], (sum(lengths), *infos[0].shape[1:]))
+        self._hidden |= set(how.sources)
+
+    def _declare(self, name: str, how: _Rows | _Reordered | _Stack, source: TensorInfo, shape: tuple[int, ...]
+                 ) -> None:
         """A view's header: its source's file and dtype, and its own shape and size (no byte range of its own). A
         tensor stored under the view's name too is the same weights in another form: the view would shadow it."""
         if name in self._base:
+            joins = "stacks into it" if isinstance(how, _Stack) else "concatenate into it"
             form = (f"which holds it as its [{how.start}:{how.start + shape[how.axis]}] along dim {how.axis}"
                     if isinstance(how, _Rows) else
-                    f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, stacks into it")
+                    f"which, with {len(how.sources) - 1} more up to {how.sources[-1]!r}, {joins}")
             self.refuse_twice(name, source.name, form)
         nbytes = int(np.prod(shape)) * source.np_dtype.itemsize
         self._virtual[name] = how
@@ -179,10 +197,11 @@ class TensorViews(Checkpoint):
         shape = self._infos[name].shape
         bounds = [slice(*((0, n) if index is None else index[d].indices(n)[:2])) for d, n in enumerate(shape)]
         if isinstance(how, _Reordered):
-            rows = how.order[bounds[0]]  # the stored rows, in order
-            runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)  # each consecutive in the file
-            return np.concatenate([self._base.read(how.source, (slice(run[0], run[-1] + 1), *bounds[1:]))
-                                   for run in runs])
+            rows = how.order[bounds[0]]  # the sources' rows, in order
+            source = np.searchsorted(how.starts, rows, side="right") - 1  # each row's source
+            runs = np.split(np.arange(len(rows)), np.flatnonzero((np.diff(rows) != 1) | (np.diff(source) != 0)) + 1)
+            return np.concatenate([self._read_run(how, source[run[0]], rows[run[0]], len(run), bounds[1:])
+                                   for run in runs])  # each run consecutive rows of one source, in its file
         if isinstance(how, _Rows):
             moved = bounds[how.axis]
             bounds[how.axis] = slice(how.start + moved.start, how.start + moved.stop)
@@ -190,9 +209,14 @@ class TensorViews(Checkpoint):
         return np.stack([self._base.read(how.sources[j], tuple(bounds[1:]))
                          for j in range(bounds[0].start, bounds[0].stop)])
 
+    def _read_run(self, how: _Reordered, source: int, row: int, length: int, rest: list[slice]) -> np.ndarray:
+        """`length` rows of `how`'s source `source` from its sources' row `row`."""
+        start = row - int(how.starts[source])
+        return self._base.read(how.sources[source], (slice(start, start + length), *rest))
+
     def release(self, name: str) -> None:
         how = self._virtual.get(name)
-        sources = list(how.sources) if isinstance(how, _Stack) else [name if how is None else how.source]
+        sources = list(how.sources) if isinstance(how, _Stack | _Reordered) else [name if how is None else how.source]
         for source in sources:
             self._base.release(source)
 
