@@ -12,6 +12,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import msgspec
 import numpy as np
 import pytest
@@ -254,9 +255,13 @@ def test_a_missing_text_config_is_refused():
     ("model.layers.3.linear_attn.in_proj_z.weight", None,
      r"missing tensor 'model.layers.3.linear_attn.in_proj_z.weight' \(the delta net's z \(gate\) projection, "
      r"expected shape \[64, 64\]\)"),
+    ("model.layers.1.linear_attn.in_proj_b.weight", lambda a: a.astype(ml_dtypes.float8_e4m3fn),  # FP8: not merged
+     r"'model.layers.1.linear_attn.in_proj_b.weight' \(the delta net's beta projection\) has dtype F8_E4M3, "
+     r"expected one of BF16, F16, F32, F64"),
 ])
 def test_a_missing_or_misshapen_delta_net_tensor_is_refused_by_name(tmp_path, name, change, message):
-    """Also the four stored tensors the tree reads as one (`delta_net.STORED`): named as stored."""
+    """Also the four stored tensors the tree reads as one (`delta_net.STORED`): named as stored. They are read as
+    stored, float only (a quantized one, whose scale is its own, is refused: `in_proj_qkv` always had to be)."""
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", dtype="float32")
     with Checkpoint(tmp_path) as c:
         arrays = {n: np.array(c.array(n)) for n in c}

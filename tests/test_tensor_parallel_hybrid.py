@@ -8,13 +8,17 @@ target on both meshes, the MoE one on (4, 2) here and (2, 4) in the speculative 
   the delta net's `in_proj` and conv holds its heads' rows, as `shard` of the one-device target places them;
 - prefill, a verify block, commit (a different kept count per sequence) and the decode step after it give the
   unsharded logits, features and committed states, and the committed cache keeps its planned sharding;
+- the decode step runs one delta-net input product a layer and device, and gathers no weight; without the row
+  order the split delta net is wrong; a device's shard of `in_proj` reads only its rows of the stored tensors;
 - greedy speculative decoding (a DFlash drafter replicated beside the target) returns the unsharded target's greedy
   tokens: the dense target on (4, 2), the MoE one on (2, 4) (each loop compiles for a while; suite time).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import chex
 import jax
@@ -25,8 +29,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax import Adaptive, greedy_generate, load_drafter, load_target, speculative_generate
-from dflash_jax.target.delta_net import CONV_AXES, conv_sizes, in_proj_sizes
-from dflash_jax.target.qwen3_5 import Qwen3_5Target, plan_qwen3_5
+from dflash_jax.safetensors import Checkpoint
+from dflash_jax.target.delta_net import CONV_AXES, STORED, conv_sizes, in_proj_sizes
+from dflash_jax.target.qwen3_5 import Qwen3_5Target, _forward, plan_qwen3_5
 from dflash_jax.target.sections import section_order
 from dflash_jax.testing import preset_dict, write_checkpoint, write_qwen3_5_checkpoint
 
@@ -147,6 +152,86 @@ def test_speculative_tokens_equal_unsharded_greedy(model, shape):
                                 draft_length=draft_length).tokens == greedy
 
 
+def _decode_hlo(target: Qwen3_5Target) -> str:
+    """The compiled decode step (`_forward` over one row of a batch of 2): its optimised HLO."""
+    cache = target.init_cache(2, 16)
+    return _forward.lower(target, jnp.ones((2, 1), jnp.int32), cache, jnp.full(2, 5, jnp.int32), ()).compile().as_text()
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3_5-tp"], indirect=True)
+def test_one_input_product_per_delta_net_layer_and_device(model):
+    """The decode step compiled on one device and on a tensor axis of 2: each delta-net layer runs ONE input product
+    (an output of all its 208 rows on one device, of the shard's 104 on each of 2), no convolution op (the conv is
+    multiply-adds), and nothing of the input weight's size is all-gathered. 29 dot ops in all on both (63cae51, six
+    input products a layer: 44)."""
+    root, unsharded = model
+    c = unsharded.config
+    rows, delta = sum(in_proj_sizes(c)), c.layer_types.count("linear_attention")
+    sharded = load_target(root / "target", mesh=jax.make_mesh((4, 2), ("data", "model")), dtype=jnp.float32)
+    for target, devices in ((unsharded, 1), (sharded, 2)):
+        hlo = _decode_hlo(target)
+        dots = re.findall(r"= f32\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)
+        assert sum(shape.split(",")[-1] == str(rows // devices) for shape in dots) == delta, (devices, dots)
+        assert len(dots) == 29, (devices, dots)
+        assert " convolution(" not in hlo
+        gathered = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+        assert not [g for g in gathered if {str(rows), str(rows // devices)} & set(g.split(","))], gathered
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3_5-tp"], indirect=True)
+def test_without_the_row_order_the_split_delta_net_is_wrong(model):
+    """The sharded order matters, for each of the two tensors: the tp2 target's prefill with every delta-net layer's
+    `in_proj` rows, or its conv's channels, placed in the stored order (same sharding) is far from the one-device
+    logits (measured 4.4 and 3.6, of logits up to 3.9; the order kept: 3e-4 at most, as the test above checks)."""
+    root, unsharded = model
+    sharded = load_target(root / "target", mesh=jax.make_mesh((4, 2), ("data", "model")), dtype=jnp.float32)
+
+    def stored_order(module: str) -> Qwen3_5Target:
+        layers = list(sharded.params["layers"])
+        for i, layer in enumerate(layers):
+            if "linear_attn" in layer:
+                p = layer["linear_attn"]
+                stored = unsharded.params["layers"][i]["linear_attn"][module]["weight"]
+                layers[i] = {**layer, "linear_attn": {**p, module: {"weight": jax.device_put(
+                    stored, p[module]["weight"].sharding)}}}
+        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
+
+    def logits(target: Qwen3_5Target) -> np.ndarray:
+        return np.asarray(target.prefill(jnp.asarray(PROMPTS), target.init_cache(4, 16), jnp.asarray(LENGTHS),
+                                         chunk=4).logits)
+
+    expected = logits(unsharded)
+    for module in ("in_proj", "conv1d"):
+        assert np.abs(logits(stored_order(module)) - expected).max() > 0.1, module
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3_5-tp"], indirect=True)
+def test_a_shard_of_the_delta_net_in_proj_reads_only_its_rows(model, monkeypatch):
+    """On a tensor axis of 2, device 1's shard of a delta-net `in_proj` (rows 104..207 of the sharded order) is read
+    as its six runs of the four stored tensors (its halves of q, k and v in `in_proj_qkv`, of z, b and a), 104 rows
+    in all: no byte of device 0's."""
+    root, unsharded = model
+    c = unsharded.config
+    layout = Qwen3_5Target.layout_for(c, jax.make_mesh((4, 2), ("data", "model")), "model", "test")
+    layer = "model.layers.0.linear_attn."
+    with Checkpoint(root / "target") as stored:
+        reads: list[tuple[str, int, int]] = []  # the rows of each read of a stored delta-net input tensor
+        read = stored.read
+
+        def spy(tensor: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+            if tensor.startswith(layer + "in_proj_"):
+                reads.append((tensor.removeprefix(layer), index[0].start, index[0].stop))
+            return read(tensor, index)
+
+        monkeypatch.setattr(stored, "read", spy)
+        views = Qwen3_5Target.views(stored, c, "model.", layout)
+        shard = views.read(layer + "in_proj.weight", (slice(104, 208), slice(0, 64)))
+        whole = np.concatenate([read(layer + name) for name in STORED])
+        np.testing.assert_array_equal(shard, whole[section_order(in_proj_sizes(c), 2)[104:]])
+    assert reads == [("in_proj_qkv.weight", 16, 32), ("in_proj_qkv.weight", 48, 64), ("in_proj_qkv.weight", 96, 128),
+                     ("in_proj_z.weight", 32, 64), ("in_proj_b.weight", 4, 8), ("in_proj_a.weight", 4, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2, reason="needs 2+ CUDA GPUs")
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -154,7 +239,6 @@ def test_hybrid_split_over_every_gpu(tmp_path, moe):
     """Tensor-parallel over all the GPUs (2, 4 or 8; float32, so that greedy tokens are exact): prefill and a verify
     block agree with one GPU, the verify program gathers no delta-net input weight (each GPU reads only its heads), and
     speculative decoding on the mesh returns the mesh's own greedy tokens."""
-    from dflash_jax.target.qwen3_5 import _forward
     from dflash_jax.testing import QWEN3_5_TINY_CONFIGS, random_qwen3_5
 
     n = jax.device_count()
