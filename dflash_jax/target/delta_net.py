@@ -15,7 +15,7 @@ tree holds ONE input projection, `in_proj` (the four stored tensors' rows concat
 and one conv over the q, k and v channels; the mixer runs one product, one conv, and splits their outputs by
 static section sizes (`target.sections`). The conv state is one array of those channels.
 
-Split by head over `shards` devices (the tensor axis; `linear_num_key_heads` and `linear_num_value_heads` both
+Split by head over the tensor axis of tp devices (`linear_num_key_heads` and `linear_num_value_heads` both
 divisible by it): a contiguous split of the stored rows would not give a device whole heads, so a sharded
 `in_proj` and conv (weight, state) hold their rows permuted (`sections.section_order`, read so by the load's views,
 `add_delta_net_views`: each shard reads its own rows of the four stored tensors, run by run): device d's block is

@@ -1,10 +1,9 @@
 """A checkpoint seen as the tensors a parameter tree holds: the parts of a fused tensor as tensors of their own, and
 per-expert tensors as stacks.
 
-Checkpoints store some projections fused along one dim: a Gated DeltaNet's `in_proj_qkv` (its q, k and v rows of
-all heads, one block after the other) and `conv1d`, the released MoE layers' `experts.gate_up_proj`. A fused
-tensor split contiguously over devices would not give each device whole heads (or whole gate/up pairs); each part
-split contiguously does. `TensorViews` wraps an open `Checkpoint` so that the parts (`Fused`) and the stacks
+Checkpoints store some projections fused along one dim: the released MoE layers' `experts.gate_up_proj`. A fused
+tensor split contiguously over devices would not give each device whole gate/up pairs; each part split
+contiguously does. `TensorViews` wraps an open `Checkpoint` so that the parts (`Fused`) and the stacks
 appear as tensors; the loader's plan, checks and placement (`plan.check_tensors`, `placement.place_all`) run on
 it unchanged, and a device's shard of a part reads only that part's bytes (a row range of the fused tensor;
 nothing copied). Every source tensor's presence and shape is checked when a view is declared (`CheckpointError`
@@ -13,9 +12,11 @@ naming it and what it is), the sources are hidden, other tensors pass through. A
 both: one copy would load and the other be ignored.
 
 A stored tensor may also be read with its rows permuted under its own name (`reorder`: a Nemotron-H Mamba block's
-`in_proj` and conv, each device's shard its own sections, `target.mamba2`). A shard reads its rows as the runs of
-consecutive stored rows they are (five for a shard of `in_proj`), so again only its own bytes; a quantized tensor
-(read whole, dequantized, then moved onto its shards) reads them all, in the permuted order.
+`in_proj` and conv, a Gated DeltaNet's conv, each device's shard its own sections, `target.sections`), and several
+stored tensors as one, their rows concatenated and permuted (`merge`: a Gated DeltaNet's `in_proj_qkv`, `_z`, `_b`,
+`_a` as its one `in_proj`, `target.delta_net`). A shard reads its rows as the runs of consecutive rows of one stored
+tensor they are (five for a shard of a Mamba `in_proj`, six of a delta net's), so again only its own bytes; a
+quantized tensor (read whole, dequantized, then moved onto its shards) reads them all, in the permuted order.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class _Stack:
 
 
 class TensorViews(Checkpoint):
-    """`checkpoint` with declared views (`split`, `stack`) in place of their sources. A `Checkpoint` (the loader
-    reads it as one); closing it leaves `checkpoint` open."""
+    """`checkpoint` with declared views (`split`, `stack`, `reorder`, `merge`) in place of their sources. A
+    `Checkpoint` (the loader reads it as one); closing it leaves `checkpoint` open."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.path, self.directory, self.metadata = checkpoint.path, checkpoint.directory, checkpoint.metadata
@@ -190,7 +191,8 @@ class TensorViews(Checkpoint):
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A tensor's part `index` (None: all of it). A fused tensor's part is a view of the map; a stack's is a
-        new array of that part only, read source by source; a reordered tensor's, its rows read run by run."""
+        new array of that part only, read source by source; a reordered or merged tensor's, its rows read run by
+        run."""
         how = self._virtual.get(name)
         if how is None:
             return self._base.read(name, index)
