@@ -7,9 +7,9 @@ contiguously does. `TensorViews` wraps an open `Checkpoint` so that the parts (`
 appear as tensors; the loader's plan, checks and placement (`plan.check_tensors`, `placement.place_all`) run on
 it unchanged, and a device's shard of a part reads only that part's bytes (a row range of the fused tensor;
 nothing copied). Every source tensor's presence and shape is checked when a view is declared (`CheckpointError`
-naming it and what it is), the sources are hidden, other tensors pass through. A view whose name is stored too (an
-`in_proj_q` beside the `in_proj_qkv`, a stacked `experts.down_proj` beside the per-expert ones) is refused naming
-both: one copy would load and the other be ignored.
+naming it and what it is), the sources are hidden, other tensors pass through. A view whose name is stored too (a
+delta net's `in_proj` beside the `in_proj_qkv` it merges, a stacked `experts.down_proj` beside the per-expert ones)
+is refused naming both: one copy would load and the other be ignored.
 
 A stored tensor may also be read with its rows permuted under its own name (`reorder`: a Nemotron-H Mamba block's
 `in_proj` and conv, a Gated DeltaNet's conv, each device's shard its own sections, `target.sections`), and several
