@@ -54,7 +54,7 @@ QWEN3_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": _TINY_QWEN3,
     "tiny-qwen3-tied": {**_TINY_QWEN3, "tie_word_embeddings": True},
     # tensor-parallel tests: 8 heads of 8 and 2 KV heads, so 2 devices split the KV heads and 4 or 8 replicate them
-    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8, "num_hidden_layers": 4},
+    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8},
     "tiny-llama": _TINY_LLAMA,
     "tiny-llama-tied": {**_TINY_LLAMA, "tie_word_embeddings": True},
     # transformers-5 layout: `rope_parameters` holds the theta and the scaling
