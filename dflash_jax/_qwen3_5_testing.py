@@ -9,7 +9,7 @@
   `target_layer_ids` [0, 1] are valid. "tiny-qwen3_5-moe" is the MoE variant (`qwen3_5_moe_text`,
   `Qwen3_5MoeForCausalLM`: 8 experts, top-2, expert width 32, shared expert 32), written with the experts fused
   as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`). "tiny-qwen3_5-tp" and
-  "tiny-qwen3_5-moe-tp" (4 layers) split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
+  "tiny-qwen3_5-moe-tp" split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
   8 value heads).
   Every checkpoint stores the delta net's `in_proj_qkv` and `conv1d` fused, as released.
 - `random_qwen3_5(config)`: random weights drawn on the device, each as its spec's initialiser draws it.
@@ -52,14 +52,13 @@ _TINY_MOE = {**{k: v for k, v in _TINY_TEXT.items() if k != "intermediate_size"}
              "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "shared_expert_intermediate_size": 32}
-_TP = {"layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_hidden_layers": 4,
-       "full_attention_interval": 4, "num_attention_heads": 8, "head_dim": 8, "linear_num_key_heads": 4,
+_TP = {"num_attention_heads": 8, "head_dim": 8, "linear_num_key_heads": 4,
        "linear_num_value_heads": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 QWEN3_5_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3_5": _TINY_TEXT,
     "tiny-qwen3_5-tied": {**_TINY_TEXT, "tie_word_embeddings": True},
-    # tensor-parallel tests: 4 layers (linear, linear, linear, full), 8 heads, 2 KV heads (split by 2 devices,
-    # replicated by 4), 4 delta-net key heads serving 8 value heads (two each): every split divides by 2 and 4
+    # tensor-parallel tests: 8 heads, 2 KV heads (split by 2 devices, replicated by 4), 4 delta-net key heads
+    # serving 8 value heads (two each): every split divides by 2 and 4
     "tiny-qwen3_5-tp": {**_TINY_TEXT, **_TP},
     "tiny-qwen3_5-moe": _TINY_MOE,
     "tiny-qwen3_5-moe-tp": {**_TINY_MOE, **_TP},
