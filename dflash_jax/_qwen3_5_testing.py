@@ -5,11 +5,11 @@
   float32 logits within 1.6e-5); "tiny-qwen3_5-vl" lays it out as a multimodal `Qwen3_5ForConditionalGeneration`
   checkpoint does (the text model under `model.language_model.`, a `text_config`, plus a vision and an MTP tensor
   a text target skips; not a loadable vision model). The tiny
-  presets have hidden 64, vocab 128 and 4 layers (linear, linear, full, linear: `layer_types` stated), so the
-  tiny drafters' `target_layer_ids` [1, 3] are valid. "tiny-qwen3_5-moe" is the MoE variant (`qwen3_5_moe_text`,
+  presets have hidden 64, vocab 128 and 2 layers (linear, full: `layer_types` stated), so the tiny drafters'
+  `target_layer_ids` [0, 1] are valid. "tiny-qwen3_5-moe" is the MoE variant (`qwen3_5_moe_text`,
   `Qwen3_5MoeForCausalLM`: 8 experts, top-2, expert width 32, shared expert 32), written with the experts fused
   as released (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`). "tiny-qwen3_5-tp" and
-  "tiny-qwen3_5-moe-tp" (4 layers) split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
+  "tiny-qwen3_5-moe-tp" split over tensor axes of 2 and 4 (8 heads, 2 KV heads, 4 delta-net key and
   8 value heads).
   Every checkpoint stores the delta net's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` and `conv1d`, as
   released.
@@ -38,13 +38,13 @@ from .target.qwen3_5_config import Qwen3_5Config, parse_qwen3_5_config
 
 _TINY_TEXT = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False, "attn_output_gate": True,
     "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "full_attention_interval": 4,
-    # stated: a delta-net layer after the attention one, and the drafters' layers 1 and 3 both delta-net layers
-    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "full_attention_interval": 2,
+    # stated (as the interval derives it): the drafters' taps [0, 1] a delta-net layer's output and the last one's
+    "layer_types": ["linear_attention", "full_attention"],
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
     "bos_token_id": 0, "eos_token_id": 1,
@@ -53,14 +53,13 @@ _TINY_MOE = {**{k: v for k, v in _TINY_TEXT.items() if k != "intermediate_size"}
              "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
              "shared_expert_intermediate_size": 32}
-_TP = {"layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_hidden_layers": 4, "num_attention_heads": 8,
-       "head_dim": 8, "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 8,
-       "linear_value_head_dim": 8}
+_TP = {"num_attention_heads": 8, "head_dim": 8, "linear_num_key_heads": 4,
+       "linear_num_value_heads": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 QWEN3_5_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3_5": _TINY_TEXT,
     "tiny-qwen3_5-tied": {**_TINY_TEXT, "tie_word_embeddings": True},
-    # tensor-parallel tests: 4 layers (linear, linear, linear, full), 8 heads, 2 KV heads (split by 2 devices,
-    # replicated by 4), 4 delta-net key heads serving 8 value heads (two each): every split divides by 2 and 4
+    # tensor-parallel tests: 8 heads, 2 KV heads (split by 2 devices, replicated by 4), 4 delta-net key heads
+    # serving 8 value heads (two each): every split divides by 2 and 4
     "tiny-qwen3_5-tp": {**_TINY_TEXT, **_TP},
     "tiny-qwen3_5-moe": _TINY_MOE,
     "tiny-qwen3_5-moe-tp": {**_TINY_MOE, **_TP},

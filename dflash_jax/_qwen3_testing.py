@@ -2,8 +2,8 @@
 
 - `write_qwen3_checkpoint(directory, "tiny-qwen3")`: a random Hugging Face Qwen3 directory (config.json +
   safetensors) that both `Qwen3Target.from_pretrained` and transformers' `Qwen3ForCausalLM` load. The tiny
-  presets match the tiny drafters of `dflash_jax.testing` (hidden 64, vocab 128, 4 layers, so their
-  `target_layer_ids` [1, 3] are valid): any tiny drafter pairs with a tiny target.
+  presets match the tiny drafters of `dflash_jax.testing` (hidden 64, vocab 128, 2 layers, so their
+  `target_layer_ids` [0, 1] are valid): any tiny drafter pairs with a tiny target.
 - `random_qwen3(config)`: random weights drawn on the device (no checkpoint), for benchmarks at real sizes.
 - `successor_target(target, successor)` and `successor_drafter(drafter, successor)`: the accept path on demand.
   The target is rebuilt so its greedy next token is `successor[last token]` (embedding and LM head aligned,
@@ -34,17 +34,17 @@ from .target.dense import DecoderTarget, Qwen3Target, plan_decoder
 
 _TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
     "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-    "max_window_layers": 4, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    "max_window_layers": 2, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 256}
 _TINY_LLAMA = {  # transformers-4 layout: `rope_theta` + `rope_scaling`; head_dim unstated (hidden / heads)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "tie_word_embeddings": False,
     "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
@@ -54,7 +54,7 @@ QWEN3_TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny-qwen3": _TINY_QWEN3,
     "tiny-qwen3-tied": {**_TINY_QWEN3, "tie_word_embeddings": True},
     # tensor-parallel tests: 8 heads of 8 and 2 KV heads, so 2 devices split the KV heads and 4 or 8 replicate them
-    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8, "num_hidden_layers": 4},
+    "tiny-qwen3-tp": {**_TINY_QWEN3, "num_attention_heads": 8, "head_dim": 8},
     "tiny-llama": _TINY_LLAMA,
     "tiny-llama-tied": {**_TINY_LLAMA, "tie_word_embeddings": True},
     # transformers-5 layout: `rope_parameters` holds the theta and the scaling

@@ -252,7 +252,8 @@ def test_bad_settings_are_refused(fields, error, says):
 
 @pytest.fixture(scope="module")
 def models():
-    return random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32), random_drafter("tiny-dflash", dtype=jnp.float32)
+    # seed 4: on the prompts below the target meets no eos within 64 tokens and the drafter is never accepted
+    return random_qwen3("tiny-qwen3", seed=4, dtype=jnp.float32), random_drafter("tiny-dflash", dtype=jnp.float32)
 
 
 def test_costs_for_another_setup_are_refused(models):

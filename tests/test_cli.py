@@ -49,10 +49,10 @@ def test_inspect_describes_a_target_checkpoint(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Qwen3_5Target (qwen3_5_moe_text) target" in out and "missing or malformed: 0" in out
-    for row in ("layers                   4 (3 linear_attention, 1 full_attention)",
+    for row in ("layers                   2 (1 linear_attention, 1 full_attention)",
                 "heads (q/kv x dim)       4/2 x 16", "experts                  8, 2 per token",
-                "quantization             none declared; tensors: 72 BF16",
-                "target_layer_ids in [-1, 3]"):
+                "quantization             none declared; tensors: 36 BF16",
+                "target_layer_ids in [-1, 1]"):
         assert row in out
 
     def damage(tensors):

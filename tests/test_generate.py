@@ -42,7 +42,7 @@ MAX_NEW = 24
 RNG = np.random.default_rng(7)
 PROMPTS = [RNG.integers(0, 127, n).tolist() for n in (1, 2, 3, 5, 8, 13, 17, 21, 24, 24)]  # one prompt bucket
 SUCCESSOR = np.random.default_rng(0).permutation(128)
-NUDGE = 1.1  # the layers' scale of a target that leaves the successor map now and then (28 of 45 verifies whole)
+NUDGE = 1.7  # the layers' scale of a target that leaves the successor map now and then (21 of 35 verifies whole)
 # Step costs (lengths 0, 3, 7) given, so that the choices do not hang on a CPU's timings: a verify of 3 drafts costs
 # 1.3 plain steps, of 7 a whole 2; with drafts rarely accepted, the policy soon turns to plain steps.
 PLAIN_OFTEN = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.3, 2.0), batch=len(PROMPTS), device="cpu"))
@@ -50,7 +50,9 @@ PLAIN_OFTEN = Adaptive(costs=StepCosts((0, 3, 7), (1.0, 1.3, 2.0), batch=len(PRO
 
 @pytest.fixture(scope="module")
 def target():
-    return random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32)
+    # seed 2: no prompt's greedy continuation meets the eos token (1) within MAX_NEW, so every budget is exact and the
+    # NumPy reference, which knows no stop tokens, decodes as far
+    return random_qwen3("tiny-qwen3", seed=2, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")

@@ -79,11 +79,11 @@ def _distribution(logits: np.ndarray, temperature: float, **controls) -> np.ndar
 
 @pytest.fixture(scope="module")
 def nemotron_target():
-    """The tiny Nemotron-H of tests/data/nemotron_h/moe (Mamba-2, MoE, attention, Mamba) on the 16-token vocabulary,
-    four blocks for the drafter's taps [0, 2, 3], random weights."""
+    """The tiny Nemotron-H of tests/data/nemotron_h/moe on the 16-token vocabulary, its first three blocks (Mamba-2,
+    MoE, attention: every kind) for the drafter's taps [-1, 0, 1], random weights."""
     with open(os.path.join(os.path.dirname(__file__), "data", "nemotron_h", "moe", "config.json")) as f:
         raw = json.load(f)
-    raw |= {"vocab_size": V, "num_hidden_layers": 4, "layers_block_type": raw["layers_block_type"][:4]}
+    raw |= {"vocab_size": V, "num_hidden_layers": 3, "layers_block_type": raw["layers_block_type"][:3]}
     return random_nemotron_h(parse_nemotron_h_config(raw, source="nemotron_target"), seed=5, dtype=jnp.float32)
 
 

@@ -95,13 +95,13 @@ def test_load_target_refuses_nan_norms_and_warns_of_unexpected_tensors(target_di
     directory = copy_dir(target_dir, tmp_path / "t")
 
     def edit(t):
-        t["model.layers.2.input_layernorm.weight"][5] = np.nan
+        t["model.layers.1.input_layernorm.weight"][5] = np.nan
     forge.edit_tensors(directory / ST, edit)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model.layers.2.input_layernorm.weight' "
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model.layers.1.input_layernorm.weight' "
                                               r"holds 1 NaN/Inf of 64 values"):
         load_target(directory)
     forge.edit_tensors(directory / ST, lambda t: t.update({
-        "model.layers.2.input_layernorm.weight": np.ones(64, np.float32), "model.vision_tower.weight": np.ones(3)}))
+        "model.layers.1.input_layernorm.weight": np.ones(64, np.float32), "model.vision_tower.weight": np.ones(3)}))
     with pytest.raises(AssertionError, match="reached jax.device_put"), \
             pytest.warns(UserWarning, match=r"1 unexpected tensors ignored: \['model.vision_tower.weight'\]"):
         load_target(directory)
@@ -183,14 +183,14 @@ def test_a_d2t_whose_int32_copy_does_not_fit_the_host_is_refused_before_placing(
 def test_a_cache_that_cannot_exist_is_refused_with_its_size(target, drafter, monkeypatch):
     with pytest.raises(ValueError, match=r"would need \d+ positions per sequence, past int32 positions"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**31 - 1, beyond_max_positions=True)
-    monkeypatch.setattr(dflash_jax._memory, "host_available_bytes", lambda: 8 * GiB)
-    # 4 layers x K and V x 2 KV heads x 16 x float32 = 1 KiB per position: 2**24 positions are 16 GiB; the
-    # drafter's cache (2 layers) adds 0.5 KiB per position
+    monkeypatch.setattr(dflash_jax._memory, "host_available_bytes", lambda: 4 * GiB)
+    # 2 layers x K and V x 2 KV heads x 16 x float32 = 0.5 KiB per position: 2**24 positions are 8 GiB; the
+    # drafter's cache (2 layers) adds as much
     with pytest.raises(ValueError, match=r"greedy_generate: the KV caches for 1 sequence\(s\) of 16777344 positions "
-                                         r"need 16.00 GiB, but the target's 1 device\(s\) \(1 on the host's "
-                                         r"available memory\) have 8.00 GiB free"):
+                                         r"need 8.00 GiB, but the target's 1 device\(s\) \(1 on the host's "
+                                         r"available memory\) have 4.00 GiB free"):
         greedy_generate(target, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
-    with pytest.raises(ValueError, match=r"speculative_generate: the KV caches .* need 24.00 GiB"):
+    with pytest.raises(ValueError, match=r"speculative_generate: the KV caches .* need 16.00 GiB"):
         speculative_generate(target, drafter, [1, 2], max_new_tokens=2**24, beyond_max_positions=True)
 
 

@@ -141,8 +141,9 @@ def test_speculative_decoding_returns_the_greedy_tokens(tmp_path, quick_calibrat
     alone: that path read `v_proj`, which a K = V drafter lacks, until it took the variant's keys and values). The
     target is
     `successor_target` with its layers' outputs scaled to 0, so that its greedy continuation is the successor walk
-    itself (logit margin 10 over N(0, 1.25^2) others)."""
-    write_checkpoint(tmp_path, {**copy.deepcopy(GEMMA4), "markov_rank": 128}, seed=1, own_embeddings=True)
+    itself (logit margin 10 over N(0, 1.25^2) others). The drafter reads the 2-layer tiny target's taps."""
+    raw = {**copy.deepcopy(GEMMA4), "markov_rank": 128, "num_target_layers": 2, "target_layer_ids": [0, 1]}
+    write_checkpoint(tmp_path, raw, seed=1, own_embeddings=True)
     successor = np.random.default_rng(0).permutation(128)
     drafter = successor_drafter(load_drafter(tmp_path, dtype=jnp.float32), successor)
     target = successor_target(random_qwen3("tiny-qwen3", seed=1, dtype=jnp.float32), successor, layer_scale=0.0)

@@ -123,7 +123,7 @@ def test_summary_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dflash_jax"):
         load_drafter(tmp_path)
     (line,) = [r.getMessage() for r in caplog.records]
-    for part in ("dflash2", "2 layers", "hidden=64", "vocab=128", "block=8", "target_layers=[1, 3]", "convs"):
+    for part in ("dflash2", "2 layers", "hidden=64", "vocab=128", "block=8", "target_layers=[0, 1]", "convs"):
         assert part in line
 
 

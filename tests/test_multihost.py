@@ -20,7 +20,7 @@ import pytest
 
 from dflash_jax import greedy_generate, load_drafter, load_target, speculative_generate
 from dflash_jax._qwen3_testing import write_qwen3_checkpoint
-from dflash_jax.testing import preset_dict, write_checkpoint
+from dflash_jax.testing import write_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,10 +52,9 @@ def launch(commands: list[list[str]], env: dict[str, str] | None = None,
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[str, str]:
-    """`(drafter, target)`: a DFlash2 drafter trained on a 4-layer target (the tp target's), so that the two pair."""
+    """`(drafter, target)`: a DFlash2 drafter and the tensor-parallel tiny target it pairs with."""
     root = tmp_path_factory.mktemp("multihost")
-    write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash2"), "num_target_layers": 4}, prefix="model.",
-                     num_shards=2)
+    write_checkpoint(root / "drafter", "tiny-dflash2", prefix="model.", num_shards=2)
     write_qwen3_checkpoint(root / "target", "tiny-qwen3-tp", num_shards=2, dtype="float32")
     return str(root / "drafter"), str(root / "target")
 

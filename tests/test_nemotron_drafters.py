@@ -70,8 +70,8 @@ def _drifted(change) -> dict:
 @pytest.mark.parametrize("change, says", [
     (lambda r: r.update(sample_from_anchor=True) or r["dflash_config"].pop("sample_from_anchor"),
      "dspark_bonus_anchor: true with sample_from_anchor: true"),
-    (lambda r: r.update(target_layer_ids=[0, 1, 3]), "dflash_config.target_layer_ids=[0, 2, 3] but target_layer_ids"),
-    (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]), "expected [1, 3, 4]"),
+    (lambda r: r.update(target_layer_ids=[-1, 0, 2]), "dflash_config.target_layer_ids=[-1, 0, 1] but target_layer_ids"),
+    (lambda r: r.update(eagle_aux_hidden_state_layer_ids=[-1, 0, 1]), "expected [0, 1, 2]"),
     (lambda r: r.update(dspark_markov_rank=16), "markov_rank=32 but dspark_markov_rank=16"),
     (lambda r: r.update(attention_sink_bias=False), "dflash_config.attention_sink_bias=True but attention_sink_bias"),
     (lambda r: r["dflash_config"].update(sample_from_anchor=True), "dflash_config.sample_from_anchor=True but"),
@@ -83,8 +83,8 @@ def test_drifted_configs_refused_naming_the_field(change, says):
 
 
 def test_consistent_second_names_accepted():
-    raw = _drifted(lambda r: r.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4]))
-    assert parse_config(raw).target_layer_ids == (0, 2, 3)
+    raw = _drifted(lambda r: r.update(eagle_aux_hidden_state_layer_ids=[0, 1, 2]))
+    assert parse_config(raw).target_layer_ids == (-1, 0, 1)
     bonus_only = _drifted(lambda r: [r.pop("sample_from_anchor"), r["dflash_config"].pop("sample_from_anchor")])
     assert parse_config(bonus_only).num_draft_tokens == 7  # the bonus anchor alone sets the layout
     assert parse_config(_drifted(lambda r: r.update(dspark_bonus_anchor=False) or r.pop("sample_from_anchor")

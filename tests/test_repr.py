@@ -32,5 +32,5 @@ def test_a_target_shows_a_summary(tmp_path):
     target = load_target(tmp_path, mesh=mesh, dtype=jnp.bfloat16)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
     text = repr(target)
-    assert text.startswith("DecoderTarget(qwen3, 4 layers, hidden 64, vocab 128, mesh {'data': 1, 'model': 2}, ")
+    assert text.startswith("DecoderTarget(qwen3, 2 layers, hidden 64, vocab 128, mesh {'data': 1, 'model': 2}, ")
     assert text.endswith(f", bfloat16, 2 x cpu, {nbytes / 1e3:.1f} kB)") and len(text) < 160

@@ -34,7 +34,7 @@ def tiny(tmp_path_factory):
 
 
 PROMPTS = [[5, 17, 99, 3, 64, 2, 88, 41, 7], [120, 4, 33], [9, 9, 9, 9, 1, 2]]
-LAYER_IDS = (-1, 0, 2, 3)  # embedding, inner layers, and the last layer (after the final norm)
+LAYER_IDS = (-1, 0, 1)  # embedding, the inner layer, and the last layer (after the final norm)
 
 
 def _features(states, ids):
@@ -102,11 +102,11 @@ def test_last_layer_feature_is_after_final_norm(tiny):
     `output_hidden_states` convention; `dflash_jax.target`'s module docstring)."""
     directory, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
-    out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(3, 2))
+    out = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(1, 0))
     _, states = numpy_decoder(directory, PROMPTS[0])
     last, before = np.asarray(out.features[0, :, :64]), np.asarray(out.features[0, :, 64:])
-    np.testing.assert_allclose(last, states[4], **TOL)
-    np.testing.assert_allclose(before, states[3], **TOL)
+    np.testing.assert_allclose(last, states[2], **TOL)
+    np.testing.assert_allclose(before, states[1], **TOL)
     rms = np.sqrt(np.mean(last**2, axis=-1))
     assert not np.allclose(rms, np.sqrt(np.mean(np.asarray(before) ** 2, axis=-1)), rtol=0.05)
 
@@ -115,14 +115,14 @@ def test_stale_cache_slots_never_read(tiny):
     """Garbage beyond `lengths` (rejected drafts) changes nothing: trimming is passing a smaller length."""
     _, target = tiny
     prompt = jnp.asarray([PROMPTS[0]], jnp.int32)
-    clean = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(1,))
+    clean = target(prompt, target.init_cache(1, 32), jnp.zeros(1, jnp.int32), layer_ids=(0,))
     # per layer [b, n_kv, T, d]
     dirty_cache = jax.tree.map(lambda a: a.at[:, :, len(PROMPTS[0]):].set(7.0), clean.cache)
     nxt = jnp.asarray([[11, 12]], jnp.int32)
     length = jnp.asarray([len(PROMPTS[0])], jnp.int32)
     assert not np.array_equal(np.asarray(dirty_cache.k), np.asarray(clean.cache.k))  # before the calls donate them
-    a = target(nxt, clean.cache, length, layer_ids=(1,))
-    b = target(nxt, dirty_cache, length, layer_ids=(1,))
+    a = target(nxt, clean.cache, length, layer_ids=(0,))
+    b = target(nxt, dirty_cache, length, layer_ids=(0,))
     np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
     np.testing.assert_array_equal(np.asarray(a.features), np.asarray(b.features))
 
@@ -131,13 +131,13 @@ def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
     """A sharded, tied checkpoint: bf16 by default, `lm_head` is the embedding, replicated over a mesh,
     same logits as the NumPy forward within bf16 tolerance."""
     directory = str(tmp_path)
-    write_qwen3_checkpoint(directory, "tiny-qwen3-tied", seed=1, num_shards=3)
+    write_qwen3_checkpoint(directory, "tiny-qwen3-tied", seed=7, num_shards=3)
     assert os.path.exists(os.path.join(directory, "model.safetensors.index.json"))
     target = Qwen3Target.from_pretrained(directory, mesh=cpu_mesh, tensor_axis=None)
     assert target.embed.dtype == jnp.bfloat16 and target.lm_head is target.embed
     assert "lm_head" not in target.params
-    assert len(target.params["layers"]) == 4  # one buffer per layer's weight, as placed
-    assert target.params["layers"][3]["self_attn"]["q_proj"]["weight"].shape == (64, 64)
+    assert len(target.params["layers"]) == 2  # one buffer per layer's weight, as placed
+    assert target.params["layers"][1]["self_attn"]["q_proj"]["weight"].shape == (64, 64)
     for x in jax.tree.leaves(target.params):  # no tensor axis: every leaf replicated, on the mesh's Auto twin
         assert x.sharding.mesh == auto_mesh(cpu_mesh) and x.sharding.is_fully_replicated
     # merge the shards for the NumPy reader
@@ -153,10 +153,10 @@ def test_sharded_tied_bf16_and_mesh(tmp_path, cpu_mesh):
     logits, _ = numpy_decoder(ref_dir, PROMPTS[1])
     out = target(jnp.asarray([PROMPTS[1]]), target.init_cache(1, 16), jnp.zeros(1, jnp.int32))
     got = np.asarray(out.logits[0], np.float32)
-    for row in range(len(PROMPTS[1])):  # measured 0.030, 0.029, 0.026 (|logits| <= 3.1)
+    for row in range(len(PROMPTS[1])):  # measured 0.022, 0.025, 0.019 (|logits| <= 3.1)
         np.testing.assert_allclose(got[row], logits[row], rtol=0, atol=0.045, err_msg=f"row {row}")
         top2 = np.sort(logits[row])[-2:]
-        assert top2[1] - top2[0] > 2 * 0.045, "the argmax must not be decided by bf16 noise"  # 0.76, 0.65, 0.22
+        assert top2[1] - top2[0] > 2 * 0.045, "the argmax must not be decided by bf16 noise"  # 0.43, 0.50, 0.31
         assert got[row].argmax() == logits[row].argmax(), f"row {row}"
 
 
@@ -182,8 +182,8 @@ def test_errors(tmp_path, tiny):
         json.dump({**config, **changes}, open(os.path.join(where, "config.json"), "w"))
         return where
 
-    missing = {k: v for k, v in tensors.items() if k != "model.layers.3.mlp.up_proj.weight"}
-    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         Qwen3Target.from_pretrained(write(str(tmp_path / "missing"), missing))
     with pytest.raises(CheckpointError, match=r"shape \[128, 64\], expected \[256, 64\]"):
         Qwen3Target.from_pretrained(write(str(tmp_path / "shape"), tensors, vocab_size=256))
@@ -204,7 +204,9 @@ def test_fused_prefill_equals_the_chunked_one():
     (`max_rows` one prompt's) as all at once."""
     from dflash_jax.testing import random_qwen3
 
-    target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4}, seed=3)
+    # 4 layers, as this comparison was measured on a GPU (the CPU suite skips it: it costs the suite nothing)
+    target = random_qwen3({**QWEN3_TINY_CONFIGS["tiny-qwen3"], "head_dim": 64, "num_attention_heads": 4,
+                           "num_hidden_layers": 4}, seed=3)
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 128, (2, 640)), jnp.int32)
     lengths = jnp.asarray([640, 333], jnp.int32)

@@ -209,11 +209,11 @@ def test_random_bf16_target_verifies_and_commits():
     and a commit; the pending cache holds S + 1 states and K - 1 + S conv rows, the committed one the shapes of
     an empty cache (whatever S: a while_loop carry)."""
     target = random_qwen3_5("tiny-qwen3_5-tied", dtype=jnp.bfloat16)
-    assert target.lm_head is target.embed and target.num_layers == 4 and target.hidden_size == 64
-    assert target.config.layer_types == ("linear_attention",) * 2 + ("full_attention", "linear_attention")
+    assert target.lm_head is target.embed and target.num_layers == 2 and target.hidden_size == 64
+    assert target.config.layer_types == ("linear_attention", "full_attention")
     empty = target.init_cache(2, 16)
-    out = target.prefill(jnp.array([[3, 4, 5, 6], [7, 8, 0, 0]]), empty, jnp.array([4, 2]), layer_ids=(1, 3))
-    block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(1, 3))
+    out = target.prefill(jnp.array([[3, 4, 5, 6], [7, 8, 0, 0]]), empty, jnp.array([4, 2]), layer_ids=(0, 1))
+    block = target(jnp.array([[9, 10, 11], [12, 13, 14]]), out.cache, jnp.array([4, 2]), layer_ids=(0, 1))
     assert block.logits.shape == (2, 3, 128) and block.features.shape == (2, 3, 128)
     assert block.cache.state[0].shape == (2, 4, 4, 16, 16)
     assert block.cache.conv[0].shape == (2, 6, 128)  # the q, k, v channels, one array
@@ -225,7 +225,7 @@ def test_random_bf16_target_verifies_and_commits():
 
 @pytest.mark.parametrize("change, field", [
     ({"layer_types": ["linear_attention", "sliding_attention"] * 3}, r"layer_types\[1\] is 'sliding_attention'"),
-    ({"layer_types": ["full_attention"] * 5}, "layer_types has 5 entries for num_hidden_layers=4"),
+    ({"layer_types": ["full_attention"] * 5}, "layer_types has 5 entries for num_hidden_layers=2"),
     ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ({"linear_num_key_heads": 3}, "linear_num_value_heads=4 is not a multiple of linear_num_key_heads=3"),
     ({"attn_output_gate": False}, "attn_output_gate"),
@@ -247,17 +247,17 @@ def test_a_missing_text_config_is_refused():
 
 
 @pytest.mark.parametrize("name, change, message", [
-    ("model.layers.3.linear_attn.A_log", None, "missing tensor 'model.layers.3.linear_attn.A_log'"),
-    ("model.layers.1.linear_attn.in_proj_qkv.weight", None,
-     r"missing tensor 'model.layers.1.linear_attn.in_proj_qkv.weight' \(the delta net's fused q, k, v projection, "
+    ("model.layers.0.linear_attn.A_log", None, "missing tensor 'model.layers.0.linear_attn.A_log'"),
+    ("model.layers.0.linear_attn.in_proj_qkv.weight", None,
+     r"missing tensor 'model.layers.0.linear_attn.in_proj_qkv.weight' \(the delta net's fused q, k, v projection, "
      r"expected shape \[128, 64\]\)"),
     ("model.layers.0.linear_attn.conv1d.weight", lambda a: a[:-16],  # the v channels of one head short
      r"'model.layers.0.linear_attn.conv1d.weight' has shape \[112, 1, 4\], expected \[128, 1, 4\]"),
-    ("model.layers.3.linear_attn.in_proj_z.weight", None,
-     r"missing tensor 'model.layers.3.linear_attn.in_proj_z.weight' \(the delta net's z \(gate\) projection, "
+    ("model.layers.0.linear_attn.in_proj_z.weight", None,
+     r"missing tensor 'model.layers.0.linear_attn.in_proj_z.weight' \(the delta net's z \(gate\) projection, "
      r"expected shape \[64, 64\]\)"),
-    ("model.layers.1.linear_attn.in_proj_b.weight", lambda a: a.astype(ml_dtypes.float8_e4m3fn),  # FP8: not merged
-     r"'model.layers.1.linear_attn.in_proj_b.weight' \(the delta net's beta projection\) has dtype F8_E4M3, "
+    ("model.layers.0.linear_attn.in_proj_b.weight", lambda a: a.astype(ml_dtypes.float8_e4m3fn),  # FP8: not merged
+     r"'model.layers.0.linear_attn.in_proj_b.weight' \(the delta net's beta projection\) has dtype F8_E4M3, "
      r"expected one of BF16, F16, F32, F64"),
 ])
 def test_a_missing_or_misshapen_delta_net_tensor_is_refused_by_name(tmp_path, name, change, message):
@@ -297,7 +297,7 @@ def test_the_dense_targets_load_guards_hold(tmp_path):
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5", seed=1, dtype="float32")
     with pytest.raises(ValueError, match="dtype=int8"):
         Qwen3_5Target.from_pretrained(tmp_path, dtype=jnp.int8)
-    broken = "model.layers.3.input_layernorm.weight"
+    broken = "model.layers.1.input_layernorm.weight"
     with Checkpoint(tmp_path) as c:
         arrays = {name: np.array(c.array(name)) for name in c}
     arrays[broken][1] = np.nan

@@ -67,12 +67,12 @@ def test_verify_then_commit_equals_decoding(ref):
 
 def test_a_missing_expert_tensor_is_refused(tmp_path):
     write_qwen3_5_checkpoint(tmp_path, "tiny-qwen3_5-moe", dtype="float32")
-    missing = "model.layers.2.mlp.experts.gate_up_proj"
+    missing = "model.layers.1.mlp.experts.gate_up_proj"
     with Checkpoint(tmp_path) as c:
         arrays = {name: np.array(c.array(name)) for name in c if name != missing}
     (tmp_path / "model.safetensors").unlink()
     write_tensors(tmp_path, arrays)
-    with pytest.raises(CheckpointError, match="model.layers.2.mlp."):
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp."):
         load_target(tmp_path, dtype=jnp.float32)
 
 
@@ -117,14 +117,13 @@ def test_a_batch_prefills_in_the_memory_of_one_sequence():
     """`chunk` bounds a prefill step's token rows over the whole batch: 8 prompts of 256 tokens with a 256-row
     chunk make no array larger than one prompt does (8 x 32 rows a step, not 8 x 256; the largest, the attention
     scores [batch, n_kv, group, rows, slots], 2 MiB either way). Traced, not run (shapes only)."""
-    raw = {**QWEN3_5_TINY_CONFIGS["tiny-qwen3_5-moe"], "num_hidden_layers": 4}
-    target = jax.eval_shape(lambda: random_qwen3_5(raw, seed=0))
+    target = jax.eval_shape(lambda: random_qwen3_5("tiny-qwen3_5-moe", seed=0))
     P = 256
 
     def largest(batch: int) -> int:
         cache = jax.eval_shape(lambda: target.init_cache(batch, P + 8))
         prefill = lambda t, c: t.prefill(jnp.zeros((batch, P), jnp.int32), c, jnp.full((batch,), P),  # noqa: E731
-                                         layer_ids=(1, 2), chunk=256)
+                                         layer_ids=(0, 1), chunk=256)
         return _largest_array(jax.make_jaxpr(prefill)(target, cache).jaxpr)
 
     assert largest(8) == largest(1) == 2 * 2**20

@@ -27,7 +27,7 @@ from dflash_jax.layers import lm_logits
 from dflash_jax.target.config import LlamaConfig, Qwen3Config, parse_decoder_config
 from dflash_jax.target.dense import Qwen3Target, plan_decoder, prefill_fused
 from dflash_jax.target.layout import CACHE_AXES, make_layout
-from dflash_jax.testing import preset_dict, write_checkpoint
+from dflash_jax.testing import write_checkpoint
 
 from . import _io
 from ._numpy_reference import numpy_decoder
@@ -47,7 +47,7 @@ def pair(tmp_path_factory):
     single-device greedy and speculative tokens."""
     root = tmp_path_factory.mktemp("tp")
     write_qwen3_checkpoint(root / "target", "tiny-qwen3-tp", seed=5, dtype="float32")
-    write_checkpoint(root / "drafter", {**preset_dict("tiny-dflash"), "num_target_layers": 4}, seed=2)  # its 4 layers
+    write_checkpoint(root / "drafter", "tiny-dflash", seed=2)
     target = load_target(root / "target", dtype=jnp.float32)
     drafter = load_drafter(root / "drafter", dtype=jnp.float32)
     greedy = greedy_generate(target, PROMPTS, max_new_tokens=MAX_NEW).tokens
@@ -146,9 +146,9 @@ def test_llama_matches_numpy_reference(tmp_path, preset):
         target = load_target(tmp_path, mesh=mesh, dtype=jnp.float32)
         assert "q_norm" not in target.params["layers"][0]["self_attn"]
         out = target(jnp.asarray([prompt, prompt]), target.init_cache(2, 16), jnp.zeros(2, jnp.int32),
-                     layer_ids=(-1, 2, 3))
+                     layer_ids=(-1, 0, 1))
         np.testing.assert_allclose(np.asarray(out.logits[1]), logits, rtol=0, atol=2e-4)
-        np.testing.assert_allclose(np.asarray(out.features[0, :, 64:128]), states[3], rtol=0, atol=2e-4)
+        np.testing.assert_allclose(np.asarray(out.features[0, :, 64:128]), states[1], rtol=0, atol=2e-4)
         if mesh is not None:  # what comes out of a forward keeps the cache's planned layout (KV heads replicated)
             planned = target.layout.sharding(CACHE_AXES, 2)
             assert planned.spec == P(("data",), None, None, None)
@@ -231,9 +231,9 @@ def test_fused_prefill_by_sequence_on_a_mesh(pair, shape):
     lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     run = jax.jit(prefill_fused, static_argnums=(4, 5, 6))
     single = load_target(root / "target", dtype=jnp.float32)
-    expected = run(single, tokens, single.init_cache(len(PROMPTS), 16), lengths, (1, 3), "xla", 1 << 16)
+    expected = run(single, tokens, single.init_cache(len(PROMPTS), 16), lengths, (0, 1), "xla", 1 << 16)
     target = load_target(root / "target", mesh=jax.make_mesh(shape, ("data", "model")), dtype=jnp.float32)
-    out = run(target, tokens, target.init_cache(len(PROMPTS), 16), lengths, (1, 3), "xla", width)
+    out = run(target, tokens, target.init_cache(len(PROMPTS), 16), lengths, (0, 1), "xla", width)
     np.testing.assert_allclose(np.asarray(out.logits), np.asarray(expected.logits), rtol=1e-5, atol=1e-5)
     out, expected = jax.tree.map(np.asarray, (out, expected))  # sliced on the host, not by per-row device programs
     for b, n in enumerate(np.asarray(lengths)):
