@@ -8,8 +8,8 @@ thread pool as soon as a load starts, and stored on disk for later processes.
 Why not JAX's persistent compilation cache: it stores only programs that took over a second to compile
 (`jax_persistent_cache_min_compile_time_secs`, default 1.0; a dequantizer takes 0.15-0.45 s), turning it on
 is a process-wide setting that is not a loader's to change, and even on a hit it traces and lowers every
-program again (25-75 ms per Pallas dequantizer) before it can look the entry up. Its trust model is the one
-below minus the checks: "the compilation cache is considered trusted"
+program again (25-75 ms a dequantizer, measured with the Pallas kernel) before it can look the entry up. Its
+trust model is the one below minus the checks: "the compilation cache is considered trusted"
 (https://docs.jax.dev/en/latest/persistent_compilation_cache.html).
 
 On disk (threat model: docs/errors.md, "The compiled-program cache"): one file per executable in

@@ -3,7 +3,7 @@ measured.
 
 Each entry holds every tile, chunk and threshold the package's programs take from the device: the span-attention
 kernel's splits and tiles and the XLA span loop's block (`attention`, `_span_attention_mgpu`), when the drafter
-reads its rings with that kernel (`drafting`), the NVFP4 dequantizer's tile and the packed GEMM's tiling (`nvfp4`),
+reads its rings with that kernel (`drafting`), the packed NVFP4 GEMM's tiling (`nvfp4`),
 how the MoE block runs its experts and the tiles of its kernels (`target.moe`, `target._expert_gemm`), the dense
 target's fused prefill rows and the hybrid's delta-rule chunk (`target`), and the rates a decode step's cost is
 predicted at (`step_cost_model`; `CPU_RATES` off a GPU). The measurements, their commands and the
@@ -136,7 +136,7 @@ H200 = Tuning(
     step_rates=StepRates(read_bytes_per_s=3.8e12, flops_per_s=7.3e14, layer_seconds=20e-6, step_seconds=100e-6),
 )
 # The H100's entry holds the H200's values until each is measured on an H100: the H100 runs of docs/benchmarks.md
-# (the dequantizer's tiles, the packed GEMM's splits and depths) chose these same values. Its own: `auto_weights`, and
+# (the packed GEMM's splits and depths) chose these same values. Its own: `auto_weights`, and
 # the step rates (the read rate of the Nemotron-H run, 2.74 TB/s; the GEMM rate an estimate, not measured here).
 H100 = dataclasses.replace(
     H200,

@@ -96,4 +96,3 @@ class Fp8Codes(WeightLeaf):
             raise ValueError(f"nvfp4.Fp8Codes: x has {x.shape[-1]} features, the weight {list(self.shape)} expects "
                              f"{self.shape[1]}")
         return weight_dot(x, self.dequantize(), out_dtype)
-

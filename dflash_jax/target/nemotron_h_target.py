@@ -256,8 +256,8 @@ def mamba_orders(config: NemotronHConfig, prefix: str, shards: int) -> dict[str,
     if shards == 1:
         return {}
     dims = config.mamba_dims._replace(shards=shards)
-    rows = {"in_proj.weight": in_proj_order(dims), "in_proj.weight_scale": in_proj_order(dims),
-            "conv1d.weight": conv_order(dims), "conv1d.bias": conv_order(dims)}
+    in_proj, conv = in_proj_order(dims), conv_order(dims)
+    rows = {"in_proj.weight": in_proj, "in_proj.weight_scale": in_proj, "conv1d.weight": conv, "conv1d.bias": conv}
     return {f"{prefix}layers.{i}.mixer.{name}": order for i in config.blocks(MAMBA) for name, order in rows.items()}
 
 
