@@ -16,6 +16,8 @@ its pieces:
     stored_plan(config, prefix, views)    the tensors of this checkpoint (by default `plan`: a family whose
                                           quantized exports store other tensors plans them here)
     describe()                            one line for the load's log
+    sectioned()                           the mixers whose rows a layout's tensor axis orders (`target.sections`),
+                                          moved into the new order by `shard`
 
 A load reads config.json once (`load_target` hands it over), checks every planned tensor's presence, dtype and shape
 before any data is read, then the small tensors' values, then places each leaf on its shard
@@ -43,7 +45,8 @@ from ..plan import TensorPlan, build_tree, check_tensors
 from ..safetensors import Checkpoint
 from . import PREFILL_CHUNK, FeatureMap, HFTarget, TargetOutput
 from .config import TARGET, is_drafter_config, not_a_target
-from .layout import Layout, make_layout
+from .layout import Layout, make_layout, tensor_shards
+from .sections import Sectioned, move_sections
 
 __all__ = ["Family"]
 
@@ -207,5 +210,13 @@ class Family(HFTarget):
         where = f"{type(self).__name__}.shard"
         check_mesh(where, mesh)
         layout = self.layout_for(self.config, mesh, tensor_axis, where)
-        return dataclasses.replace(self, params=self.placed(self.params, self.config, layout), layout=layout)  # type: ignore[type-var]
+        params = self.placed(self.params, self.config, layout)
+        old, new, sectioned = tensor_shards(self.layout), tensor_shards(layout), self.sectioned()
+        if old != new and sectioned.layers:  # the tree a load onto `layout` gives
+            params = {**params, "layers": move_sections(params["layers"], sectioned, old, new)}
+        return dataclasses.replace(self, params=params, layout=layout)  # type: ignore[type-var]
+
+    def sectioned(self) -> Sectioned:
+        """The mixers whose tensors hold their rows in the tensor axis' blocks (`target.sections`): none here."""
+        return Sectioned((), "", {})
 

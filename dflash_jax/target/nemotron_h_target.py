@@ -35,7 +35,7 @@ from .mamba2 import CONV_SECTIONS, IN_PROJ_SECTIONS, conv_order, in_proj_order
 from .moe import weighted_experts
 from .nemotron_h_config import ARCHITECTURES, MAMBA, MOE, NemotronHConfig, parse_nemotron_h_config
 from .nemotron_h_spec import KV_AXES, MAMBA_CONV_AXES, MAMBA_SSM_AXES, ROOT, expert_tensors, parameter_spec
-from .sections import moved_rows, take_rows
+from .sections import Sectioned
 from .views import TensorViews
 
 __all__ = ["NemotronHTarget", "random_nemotron_h"]
@@ -162,23 +162,11 @@ class NemotronHTarget(Family):
     def num_layers(self) -> int:
         return len(self.config.pattern)
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> NemotronHTarget:
-        """`Family.shard`, each Mamba block's `in_proj` and conv rows then moved from this target's sharded order
-        into the new layout's (`mamba2.in_proj_order`)."""
-        sharded = super().shard(mesh, tensor_axis=tensor_axis)
-        old, new = tensor_shards(self.layout), tensor_shards(sharded.layout)
-        if old == new:
-            return sharded
+    def sectioned(self) -> Sectioned:
+        """Each Mamba block's `in_proj` and conv (`mamba2.in_proj_order`, `conv_order`)."""
         dims = self.config.mamba_dims
-        in_proj, conv = (moved_rows(dims.section_sizes(sections), old, new) for sections in (IN_PROJ_SECTIONS,
-                                                                                             CONV_SECTIONS))
-        layers = list(sharded.params["layers"])
-        for i in self.config.blocks(MAMBA):
-            mixer = layers[i]["mixer"]
-            mixer = {**mixer, "in_proj": {**mixer["in_proj"], "weight": take_rows(mixer["in_proj"]["weight"], in_proj)},
-                     "conv1d": {key: take_rows(x, conv) for key, x in mixer["conv1d"].items()}}
-            layers[i] = {**layers[i], "mixer": mixer}
-        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
+        return Sectioned(tuple(self.config.blocks(MAMBA)), "mixer", {
+            "in_proj": dims.section_sizes(IN_PROJ_SECTIONS), "conv1d": dims.section_sizes(CONV_SECTIONS)})
 
     def init_cache(self, batch_size: int, max_length: int) -> model.NemotronHCache:
         """An empty cache for `batch_size` sequences of up to `max_length` positions (`nemotron_h.init_cache`),

@@ -81,7 +81,7 @@ from .family import Family
 from .layout import CACHE_AXES, ROWS_AXES, Layout, make_layout, tensor_shards
 from .moe import moe_block, moe_parameter_spec
 from .qwen3_5_config import ARCHITECTURES, FULL_ATTENTION, MOE_ARCHITECTURES, Qwen3_5Config, parse_qwen3_5_config
-from .sections import moved_rows, take_rows
+from .sections import Sectioned
 from .steps import cached_attention, prefill_chunks
 from .views import Fused, TensorViews, fuse
 
@@ -299,23 +299,11 @@ class Qwen3_5Target(Family):
             )
         return layout
 
-    def shard(self, mesh: jax.sharding.Mesh, *, tensor_axis: str | None = "model") -> Qwen3_5Target:
-        """`Family.shard`, each delta-net layer's `in_proj` and conv rows then moved from this target's blocks into
-        the new layout's (`sections.section_order`): the tree a load onto that layout gives."""
-        sharded = super().shard(mesh, tensor_axis=tensor_axis)
-        old, new = tensor_shards(self.layout), tensor_shards(sharded.layout)
-        if old == new:
-            return sharded
+    def sectioned(self) -> Sectioned:
+        """Each delta-net layer's `in_proj` and conv (`delta_net`: rows in the tensor axis' blocks)."""
         c = self.config
-        in_proj, conv = moved_rows(in_proj_sizes(c), old, new), moved_rows(conv_sizes(c), old, new)
-        layers = list(sharded.params["layers"])
-        for i, layer in enumerate(layers):
-            if "linear_attn" in layer:
-                p = layer["linear_attn"]
-                p = {**p, "in_proj": {"weight": take_rows(p["in_proj"]["weight"], in_proj)},
-                     "conv1d": {"weight": take_rows(p["conv1d"]["weight"], conv)}}
-                layers[i] = {**layer, "linear_attn": p}
-        return dataclasses.replace(sharded, params={**sharded.params, "layers": tuple(layers)})
+        layers = tuple(i for i, kind in enumerate(c.layer_types) if kind != FULL_ATTENTION)
+        return Sectioned(layers, "linear_attn", {"in_proj": in_proj_sizes(c), "conv1d": conv_sizes(c)})
 
     def describe(self) -> str:
         c = self.config

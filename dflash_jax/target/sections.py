@@ -9,13 +9,14 @@ within each shard's block (`split_sections`). With one shard the order is the id
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["section_order", "split_sections", "moved_rows", "take_rows"]
+__all__ = ["section_order", "split_sections", "moved_rows", "take_rows", "Sectioned", "move_sections"]
 
 
 def section_order(sizes: Sequence[int], shards: int) -> np.ndarray:
@@ -34,6 +35,29 @@ def moved_rows(sizes: Sequence[int], old: int, new: int) -> np.ndarray:
 def take_rows(x: jax.Array, rows: np.ndarray) -> jax.Array:
     """`x`'s rows (dim 0) `rows`, placed as `x` is."""
     return jax.device_put(jnp.take(x, jnp.asarray(rows), axis=0), x.sharding)
+
+
+class Sectioned(NamedTuple):
+    """A family's mixers whose tensors hold their rows in `section_order`'s blocks: the `layers` holding one, the
+    mixer's key in a layer, and the section sizes of each such tensor by its key in the mixer."""
+
+    layers: tuple[int, ...]
+    mixer: str
+    sizes: Mapping[str, Sequence[int]]
+
+
+def move_sections(layers: Sequence[dict[str, Any]], sectioned: Sectioned, old: int, new: int
+                  ) -> tuple[dict[str, Any], ...]:
+    """`layers` with each sectioned tensor's rows moved from `old` blocks into `new` ones (`moved_rows`): every leaf
+    of it with a row per stored row (a weight, a conv's bias; not a scalar scale)."""
+    out = list(layers)
+    for name, sizes in sectioned.sizes.items():
+        rows = moved_rows(sizes, old, new)
+        for i in sectioned.layers:
+            mixer = out[i][sectioned.mixer]
+            tensor = {key: take_rows(x, rows) if x.shape[:1] == rows.shape else x for key, x in mixer[name].items()}
+            out[i] = {**out[i], sectioned.mixer: {**mixer, name: tensor}}
+    return tuple(out)
 
 
 def split_sections(t: jax.Array, sizes: Sequence[int], shards: int) -> list[jax.Array]:
