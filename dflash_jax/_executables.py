@@ -123,7 +123,7 @@ def _load_or_compile(key: tuple) -> Program:
             return Program(executable)
     specs = tuple(jax.ShapeDtypeStruct(shape, d, sharding=jax.sharding.SingleDeviceSharding(device))
                   for shape, d in inputs)
-    executable = _compile(kind, specs, dtype, device).runtime_executable()
+    executable = _compile(kind, specs, dtype).runtime_executable()
     problem = _signature_problem(executable, inputs, output)
     if problem:  # what `_output` or the jitted function says disagrees: a bug here, never stored
         raise AssertionError(f"compiled {kind} conversion of {inputs}: {problem}")
@@ -132,8 +132,7 @@ def _load_or_compile(key: tuple) -> Program:
     return Program(executable)
 
 
-def _compile(kind: str, specs: tuple[jax.ShapeDtypeStruct, ...], dtype: jnp.dtype, device: jax.Device
-             ) -> jax.stages.Compiled:
+def _compile(kind: str, specs: tuple[jax.ShapeDtypeStruct, ...], dtype: jnp.dtype) -> jax.stages.Compiled:
     if kind == "nvfp4":
         from .nvfp4 import dequantize
 
