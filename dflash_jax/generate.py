@@ -30,7 +30,7 @@ if each had been appended at once.
 
 Loop: every shape is static (prompts right-padded and bucketed, caches sized up front), so `prefill` and
 `decode` compile once per (batch, bucket) and the decode runs as ONE program of `lax.while_loop`s: runs of
-drafting steps (the verify lengths are branches of a `lax.switch`), and, under the adaptive policy, runs of plain
+drafting steps (each verify length a loop of zero or one trip: `_one_of`), and, under the adaptive policy, runs of plain
 steps between them (`_Loop.run`). Each kind of step is a loop of its own rather than a branch of a conditional:
 on a GPU XLA reads a conditional's predicate on the host, and it copies a buffer that two branches of a
 conditional both update (the drafter's cache, were drafting and appending branches). Measured on CPU (2 cores,
@@ -222,7 +222,7 @@ class _Loop:
 
     def draft_step(self, s: _State) -> _State:
         """Draft from the pending context rows (`propose`), verify as many drafts as the policy chooses (a
-        `lax.switch` over the nonzero lengths: the target on that many rows), commit, and plan the next step."""
+        `_one_of` the nonzero lengths: the target on that many rows), commit, and plan the next step."""
         target, policy = self.target, self.policy
         K = self.drafter.config.num_draft_tokens
         draft_key, verify_key, key = jax.random.split(s.key, 3)
@@ -251,8 +251,7 @@ class _Loop:
         if len(branches) == 1:
             target_cache, features, accepted, last = branches[0](s.target_cache)
         else:
-            target_cache, features, accepted, last = jax.lax.switch(index - int(policy.plain), branches,
-                                                                    s.target_cache)
+            target_cache, features, accepted, last = _one_of(index - int(policy.plain), branches, s.target_cache)
         made = jnp.pad(proposal.tokens, ((0, 0), (0, 1)))
         made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1] d_1..d_a, last
         out, n_out, done = commit(s.out, s.n_out, s.done, s.budget, self.stop, made, accepted)
@@ -319,6 +318,23 @@ class _Loop:
         if self.report:
             jax.debug.callback(CALLBACKS.report, self.call, s.n_out)
         return s
+
+
+def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache: Any) -> tuple:
+    """`branches[index](cache)` (each branch: the cache -> (the cache, ...)) as `lax.switch` gives it, each branch a
+    `lax.while_loop` of zero or one trip: XLA copies the buffers that a conditional's branches update in place (each
+    branch writes the target's cache: two whole copies a step in the compiled HLO), where a while loop's state
+    stays in place."""
+    def trip(branch):
+        def body(carry):
+            return (*branch(carry[0]), jnp.int32(-1))
+        return body
+
+    rest = jax.eval_shape(branches[0], cache)[1:]
+    carry = (cache, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), rest), index.astype(jnp.int32))
+    for i, branch in enumerate(branches):
+        carry = jax.lax.while_loop(lambda c, i=i: c[-1] == i, trip(branch), carry)
+    return carry[:-1]
 
 
 def _most_left(done: jax.Array, n_out: jax.Array, budget: jax.Array) -> jax.Array:

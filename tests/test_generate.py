@@ -9,6 +9,7 @@ import copy
 import dataclasses
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +26,7 @@ from dflash_jax.generate import (
     CACHE_BUCKET,
     GenerationResult,
     _attach,
+    _one_of,
     _spec_decode,
     _spec_prefill,
     greedy_generate,
@@ -341,3 +343,36 @@ def test_beyond_max_positions_runs_on():
     plain = greedy_generate(short, [prompt], max_new_tokens=12, beyond_max_positions=True)
     weights = {t.name: leaf(short.params, t.path) for t in plan_decoder(short.config)}
     assert plain.tokens[0] == ref.greedy(raw, weights, prompt, 12)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_one_of_takes_the_branch_and_updates_the_cache_in_place(index):
+    """`_one_of` gives `lax.switch`'s result, and in a decode-like loop (each branch writes rows into a cache carried
+    by a while loop, then reads it) the compiled program copies no cache-sized buffer, where `lax.switch`'s copies
+    the cache (the copies a verify of the adaptive policy paid each step)."""
+    cache = jnp.zeros((4096, 64), jnp.float32)
+    queries = jnp.arange(8 * 64, dtype=jnp.float32).reshape(8, 64) / 512
+
+    def write(rows: int):  # cache -> (cache with `rows` new rows at 0, a read of the updated cache)
+        def branch(c):
+            c = jax.lax.dynamic_update_slice(c, jnp.tanh(queries[:rows]), (0, 0))
+            return c, (c @ queries[0]).max()
+        return branch
+
+    branches = [write(rows) for rows in (1, 2, 4)]
+    chex.assert_trees_all_equal(_one_of(jnp.int32(index), branches, cache),
+                                jax.lax.switch(index, branches, cache))
+
+    def looped(select):
+        def step(s):
+            i, c, total = s
+            c, v = select(i % 3, branches, c)
+            return i + 1, c, total + v
+        return jax.jit(lambda c: jax.lax.while_loop(lambda s: s[0] < 10, step, (0, c, 0.0)), donate_argnums=0)
+
+    def cache_copies(select) -> int:
+        text = looped(select).lower(cache).compile().as_text()
+        return sum(" copy(" in line and "f32[4096,64]" in line for line in text.splitlines())
+
+    assert cache_copies(_one_of) == 0
+    assert cache_copies(lambda i, branches, c: jax.lax.switch(i, branches, c)) > 0
