@@ -132,8 +132,10 @@ def predicted_costs(target: Target, drafter: Drafter, target_cache: Any, draft_c
     gathered = platform.tuning.moe_gather_max_rows if platform.tuning.moe_few_rows in ("gather", "reduce") else 0
     target_reads = model_reads(target, target_cache, target.num_layers, experts,
                                int(getattr(config, "num_experts_per_tok", 0) or 0), pairs_read_up_to=gathered)
+    markov = drafter.params.get("markov_head", {}).get("markov_w2", {}).get("weight")  # DSpark: walked K times
     drafter_reads = model_reads(drafter.params, draft_cache, drafter.config.num_hidden_layers,
-                                extra=(drafter.lm_head,))  # the target's LM head, if attached
+                                extra=(drafter.lm_head,),  # the target's LM head, if attached
+                                walk=markov, walk_steps=drafter.config.num_draft_tokens - 1)
     return predict_costs(target_reads, drafter_reads, policy.lengths, drafter.config.num_draft_tokens, batch,
                          device_kind(target)[0], rates)
 

@@ -7,7 +7,8 @@ never does (issue 57). The prediction is a roofline per forward pass, summed ove
 
     forward(rows) = max(bytes / read rate, flops / FLOP rate) + layers * layer_seconds
     seconds(0)    = step_seconds + target(batch)                   a plain step: the target on one row a sequence
-    seconds(l)    = step_seconds + target(batch * (l + 1)) + drafter(batch * (K + 1))
+    seconds(l)    = step_seconds + target(batch * (l + 1)) + drafter(batch * (K + 1)) + walk
+    walk          = (K - 1) * (walk_bytes / read rate + layer_seconds)      a DSpark drafter's Markov walk
 
 - bytes: every weight of the model counted as read once (the embedding too: a slight overestimate), except the
   routed experts of a MoE model, of which a forward on `rows` rows reads the distinct experts its rows route to,
@@ -17,6 +18,8 @@ never does (issue 57). The prediction is a roofline per forward pass, summed ove
   about the context the run reaches). The drafter reads its LM head (its own or the target's).
 - flops: two per weight and row, a routed expert's weight counted `k / E` of the rows. Attention's own products
   (over the cache) are left out: at decode row counts the cache's read bounds them.
+- walk: a DSpark drafter draws its K drafts one after another, each through `markov_w2` ([V, r]: 155 MB at
+  Qwen3-8B's vocabulary in bf16), so the walk reads it once per draft where the forward counts it once.
 - the device's rates (`tuning.StepRates`: the read rate and bf16 GEMM rate measured on it, docs/benchmarks.md,
   and a fixed cost per layer of a forward and per step: kernel launches, the loop's small ops), from its tuning
   entry, `tuning.CPU_RATES` off a GPU.
@@ -60,6 +63,8 @@ class ModelReads:
     cache_bytes: float = 0.0
     layers: int = 1
     pairs_read_up_to: int = 0  # (row, expert) pairs up to which each pair reads its expert (`target.moe`'s few rows)
+    walk_bytes: float = 0.0  # a weight read again at each sequential draft after the first (DSpark's `markov_w2`)
+    walk_steps: int = 0  # those sequential drafts (K - 1)
 
     def expert_share(self, rows: int) -> float:
         """The share of the experts' bytes a forward on `rows` rows reads: each (row, expert) pair its expert's,
@@ -79,10 +84,12 @@ def _size(leaf: Any, field: str) -> float:
 
 
 def model_reads(params: Any, cache: Any, layers: int, experts: int = 0, experts_per_row: int = 0,
-                extra: tuple[Any, ...] = (), pairs_read_up_to: int = 0) -> ModelReads:
+                extra: tuple[Any, ...] = (), pairs_read_up_to: int = 0, walk: Any = None,
+                walk_steps: int = 0) -> ModelReads:
     """The reads of a model whose weights are `params` (a pytree; a routed expert's stacks under a key named
     "experts", as `target.moe` keeps them, counted apart when `experts` is given), with `cache` (a pytree of
-    arrays) and `extra` weights read besides (an attached LM head); `pairs_read_up_to`: as `ModelReads`'."""
+    arrays) and `extra` weights read besides (an attached LM head); `pairs_read_up_to`: as `ModelReads`'; `walk`:
+    a weight (among `params`) read again `walk_steps` times, one after another."""
     weight_bytes = weight_count = expert_bytes = expert_count = 0.0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         routed = experts > 0 and any(getattr(key, "key", None) == "experts" for key in path)
@@ -94,7 +101,8 @@ def model_reads(params: Any, cache: Any, layers: int, experts: int = 0, experts_
         weight_bytes, weight_count = weight_bytes + _size(leaf, "nbytes"), weight_count + _size(leaf, "size")
     cache_bytes = sum(_size(leaf, "nbytes") for leaf in jax.tree.leaves(cache))
     return ModelReads(weight_bytes, weight_count, expert_bytes, expert_count, experts, experts_per_row, cache_bytes,
-                      max(int(layers), 1), pairs_read_up_to)
+                      max(int(layers), 1), pairs_read_up_to, _size(walk, "nbytes"),
+                      walk_steps if walk is not None else 0)
 
 
 def forward_seconds(model: ModelReads, rows: int, rates: StepRates) -> float:
@@ -103,7 +111,8 @@ def forward_seconds(model: ModelReads, rows: int, rates: StepRates) -> float:
     read = model.weight_bytes + model.expert_bytes * share + model.cache_bytes
     routed = model.experts_per_row / model.experts if model.experts else 0.0
     flops = 2.0 * rows * (model.weight_count + model.expert_count * routed)
-    return max(read / rates.read_bytes_per_s, flops / rates.flops_per_s) + model.layers * rates.layer_seconds
+    walk = model.walk_steps * (model.walk_bytes / rates.read_bytes_per_s + rates.layer_seconds)
+    return max(read / rates.read_bytes_per_s, flops / rates.flops_per_s) + model.layers * rates.layer_seconds + walk
 
 
 def predict_costs(target: ModelReads, drafter: ModelReads, lengths: tuple[int, ...], num_draft_tokens: int,
