@@ -179,11 +179,12 @@ def run_generate(argv: list[str], decode) -> int:
 
 def test_without_a_terminal_no_progress_callback_enters_the_loop(checkpoints, capsys):
     """The bar's callback would keep the decode loop out of JAX's persistent cache (host callbacks are not
-    stored): off a terminal (here, captured output) none is passed."""
+    stored): off a terminal (here, captured output) none is passed. At the fixed draft length: the program of
+    `test_generate_verb_prints_the_greedy_continuation`, none compiled here."""
     seen = []
     target_dir, drafter_dir = checkpoints
     assert run_generate([target_dir, drafter_dir, "--prompt-ids", "5, 17,99", "--max-new-tokens", "12",
-                         "--dtype", "float32"],
+                         "--dtype", "float32", "--draft-length", "fixed"],
                         lambda *args, **kw: seen.append(kw["progress"]) or speculative_generate(*args, **kw)) == 0
     assert seen == [None]
 
