@@ -113,16 +113,11 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     config = SMALL if args.small else QWEN3_8B
-    if args.small:
-        config = {**config, "num_hidden_layers": 3}
     V = config["vocab_size"]
     rng = np.random.default_rng(0)
     successor, order = one_cycle(V, rng)
     target = successor_target(random_qwen3(config, seed=0), successor, layer_scale=args.layer_scale)
-    raw = drafter_configs(config)["dspark"]
-    if args.small:  # a 3-layer target: a 1-layer drafter reads two of its layers
-        raw = {**raw, "num_hidden_layers": 1, "num_target_layers": 3,
-               "dflash_config": {**raw["dflash_config"], "target_layer_ids": [0, 1]}}
+    raw = drafter_configs(config, args.small)["dspark"]  # --small: spec_decode.py's, so both share programs
     base = random_drafter(parse_config(raw), seed=1).attach(embed=target.embed, lm_head=target.lm_head)
     K = base.config.num_draft_tokens
     lengths = None if args.lengths is None else tuple(args.lengths)

@@ -132,8 +132,8 @@ def test_packed_gemm_small(monkeypatch, tmp_path):
 def test_spec_decode_small(monkeypatch, tmp_path):
     """Greedy and three drafters on tiny shapes: lossless, the right successor map accepted, the wrong one not."""
     out = tmp_path / "out.json"
-    run_script(monkeypatch, "spec_decode", "--small", "--prompt-len", "8", "--max-new", "16", "--repeats", "1",
-               "--json", str(out))
+    run_script(monkeypatch, "spec_decode", "--small", "--prompt-len", "16", "--batch", "2", "--max-new", "8",
+               "--repeats", "1", "--json", str(out))  # adaptive_json's shapes: its greedy and DSpark programs
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"greedy", "dspark-b16, right map", "dspark-b16, wrong map", "dflash-b16, random"}
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
