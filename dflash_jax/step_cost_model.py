@@ -18,8 +18,8 @@ never does (issue 57). The prediction is a roofline per forward pass, summed ove
   about the context the run reaches). The drafter reads its LM head (its own or the target's).
 - flops: two per weight and row, a routed expert's weight counted `k / E` of the rows. Attention's own products
   (over the cache) are left out: at decode row counts the cache's read bounds them.
-- walk: a DSpark drafter draws its K drafts one after another, each through `markov_w2` ([V, r]: 155 MB at
-  Qwen3-8B's vocabulary in bf16), so the walk reads it once per draft where the forward counts it once.
+- walk: a DSpark drafter draws its K drafts one after another, each through `markov_w2` ([V, r]: 78 MB at
+  Qwen3-8B's vocabulary and rank 256 in bf16), so the walk reads it once per draft where the forward counts it once.
 - the device's rates (`tuning.StepRates`: the read rate and bf16 GEMM rate measured on it, docs/benchmarks.md,
   and a fixed cost per layer of a forward and per step: kernel launches, the loop's small ops), from its tuning
   entry, `tuning.CPU_RATES` off a GPU.

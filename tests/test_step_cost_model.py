@@ -66,8 +66,8 @@ def test_a_verify_costs_what_its_reads_and_products_cost():
 
 def test_a_markov_walk_reads_its_weight_once_a_draft():
     """A DSpark drafter draws its K drafts one after another, each through `markov_w2`: its drafting step reads
-    that weight K times, the forward's once plus K - 1 sequential reads, each with a layer's fixed cost (a Qwen3-8B
-    vocabulary's 155 MB, 15 times: 0.85 ms more on an H100, where the forward alone is about 1.4 ms)."""
+    that weight K times, the forward's once plus K - 1 sequential reads, each with a layer's fixed cost (rank 512 at
+    a Qwen3-8B vocabulary: 155 MB, 15 times, 1.15 ms more at the H100's rates)."""
     gb = 1e9
     forward = ModelReads(3.6 * gb, 1.8e9, layers=5)
     walked = ModelReads(3.6 * gb, 1.8e9, layers=5, walk_bytes=0.155 * gb, walk_steps=15)
