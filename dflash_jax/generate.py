@@ -325,15 +325,18 @@ def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache:
     `lax.while_loop` of zero or one trip: XLA copies the buffers that a conditional's branches update in place (each
     branch writes the target's cache: two whole copies a step in the compiled HLO), where a while loop's state
     stays in place."""
-    def trip(branch):
-        def body(carry):
+    def trip(branch: Callable[[Any], tuple]) -> Callable[[tuple], tuple]:
+        def body(carry: tuple) -> tuple:
             return (*branch(carry[0]), jnp.int32(-1))
         return body
+
+    def taken(i: int) -> Callable[[tuple], jax.Array]:
+        return lambda carry: carry[-1] == i
 
     rest = jax.eval_shape(branches[0], cache)[1:]
     carry = (cache, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), rest), index.astype(jnp.int32))
     for i, branch in enumerate(branches):
-        carry = jax.lax.while_loop(lambda c, i=i: c[-1] == i, trip(branch), carry)
+        carry = jax.lax.while_loop(taken(i), trip(branch), carry)
     return carry[:-1]
 
 
