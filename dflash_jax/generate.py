@@ -323,8 +323,8 @@ class _Loop:
 def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache: Any) -> tuple:
     """`branches[index](cache)` (each branch: the cache -> (the cache, ...)) as `lax.switch` gives it, each branch a
     `lax.while_loop` of zero or one trip: XLA copies the buffers that a conditional's branches update in place (each
-    branch writes the target's cache: two whole copies a step in the compiled HLO), where a while loop's state
-    stays in place."""
+    branch writes the target's cache: compiled for a CPU, the whole cache once more each drafting step,
+    `benchmarks/loop_copies.py`), where a while loop's state stays in place."""
     def trip(branch: Callable[[Any], tuple]) -> Callable[[tuple], tuple]:
         def body(carry: tuple) -> tuple:
             return (*branch(carry[0]), jnp.int32(-1))
