@@ -251,7 +251,9 @@ class _Loop:
         if len(branches) == 1:
             target_cache, features, accepted, last = branches[0](s.target_cache)
         else:
-            target_cache, features, accepted, last = _one_of(index - int(policy.plain), branches, s.target_cache)
+            blank = jnp.zeros_like(s.pending[:, : K + 1]), jnp.zeros_like(s.anchor), jnp.zeros_like(s.anchor)
+            target_cache, features, accepted, last = _one_of(index - int(policy.plain), branches, s.target_cache,
+                                                             blank)  # features, accepted, last
         made = jnp.pad(proposal.tokens, ((0, 0), (0, 1)))
         made = jnp.where(jnp.arange(K + 1) == accepted[:, None], last[:, None], made)  # [batch, K + 1] d_1..d_a, last
         out, n_out, done = commit(s.out, s.n_out, s.done, s.budget, self.stop, made, accepted)
@@ -320,11 +322,12 @@ class _Loop:
         return s
 
 
-def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache: Any) -> tuple:
-    """`branches[index](cache)` (each branch: the cache -> (the cache, ...)) as `lax.switch` gives it, each branch a
-    `lax.while_loop` of zero or one trip: XLA copies the buffers that a conditional's branches update in place (each
-    branch writes the target's cache: compiled for a CPU, the whole cache once more each drafting step,
-    `benchmarks/loop_copies.py`), where a while loop's state stays in place."""
+def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache: Any, blank: tuple) -> tuple:
+    """`branches[index](cache)` (each branch: the cache -> (the cache, *rest)) as `lax.switch` gives it, each branch
+    a `lax.while_loop` of zero or one trip: XLA copies the buffers that a conditional's branches update in place
+    (each branch writes the target's cache: compiled for a CPU, the whole cache once more each drafting step,
+    `benchmarks/loop_copies.py`), where a while loop's state stays in place. `blank`: zeros shaped as `rest`, the
+    loops' state before the branch taken fills it."""
     def trip(branch: Callable[[Any], tuple]) -> Callable[[tuple], tuple]:
         def body(carry: tuple) -> tuple:
             return (*branch(carry[0]), jnp.int32(-1))
@@ -333,8 +336,7 @@ def _one_of(index: jax.Array, branches: Sequence[Callable[[Any], tuple]], cache:
     def taken(i: int) -> Callable[[tuple], jax.Array]:
         return lambda carry: carry[-1] == i
 
-    rest = jax.eval_shape(branches[0], cache)[1:]
-    carry = (cache, *jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), rest), index.astype(jnp.int32))
+    carry = (cache, *blank, index.astype(jnp.int32))
     for i, branch in enumerate(branches):
         carry = jax.lax.while_loop(taken(i), trip(branch), carry)
     return carry[:-1]

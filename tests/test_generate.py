@@ -360,13 +360,14 @@ def test_one_of_takes_the_branch_and_updates_the_cache_in_place(index):
         return branch
 
     branches = [write(rows) for rows in (1, 2, 4)]
-    chex.assert_trees_all_equal(_one_of(jnp.int32(index), branches, cache),
+    blank = (jnp.zeros((), jnp.float32),)
+    chex.assert_trees_all_equal(_one_of(jnp.int32(index), branches, cache, blank),
                                 jax.lax.switch(index, branches, cache))
 
     def looped(select):
         def step(s):
             i, c, total = s
-            c, v = select(i % 3, branches, c)
+            c, v = select(i % 3, branches, c, blank)
             return i + 1, c, total + v
         return jax.jit(lambda c: jax.lax.while_loop(lambda s: s[0] < 10, step, (0, c, 0.0)), donate_argnums=0)
 
@@ -375,4 +376,4 @@ def test_one_of_takes_the_branch_and_updates_the_cache_in_place(index):
         return sum(" copy(" in line and "f32[4096,64]" in line for line in text.splitlines())
 
     assert cache_copies(_one_of) == 0
-    assert cache_copies(lambda i, branches, c: jax.lax.switch(i, branches, c)) > 0
+    assert cache_copies(lambda i, branches, c, blank: jax.lax.switch(i, branches, c)) > 0
